@@ -1,0 +1,84 @@
+// Shared-memory tiles: the swizzled layout, cp.async global->shared copies and ldmatrix loads.
+#pragma once
+#include "common/types.cuh"
+
+namespace cuflash {
+
+// A tile is ROWS x ROW_ELEMS 16-bit elements, row-major. ROW_ELEMS is a multiple of 64 so a row
+// spans whole 128-byte groups; within a row, 16-byte chunk c of row r sits at chunk c ^ (r % 8).
+// ldmatrix reads eight rows at one logical chunk; the XOR spreads them over the eight 16-byte
+// bank groups, so neither ldmatrix nor the cp.async writes conflict.
+template <int ROW_ELEMS>
+__device__ __forceinline__ int swizzle(int row, int col) {
+  static_assert(ROW_ELEMS % 64 == 0, "rows must cover whole 128-byte groups");
+  return row * ROW_ELEMS + ((((col >> 3) ^ row) & 7) | ((col >> 3) & ~7)) * 8 + (col & 7);
+}
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte asynchronous copy; src_bytes == 0 writes zeros (out-of-range rows and columns) without
+// reading global memory, so padded K/V rows are exact zeros, never stale NaNs that 0 * NaN spreads.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// Copies rows [0, rows_valid) x cols [0, cols_valid) of a global tile into a swizzled shared tile,
+// zero-filling the rest. Every thread of the CTA takes part.
+template <int ROWS, int COLS, int ROW_ELEMS, int THREADS>
+__device__ __forceinline__ void load_tile_async(u16* tile, const u16* src, i64 row_stride,
+                                                int rows_valid, int cols_valid) {
+  constexpr int CHUNKS_PER_ROW = COLS / 8;
+  constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+  static_assert(CHUNKS % THREADS == 0, "tile must split evenly over the CTA");
+#pragma unroll
+  for (int i = 0; i < CHUNKS / THREADS; ++i) {
+    const int chunk = threadIdx.x + i * THREADS;
+    const int row = chunk / CHUNKS_PER_ROW;
+    const int col = (chunk % CHUNKS_PER_ROW) * 8;
+    const bool inside = row < rows_valid && col < cols_valid;
+    const u16* from = inside ? src + row * row_stride + col : src;
+    cp_async_16(tile + swizzle<ROW_ELEMS>(row, col), from, inside ? 16 : 0);
+  }
+}
+
+// ldmatrix addresses of one thread into a swizzled tile. A fragment load has each thread point
+// at row `row` (with row % 8 == lane % 8 for every 8-row group, as all ldmatrix patterns here do)
+// and at logical chunk 2*j + chunk_bit of a 16-column step. Because the row offsets between
+// loads are multiples of 8, the XOR term depends only on (2*j) % 8: four precomputed addresses
+// cover every load, and the rest of the offset is a compile-time immediate. Computing the
+// swizzle per load instead keeps dozens of addresses live and spills.
+template <int ROW_ELEMS>
+struct FragmentAddress {
+  u32 addr[4];
+
+  __device__ __forceinline__ FragmentAddress(const u16* tile, int row, int chunk_bit) {
+    const u32 row_start = smem_addr(tile + row * ROW_ELEMS);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) addr[j] = row_start + ((((2 * j) | chunk_bit) ^ (row & 7)) * 16);
+  }
+
+  // Byte address at (row + row_offset, col + chunk_bit * 8); row_offset % 8 == 0, col % 16 == 0.
+  __device__ __forceinline__ u32 at(int row_offset, int col) const {
+    const int chunk = col / 8;
+    return addr[(chunk % 8) / 2] + (row_offset * ROW_ELEMS + (chunk & ~7) * 8) * 2;
+  }
+};
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+}  // namespace cuflash

@@ -1,0 +1,95 @@
+// Online softmax over the score tiles a thread holds (FlashAttention-2): a running row maximum and
+// a running row sum in registers, the output accumulator rescaled when the maximum grows, and
+// the division by the sum deferred to the very end.
+#pragma once
+#include "common/types.cuh"
+
+namespace cuflash {
+
+// MT 16-row tiles per warp; each thread owns two rows of each (lane/4 and lane/4 + 8).
+template <int MT>
+struct OnlineSoftmax {
+  float row_max[MT][2];  // in raw score units
+  float row_sum[MT][2];  // partial: this thread's columns only, summed over the quad at the end
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[mt][h] = kNegInf;
+        row_sum[mt][h] = 0.f;
+      }
+    }
+  }
+
+  // Turns scores s into unnormalised probabilities p = exp2(s * scale_log2 - max * scale_log2)
+  // and rescales the accumulator o by exp2(old_max - new_max) in the same units.
+  template <int NT, int DT>
+  __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&o)[MT][DT][4],
+                                         float scale_log2) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float block_max = row_max[mt][h];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          block_max = fmaxf(block_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        }
+        // The four threads of a quad hold the same two rows.
+        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));
+        block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 2));
+        // A row with no visible key yet keeps max = -inf; subtracting 0 instead keeps
+        // exp2(-inf - (-inf)) = NaN out and leaves p = 0.
+        const float max_scaled = block_max == kNegInf ? 0.f : block_max * scale_log2;
+        const float correction = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
+        row_max[mt][h] = block_max;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            // One FFMA and one MUFU per score: the scale is folded into the exponent.
+            const float p = fast_exp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -max_scaled));
+            s[mt][nt][2 * h + e] = p;
+            sum += p;
+          }
+        }
+        row_sum[mt][h] = row_sum[mt][h] * correction + sum;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          o[mt][dt][2 * h] *= correction;
+          o[mt][dt][2 * h + 1] *= correction;
+        }
+      }
+    }
+  }
+
+  // Normalises o by the row sums and returns the natural-log LSE of row h of tile mt in lse.
+  // A row that saw no key has sum 0: its output stays 0 and its LSE is -inf.
+  template <int DT>
+  __device__ __forceinline__ void finalize(float (&o)[MT][DT][4], float scale_log2,
+                                           float (&lse)[MT][2]) {
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float sum = row_sum[mt][h];
+        sum += __shfl_xor_sync(0xffffffff, sum, 1);
+        sum += __shfl_xor_sync(0xffffffff, sum, 2);
+        const bool empty = sum == 0.f;
+        const float inv = empty ? 0.f : 1.f / sum;
+        lse[mt][h] = empty ? kNegInf : (row_max[mt][h] * scale_log2 + fast_log2(sum)) * kLn2;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          o[mt][dt][2 * h] *= inv;
+          o[mt][dt][2 * h + 1] *= inv;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace cuflash

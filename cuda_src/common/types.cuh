@@ -1,0 +1,61 @@
+// Element types and the tensor-core instruction for each, without CUDA headers: NVRTC compiles
+// these sources with no include path beyond cuda_src/, so the 16-bit types are raw bit patterns
+// and every conversion is one PTX instruction.
+#pragma once
+
+namespace cuflash {
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+// fp16 inputs, fp32 accumulation.
+struct f16 {
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    // cvt packs its first source into the upper half.
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// bf16 inputs, fp32 accumulation.
+struct bf16 {
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  // ex2.approx maps -inf to +0, which the online softmax relies on for masked scores.
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Bit pattern of -inf; NVRTC offers no constexpr infinity without headers.
+#define kNegInf __int_as_float(0xff800000)
+
+}  // namespace cuflash

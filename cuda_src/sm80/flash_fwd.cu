@@ -1,0 +1,196 @@
+// FlashAttention-2 forward for compute capability 8.0 and newer: one CTA per (query block, head,
+// batch); K and V tiles stream through shared memory with cp.async while the warps run
+// mma.sync m16n8k16 with fp32 accumulators; softmax stays in registers. Only O and the LSE reach
+// global memory.
+#include "common/block_info.cuh"
+#include "common/mask.cuh"
+#include "common/params.cuh"
+#include "common/smem.cuh"
+#include "common/softmax.cuh"
+#include "common/types.cuh"
+
+namespace cuflash {
+
+// HEAD_DIM: the head-dim bucket (the real head_dim may be smaller; the rest is zero-filled).
+// BLOCK_M query rows per CTA, BLOCK_N keys per step, WARPS warps each owning BLOCK_M / WARPS
+// query rows. Elem: f16 or bf16.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, class Elem>
+__global__ void __launch_bounds__(WARPS * 32)
+    flash_fwd_sm80(const __grid_constant__ FwdParams p) {
+  constexpr int THREADS = WARPS * 32;
+  constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;  // shared row pitch, see swizzle()
+  constexpr int MT = BLOCK_M / (16 * WARPS);            // 16-row tiles per warp
+  constexpr int NT = BLOCK_N / 8;                       // 8-key tiles of S
+  constexpr int DT = HEAD_DIM / 8;                      // 8-column tiles of O
+  constexpr int KSTEPS = HEAD_DIM / 16;
+  static_assert(MT >= 1 && BLOCK_M % (16 * WARPS) == 0, "whole 16-row tiles per warp");
+  static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "mma k-steps of 16");
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  u16* const sQ = reinterpret_cast<u16*>(smem);
+  u16* const sK = sQ + BLOCK_M * ROW_ELEMS;
+  u16* const sV = sK + BLOCK_N * ROW_ELEMS;
+
+  // Causal blocks near the end of the sequence see the most keys: launch them first so the
+  // tail of the grid is short work.
+  const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / p.kv_group;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  const BlockInfo<BLOCK_M, BLOCK_N, CAUSAL> info{m_block, p.seqlen_q, p.seqlen_k};
+  const Mask<CAUSAL> mask{p.seqlen_k, p.seqlen_k - p.seqlen_q};
+  const int n_end = info.n_block_end();
+  const int first_row = m_block * BLOCK_M;
+  const int warp_row = warp * MT * 16;  // first row of this warp inside the block
+
+  const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride +
+                 head * p.q_head_stride + first_row * p.q_row_stride;
+  const u16* k = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+  const u16* v = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+
+  // Fragment rows of this thread: Q and V use ldmatrix matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
+  // in that order; K's B fragments pair (keys 0-7 | 8-15) with (k 0-7 | 8-15) the other way round.
+  const FragmentAddress<ROW_ELEMS> q_frag(sQ, warp_row + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const FragmentAddress<ROW_ELEMS> k_frag(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const FragmentAddress<ROW_ELEMS> v_frag(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+
+  float o[MT][DT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+  OnlineSoftmax<MT> softmax;
+  softmax.init();
+
+  if (n_end > 0) {
+    load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ, q, p.q_row_stride,
+                                                           p.seqlen_q - first_row, p.head_dim);
+    const int last = n_end - 1;
+    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+        sK, k + last * BLOCK_N * p.k_row_stride, p.k_row_stride, p.seqlen_k - last * BLOCK_N, p.head_dim);
+    cp_async_commit();
+
+    // Key blocks run from the last to the first, so the blocks that need masking (the diagonal
+    // and the sequence end) come first and the rest run the mask-free path.
+    for (int n = last; n >= 0; --n) {
+      // K[n] (and Q) have landed, and every warp has finished P.V of the previous step, so the
+      // single V buffer is free for V[n].
+      cp_async_wait<0>();
+      __syncthreads();
+      load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+          sV, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, p.seqlen_k - n * BLOCK_N, p.head_dim);
+      cp_async_commit();
+
+      float s[MT][NT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+
+      // S = Q K^T. A fragments of Q (rows x k) and B fragments of K (keys x k, i.e. K^T
+      // column-major) both come from row-major tiles with plain ldmatrix.
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_frag.at(mt * 16, ks * 16));
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          u32 b[4];
+          ldmatrix_x4(b, k_frag.at(np * 16, ks * 16));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Elem::mma(s[mt][2 * np], a[mt], b[0], b[1]);
+            Elem::mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+
+      if (info.needs_mask(n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
+
+      // V[n] has landed and every warp is done reading K[n]: prefetch K[n-1] under the softmax
+      // and P.V below.
+      cp_async_wait<0>();
+      __syncthreads();
+      if (n > 0) {
+        load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+            sK, k + (n - 1) * BLOCK_N * p.k_row_stride, p.k_row_stride,
+            p.seqlen_k - (n - 1) * BLOCK_N, p.head_dim);
+        cp_async_commit();
+      }
+
+      softmax.update(s, o, p.scale_log2);
+
+      // O += P V. The S accumulator of key tiles 2t and 2t+1 is, element for element, the A
+      // fragment of k-step t, so P never leaves registers. V (keys x d, row-major) gives the B
+      // fragments through ldmatrix.trans.
+#pragma unroll
+      for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
+        u32 a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          a[mt][0] = Elem::pack(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+          a[mt][1] = Elem::pack(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+          a[mt][2] = Elem::pack(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+          a[mt][3] = Elem::pack(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < DT / 2; ++dp) {
+          u32 b[4];
+          ldmatrix_x4_trans(b, v_frag.at(kt * 16, dp * 16));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            Elem::mma(o[mt][2 * dp], a[mt], b[0], b[1]);
+            Elem::mma(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+          }
+        }
+      }
+    }
+  }
+
+  float lse[MT][2];
+  softmax.finalize(o, p.scale_log2, lse);
+
+  // Epilogue: each warp stages its own rows of O in its own rows of sQ (no other warp reads
+  // them, so a warp barrier suffices) and writes them out as coalesced 16-byte rows.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp_row + mt * 16 + h * 8 + lane / 4;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        const int col = dt * 8 + (lane % 4) * 2;
+        *reinterpret_cast<u32*>(sQ + swizzle<ROW_ELEMS>(row, col)) =
+            Elem::pack(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
+      }
+      const int global_row = first_row + row;
+      if (lane % 4 == 0 && global_row < p.seqlen_q) {
+        p.lse[(static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + global_row] = lse[mt][h];
+      }
+    }
+  }
+  __syncwarp();
+
+  u16* out = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+#pragma unroll
+  for (int i = lane; i < MT * 16 * CHUNKS_PER_ROW; i += 32) {
+    const int row = warp_row + i / CHUNKS_PER_ROW;
+    const int col = (i % CHUNKS_PER_ROW) * 8;
+    const int global_row = first_row + row;
+    if (global_row < p.seqlen_q && col < p.head_dim) {
+      *reinterpret_cast<uint4*>(out + global_row * p.o_row_stride + col) =
+          *reinterpret_cast<const uint4*>(sQ + swizzle<ROW_ELEMS>(row, col));
+    }
+  }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,219 @@
+"""The public entry points: validate -> plan -> launch."""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from cuflash import dispatch, interop, kernels, reference
+from cuflash.params import element_strides, pack_fwd_params
+
+__all__ = ["attention"]
+
+_DEVICE_DTYPES = ("float16", "bfloat16")
+_HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_MAX_GRID_YZ = 65535
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).removeprefix("torch.")
+
+
+def _check_dtype(name: str, x: Any, allowed: tuple[str, ...], on_device: bool) -> str:
+    dtype = _dtype_name(x)
+    if dtype not in allowed:
+        hint = (
+            "; cast to float16 or bfloat16 first (x.astype(ml_dtypes.bfloat16) in CuPy, "
+            "x.to(torch.bfloat16) in torch)"
+            if on_device and dtype in ("float32", "float64")
+            else ""
+        )
+        raise TypeError(f"{name}: dtype {dtype} is not supported (expected one of {', '.join(allowed)}){hint}")
+    return dtype
+
+
+def _check_qkv(q, k, v, on_device: bool) -> None:
+    allowed = _DEVICE_DTYPES if on_device else _HOST_DTYPES
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(x.shape)}")
+    dtype = _check_dtype("q", q, allowed, on_device)
+    for name, x in (("k", k), ("v", v)):
+        if _check_dtype(name, x, allowed, on_device) != dtype:
+            raise TypeError(f"{name}: dtype {_dtype_name(x)} does not match q's {dtype}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"k, v: batch must match q's {batch}, got {k.shape[0]} and {v.shape[0]}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k: head_dim {k.shape[3]} must equal q's {head_dim}")
+    for name, size in (("batch", batch), ("seqlen_q", seqlen_q), ("seqlen_k", k.shape[1]),
+                       ("heads", heads), ("heads_kv", k.shape[2])):
+        if size < 1:
+            raise ValueError(f"q, k: {name} must be at least 1, got {size}")
+    if heads % k.shape[2] != 0:
+        raise ValueError(f"k: heads_kv ({k.shape[2]}) must divide q's heads ({heads}) for GQA/MQA")
+    if head_dim % 8 != 0 or head_dim > 256:
+        raise ValueError(f"q: head_dim must be a multiple of 8 and at most 256, got {head_dim}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.strides[3] != x.itemsize:
+            raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, stride is "
+                             f"{x.strides[3] // x.itemsize} elements")
+    if on_device:
+        if batch > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
+            raise ValueError(f"q: batch and heads must be at most {_MAX_GRID_YZ}, got {batch} and {heads}")
+        for name, x in (("k", k), ("v", v)):
+            if x.device.id != q.device.id:
+                raise ValueError(f"{name}: on device {x.device.id}, but q is on device {q.device.id}")
+
+
+def _resolve_scale(softmax_scale: Any, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale: expected a real number or None, got {type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"softmax_scale: must be finite and positive, got {softmax_scale}")
+    return scale
+
+
+def _frameworks(**arrays: Any) -> interop.Framework:
+    found = {name: interop.framework_of(x, name) for name, x in arrays.items()}
+    q_framework = found["q"]
+    for name, framework in found.items():
+        if framework.on_device != q_framework.on_device:
+            where = "on the CPU (NumPy)" if not framework.on_device else "on the GPU"
+            raise TypeError(f"{name}: is {where}, but q is {'on the GPU' if q_framework.on_device else 'on the CPU (NumPy)'}; "
+                            f"pass all of q, k, v (and out) on the same side")
+    return q_framework
+
+
+def _check_out(out, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
+    if tuple(out.shape) != expected_shape:
+        raise ValueError(f"out: expected shape {expected_shape}, got {tuple(out.shape)}")
+    if _dtype_name(out) != _dtype_name(like):
+        raise TypeError(f"out: expected dtype {_dtype_name(like)} like q, got {_dtype_name(out)}")
+    if out.strides[3] != out.itemsize:
+        raise ValueError("out: the last (head_dim) dimension must be contiguous")
+    if on_device:
+        if out.device.id != like.device.id:
+            raise ValueError(f"out: on device {out.device.id}, but q is on device {like.device.id}")
+        if not _aligned_16(out):
+            raise ValueError("out: data pointer and strides must be 16-byte aligned (the kernel "
+                             "writes 16-byte vectors)")
+
+
+def _aligned_16(x) -> bool:
+    return x.data.ptr % 16 == 0 and all(s % 16 == 0 for s in x.strides[:3])
+
+
+@functools.lru_cache(maxsize=None)
+def _device_plan(device_id: int) -> tuple[str, str]:
+    import cupy
+
+    capability = divmod(int(cupy.cuda.Device(device_id).compute_capability), 10)  # "90" -> (9, 0)
+    family = dispatch.select_family(capability)
+    return family, dispatch.compile_arch(family, capability)
+
+
+def attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out: Any = None,
+) -> Any:
+    """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile.
+
+    Parameters
+    ----------
+    q : array, shape (batch, seqlen_q, heads, head_dim)
+        CuPy array, torch CUDA tensor, other DLPack tensor (float16 or bfloat16), or NumPy array
+        (float16, bfloat16, float32 or float64: the CPU reference path).
+    k, v : array, shape (batch, seqlen_k, heads_kv, head_dim)
+        Same dtype and device as q; ``heads % heads_kv == 0`` (GQA; MQA when heads_kv is 1).
+    causal : bool
+        Query i sees key j only if ``j <= i + seqlen_k - seqlen_q`` (aligned bottom-right).
+    softmax_scale : float, optional
+        Finite and positive; default ``1 / sqrt(head_dim)``.
+    return_lse : bool
+        Also return the log-sum-exp of the scaled scores, float32 (batch, heads, seqlen_q),
+        natural log; ``-inf`` for a row that sees no key (its output row is 0).
+    out : array, optional
+        Where to write the output, shape and dtype of q, same framework and device.
+
+    Returns
+    -------
+    out or (out, lse)
+        In the caller's framework: torch in, torch out (on torch's current stream); CuPy or
+        another DLPack producer in, CuPy out; NumPy in, NumPy out.
+
+    Raises
+    ------
+    TypeError
+        Unsupported array type or dtype (float32/float64 on the GPU: cast first), mixed dtypes,
+        CPU and GPU arrays mixed, a softmax_scale that is not a real number.
+    ValueError
+        Wrong rank, mismatched shapes, heads not a multiple of heads_kv, head_dim not a multiple
+        of 8 or above 256, a non-contiguous last dimension, arrays on different devices, a bad
+        ``out``, a non-finite or non-positive softmax_scale.
+
+    Notes
+    -----
+    head_dim is served from a bucket of 64, 96, 128, 192 or 256. q, k and v may have any
+    strides with a contiguous last dimension; a tensor whose pointer or strides are not 16-byte
+    aligned is copied once, because the kernel loads 16-byte vectors.
+    """
+    arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
+    framework = _frameworks(**arrays)
+    if not framework.on_device:
+        return _attention_host(q, k, v, causal, softmax_scale, return_lse, out)
+
+    qc, kc, vc = (interop.as_cupy(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
+    _check_qkv(qc, kc, vc, on_device=True)
+    scale = _resolve_scale(softmax_scale, qc.shape[3])
+    batch, seqlen_q, heads, head_dim = qc.shape
+    if out is not None:
+        out_cupy = interop.as_cupy(out, framework, "out")
+        _check_out(out_cupy, tuple(qc.shape), qc, on_device=True)
+        out_native = out
+    else:
+        out_native, out_cupy = interop.empty(framework, q, qc, tuple(qc.shape))
+    lse_native, lse_cupy = interop.empty(framework, q, qc, (batch, heads, seqlen_q), float32=True)
+
+    import cupy
+
+    qc, kc, vc = (x if _aligned_16(x) else cupy.ascontiguousarray(x) for x in (qc, kc, vc))
+    device_id = qc.device.id
+    family, arch = _device_plan(device_id)
+    choice = dispatch.forward_kernel(family, head_dim, bool(causal), _dtype_name(qc))
+    function = kernels.get_function(choice, arch, device_id)
+    params = pack_fwd_params(qc, kc, vc, out_cupy, lse_cupy, scale)
+    grid = (-(-seqlen_q // choice.tile.block_m), heads, batch)
+    with cupy.cuda.Device(device_id):
+        function(grid, (choice.threads, 1, 1), (params,), shared_mem=choice.smem_bytes,
+                 stream=interop.launch_stream(framework, device_id))
+    return (out_native, lse_native) if return_lse else out_native
+
+
+def _attention_host(q, k, v, causal, softmax_scale, return_lse, out):
+    """NumPy in, NumPy out: the blockwise online-softmax algorithm in float64."""
+    _check_qkv(q, k, v, on_device=False)
+    scale = _resolve_scale(softmax_scale, q.shape[3])
+    if out is not None:
+        _check_out(out, tuple(q.shape), q, on_device=False)
+    result, lse = reference.attention_blockwise(q, k, v, causal=bool(causal), softmax_scale=scale)
+    if out is None:
+        out = result.astype(q.dtype)
+    else:
+        out[...] = result.astype(q.dtype)
+    return (out, lse.astype(np.float32)) if return_lse else out

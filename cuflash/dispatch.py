@@ -1,0 +1,132 @@
+"""Device -> kernel family, head_dim -> bucket, and the one table of tile sizes.
+
+Like vLLM's choice between FlashAttention versions, the family follows the compute capability:
+8.x runs ``sm80``; 9.x will run ``sm90`` once that family exists and runs ``sm80`` until then;
+anything older than 8.0 is refused. ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice.
+Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
+``KernelChoice``; shapes, strides and lengths are run-time arguments.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = [
+    "FAMILIES",
+    "HEAD_DIM_BUCKETS",
+    "KernelChoice",
+    "Tile",
+    "all_forward_kernels",
+    "forward_kernel",
+    "head_dim_bucket",
+    "select_family",
+]
+
+FAMILIES = ("sm80",)  # "sm90" joins when its kernels exist
+HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
+ELEMENT_TYPES = {"float16": "cuflash::f16", "bfloat16": "cuflash::bf16"}
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int  # query rows per CTA
+    block_n: int  # keys per main-loop step
+    warps: int
+
+
+# sm80 forward tiles per head-dim bucket. Each warp owns block_m / warps query rows; 32 rows
+# (two m16 tiles) let every K/V fragment loaded from shared memory feed two mma.sync, which keeps
+# ldmatrix traffic under the 128 B/clock shared-memory port. That costs 4 fp32 registers per
+# (row, column) of O per thread: affordable up to head_dim 128. Wider heads drop to 16 rows per
+# warp with 8 warps, as FlashAttention-2 does, so O stays at 128 registers per thread.
+SM80_FWD_TILES = {
+    64: Tile(128, 64, 4),
+    96: Tile(128, 64, 4),
+    128: Tile(128, 64, 4),
+    192: Tile(128, 64, 8),
+    256: Tile(128, 64, 8),
+}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    family: str
+    source: str  # relative to cuda_src/
+    name_expression: str
+    tile: Tile
+    head_dim_bucket: int
+
+    @property
+    def threads(self) -> int:
+        return self.tile.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q tile plus one K and one V tile, rows padded to whole 128-byte groups (see smem.cuh).
+        row_elems = -(-self.head_dim_bucket // 64) * 64
+        return (self.tile.block_m + 2 * self.tile.block_n) * row_elems * 2
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The smallest bucket that holds ``head_dim`` (a multiple of 8, at most 256)."""
+    for bucket in HEAD_DIM_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"head_dim: expected at most {HEAD_DIM_BUCKETS[-1]}, got {head_dim}")
+
+
+def select_family(capability: tuple[int, int], override: str | None = None) -> str:
+    """Kernel family for a device of compute capability ``capability`` (major, minor).
+
+    ``override`` (default: the ``CUFLASH_FAMILY`` environment variable) is ``sm80``, ``sm90`` or
+    ``auto``. Raises ``RuntimeError`` for devices below 8.0 and ``ValueError`` for an unknown or
+    unavailable override.
+    """
+    choice = (override if override is not None else os.environ.get("CUFLASH_FAMILY", "auto")).lower()
+    if capability < (8, 0):
+        raise RuntimeError(
+            f"cuflash needs compute capability 8.0 or newer (Ampere, Ada, Hopper); this device "
+            f"has {capability[0]}.{capability[1]}"
+        )
+    if choice == "auto":
+        return "sm90" if capability[0] == 9 and "sm90" in FAMILIES else "sm80"
+    if choice not in ("sm80", "sm90"):
+        raise ValueError(f"CUFLASH_FAMILY: expected sm80, sm90 or auto, got {choice!r}")
+    if choice not in FAMILIES:
+        raise ValueError(f"CUFLASH_FAMILY: the {choice} family is not available in this version")
+    if choice == "sm90" and capability[0] != 9:
+        raise ValueError(f"CUFLASH_FAMILY: sm90 kernels need compute capability 9.x, not {capability}")
+    return choice
+
+
+def compile_arch(family: str, capability: tuple[int, int]) -> str:
+    """NVRTC target: the device's own SASS (sm80 code runs natively on any newer GPU); sm90a for
+    the Hopper family, whose wgmma and setmaxnreg exist only there."""
+    return "sm_90a" if family == "sm90" else f"sm_{capability[0]}{capability[1]}"
+
+
+def forward_kernel(
+    family: str, head_dim: int, causal: bool, dtype_name: str, tile: Tile | None = None
+) -> KernelChoice:
+    """The forward kernel that serves these code-shaping switches (``tile`` overrides the table,
+    for tuning)."""
+    if family != "sm80":
+        raise ValueError(f"family: no forward kernel for {family!r}")
+    bucket = head_dim_bucket(head_dim)
+    tile = tile or SM80_FWD_TILES[bucket]
+    expr = (
+        f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
+        f"{'true' if causal else 'false'}, {ELEMENT_TYPES[dtype_name]}>"
+    )
+    return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile, bucket)
+
+
+def all_forward_kernels(family: str) -> list[KernelChoice]:
+    """Every forward instantiation of a family, for the ahead-of-time compile check."""
+    return [
+        forward_kernel(family, bucket, causal, dtype)
+        for bucket in HEAD_DIM_BUCKETS
+        for causal in (False, True)
+        for dtype in ELEMENT_TYPES
+    ]

@@ -1,0 +1,90 @@
+"""NVRTC through ctypes: source -> cubin for one architecture, with lowered template names.
+
+CuPy's own compiler entry points ask the driver for the current device, so they fail on a machine
+without a GPU; NVRTC itself needs none. Going to the library directly lets the compile check run
+in CI and gives the full cubin and the ptxas report (``-Xptxas=-v``) in the program log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+__all__ = ["CompileError", "CompiledProgram", "compile_program", "version"]
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a program; the message carries its log."""
+
+
+@dataclass(frozen=True)
+class CompiledProgram:
+    cubin: bytes
+    lowered_names: dict[str, str]  # name expression -> mangled symbol
+    log: str
+
+
+@functools.lru_cache(maxsize=None)
+def _library() -> ctypes.CDLL:
+    from cuda.pathfinder import load_nvidia_dynamic_lib  # a dependency of CuPy 14
+
+    lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CompileError(f"{what}: {_library().nvrtcGetErrorString(status).decode()}")
+
+
+def version() -> tuple[int, int]:
+    """NVRTC's (major, minor) version."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+def _read(getter_size, getter, prog: ctypes.c_void_p) -> bytes:
+    size = ctypes.c_size_t()
+    _check(getter_size(prog, ctypes.byref(size)), getter_size.__name__)
+    buf = ctypes.create_string_buffer(size.value)
+    _check(getter(prog, buf), getter.__name__)
+    return buf.raw
+
+
+def compile_program(
+    source: str, name: str, options: list[str], name_expressions: list[str]
+) -> CompiledProgram:
+    """Compile ``source`` to a cubin; ``options`` must name a real architecture (``-arch=sm_XX``).
+
+    Raises
+    ------
+    CompileError
+        With NVRTC's log when compilation fails.
+    """
+    lib = _library()
+    prog = ctypes.c_void_p()
+    _check(
+        lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None, None),
+        "nvrtcCreateProgram",
+    )
+    try:
+        for expr in name_expressions:
+            _check(lib.nvrtcAddNameExpression(prog, expr.encode()), "nvrtcAddNameExpression")
+        argv = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
+        status = lib.nvrtcCompileProgram(prog, len(options), argv)
+        log = _read(lib.nvrtcGetProgramLogSize, lib.nvrtcGetProgramLog, prog)
+        log = log.rstrip(b"\0").decode(errors="replace")
+        if status != 0:
+            raise CompileError(f"NVRTC failed to compile {name} ({' '.join(options)}):\n{log}")
+        cubin = _read(lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN, prog)
+        lowered = {}
+        for expr in name_expressions:
+            out = ctypes.c_char_p()
+            _check(lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(out)), "nvrtcGetLoweredName")
+            lowered[expr] = out.value.decode()
+        return CompiledProgram(cubin, lowered, log)
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))

@@ -1,0 +1,306 @@
+"""NumPy reference attention and the blockwise online-softmax algorithm on the CPU.
+
+Everything here is NumPy only (no CuPy), so it runs anywhere and serves three roles:
+
+* :func:`attention_reference` -- naive attention, the float64 ground truth, and (with
+  ``dtype=float16/bfloat16``) the same-dtype baseline ``out_lowp_ref`` of the correctness rule;
+* :func:`attention_blockwise` -- the FlashAttention-2 forward loop (running max, running sum,
+  unnormalised accumulator, ``exp2`` domain, causal block skipping), the library's CPU path;
+* :func:`attention_flops` and :func:`max_error_bound` -- the FLOP count and the ``2x + atol``
+  rule of DESIGN.md.
+
+Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``k`` and ``v`` may have
+``heads_kv`` heads with ``heads_q % heads_kv == 0``; query head ``h`` uses kv head
+``h // (heads_q // heads_kv)``. Causal masking is aligned bottom-right: query ``i`` may attend
+key ``j`` iff ``j <= i + seqlen_k - seqlen_q``. A row whose keys are all masked gives
+``out = 0`` and ``lse = -inf``, never NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "attention_reference",
+    "attention_blockwise",
+    "attention_flops",
+    "max_error_bound",
+]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_FLOP_MODES = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+
+
+def _check_inputs(
+    q: npt.ArrayLike, k: npt.ArrayLike, v: npt.ArrayLike, softmax_scale: float | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Validate BSHD shapes and GQA head counts; return arrays and the resolved scale."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {x.shape}"
+            )
+        if not (np.issubdtype(x.dtype, np.floating) or x.dtype.name == "bfloat16"):
+            raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+    b, _, hq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise ValueError(f"k, v: expected batch {b} like q, got {k.shape[0]} and {v.shape[0]}")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(
+            f"v: expected (seqlen_k, heads_kv) = {k.shape[1:3]} like k, got {v.shape[1:3]}"
+        )
+    if k.shape[3] != d:
+        raise ValueError(f"k: expected head_dim {d} like q, got {k.shape[3]}")
+    hkv = k.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"k, v: heads_kv={hkv} must divide heads_q={hq}")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    return q, k, v, scale
+
+
+def _causal_allowed(rows: np.ndarray, cols: np.ndarray, offset: int) -> np.ndarray:
+    """Bottom-right causal mask: ``allowed[i, j] = cols[j] <= rows[i] + offset``."""
+    return cols[None, :] <= rows[:, None] + offset
+
+
+def _finalize(
+    acc: np.ndarray, m: np.ndarray, l: np.ndarray, *, base2: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``acc / l`` and the natural-log ``lse`` from running max ``m`` and sum ``l``.
+
+    ``m`` is in the exp2 domain when ``base2`` (``lse = (m + log2 l) * ln 2``), else natural
+    (``lse = m + ln l``). Rows with ``l == 0`` (all keys masked) give ``out = 0``, ``lse = -inf``.
+    """
+    empty = l == 0
+    l_safe = np.where(empty, 1, l)
+    out = acc / l_safe[..., None]
+    m_safe = np.where(empty, 0, m)
+    lse = (m_safe + np.log2(l_safe)) * _LN2 if base2 else m_safe + np.log(l_safe)
+    lse[empty] = -np.inf
+    return out, lse.astype(acc.dtype, copy=False)
+
+
+def attention_reference(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    dtype: npt.DTypeLike = np.float64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Naive attention ``softmax(q k^T * scale) v``, one (batch, head) at a time.
+
+    Parameters
+    ----------
+    q : ndarray, (batch, seqlen_q, heads, head_dim), any float dtype (incl. ml_dtypes.bfloat16)
+    k : ndarray, (batch, seqlen_k, heads_kv, head_dim), ``heads % heads_kv == 0``
+    v : ndarray, (batch, seqlen_k, heads_kv, head_dim_v)
+    causal : bool
+        Bottom-right aligned: query ``i`` attends key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
+    softmax_scale : float, optional
+        Defaults to ``1 / sqrt(head_dim)``.
+    dtype : dtype, default float64
+        The dtype every step is rounded to. ``float64``: the exact reference. Anything else
+        (float32, float16, bfloat16) gives flash-attn's same-dtype baseline: inputs cast to
+        ``dtype``; ``S = q @ k^T * scale`` accumulated in float32 and rounded to ``dtype``;
+        softmax in float32; ``P`` rounded to ``dtype``; ``P @ v`` accumulated in float32;
+        ``out`` rounded to ``dtype``.
+
+    Returns
+    -------
+    out : ndarray, (batch, seqlen_q, heads, head_dim_v), ``dtype``
+    lse : ndarray, (batch, heads, seqlen_q), float64 if ``dtype`` is float64, else float32
+        Natural-log log-sum-exp of the scaled scores; ``-inf`` (and ``out = 0``) for a row
+        whose keys are all masked.
+    """
+    q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
+    dtype = np.dtype(dtype)
+    acc = np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+    def rounded(x: np.ndarray) -> np.ndarray:
+        """Round to ``dtype`` and come back to the accumulation dtype."""
+        return x if dtype == acc else x.astype(dtype).astype(acc)
+
+    # (batch, heads, seqlen, dim) in the accumulation dtype, after rounding inputs to ``dtype``.
+    qh, kh, vh = (x.astype(dtype).astype(acc).transpose(0, 2, 1, 3) for x in (q, k, v))
+    b, hq, sq, _ = qh.shape
+    hkv, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
+    group = hq // hkv
+    masked = None
+    if causal:
+        masked = ~_causal_allowed(np.arange(sq), np.arange(sk), sk - sq)
+
+    out = np.empty((b, hq, sq, dv), dtype)
+    lse = np.empty((b, hq, sq), acc)
+    for bi in range(b):
+        for h in range(hq):
+            s = qh[bi, h] @ kh[bi, h // group].T
+            s *= acc.type(scale)
+            s = rounded(s)
+            if masked is not None:
+                np.copyto(s, -np.inf, where=masked)
+            m = s.max(axis=-1, initial=-np.inf)
+            m_safe = np.where(np.isneginf(m), 0, m)  # fully masked row: avoid -inf - -inf
+            s -= m_safe[:, None]
+            p = np.exp(s, out=s)
+            l = p.sum(axis=-1)
+            p, lse[bi, h] = _finalize(p, m, l, base2=False)
+            out[bi, h] = (rounded(p) @ vh[bi, h // group]).astype(dtype)
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def attention_blockwise(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    block_m: int = 64,
+    block_n: int = 64,
+    dtype: npt.DTypeLike = np.float64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """FlashAttention-2 forward: online softmax over key blocks, vectorised over batch and heads.
+
+    For each block of ``block_m`` queries, loop over blocks of ``block_n`` keys keeping a running
+    max ``m``, running sum ``l`` and an unnormalised accumulator, all in the ``exp2`` domain
+    (``scale * log2(e)`` folded into the scores once); rescale by ``exp2(m_old - m_new)``; skip key
+    blocks entirely above the causal diagonal; mask only the tiles the diagonal crosses;
+    normalise once at the end. The full score matrix is never formed.
+
+    Parameters
+    ----------
+    q, k, v, causal, softmax_scale
+        As in :func:`attention_reference` (BSHD layout, GQA/MQA allowed).
+    block_m, block_n : int
+        Query and key tile sizes; they need not divide the sequence lengths.
+    dtype : float64 or float32
+        Compute dtype.
+
+    Returns
+    -------
+    out : ndarray, (batch, seqlen_q, heads, head_dim_v), ``dtype``
+    lse : ndarray, (batch, heads, seqlen_q), ``dtype``, natural log; ``-inf`` and ``out = 0``
+        for fully masked rows.
+    """
+    q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
+    dtype = np.dtype(dtype)
+    if dtype not in (np.float32, np.float64):
+        raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    if block_m < 1 or block_n < 1:
+        raise ValueError(f"block_m, block_n: expected >= 1, got {block_m}, {block_n}")
+    b, sq, hq, _ = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    offset = sk - sq  # causal: row i sees keys j <= i + offset
+    scale_log2 = dtype.type(scale * _LOG2E)
+
+    # q as (b, hkv, group, sq, d) and k, v as (b, hkv, 1, sk, d): GQA by broadcasting, no copies.
+    qg = q.astype(dtype).reshape(b, sq, hkv, group, -1).transpose(0, 2, 3, 1, 4)
+    kg = k.astype(dtype).transpose(0, 2, 1, 3)[:, :, None]
+    vg = v.astype(dtype).transpose(0, 2, 1, 3)[:, :, None]
+
+    out = np.empty((b, hkv, group, sq, dv), dtype)
+    lse = np.empty((b, hkv, group, sq), dtype)
+    for i0 in range(0, sq, block_m):
+        i1 = min(i0 + block_m, sq)
+        q_blk = qg[..., i0:i1, :]
+        m = np.full(q_blk.shape[:-1], -np.inf, dtype)
+        l = np.zeros(q_blk.shape[:-1], dtype)
+        acc = np.zeros(q_blk.shape[:-1] + (dv,), dtype)
+        n_end = min(sk, i1 + offset) if causal else sk  # key blocks past this are all masked
+        for j0 in range(0, max(n_end, 0), block_n):
+            j1 = min(j0 + block_n, sk)
+            s = q_blk @ kg[..., j0:j1, :].swapaxes(-1, -2)
+            s *= scale_log2
+            if causal and j1 - 1 > i0 + offset:  # the diagonal crosses this tile
+                allowed = _causal_allowed(np.arange(i0, i1), np.arange(j0, j1), offset)
+                np.copyto(s, -np.inf, where=~allowed)
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_safe = np.where(np.isneginf(m_new), 0, m_new)  # rows with nothing seen yet
+            alpha = np.exp2(m - m_safe)
+            s -= m_safe[..., None]
+            p = np.exp2(s, out=s)
+            l = alpha * l + p.sum(axis=-1)
+            acc *= alpha[..., None]
+            acc += p @ vg[..., j0:j1, :]
+            m = m_new
+        out[..., i0:i1, :], lse[..., i0:i1] = _finalize(acc, m, l, base2=True)
+    return (
+        out.reshape(b, hq, sq, dv).transpose(0, 2, 1, 3),
+        lse.reshape(b, hq, sq),
+    )
+
+
+def attention_flops(
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    head_dim: int,
+    *,
+    causal: bool = False,
+    mode: str = "fwd",
+) -> float:
+    """FLOPs of attention as DESIGN.md counts them.
+
+    ``4 * batch * heads * seqlen_q * seqlen_k * head_dim`` for the forward (two GEMMs of
+    ``2*sq*sk*d``), half that when ``causal``, times 2.5 for ``mode="bwd"`` and 3.5 for
+    ``mode="fwd_bwd"``.
+
+    Returns
+    -------
+    float
+    """
+    if mode not in _FLOP_MODES:
+        raise ValueError(f"mode: expected one of {sorted(_FLOP_MODES)}, got {mode!r}")
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
+    if causal:
+        flops /= 2
+    return flops * _FLOP_MODES[mode]
+
+
+def max_error_bound(
+    out: npt.ArrayLike, ref: npt.ArrayLike, out_lowp_ref: npt.ArrayLike, atol: float = 0.0
+) -> tuple[bool, float, float]:
+    """The correctness rule ``max|out - ref| <= 2 * max|out_lowp_ref - ref| + atol``.
+
+    Equal entries (including matching infinities, e.g. ``lse = -inf`` of masked rows) count as
+    zero error; any NaN in ``out`` fails.
+
+    Parameters
+    ----------
+    out : array, the result under test (any float dtype, same shape as ``ref``)
+    ref : array, the float64 reference
+    out_lowp_ref : array, the naive reference computed in the input dtype
+    atol : float
+
+    Returns
+    -------
+    ok : bool
+    err : float
+        ``max|out - ref|`` (NaN if ``out`` has NaN).
+    bound : float
+        ``2 * max|out_lowp_ref - ref| + atol``.
+    """
+
+    def max_abs_diff(a: npt.ArrayLike) -> float:
+        a = np.asarray(a, dtype=np.float64)
+        r = np.asarray(ref, dtype=np.float64)
+        if a.shape != r.shape:
+            raise ValueError(f"expected shape {r.shape} like ref, got {a.shape}")
+        with np.errstate(invalid="ignore"):
+            diff = np.where(a == r, 0.0, np.abs(a - r))
+        if diff.size == 0:
+            return 0.0
+        return float(np.nan if np.isnan(diff).any() else diff.max())
+
+    err = max_abs_diff(out)
+    bound = 2.0 * max_abs_diff(out_lowp_ref) + float(atol)
+    return bool(err <= bound), err, bound

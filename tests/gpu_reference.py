@@ -1,0 +1,86 @@
+"""Float64 reference attention on the GPU (CuPy), for checking kernels at real sizes quickly.
+
+Same semantics as cuflash.reference.attention_reference, batched over (batch, head) on the
+device; ``lowp`` rounds S, P and out to float16/bfloat16 as the same-dtype baseline of the
+correctness rule does.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import numpy as np
+
+
+def round_to(x, dtype_name: str):
+    """Round a float32/float64 CuPy array to float16 or bfloat16 and return it as float64."""
+    x32 = x.astype(cp.float32)
+    if dtype_name == "float16":
+        return x32.astype(cp.float16).astype(cp.float64)
+    # bfloat16: round-to-nearest-even on the top 16 bits of the float32 pattern.
+    bits = x32.view(cp.uint32)
+    rounded = (bits + cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1))) & cp.uint32(0xFFFF0000)
+    return rounded.view(cp.float32).astype(cp.float64)
+
+
+def as_float64(x):
+    """A float64 CuPy copy of a CuPy float16/bfloat16 array (bfloat16 widened bitwise)."""
+    if x.dtype.name == "bfloat16":
+        return (x.view(cp.uint16).astype(cp.uint32) << 16).view(cp.float32).astype(cp.float64)
+    return x.astype(cp.float64)
+
+
+def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None):
+    """Returns (out, lse) in float64: out (b, sq, h, d), lse (b, h, sq)."""
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, s, d)
+    group = q.shape[1] // k.shape[1]
+    k, v = (cp.repeat(x, group, axis=1) for x in (k, v))
+    s = cp.matmul(q, k.transpose(0, 1, 3, 2)) * scale
+    if lowp:
+        s = round_to(s, lowp)
+    sq, sk = q.shape[2], k.shape[2]
+    if causal:
+        allowed = cp.arange(sk)[None, :] <= cp.arange(sq)[:, None] + (sk - sq)
+        s = cp.where(allowed, s, -cp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = cp.where(cp.isneginf(m), 0.0, m)
+    p = cp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    empty = l == 0
+    p = p / cp.where(empty, 1.0, l)
+    if lowp:
+        p = round_to(p, lowp)
+    out = cp.matmul(p, v)
+    if lowp:
+        out = round_to(out, lowp)
+    lse = cp.where(empty[..., 0], -cp.inf, m[..., 0] + cp.log(cp.where(empty, 1.0, l)[..., 0]))
+    return out.transpose(0, 2, 1, 3), lse
+
+
+def check_rule(name: str, got, ref, lowp_ref, dtype_name: str) -> None:
+    """DESIGN.md: max|got - ref| <= 2 max|lowp_ref - ref| + atol, with atol the rounding error
+    of representing the reference in the low-precision dtype (flash-attn's test rule)."""
+    got = as_float64(got) if got.dtype != cp.float32 else got.astype(cp.float64)
+    both_inf = cp.isneginf(got) & cp.isneginf(ref)
+    assert not bool(cp.isnan(got).any()), f"{name}: NaN in the output"
+    assert bool((cp.isneginf(got) == cp.isneginf(ref)).all()), f"{name}: -inf pattern differs"
+    err = float(cp.where(both_inf, 0.0, cp.abs(got - ref)).max())
+    base = float(cp.where(both_inf, 0.0, cp.abs(lowp_ref - ref)).max())
+    finite_ref = cp.where(both_inf, 0.0, ref)
+    atol = float(cp.abs(round_to(finite_ref + 0.3, dtype_name) - 0.3 - finite_ref).max())
+    bound = 2 * base + atol
+    assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (2 x {base:.3e} + {atol:.3e})"
+
+
+def random_bshd(shape, dtype_name: str, rng: np.random.Generator):
+    """Fresh standard-normal CuPy array of float16 or bfloat16."""
+    x = cp.asarray(rng.standard_normal(shape, dtype=np.float32))
+    if dtype_name == "float16":
+        return x.astype(cp.float16)
+    return (round_to(x, "bfloat16").astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(
+        _bf16())
+
+
+def _bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
