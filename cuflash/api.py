@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from cuflash import dispatch, interop, kernels, reference
-from cuflash.params import element_strides, pack_fwd_params
+from cuflash.params import pack_fwd_params
 
 __all__ = ["attention"]
 
@@ -20,7 +20,11 @@ _MAX_GRID_YZ = 65535
 
 
 def _dtype_name(x: Any) -> str:
-    return str(x.dtype).removeprefix("torch.")
+    return x.dtype if isinstance(x, interop.DeviceTensor) else x.dtype.name
+
+
+def _strides(x: Any) -> tuple[int, ...]:
+    return x.strides if isinstance(x, interop.DeviceTensor) else tuple(s // x.itemsize for s in x.strides)
 
 
 def _check_dtype(name: str, x: Any, allowed: tuple[str, ...], on_device: bool) -> str:
@@ -37,6 +41,7 @@ def _check_dtype(name: str, x: Any, allowed: tuple[str, ...], on_device: bool) -
 
 
 def _check_qkv(q, k, v, on_device: bool) -> None:
+    """Shapes, dtypes, strides and devices of q, k, v (DeviceTensors, or NumPy arrays)."""
     allowed = _DEVICE_DTYPES if on_device else _HOST_DTYPES
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -61,15 +66,15 @@ def _check_qkv(q, k, v, on_device: bool) -> None:
     if head_dim % 8 != 0 or head_dim > 256:
         raise ValueError(f"q: head_dim must be a multiple of 8 and at most 256, got {head_dim}")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.strides[3] != x.itemsize:
+        if _strides(x)[3] != 1:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, stride is "
-                             f"{x.strides[3] // x.itemsize} elements")
+                             f"{_strides(x)[3]} elements")
     if on_device:
         if batch > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
             raise ValueError(f"q: batch and heads must be at most {_MAX_GRID_YZ}, got {batch} and {heads}")
         for name, x in (("k", k), ("v", v)):
-            if x.device.id != q.device.id:
-                raise ValueError(f"{name}: on device {x.device.id}, but q is on device {q.device.id}")
+            if x.device != q.device:
+                raise ValueError(f"{name}: on device {x.device}, but q is on device {q.device}")
 
 
 def _resolve_scale(softmax_scale: Any, head_dim: int) -> float:
@@ -83,15 +88,16 @@ def _resolve_scale(softmax_scale: Any, head_dim: int) -> float:
     return scale
 
 
-def _frameworks(**arrays: Any) -> interop.Framework:
+def _framework(**arrays: Any) -> str:
+    """The framework of q; every array must be on the same side (NumPy vs device) as q."""
     found = {name: interop.framework_of(x, name) for name, x in arrays.items()}
-    q_framework = found["q"]
+    q_side = found["q"] == "numpy"
     for name, framework in found.items():
-        if framework.on_device != q_framework.on_device:
-            where = "on the CPU (NumPy)" if not framework.on_device else "on the GPU"
-            raise TypeError(f"{name}: is {where}, but q is {'on the GPU' if q_framework.on_device else 'on the CPU (NumPy)'}; "
-                            f"pass all of q, k, v (and out) on the same side")
-    return q_framework
+        if (framework == "numpy") != q_side:
+            sides = ("on the CPU (NumPy)", "on the GPU")
+            raise TypeError(f"{name}: is {sides[framework != 'numpy']}, but q is {sides[not q_side]}; "
+                            f"pass q, k, v (and out) on the same side")
+    return found["q"]
 
 
 def _check_out(out, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
@@ -99,18 +105,14 @@ def _check_out(out, expected_shape: tuple[int, ...], like, on_device: bool) -> N
         raise ValueError(f"out: expected shape {expected_shape}, got {tuple(out.shape)}")
     if _dtype_name(out) != _dtype_name(like):
         raise TypeError(f"out: expected dtype {_dtype_name(like)} like q, got {_dtype_name(out)}")
-    if out.strides[3] != out.itemsize:
+    if _strides(out)[3] != 1:
         raise ValueError("out: the last (head_dim) dimension must be contiguous")
     if on_device:
-        if out.device.id != like.device.id:
-            raise ValueError(f"out: on device {out.device.id}, but q is on device {like.device.id}")
-        if not _aligned_16(out):
+        if out.device != like.device:
+            raise ValueError(f"out: on device {out.device}, but q is on device {like.device}")
+        if not out.aligned_16:
             raise ValueError("out: data pointer and strides must be 16-byte aligned (the kernel "
                              "writes 16-byte vectors)")
-
-
-def _aligned_16(x) -> bool:
-    return x.data.ptr % 16 == 0 and all(s % 16 == 0 for s in x.strides[:3])
 
 
 @functools.lru_cache(maxsize=None)
@@ -174,35 +176,30 @@ def attention(
     aligned is copied once, because the kernel loads 16-byte vectors.
     """
     arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
-    framework = _frameworks(**arrays)
-    if not framework.on_device:
+    framework = _framework(**arrays)
+    if framework == "numpy":
         return _attention_host(q, k, v, causal, softmax_scale, return_lse, out)
 
-    qc, kc, vc = (interop.as_cupy(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
-    _check_qkv(qc, kc, vc, on_device=True)
-    scale = _resolve_scale(softmax_scale, qc.shape[3])
-    batch, seqlen_q, heads, head_dim = qc.shape
+    qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
+    _check_qkv(qt, kt, vt, on_device=True)
+    scale = _resolve_scale(softmax_scale, qt.shape[3])
+    batch, seqlen_q, heads, head_dim = qt.shape
     if out is not None:
-        out_cupy = interop.as_cupy(out, framework, "out")
-        _check_out(out_cupy, tuple(qc.shape), qc, on_device=True)
-        out_native = out
+        out_t = interop.describe(out, interop.framework_of(out, "out"), "out")
+        _check_out(out_t, qt.shape, qt, on_device=True)
     else:
-        out_native, out_cupy = interop.empty(framework, q, qc, tuple(qc.shape))
-    lse_native, lse_cupy = interop.empty(framework, q, qc, (batch, heads, seqlen_q), float32=True)
+        out_t = interop.empty(framework, qt, qt.shape)
+    lse_t = interop.empty(framework, qt, (batch, heads, seqlen_q), float32=True)
+    qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
 
-    import cupy
-
-    qc, kc, vc = (x if _aligned_16(x) else cupy.ascontiguousarray(x) for x in (qc, kc, vc))
-    device_id = qc.device.id
-    family, arch = _device_plan(device_id)
-    choice = dispatch.forward_kernel(family, head_dim, bool(causal), _dtype_name(qc))
-    function = kernels.get_function(choice, arch, device_id)
-    params = pack_fwd_params(qc, kc, vc, out_cupy, lse_cupy, scale)
+    family, arch = _device_plan(qt.device)
+    choice = dispatch.forward_kernel(family, head_dim, bool(causal), qt.dtype)
     grid = (-(-seqlen_q // choice.tile.block_m), heads, batch)
-    with cupy.cuda.Device(device_id):
-        function(grid, (choice.threads, 1, 1), (params,), shared_mem=choice.smem_bytes,
-                 stream=interop.launch_stream(framework, device_id))
-    return (out_native, lse_native) if return_lse else out_native
+    params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale)
+    kernels.launch(choice, arch, qt.device, grid, params, interop.stream_handle(framework, qt.device))
+    # For a DLPack producer other than torch, out_t.native is the CuPy array we allocated.
+    result = out if out is not None else out_t.native
+    return (result, lse_t.native) if return_lse else result
 
 
 def _attention_host(q, k, v, causal, softmax_scale, return_lse, out):

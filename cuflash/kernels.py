@@ -9,6 +9,7 @@ memory per device.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -22,7 +23,7 @@ from pathlib import Path
 from cuflash import nvrtc
 from cuflash.dispatch import KernelChoice
 
-__all__ = ["cache_dir", "compile_kernel", "get_function", "source_root", "sources_fingerprint"]
+__all__ = ["cache_dir", "compile_kernel", "get_function", "launch", "source_root", "sources_fingerprint"]
 
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 
@@ -143,3 +144,17 @@ def get_function(choice: KernelChoice, arch: str, device_id: int):
                 )
             _loaded[key] = function
     return function
+
+
+def launch(choice: KernelChoice, arch: str, device_id: int, grid: tuple[int, int, int],
+           params, stream: int) -> None:
+    """Launch ``choice`` with one by-value struct argument (a NumPy structured array)."""
+    import cupy
+    from cupy.cuda import driver
+
+    function = get_function(choice, arch, device_id)
+    # cuLaunchKernel reads the argument through this pointer array before it returns.
+    argument = (ctypes.c_void_p * 1)(params.ctypes.data)
+    with cupy.cuda.Device(device_id):
+        driver.launchKernel(function.ptr, *grid, choice.threads, 1, 1, choice.smem_bytes, stream,
+                            ctypes.addressof(argument), 0)

@@ -20,27 +20,18 @@ FWD_PARAMS = np.dtype(
     align=True,
 )
 FWD_PARAMS_SIZE = 160  # sizeof(FwdParams) in params.cuh
-
-
-def element_strides(array) -> tuple[int, ...]:
-    """Strides of a CuPy or NumPy array in elements rather than bytes."""
-    return tuple(s // array.itemsize for s in array.strides)
+_LOG2E = math.log2(math.e)
 
 
 def pack_fwd_params(q, k, v, out, lse, softmax_scale: float) -> np.ndarray:
-    """One FwdParams struct for CuPy arrays q, k, v, out (BSHD) and lse (batch, heads, seqlen_q)."""
-    params = np.zeros(1, dtype=FWD_PARAMS)
-    for name, array in (("q", q), ("k", k), ("v", v), ("o", out), ("lse", lse)):
-        params[name] = array.data.ptr
-    for name, array in (("q", q), ("k", k), ("v", v), ("o", out)):
-        batch, row, head, _ = element_strides(array)
-        params[f"{name}_batch_stride"] = batch
-        params[f"{name}_row_stride"] = row
-        params[f"{name}_head_stride"] = head
-    params["heads"] = q.shape[2]
-    params["kv_group"] = q.shape[2] // k.shape[2]
-    params["seqlen_q"] = q.shape[1]
-    params["seqlen_k"] = k.shape[1]
-    params["head_dim"] = q.shape[3]
-    params["scale_log2"] = softmax_scale * math.log2(math.e)
-    return params
+    """One FwdParams struct for DeviceTensors q, k, v, out (BSHD) and lse (batch, heads, seqlen_q).
+
+    Built from one tuple in a single NumPy call: per-field assignment costs microseconds each,
+    which a launch path cannot afford.
+    """
+    strides = [s for t in (q, k, v, out) for s in t.strides[:3]]
+    return np.array(
+        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *strides, q.shape[2], q.shape[2] // k.shape[2],
+          q.shape[1], k.shape[1], q.shape[3], softmax_scale * _LOG2E)],
+        dtype=FWD_PARAMS,
+    )

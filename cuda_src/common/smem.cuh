@@ -36,14 +36,32 @@ __device__ __forceinline__ void load_tile_async(u16* tile, const u16* src, i64 r
   constexpr int CHUNKS_PER_ROW = COLS / 8;
   constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
   static_assert(CHUNKS % THREADS == 0, "tile must split evenly over the CTA");
+  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && (THREADS / CHUNKS_PER_ROW) % 8 == 0) {
+    // Each pass covers a multiple of 8 rows, so a thread keeps its column and its swizzle:
+    // one running global pointer and compile-time shared offsets. Recomputing row and column per
+    // chunk would hold a 64-bit offset per chunk live across the main loop, and spill.
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
+    const int row = threadIdx.x / CHUNKS_PER_ROW;
+    const int col = (threadIdx.x % CHUNKS_PER_ROW) * 8;
+    u16* dst = tile + swizzle<ROW_ELEMS>(row, col);
+    const u16* from = src + row * row_stride + col;
+    const bool col_inside = col < cols_valid;
 #pragma unroll
-  for (int i = 0; i < CHUNKS / THREADS; ++i) {
-    const int chunk = threadIdx.x + i * THREADS;
-    const int row = chunk / CHUNKS_PER_ROW;
-    const int col = (chunk % CHUNKS_PER_ROW) * 8;
-    const bool inside = row < rows_valid && col < cols_valid;
-    const u16* from = inside ? src + row * row_stride + col : src;
-    cp_async_16(tile + swizzle<ROW_ELEMS>(row, col), from, inside ? 16 : 0);
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+      const bool inside = col_inside && row + i * ROWS_PER_PASS < rows_valid;
+      cp_async_16(dst + i * ROWS_PER_PASS * ROW_ELEMS, inside ? from : src, inside ? 16 : 0);
+      from += ROWS_PER_PASS * row_stride;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+      const int chunk = threadIdx.x + i * THREADS;
+      const int row = chunk / CHUNKS_PER_ROW;
+      const int col = (chunk % CHUNKS_PER_ROW) * 8;
+      const bool inside = row < rows_valid && col < cols_valid;
+      const u16* from = inside ? src + row * row_stride + col : src;
+      cp_async_16(tile + swizzle<ROW_ELEMS>(row, col), from, inside ? 16 : 0);
+    }
   }
 }
 
