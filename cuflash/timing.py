@@ -52,3 +52,33 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str
     for row in rows:
         lines.append("| " + " | ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in row) + " |")
     return "\n".join(lines)
+
+
+class PeakMemory:
+    """Peak bytes allocated through CuPy's memory pool inside a ``with`` block.
+
+    Wraps the pool's allocator; sizes are what callers asked for, so the peak is the working set
+    of the code in the block, independent of what the pool kept cached before it.
+    """
+
+    def __enter__(self) -> "PeakMemory":
+        import cupy as cp
+
+        self.peak = 0
+        pool = cp.get_default_memory_pool()
+        cp.get_default_memory_pool().free_all_blocks()
+        self._base = pool.used_bytes()
+
+        def allocate(size: int):
+            memory = pool.malloc(size)
+            self.peak = max(self.peak, pool.used_bytes() - self._base)
+            return memory
+
+        self._previous = cp.cuda.get_allocator()
+        cp.cuda.set_allocator(allocate)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import cupy as cp
+
+        cp.cuda.set_allocator(self._previous)

@@ -1,0 +1,32 @@
+"""Every kernel instantiation compiles with NVRTC, without a GPU, for sm_80 and sm_90a."""
+
+import pytest
+
+from cuflash import dispatch, kernels, nvrtc
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_forward_kernel_compiles(arch):
+    for choice in dispatch.all_forward_kernels("sm80"):
+        compiled = kernels.compile_kernel(choice, arch, use_cache=False)
+        assert compiled.cubin[:4] == b"\x7fELF"
+        assert compiled.symbol.startswith("_ZN7cuflash14flash_fwd_sm80")
+        assert compiled.resources()["registers"] > 0
+
+
+def test_disk_cache_key_follows_header_content(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
+    choice = dispatch.forward_kernel("sm80", 64, False, "float16")
+    first = kernels.compile_kernel(choice, "sm_80")
+    assert first.seconds > 0 and len(list(tmp_path.glob("*.cubin"))) == 1
+    again = kernels.compile_kernel(choice, "sm_80")
+    assert again.seconds == 0.0 and again.cubin == first.cubin
+    kernels.sources_fingerprint.cache_clear()
+    monkeypatch.setattr(kernels, "sources_fingerprint", lambda: "a header changed")
+    changed = kernels.compile_kernel(choice, "sm_80")
+    assert changed.seconds > 0 and len(list(tmp_path.glob("*.cubin"))) == 2
+
+
+def test_compile_error_carries_the_log():
+    with pytest.raises(nvrtc.CompileError, match="error"):
+        nvrtc.compile_program("this is not C++", "bad.cu", ["-arch=sm_80"], [])

@@ -1,0 +1,167 @@
+"""Bad input gets a TypeError/ValueError naming the argument, before anything is launched.
+
+The NumPy path shares the validation with the device path; device-only rules are checked on
+DeviceTensor records (no GPU needed) and, on a GPU machine, through real CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import api, dispatch, interop
+from cuflash.params import FWD_PARAMS, FWD_PARAMS_SIZE
+
+
+def qkv(shape_q=(2, 16, 4, 64), shape_kv=(2, 24, 2, 64), dtype=np.float32):
+    rng = np.random.default_rng()
+    return (rng.standard_normal(shape_q).astype(dtype),
+            rng.standard_normal(shape_kv).astype(dtype),
+            rng.standard_normal(shape_kv).astype(dtype))
+
+
+@pytest.mark.parametrize(
+    "mutate, error, words",
+    [
+        (lambda q, k, v: (q[0], k, v), ValueError, "q: expected 4 dims"),
+        (lambda q, k, v: (q, k[..., None], v), ValueError, "k: expected 4 dims"),
+        (lambda q, k, v: (q, k, v[:1]), ValueError, "batch"),
+        (lambda q, k, v: (q, k, v[:, :5]), ValueError, "v: shape"),
+        (lambda q, k, v: (q, k[..., :32], v[..., :32]), ValueError, "k: head_dim"),
+        (lambda q, k, v: (q[:, :, :3], k, v), ValueError, "heads_kv"),
+        (lambda q, k, v: (q[..., :60], k[..., :60], v[..., :60]), ValueError, "multiple of 8"),
+        (lambda q, k, v: (q[:, :0], k, v), ValueError, "seqlen_q"),
+        (lambda q, k, v: (q[..., ::2], k[..., ::2], v[..., ::2]), ValueError, "contiguous"),
+        (lambda q, k, v: (q, k.astype(np.float16), v), TypeError, "k: dtype float16 does not match"),
+        (lambda q, k, v: (q.astype(np.int32), k, v), TypeError, "q: dtype int32"),
+        (lambda q, k, v: ([1.0], k, v), TypeError, "q: expected a CuPy array"),
+    ],
+)
+def test_bad_qkv(mutate, error, words):
+    with pytest.raises(error, match=words):
+        cuflash.attention(*mutate(*qkv()))
+
+
+def test_head_dim_above_256():
+    with pytest.raises(ValueError, match="at most 256"):
+        cuflash.attention(*qkv((1, 4, 1, 264), (1, 4, 1, 264)))
+
+
+@pytest.mark.parametrize("scale, error", [(0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError),
+                                          (math.nan, ValueError), ("0.1", TypeError), (True, TypeError)])
+def test_bad_softmax_scale(scale, error):
+    with pytest.raises(error, match="softmax_scale"):
+        cuflash.attention(*qkv(), softmax_scale=scale)
+
+
+def test_bad_out():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="out: expected shape"):
+        cuflash.attention(q, k, v, out=np.empty((2, 16, 4, 32), np.float32))
+    with pytest.raises(TypeError, match="out: expected dtype"):
+        cuflash.attention(q, k, v, out=np.empty(q.shape, np.float64))
+
+
+class _FakeDeviceTensor:
+    """Anything exporting __dlpack__ counts as a device tensor."""
+
+    def __dlpack__(self, stream=None):
+        raise AssertionError("must not be touched")
+
+
+def test_cpu_and_gpu_mixed():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match="k: is on the GPU, but q is on the CPU"):
+        cuflash.attention(q, _FakeDeviceTensor(), v)
+
+
+def test_cpu_torch_tensor_rejected_with_advice():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"q: a CPU torch tensor"):
+        cuflash.attention(torch.zeros(1, 8, 1, 64), torch.zeros(1, 8, 1, 64), torch.zeros(1, 8, 1, 64))
+
+
+def _tensor(shape, dtype="float16", device=0, ptr=1 << 20, strides=None):
+    if strides is None:
+        strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return interop.DeviceTensor(None, ptr, shape, strides, dtype, 2 if dtype != "float32" else 4, device)
+
+
+def test_device_float32_suggests_cast():
+    t = _tensor((1, 8, 2, 64), "float32")
+    with pytest.raises(TypeError, match="q: dtype float32.*cast to float16 or bfloat16"):
+        api._check_qkv(t, t, t, on_device=True)
+
+
+def test_device_mismatch():
+    q = _tensor((1, 8, 2, 64))
+    with pytest.raises(ValueError, match="k: on device 1, but q is on device 0"):
+        api._check_qkv(q, _tensor((1, 8, 2, 64), device=1), q, on_device=True)
+
+
+def test_device_batch_above_grid_limit():
+    q = _tensor((70000, 8, 2, 64))
+    with pytest.raises(ValueError, match="at most 65535"):
+        api._check_qkv(q, q, q, on_device=True)
+
+
+def test_misaligned_out_is_refused():
+    q = _tensor((1, 8, 2, 64))
+    with pytest.raises(ValueError, match="out: data pointer"):
+        api._check_out(_tensor((1, 8, 2, 64), ptr=(1 << 20) + 2), q.shape, q, on_device=True)
+
+
+def test_alignment_rule():
+    assert _tensor((1, 8, 2, 64)).aligned_16
+    assert not _tensor((1, 8, 2, 64), ptr=(1 << 20) + 2).aligned_16
+    assert not _tensor((1, 8, 2, 64), strides=(8 * 2 * 68, 2 * 68, 68, 1)).aligned_16  # 136-byte heads
+
+
+def test_params_struct_matches_cuda_layout():
+    assert FWD_PARAMS.itemsize == FWD_PARAMS_SIZE
+    assert FWD_PARAMS.fields["lse"][1] == 32 and FWD_PARAMS.fields["q_batch_stride"][1] == 40
+    assert FWD_PARAMS.fields["heads"][1] == 136 and FWD_PARAMS.fields["scale_log2"][1] == 156
+
+
+def test_dispatch_families(monkeypatch):
+    monkeypatch.delenv("CUFLASH_FAMILY", raising=False)
+    assert dispatch.select_family((8, 0)) == "sm80"
+    assert dispatch.select_family((8, 9)) == "sm80"
+    assert dispatch.select_family((9, 0)) == "sm80"  # until the sm90 family exists
+    assert dispatch.select_family((12, 0)) == "sm80"
+    with pytest.raises(RuntimeError, match="8.0 or newer"):
+        dispatch.select_family((7, 5))
+    monkeypatch.setenv("CUFLASH_FAMILY", "sm80")
+    assert dispatch.select_family((9, 0)) == "sm80"
+    monkeypatch.setenv("CUFLASH_FAMILY", "sm90")
+    with pytest.raises(ValueError, match="not available"):
+        dispatch.select_family((9, 0))
+    monkeypatch.setenv("CUFLASH_FAMILY", "fast")
+    with pytest.raises(ValueError, match="CUFLASH_FAMILY"):
+        dispatch.select_family((9, 0))
+
+
+@pytest.mark.parametrize("head_dim, bucket", [(8, 64), (32, 64), (64, 64), (72, 96), (96, 96),
+                                              (104, 128), (160, 192), (200, 256), (256, 256)])
+def test_head_dim_buckets(head_dim, bucket):
+    assert dispatch.head_dim_bucket(head_dim) == bucket
+    choice = dispatch.forward_kernel("sm80", head_dim, True, "bfloat16")
+    assert choice.name_expression.startswith(f"cuflash::flash_fwd_sm80<{bucket}, ")
+    assert choice.smem_bytes <= 227 * 1024
+
+
+@pytest.mark.gpu
+def test_device_errors_with_real_arrays():
+    import cupy as cp
+
+    q = cp.zeros((1, 8, 2, 64), cp.float32)
+    with pytest.raises(TypeError, match="cast to float16 or bfloat16"):
+        cuflash.attention(q, q, q)
+    h = q.astype(cp.float16)
+    with pytest.raises(TypeError, match="k: is on the CPU"):
+        cuflash.attention(h, np.zeros((1, 8, 2, 64), np.float16), h)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        cuflash.attention(h, h, h, out=cp.empty((1, 8, 2, 32), cp.float16))
