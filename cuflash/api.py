@@ -72,6 +72,8 @@ def _check_qkv(q, k, v, on_device: bool) -> None:
     if on_device:
         if batch > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
             raise ValueError(f"q: batch and heads must be at most {_MAX_GRID_YZ}, got {batch} and {heads}")
+        if seqlen_q > _MAX_GRID_YZ * 128:  # causal grids put the 128-row query blocks in grid.z
+            raise ValueError(f"q: seqlen_q must be at most {_MAX_GRID_YZ * 128}, got {seqlen_q}")
         for name, x in (("k", k), ("v", v)):
             if x.device != q.device:
                 raise ValueError(f"{name}: on device {x.device}, but q is on device {q.device}")
@@ -194,7 +196,8 @@ def attention(
 
     family, arch = _device_plan(qt.device)
     choice = dispatch.forward_kernel(family, head_dim, bool(causal), qt.dtype)
-    grid = (-(-seqlen_q // choice.tile.block_m), heads, batch)
+    m_blocks = -(-seqlen_q // choice.tile.block_m)
+    grid = (heads, batch, m_blocks) if causal else (m_blocks, heads, batch)  # see flash_fwd.cu
     params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale)
     kernels.launch(choice, arch, qt.device, grid, params, interop.stream_handle(framework, qt.device))
     # For a DLPack producer other than torch, out_t.native is the CuPy array we allocated.

@@ -108,6 +108,12 @@ def test_device_batch_above_grid_limit():
         api._check_qkv(q, q, q, on_device=True)
 
 
+def test_device_seqlen_above_grid_limit():
+    q = _tensor((1, 65535 * 128 + 1, 1, 8))
+    with pytest.raises(ValueError, match="seqlen_q must be at most"):
+        api._check_qkv(q, _tensor((1, 8, 1, 8)), _tensor((1, 8, 1, 8)), on_device=True)
+
+
 def test_misaligned_out_is_refused():
     q = _tensor((1, 8, 2, 64))
     with pytest.raises(ValueError, match="out: data pointer"):

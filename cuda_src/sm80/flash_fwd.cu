@@ -31,11 +31,12 @@ __global__ void __launch_bounds__(WARPS * 32)
   u16* const sK = sQ + BLOCK_M * ROW_ELEMS;
   u16* const sV = sK + BLOCK_N * ROW_ELEMS;
 
-  // Causal blocks near the end of the sequence see the most keys: launch them first so the
-  // tail of the grid is short work.
-  const int m_block = CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  // Grid (m_blocks, heads, batch), or (heads, batch, m_blocks) when causal: causal query blocks
+  // near the end of the sequence see the most keys, and with the block index slowest and
+  // reversed the heaviest blocks of every head start first, so the grid ends on short work.
+  const int m_block = CAUSAL ? gridDim.z - 1 - blockIdx.z : blockIdx.x;
+  const int head = CAUSAL ? blockIdx.x : blockIdx.y;
+  const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
   const int kv_head = head / p.kv_group;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
