@@ -82,7 +82,7 @@ def main() -> None:
                     results["naive"] = tflops(flops, time_ms(lambda i: standard_attention(*(cp.from_dlpack(x) for x in sets[i]), causal), count, repeats=5))
                 row = [head_dim, "yes" if causal else "no", seqlen, results["cuflash"],
                        *(results[name] for name in peers)] + ([results["naive"]] if args.naive else []) + \
-                      [results["cuflash"] / results[name] for name in peers]
+                      [f"{results['cuflash'] / results[name]:.2f}" for name in peers]
                 rows.append(row)
                 print(" ".join(f"{c:.1f}" if isinstance(c, float) else str(c) for c in row), flush=True)
     props = cp.cuda.runtime.getDeviceProperties(0)
