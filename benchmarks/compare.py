@@ -48,12 +48,12 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     parser.add_argument("--naive", action="store_true", help="also time naive CuPy attention")
-    parser.add_argument("--tile", type=int, nargs=4, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "PERSISTENT"),
-                        help="override cuflash's tile table (tuning); PERSISTENT is 0 or 1")
+    parser.add_argument("--tile", type=int, nargs=3, metavar=("BLOCK_M", "BLOCK_N", "WARPS"),
+                        help="override cuflash's tile table (tuning)")
     parser.add_argument("--out", help="also write the table (Markdown) here")
     args = parser.parse_args()
     if args.tile:
-        tile = dispatch.Tile(*args.tile[:3], persistent=bool(args.tile[3]))
+        tile = dispatch.Tile(*args.tile)
         for bucket in dispatch.HEAD_DIM_BUCKETS:
             dispatch.SM80_FWD_TILES[bucket] = tile
 

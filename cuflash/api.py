@@ -16,6 +16,7 @@ __all__ = ["attention"]
 
 _DEVICE_DTYPES = ("float16", "bfloat16")
 _HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_MAX_GRID_YZ = 65535
 
 
 def _dtype_name(x: Any) -> str:
@@ -69,6 +70,10 @@ def _check_qkv(q, k, v, on_device: bool) -> None:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, stride is "
                              f"{_strides(x)[3]} elements")
     if on_device:
+        if batch > _MAX_GRID_YZ or heads > _MAX_GRID_YZ:
+            raise ValueError(f"q: batch and heads must be at most {_MAX_GRID_YZ}, got {batch} and {heads}")
+        if seqlen_q > _MAX_GRID_YZ * 128:  # causal grids put the 128-row query blocks in grid.z
+            raise ValueError(f"q: seqlen_q must be at most {_MAX_GRID_YZ * 128}, got {seqlen_q}")
         for name, x in (("k", k), ("v", v)):
             if x.device != q.device:
                 raise ValueError(f"{name}: on device {x.device}, but q is on device {q.device}")
@@ -191,12 +196,10 @@ def attention(
 
     family, arch = _device_plan(qt.device)
     choice = dispatch.forward_kernel(family, head_dim, bool(causal), qt.dtype)
-    tiles = -(-seqlen_q // choice.tile.block_m) * heads * batch
-    if tiles >= 2**31:
-        raise ValueError(f"q: batch x heads x ceil(seqlen_q / {choice.tile.block_m}) must be below 2**31")
+    m_blocks = -(-seqlen_q // choice.tile.block_m)
+    grid = (heads, batch, m_blocks) if causal else (m_blocks, heads, batch)  # see flash_fwd.cu
     params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale)
-    kernels.launch(choice, arch, qt.device, kernels.grid_size(choice, arch, qt.device, tiles), params,
-                   interop.stream_handle(framework, qt.device))
+    kernels.launch(choice, arch, qt.device, grid, params, interop.stream_handle(framework, qt.device))
     # For a DLPack producer other than torch, out_t.native is the CuPy array we allocated.
     result = out if out is not None else out_t.native
     return (result, lse_t.native) if return_lse else result

@@ -34,7 +34,6 @@ class Tile:
     block_m: int  # query rows per CTA
     block_n: int  # keys per main-loop step
     warps: int
-    persistent: bool = False  # one CTA per resident slot, walking the tiles (see flash_fwd.cu)
 
 
 # sm80 forward tiles per head-dim bucket. Each warp owns block_m / warps query rows; 32 rows
@@ -42,17 +41,14 @@ class Tile:
 # ldmatrix traffic under the 128 B/clock shared-memory port. That costs 4 fp32 registers per
 # (row, column) of O per thread: affordable up to head_dim 128. Wider heads drop to 16 rows per
 # warp with 8 warps, as FlashAttention-2 does, so O stays at 128 registers per thread.
-# Head dims 192 and 256 fit one CTA per SM (128 KB of shared memory, ~250 registers x 256
-# threads), so nothing hides a tile's first loads and its epilogue: those run persistent, each
-# CTA loading its next tile's Q and first K block under the current tile's last P.V and stores.
 SM80_FWD_TILES = {
     # head_dim 64: O is only 64 registers, so 128 keys per step fit; twice the work per barrier
     # pair and per softmax reduction (measured 1.1x over 64 keys on the H200).
     64: Tile(128, 128, 4),
     96: Tile(128, 64, 4),
     128: Tile(128, 64, 4),
-    192: Tile(128, 64, 8, persistent=True),
-    256: Tile(128, 64, 8, persistent=True),
+    192: Tile(128, 64, 8),
+    256: Tile(128, 64, 8),
 }
 
 
@@ -70,8 +66,8 @@ class KernelChoice:
 
     @property
     def smem_bytes(self) -> int:
-        # Q tile plus one K and one V tile; rows padded to 64, 128 or 256 elements (flash_fwd.cu).
-        row_elems = next(n for n in (64, 128, 256) if self.head_dim_bucket <= n)
+        # Q tile plus one K and one V tile, rows padded to whole 128-byte groups (see smem.cuh).
+        row_elems = -(-self.head_dim_bucket // 64) * 64
         return (self.tile.block_m + 2 * self.tile.block_n) * row_elems * 2
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from cuflash import nvrtc
 from cuflash.dispatch import KernelChoice
 
-__all__ = ["cache_dir", "compile_kernel", "get_function", "grid_size", "launch", "source_root", "sources_fingerprint"]
+__all__ = ["cache_dir", "compile_kernel", "get_function", "launch", "source_root", "sources_fingerprint"]
 
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 
@@ -146,29 +146,9 @@ def get_function(choice: KernelChoice, arch: str, device_id: int):
     return function
 
 
-@functools.lru_cache(maxsize=None)
-def _resident_ctas(choice: KernelChoice, arch: str, device_id: int) -> int:
-    """How many CTAs of ``choice`` the whole device holds at once."""
-    import cupy
-    from cupy.cuda import driver
-
-    function = get_function(choice, arch, device_id)
-    with cupy.cuda.Device(device_id):
-        per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(function.ptr, choice.threads, choice.smem_bytes)
-        sms = cupy.cuda.runtime.getDeviceProperties(device_id)["multiProcessorCount"]
-    return max(1, per_sm) * sms
-
-
-def grid_size(choice: KernelChoice, arch: str, device_id: int, tiles: int) -> int:
-    """CTAs to launch for ``tiles`` work tiles: one each, or for a persistent tile config as many
-    as are resident at once."""
-    if not choice.tile.persistent:
-        return tiles
-    return min(tiles, _resident_ctas(choice, arch, device_id))
-
-
-def launch(choice: KernelChoice, arch: str, device_id: int, grid: int, params, stream: int) -> None:
-    """Launch ``choice`` on a 1-D grid with one by-value struct argument (a NumPy structured array)."""
+def launch(choice: KernelChoice, arch: str, device_id: int, grid: tuple[int, int, int],
+           params, stream: int) -> None:
+    """Launch ``choice`` with one by-value struct argument (a NumPy structured array)."""
     import cupy
     from cupy.cuda import driver
 
@@ -176,5 +156,5 @@ def launch(choice: KernelChoice, arch: str, device_id: int, grid: int, params, s
     # cuLaunchKernel reads the argument through this pointer array before it returns.
     argument = (ctypes.c_void_p * 1)(params.ctypes.data)
     with cupy.cuda.Device(device_id):
-        driver.launchKernel(function.ptr, grid, 1, 1, choice.threads, 1, 1, choice.smem_bytes, stream,
+        driver.launchKernel(function.ptr, *grid, choice.threads, 1, 1, choice.smem_bytes, stream,
                             ctypes.addressof(argument), 0)

@@ -15,11 +15,11 @@ _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 FWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in ("q", "k", "v", "o", "lse")]
     + [(name, np.int64) for name in _STRIDES]
-    + [(name, np.int32) for name in ("batch", "heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim")]
+    + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim")]
     + [("scale_log2", np.float32)],
     align=True,
 )
-FWD_PARAMS_SIZE = 168  # sizeof(FwdParams) in params.cuh
+FWD_PARAMS_SIZE = 160  # sizeof(FwdParams) in params.cuh
 _LOG2E = math.log2(math.e)
 
 
@@ -31,7 +31,7 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float) -> np.ndarray:
     """
     strides = [s for t in (q, k, v, out) for s in t.strides[:3]]
     return np.array(
-        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *strides, q.shape[0], q.shape[2], q.shape[2] // k.shape[2],
+        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *strides, q.shape[2], q.shape[2] // k.shape[2],
           q.shape[1], k.shape[1], q.shape[3], softmax_scale * _LOG2E)],
         dtype=FWD_PARAMS,
     )

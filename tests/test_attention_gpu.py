@@ -175,28 +175,3 @@ def test_misaligned_strides_are_copied_not_wrong(rng):
     shifted = random_bshd((1, 100 * 2 * 64 + 1), "float16", rng)[0][1:].reshape(1, 100, 2, 64)
     assert shifted.data.ptr % 16 != 0
     _run_and_check(shifted, q, q, False, "float16")
-
-
-@pytest.mark.parametrize("seqlens", [(1000, 1300), (2000, 700)], ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_persistent_grid_walks_many_tiles(head_dim, causal, seqlens, rng, monkeypatch):
-    """Every bucket run persistent on more tiles than resident CTAs, so CTAs chain tiles and
-    prefetch the next tile's Q and K under the current one (causal 2000x700: 10 of 16 query
-    blocks see no key at all)."""
-    from cuflash import dispatch
-    from tests.gpu_reference import random_bshd
-
-    bucket = dispatch.head_dim_bucket(head_dim)
-    tile = dispatch.SM80_FWD_TILES[bucket]
-    monkeypatch.setitem(dispatch.SM80_FWD_TILES, bucket,
-                        dispatch.Tile(tile.block_m, tile.block_n, tile.warps, persistent=True))
-    dispatch.forward_kernel.cache_clear()
-    try:
-        seqlen_q, seqlen_k = seqlens
-        q = random_bshd((3, seqlen_q, 8, head_dim), "bfloat16", rng)
-        k = random_bshd((3, seqlen_k, 2, head_dim), "bfloat16", rng)
-        v = random_bshd((3, seqlen_k, 2, head_dim), "bfloat16", rng)
-        _run_and_check(q, k, v, causal, "bfloat16")
-    finally:
-        dispatch.forward_kernel.cache_clear()

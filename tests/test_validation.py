@@ -102,6 +102,18 @@ def test_device_mismatch():
         api._check_qkv(q, _tensor((1, 8, 2, 64), device=1), q, on_device=True)
 
 
+def test_device_batch_above_grid_limit():
+    q = _tensor((70000, 8, 2, 64))
+    with pytest.raises(ValueError, match="at most 65535"):
+        api._check_qkv(q, q, q, on_device=True)
+
+
+def test_device_seqlen_above_grid_limit():
+    q = _tensor((1, 65535 * 128 + 1, 1, 8))
+    with pytest.raises(ValueError, match="seqlen_q must be at most"):
+        api._check_qkv(q, _tensor((1, 8, 1, 8)), _tensor((1, 8, 1, 8)), on_device=True)
+
+
 def test_misaligned_out_is_refused():
     q = _tensor((1, 8, 2, 64))
     with pytest.raises(ValueError, match="out: data pointer"):
@@ -117,7 +129,7 @@ def test_alignment_rule():
 def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.itemsize == FWD_PARAMS_SIZE
     assert FWD_PARAMS.fields["lse"][1] == 32 and FWD_PARAMS.fields["q_batch_stride"][1] == 40
-    assert FWD_PARAMS.fields["batch"][1] == 136 and FWD_PARAMS.fields["scale_log2"][1] == 160
+    assert FWD_PARAMS.fields["heads"][1] == 136 and FWD_PARAMS.fields["scale_log2"][1] == 156
 
 
 def test_dispatch_families(monkeypatch):

@@ -16,7 +16,6 @@ struct FwdParams {
   i64 k_batch_stride, k_row_stride, k_head_stride;
   i64 v_batch_stride, v_row_stride, v_head_stride;
   i64 o_batch_stride, o_row_stride, o_head_stride;
-  int batch;
   int heads;
   int kv_group;  // heads / heads_kv: query heads that share one K/V head
   int seqlen_q;
@@ -24,6 +23,6 @@ struct FwdParams {
   int head_dim;  // the real head_dim; the kernel's template bucket may be larger
   float scale_log2;  // softmax_scale * log2(e): scores go straight to the exp2 domain
 };
-static_assert(sizeof(FwdParams) == 168, "cuflash/params.py packs 168 bytes");
+static_assert(sizeof(FwdParams) == 160, "cuflash/params.py packs 160 bytes");
 
 }  // namespace cuflash

@@ -28,29 +28,40 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-// Copies rows [0, rows_valid) x cols [0, cols_valid) of a global tile into a swizzled shared tile
-// of ROWS x ROW_ELEMS, zero-filling the rest (padding columns too: a head_dim-96 tile moves 128
-// columns, 32 of them zero-filled without reading memory). Every thread of the CTA takes part.
-// Each pass covers a multiple of 8 rows, so a thread keeps its column and its swizzle: one
-// running global pointer and compile-time shared offsets. Recomputing row and column per chunk
-// would hold a 64-bit offset per chunk live across the main loop, and spill.
-template <int ROWS, int ROW_ELEMS, int THREADS>
+// Copies rows [0, rows_valid) x cols [0, cols_valid) of a global tile into a swizzled shared tile,
+// zero-filling the rest. Every thread of the CTA takes part.
+template <int ROWS, int COLS, int ROW_ELEMS, int THREADS>
 __device__ __forceinline__ void load_tile_async(u16* tile, const u16* src, i64 row_stride,
                                                 int rows_valid, int cols_valid) {
-  constexpr int CHUNKS_PER_ROW = ROW_ELEMS / 8;
-  constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-  static_assert(THREADS % CHUNKS_PER_ROW == 0 && ROWS_PER_PASS % 8 == 0 && ROWS % ROWS_PER_PASS == 0,
-                "each pass must cover whole 8-row swizzle groups");
-  const int row = threadIdx.x / CHUNKS_PER_ROW;
-  const int col = (threadIdx.x % CHUNKS_PER_ROW) * 8;
-  u16* dst = tile + swizzle<ROW_ELEMS>(row, col);
-  const u16* from = src + row * row_stride + col;
-  const bool col_inside = col < cols_valid;
+  constexpr int CHUNKS_PER_ROW = COLS / 8;
+  constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+  static_assert(CHUNKS % THREADS == 0, "tile must split evenly over the CTA");
+  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && (THREADS / CHUNKS_PER_ROW) % 8 == 0) {
+    // Each pass covers a multiple of 8 rows, so a thread keeps its column and its swizzle:
+    // one running global pointer and compile-time shared offsets. Recomputing row and column per
+    // chunk would hold a 64-bit offset per chunk live across the main loop, and spill.
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
+    const int row = threadIdx.x / CHUNKS_PER_ROW;
+    const int col = (threadIdx.x % CHUNKS_PER_ROW) * 8;
+    u16* dst = tile + swizzle<ROW_ELEMS>(row, col);
+    const u16* from = src + row * row_stride + col;
+    const bool col_inside = col < cols_valid;
 #pragma unroll
-  for (int i = 0; i < ROWS / ROWS_PER_PASS; ++i) {
-    const bool inside = col_inside && row + i * ROWS_PER_PASS < rows_valid;
-    cp_async_16(dst + i * ROWS_PER_PASS * ROW_ELEMS, inside ? from : src, inside ? 16 : 0);
-    from += ROWS_PER_PASS * row_stride;
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+      const bool inside = col_inside && row + i * ROWS_PER_PASS < rows_valid;
+      cp_async_16(dst + i * ROWS_PER_PASS * ROW_ELEMS, inside ? from : src, inside ? 16 : 0);
+      from += ROWS_PER_PASS * row_stride;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+      const int chunk = threadIdx.x + i * THREADS;
+      const int row = chunk / CHUNKS_PER_ROW;
+      const int col = (chunk % CHUNKS_PER_ROW) * 8;
+      const bool inside = row < rows_valid && col < cols_valid;
+      const u16* from = inside ? src + row * row_stride + col : src;
+      cp_async_16(tile + swizzle<ROW_ELEMS>(row, col), from, inside ? 16 : 0);
+    }
   }
 }
 

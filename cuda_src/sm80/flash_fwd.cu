@@ -1,13 +1,12 @@
-// FlashAttention-2 forward for compute capability 8.0 and newer: a CTA works on (query block,
-// head, batch) tiles (one each, or several in a persistent grid); K and V tiles stream through
-// shared memory with cp.async while the warps run mma.sync m16n8k16 with fp32 accumulators;
-// softmax stays in registers. Only O and the LSE reach global memory.
+// FlashAttention-2 forward for compute capability 8.0 and newer: one CTA per (query block, head,
+// batch); K and V tiles stream through shared memory with cp.async while the warps run
+// mma.sync m16n8k16 with fp32 accumulators; softmax stays in registers. Only O and the LSE reach
+// global memory.
 #include "common/block_info.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
 #include "common/smem.cuh"
 #include "common/softmax.cuh"
-#include "common/tile_scheduler.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -19,9 +18,7 @@ template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, class 
 __global__ void __launch_bounds__(WARPS * 32)
     flash_fwd_sm80(const __grid_constant__ FwdParams p) {
   constexpr int THREADS = WARPS * 32;
-  // Shared row pitch: a power of two of at least 64 elements, so rows are whole 128-byte swizzle
-  // groups (see swizzle()) and a tile splits into 16-byte chunks evenly over the CTA.
-  constexpr int ROW_ELEMS = HEAD_DIM <= 64 ? 64 : HEAD_DIM <= 128 ? 128 : 256;
+  constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;  // shared row pitch, see swizzle()
   constexpr int MT = BLOCK_M / (16 * WARPS);            // 16-row tiles per warp
   constexpr int NT = BLOCK_N / 8;                       // 8-key tiles of S
   constexpr int DT = HEAD_DIM / 8;                      // 8-column tiles of O
@@ -34,12 +31,26 @@ __global__ void __launch_bounds__(WARPS * 32)
   u16* const sK = sQ + BLOCK_M * ROW_ELEMS;
   u16* const sV = sK + BLOCK_N * ROW_ELEMS;
 
+  // Grid (m_blocks, heads, batch), or (heads, batch, m_blocks) when causal: causal query blocks
+  // near the end of the sequence see the most keys, and with the block index slowest and
+  // reversed the heaviest blocks of every head start first, so the grid ends on short work.
+  const int m_block = CAUSAL ? gridDim.z - 1 - blockIdx.z : blockIdx.x;
+  const int head = CAUSAL ? blockIdx.x : blockIdx.y;
+  const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
+  const int kv_head = head / p.kv_group;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int warp_row = warp * MT * 16;  // first row of this warp inside the block
-  const TileScheduler<CAUSAL> scheduler{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M, p.heads, p.batch};
-  const int tiles = scheduler.count();
+
+  const BlockInfo<BLOCK_M, BLOCK_N, CAUSAL> info{m_block, p.seqlen_q, p.seqlen_k};
   const Mask<CAUSAL> mask{p.seqlen_k, p.seqlen_k - p.seqlen_q};
+  const int n_end = info.n_block_end();
+  const int first_row = m_block * BLOCK_M;
+  const int warp_row = warp * MT * 16;  // first row of this warp inside the block
+
+  const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride +
+                 head * p.q_head_stride + first_row * p.q_row_stride;
+  const u16* k = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
+  const u16* v = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
 
   // Fragment rows of this thread: Q and V use ldmatrix matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
   // in that order; K's B fragments pair (keys 0-7 | 8-15) with (k 0-7 | 8-15) the other way round.
@@ -47,55 +58,32 @@ __global__ void __launch_bounds__(WARPS * 32)
   const FragmentAddress<ROW_ELEMS> k_frag(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const FragmentAddress<ROW_ELEMS> v_frag(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
-  // Issues the cp.async loads a tile starts with, Q and its last key block (the first one
-  // visited), as one commit group; a tile that sees no key loads nothing.
-  auto load_first_tiles = [&](const TileCoord& t) {
-    const int n_end = BlockInfo<BLOCK_M, BLOCK_N, CAUSAL>{t.m_block, p.seqlen_q, p.seqlen_k}.n_block_end();
-    if (n_end == 0) return;
-    const int first_row = t.m_block * BLOCK_M;
-    load_tile_async<BLOCK_M, ROW_ELEMS, THREADS>(
-        sQ, static_cast<const u16*>(p.q) + t.batch * p.q_batch_stride + t.head * p.q_head_stride +
-                first_row * p.q_row_stride,
-        p.q_row_stride, p.seqlen_q - first_row, p.head_dim);
-    const int last_key = (n_end - 1) * BLOCK_N;
-    load_tile_async<BLOCK_N, ROW_ELEMS, THREADS>(
-        sK, static_cast<const u16*>(p.k) + t.batch * p.k_batch_stride +
-                (t.head / p.kv_group) * p.k_head_stride + last_key * p.k_row_stride,
-        p.k_row_stride, p.seqlen_k - last_key, p.head_dim);
+  float o[MT][DT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+  OnlineSoftmax<MT> softmax;
+  softmax.init();
+
+  if (n_end > 0) {
+    load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ, q, p.q_row_stride,
+                                                           p.seqlen_q - first_row, p.head_dim);
+    const int last = n_end - 1;
+    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+        sK, k + last * BLOCK_N * p.k_row_stride, p.k_row_stride, p.seqlen_k - last * BLOCK_N, p.head_dim);
     cp_async_commit();
-  };
-
-  int index = blockIdx.x;
-  TileCoord tile = scheduler.at(index);
-  load_first_tiles(tile);
-
-  while (true) {
-    const int next_index = index + gridDim.x;
-    const BlockInfo<BLOCK_M, BLOCK_N, CAUSAL> info{tile.m_block, p.seqlen_q, p.seqlen_k};
-    const int n_end = info.n_block_end();
-    const int first_row = tile.m_block * BLOCK_M;
-    const int kv_head = tile.head / p.kv_group;
-    const u16* k = static_cast<const u16*>(p.k) + tile.batch * p.k_batch_stride + kv_head * p.k_head_stride;
-    const u16* v = static_cast<const u16*>(p.v) + tile.batch * p.v_batch_stride + kv_head * p.v_head_stride;
-
-    float o[MT][DT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
-    OnlineSoftmax<MT> softmax;
-    softmax.init();
 
     // Key blocks run from the last to the first, so the blocks that need masking (the diagonal
     // and the sequence end) come first and the rest run the mask-free path.
-    for (int n = n_end - 1; n >= 0; --n) {
+    for (int n = last; n >= 0; --n) {
       // K[n] (and Q) have landed, and every warp has finished P.V of the previous step, so the
       // single V buffer is free for V[n].
       cp_async_wait<0>();
       __syncthreads();
-      load_tile_async<BLOCK_N, ROW_ELEMS, THREADS>(
+      load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
           sV, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, p.seqlen_k - n * BLOCK_N, p.head_dim);
       cp_async_commit();
 
@@ -128,18 +116,15 @@ __global__ void __launch_bounds__(WARPS * 32)
 
       if (info.needs_mask(n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
 
-      // V[n] has landed and every warp is done reading Q and K[n]: prefetch K[n-1] under the
-      // softmax and P.V below or, after the last block, the next tile's Q and first K block,
-      // so a persistent CTA starts its next tile with its operands already in flight.
+      // V[n] has landed and every warp is done reading K[n]: prefetch K[n-1] under the softmax
+      // and P.V below.
       cp_async_wait<0>();
       __syncthreads();
       if (n > 0) {
-        load_tile_async<BLOCK_N, ROW_ELEMS, THREADS>(
+        load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
             sK, k + (n - 1) * BLOCK_N * p.k_row_stride, p.k_row_stride,
             p.seqlen_k - (n - 1) * BLOCK_N, p.head_dim);
         cp_async_commit();
-      } else if (next_index < tiles) {
-        load_first_tiles(scheduler.at(next_index));
       }
 
       softmax.update(s, o, p.scale_log2);
@@ -169,40 +154,43 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
       }
     }
-    // A tile that sees no key skipped the loop and with it the prefetch; nothing reads Q or K
-    // now, so the next tile's loads can go out here.
-    if (n_end == 0 && next_index < tiles) load_first_tiles(scheduler.at(next_index));
+  }
 
-    float lse[MT][2];
-    softmax.finalize(o, p.scale_log2, lse);
+  float lse[MT][2];
+  softmax.finalize(o, p.scale_log2, lse);
 
-    // Epilogue straight from registers: shared memory is busy with the next tile's Q and K.
-    // Each quad writes 16 contiguous bytes per row, and the two halves of a 32-byte sector come
-    // from consecutive stores of the same threads, so L2 merges them before DRAM.
-    u16* out = static_cast<u16*>(p.o) + tile.batch * p.o_batch_stride + tile.head * p.o_head_stride;
+  // Epilogue: each warp stages its own rows of O in its own rows of sQ (no other warp reads
+  // them, so a warp barrier suffices) and writes them out as coalesced 16-byte rows.
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = first_row + warp_row + mt * 16 + h * 8 + lane / 4;
-        if (row >= p.seqlen_q) continue;
-        u16* out_row = out + row * p.o_row_stride;
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp_row + mt * 16 + h * 8 + lane / 4;
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-          const int col = dt * 8 + (lane % 4) * 2;
-          if (col < p.head_dim) {
-            *reinterpret_cast<u32*>(out_row + col) = Elem::pack(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
-          }
-        }
-        if (lane % 4 == 0) {
-          p.lse[(static_cast<i64>(tile.batch) * p.heads + tile.head) * p.seqlen_q + row] = lse[mt][h];
-        }
+      for (int dt = 0; dt < DT; ++dt) {
+        const int col = dt * 8 + (lane % 4) * 2;
+        *reinterpret_cast<u32*>(sQ + swizzle<ROW_ELEMS>(row, col)) =
+            Elem::pack(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
+      }
+      const int global_row = first_row + row;
+      if (lane % 4 == 0 && global_row < p.seqlen_q) {
+        p.lse[(static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + global_row] = lse[mt][h];
       }
     }
+  }
+  __syncwarp();
 
-    if (next_index >= tiles) break;
-    index = next_index;
-    tile = scheduler.at(index);
+  u16* out = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+#pragma unroll
+  for (int i = lane; i < MT * 16 * CHUNKS_PER_ROW; i += 32) {
+    const int row = warp_row + i / CHUNKS_PER_ROW;
+    const int col = (i % CHUNKS_PER_ROW) * 8;
+    const int global_row = first_row + row;
+    if (global_row < p.seqlen_q && col < p.head_dim) {
+      *reinterpret_cast<uint4*>(out + global_row * p.o_row_stride + col) =
+          *reinterpret_cast<const uint4*>(sQ + swizzle<ROW_ELEMS>(row, col));
+    }
   }
 }
 
