@@ -1,18 +1,23 @@
 """``python -m cuflash``: environment report, self-check, and cuflash next to standard attention.
 
-``python -m cuflash compile-check --arch sm_80`` compiles every kernel instantiation for one
-architecture with NVRTC (no GPU needed) and reports registers and spills.
+``python -m cuflash bench [--quick | --memory]`` times cuflash next to its peers (see
+cuflash/bench.py); ``python -m cuflash compile-check --arch sm_80`` compiles every kernel
+instantiation for one architecture with NVRTC (no GPU needed) and reports registers and spills.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 import cuflash
+from cuflash import bench as bench_module
 from cuflash import dispatch, kernels, nvrtc, reference
 
 
@@ -102,14 +107,82 @@ def gpu_report() -> None:
     print(format_table(["seqlen", "cuflash TFLOP/s", "cuflash MiB", "standard TFLOP/s", "standard MiB"], rows))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive whole numbers, got {text!r}")
+    return values
+
+
+def _head_dims(text: str) -> list[int]:
+    values = _positive_ints(text)
+    bad = [d for d in values if d % 8 or d > 256]
+    if bad:
+        raise argparse.ArgumentTypeError(f"head dims must be multiples of 8 up to 256, got {bad}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
     sub = parser.add_subparsers(dest="command")
     check = sub.add_parser("compile-check", help="compile every kernel for one architecture (no GPU needed)")
     check.add_argument("--arch", default="sm_80", help="sm_80, sm_90, sm_90a, ...")
-    args = parser.parse_args(argv)
+    bench = sub.add_parser("bench", help="cuflash next to its peers (TFLOP/s table, JSON, plot), or --memory")
+    bench.add_argument("--quick", action="store_true", help="head_dim 128, seqlen 1024 and 4096 only")
+    bench.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    bench.add_argument("--head-dims", type=_head_dims, help="e.g. '64,128,256' (default: 64 128 256)")
+    bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
+    bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
+    bench.add_argument("--mode", choices=["fwd", "bwd"], default="fwd", help="forward or backward pass")
+    bench.add_argument("--family", choices=["auto", "sm80"], default="auto", help="cuflash kernel family")
+    bench.add_argument("--impls", nargs="+", choices=bench_module.IMPLEMENTATIONS,
+                       default=list(bench_module.IMPLEMENTATIONS), help="what to time (peers that are not installed are skipped)")
+    bench.add_argument("--repeats", type=int, default=10, help="timed samples per case (median reported)")
+    bench.add_argument("--memory", action="store_true",
+                       help="the IO and memory report instead of the sweep: peak memory, time and modelled "
+                            "HBM traffic, 1k to 128k tokens and the FlashAttention paper's GPT-2 medium shape")
+    bench.add_argument("--out", type=Path, help="output folder (default: cuflash-bench-<date>-<time>)")
+    return parser
+
+
+def bench(args: argparse.Namespace) -> int:
+    if args.mode == "bwd":
+        print("python -m cuflash bench: --mode bwd needs the backward pass, which cuflash does not have "
+              "yet", file=sys.stderr)
+        return 2
+    reason = gpu_unavailable()
+    if reason is not None:
+        print(f"python -m cuflash bench needs a CUDA GPU ({reason})", file=sys.stderr)
+        return 2
+    os.environ["CUFLASH_FAMILY"] = args.family
+    out = args.out or Path(f"cuflash-bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
+    if args.memory:
+        rows = bench_module.memory_report(args.dtype, args.seqlens or bench_module.MEMORY_SEQLENS)
+        table = bench_module.memory_table(rows)
+        (out / "memory.md").write_text(table)
+        (out / "memory.json").write_text(json.dumps(rows, indent=1))
+        print(table + f"wrote {out / 'memory.md'}, {out / 'memory.json'}")
+        return 0
+    head_dims = args.head_dims or (bench_module.QUICK_HEAD_DIMS if args.quick else bench_module.STANDARD_HEAD_DIMS)
+    seqlens = args.seqlens or (bench_module.QUICK_SEQLENS if args.quick else bench_module.STANDARD_SEQLENS)
+    sweep = bench_module.cases(args.dtype, head_dims, seqlens, args.causal)
+    report = bench_module.run_sweep(sweep, args.impls, repeats=args.repeats)
+    print(bench_module.markdown_table(report))
+    for line in bench_module.write_outputs(report, out):
+        print(line)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command == "compile-check":
         return 1 if compile_check(args.arch) else 0
+    if args.command == "bench":
+        return bench(args)
 
     print(f"cuflash {cuflash.__version__}")
     reason = gpu_unavailable()

@@ -73,14 +73,6 @@ def check_rule(name: str, got, ref, lowp_ref, dtype_name: str) -> None:
 
 def random_bshd(shape, dtype_name: str, rng: np.random.Generator):
     """Fresh standard-normal CuPy array of float16 or bfloat16."""
-    x = cp.asarray(rng.standard_normal(shape, dtype=np.float32))
-    if dtype_name == "float16":
-        return x.astype(cp.float16)
-    return (round_to(x, "bfloat16").astype(cp.float32).view(cp.uint32) >> 16).astype(cp.uint16).view(
-        _bf16())
+    from cuflash.bench import random_normal
 
-
-def _bf16():
-    import ml_dtypes
-
-    return np.dtype(ml_dtypes.bfloat16)
+    return random_normal(shape, dtype_name, seed=int(rng.integers(2**31)))

@@ -1,0 +1,384 @@
+"""``python -m cuflash bench``: cuflash next to its peers in one run, and the IO/memory report.
+
+The sweep times the forward pass on DESIGN.md's standard shapes (batch·seqlen = 16384,
+heads·head_dim = 2048) for cuflash and every peer that is installed: torch SDPA with its
+FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, and standard
+attention in CuPy (S and P written to memory). It writes ``bench.md`` (table with ratios),
+``bench.json`` (every number, the shapes and the environment) and ``bench.png`` (TFLOP/s against
+seqlen, one panel per head_dim and causal setting) when matplotlib is installed.
+
+Honesty rules: every number comes from this run; inputs are random (never zeros) and rotated over
+more than 3x the L2 cache; compilation is reported apart (cold NVRTC compile, warm load from
+the disk cache) and never timed with the kernels.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from cuflash.reference import attention_flops
+
+TOTAL_TOKENS = 16384
+HIDDEN = 2048
+STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+STANDARD_HEAD_DIMS = (64, 128, 256)
+QUICK_SEQLENS = (1024, 4096)
+QUICK_HEAD_DIMS = (128,)
+IMPLEMENTATIONS = ("cuflash", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "standard")
+PEERS_FOR_RATIOS = ("sdpa-flash", "sdpa-cudnn")
+
+
+@dataclass(frozen=True)
+class Case:
+    dtype: str
+    head_dim: int
+    seqlen: int
+    causal: bool
+
+    @property
+    def batch(self) -> int:
+        return max(1, TOTAL_TOKENS // self.seqlen)
+
+    @property
+    def heads(self) -> int:
+        return max(1, HIDDEN // self.head_dim)
+
+    def flops(self, mode: str = "fwd") -> float:
+        return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim,
+                               causal=self.causal, mode=mode)
+
+
+@dataclass
+class Measurement:
+    impl: str
+    case: Case
+    ms: float | None  # None: the implementation failed or does not support the case
+    note: str = ""
+
+    @property
+    def tflops(self) -> float | None:
+        return None if self.ms is None else self.case.flops() / (self.ms * 1e-3) / 1e12
+
+
+@dataclass
+class Report:
+    measurements: list[Measurement]
+    environment: dict = field(default_factory=dict)
+    compile_times: list[dict] = field(default_factory=list)
+
+
+def cases(dtype: str, head_dims, seqlens, causal: str) -> list[Case]:
+    """The sweep: every head_dim x causal setting x seqlen, in table order."""
+    causals = {"both": (False, True), "no": (False,), "yes": (True,)}[causal]
+    return [Case(dtype, d, s, c) for d in head_dims for c in causals for s in seqlens]
+
+
+# ----------------------------------------------------------------------------- report writing
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None or math.isnan(value) else f"{value:.1f}"
+
+
+def markdown_table(report: Report) -> str:
+    """Rows per (head_dim, causal, seqlen); TFLOP/s per implementation, then cuflash's ratio to
+    each peer of PEERS_FOR_RATIOS that ran."""
+    impls = [i for i in IMPLEMENTATIONS if any(m.impl == i for m in report.measurements)]
+    peers = [p for p in PEERS_FOR_RATIOS if p in impls and "cuflash" in impls]
+    by_key = {(m.impl, m.case): m for m in report.measurements}
+    seen: list[Case] = []
+    for m in report.measurements:
+        if m.case not in seen:
+            seen.append(m.case)
+    header = ["dtype", "head_dim", "causal", "seqlen", *impls, *[f"cuflash / {p}" for p in peers]]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for case in seen:
+        values = {i: by_key[(i, case)].tflops if (i, case) in by_key else None for i in impls}
+        ratios = []
+        for p in peers:
+            a, b = values["cuflash"], values[p]
+            ratios.append("n/a" if a is None or b is None else f"{a / b:.2f}")
+        cells = [case.dtype, str(case.head_dim), "yes" if case.causal else "no", str(case.seqlen),
+                 *(_fmt(values[i]) for i in impls), *ratios]
+        lines.append("| " + " | ".join(cells) + " |")
+    env = report.environment
+    title = (f"Forward TFLOP/s, batch*seqlen={TOTAL_TOKENS}, heads*head_dim={HIDDEN}; "
+             + ", ".join(f"{k} {v}" for k, v in env.items()))
+    notes = [f"- {m.impl} at {m.case}: {m.note}" for m in report.measurements if m.note]
+    compile_lines = [f"- {c['kernel']}: cold NVRTC compile {c['cold_compile_s']:.2f} s, "
+                     f"warm load from the disk cache {c['warm_load_ms']:.1f} ms" for c in report.compile_times]
+    parts = [title, "", *lines]
+    if compile_lines:
+        parts += ["", "Compilation (not part of any timing above):", *compile_lines]
+    if notes:
+        parts += ["", "Notes:", *notes]
+    return "\n".join(parts) + "\n"
+
+
+def report_json(report: Report) -> str:
+    return json.dumps({
+        "environment": report.environment,
+        "compile_times": report.compile_times,
+        "measurements": [
+            {"impl": m.impl, **asdict(m.case), "batch": m.case.batch, "heads": m.case.heads,
+             "ms": m.ms, "tflops": m.tflops, "note": m.note}
+            for m in report.measurements
+        ],
+    }, indent=1)
+
+
+def write_plot(report: Report, path: Path) -> str | None:
+    """TFLOP/s against seqlen, a line per implementation, a panel per (head_dim, causal).
+    Returns None when written, else why not (matplotlib missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    panels = sorted({(m.case.head_dim, m.case.causal) for m in report.measurements})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
+    for ax, (head_dim, causal) in zip(axes[0], panels):
+        for impl in IMPLEMENTATIONS:
+            points = sorted((m.case.seqlen, m.tflops) for m in report.measurements
+                            if m.impl == impl and m.case.head_dim == head_dim and m.case.causal == causal
+                            and m.tflops is not None)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=impl)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"head_dim {head_dim}, {'causal' if causal else 'non-causal'}")
+        ax.set_xlabel("seqlen")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(report.environment.get("device", ""), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def write_outputs(report: Report, out_dir: Path) -> list[str]:
+    """Writes bench.md, bench.json and (with matplotlib) bench.png; returns messages to print."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench.md").write_text(markdown_table(report))
+    (out_dir / "bench.json").write_text(report_json(report))
+    why_not = write_plot(report, out_dir / "bench.png")
+    written = ["bench.md", "bench.json"] + (["bench.png"] if why_not is None else [])
+    return [f"wrote {', '.join(str(out_dir / f) for f in written)}"] + ([why_not] if why_not else [])
+
+
+# ----------------------------------------------------------------------------- measuring (GPU)
+
+
+def random_normal(shape, dtype_name: str, seed: int):
+    """Standard-normal CuPy array of float16 or bfloat16 (bfloat16 rounded to nearest even from
+    float32 bits, so no bfloat16 kernels of CuPy's are needed)."""
+    import cupy as cp
+    import numpy as np
+
+    x = cp.random.default_rng(seed).standard_normal(shape, dtype=cp.float32)
+    if dtype_name == "float16":
+        return x.astype(cp.float16)
+    import ml_dtypes
+
+    bits = x.view(cp.uint32)
+    rounded = (bits + cp.uint32(0x7FFF) + ((bits >> 16) & cp.uint32(1))) >> 16
+    return rounded.astype(cp.uint16).view(np.dtype(ml_dtypes.bfloat16))
+
+
+def environment() -> dict:
+    import cupy as cp
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    env = {"date": datetime.date.today().isoformat(), "device": props["name"].decode(),
+           "driver": cp.cuda.runtime.driverGetVersion(), "cuda runtime": cp.cuda.runtime.runtimeGetVersion(),
+           "CuPy": cp.__version__, "Python": platform.python_version()}
+    from cuflash import __version__, nvrtc
+
+    env["cuflash"] = __version__
+    env["NVRTC"] = ".".join(map(str, nvrtc.version()))
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+        env["cuDNN"] = torch.backends.cudnn.version()
+    except ImportError:
+        pass
+    return env
+
+
+def implementations(names) -> dict[str, Callable]:
+    """name -> run(q, k, v, causal) on CuPy inputs, for the peers that are installed."""
+    import cuflash
+    from cuflash.baseline import standard_attention
+
+    found: dict[str, Callable] = {}
+    for name in names:
+        if name == "cuflash":
+            found[name] = lambda q, k, v, causal: cuflash.attention(q, k, v, causal=causal)
+        elif name == "standard":
+            found[name] = standard_attention
+        elif name.startswith("sdpa-"):
+            try:
+                import torch
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+            except ImportError:
+                continue
+            backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+                       "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+            def run(q, k, v, causal, backend=backend):
+                q, k, v = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            found[name] = run
+    return found
+
+
+def measure(run: Callable, case: Case, sets, repeats: int) -> float:
+    from cuflash.timing import time_ms
+
+    return time_ms(lambda i: run(*sets[i], case.causal), len(sets), repeats=repeats)
+
+
+def compile_times(dtype: str, head_dims, causals) -> list[dict]:
+    """Cold NVRTC compile and warm disk-cache load of each forward instantiation the sweep used."""
+    import cupy as cp
+    from cupy.cuda import function as cuda_function
+
+    from cuflash import dispatch, kernels
+    from cuflash.api import _device_plan
+
+    family, arch = _device_plan(cp.cuda.Device().id)
+    rows = []
+    for head_dim in head_dims:
+        for causal in causals:
+            choice = dispatch.forward_kernel(family, head_dim, causal, dtype)
+            cold = kernels.compile_kernel(choice, arch, use_cache=False).seconds
+            kernels.compile_kernel(choice, arch)  # make sure the disk cache holds it
+            start = time.perf_counter()
+            compiled = kernels.compile_kernel(choice, arch)
+            cuda_function.Module().load(compiled.cubin)
+            rows.append({"kernel": choice.name_expression, "arch": arch, "cold_compile_s": cold,
+                         "warm_load_ms": (time.perf_counter() - start) * 1e3})
+    return rows
+
+
+def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, progress=sys.stderr) -> Report:
+    from cuflash.timing import copies_to_defeat_l2
+
+    impls = implementations(impl_names)
+    report = Report([], environment())
+    total = len(sweep) * len(impls)
+    done = 0
+    for case in sweep:
+        shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+        count = copies_to_defeat_l2(3 * math.prod(shape) * 2)
+        sets = [tuple(random_normal(shape, case.dtype, seed=3 * i + j) for j in range(3)) for i in range(count)]
+        for name, run in impls.items():
+            done += 1
+            print(f"\r[{done:>3}/{total}] {name:<15} d={case.head_dim:<3} causal={case.causal!s:<5} "
+                  f"seqlen={case.seqlen:<6}", end="", file=progress, flush=True)
+            try:
+                ms = measure(run, case, sets, repeats if name != "standard" else 3)
+                report.measurements.append(Measurement(name, case, ms))
+            except Exception as error:  # a peer that refuses a case is reported, not fatal
+                report.measurements.append(Measurement(name, case, None, f"{type(error).__name__}: {error}"[:160]))
+        del sets
+    print(file=progress)
+    report.compile_times = compile_times(sweep[0].dtype, sorted({c.head_dim for c in sweep}),
+                                         sorted({c.causal for c in sweep}))
+    return report
+
+
+# ----------------------------------------------------------------------------- IO and memory
+
+MEMORY_SEQLENS = tuple(1024 << i for i in range(8))  # 1k .. 128k
+GPT2_MEDIUM = {"batch": 64, "seqlen": 1024, "heads": 16, "head_dim": 64}
+
+
+def hbm_model_bytes(seqlen: int, head_dim: int, batch_heads: int, block_m: int, element_bytes: int = 2) -> dict:
+    """HBM traffic of one forward pass, as the FlashAttention paper models it.
+
+    standard: Q, K, V read, S written and read back, P written and read back, O written:
+    (4·N·d + 4·N²) elements per head, Θ(N·d + N²).
+    tiled (this kernel): Q read and O written once, K and V read once per query block of
+    ``block_m`` rows: (2·N·d + 2·N·d·⌈N/block_m⌉) elements per head, the Θ(N²·d²/M) of the paper
+    with block_m ~ M/d for M elements of on-chip memory.
+    """
+    n, d = seqlen, head_dim
+    standard = (4 * n * d + 4 * n * n) * batch_heads * element_bytes
+    tiled = (2 * n * d + 2 * n * d * -(-n // block_m)) * batch_heads * element_bytes
+    return {"standard_bytes": standard, "tiled_bytes": tiled}
+
+
+def _memory_row(label: str, batch: int, seqlen: int, heads: int, head_dim: int, dtype: str) -> dict:
+    import cupy as cp
+
+    import cuflash
+    from cuflash import dispatch
+    from cuflash.baseline import standard_attention
+    from cuflash.timing import PeakMemory, time_ms
+
+    shape = (batch, seqlen, heads, head_dim)
+    q, k, v = (random_normal(shape, dtype, seed=i) for i in range(3))
+    block_m = dispatch.forward_kernel("sm80", head_dim, False, dtype).tile.block_m
+    row = {"case": label, "batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim,
+           **hbm_model_bytes(seqlen, head_dim, batch * heads, block_m)}
+    for name, run in (("cuflash", lambda: cuflash.attention(q, k, v)),
+                      ("standard", lambda: standard_attention(q, k, v))):
+        try:
+            with PeakMemory() as memory:
+                run()
+            cp.cuda.Device().synchronize()
+            row[f"{name}_peak_bytes"] = memory.peak
+            row[f"{name}_ms"] = time_ms(lambda i: run(), 1, warmup=1, repeats=3)
+        except cp.cuda.memory.OutOfMemoryError:
+            row[f"{name}_peak_bytes"] = row[f"{name}_ms"] = None
+        cp.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def memory_report(dtype: str = "bfloat16", seqlens=MEMORY_SEQLENS, progress=sys.stderr) -> list[dict]:
+    """Peak memory, time and modelled HBM traffic of cuflash and standard attention: the GPT-2
+    medium shape of the FlashAttention paper, then batch 1 x 8 heads x head_dim 128 from 1k to
+    128k tokens, standard attention until it no longer fits."""
+    rows = [_memory_row("GPT-2 medium", **GPT2_MEDIUM, dtype=dtype)]
+    for seqlen in seqlens:
+        print(f"\rmemory report: seqlen {seqlen}", end="", file=progress, flush=True)
+        rows.append(_memory_row("scaling", 1, seqlen, 8, 128, dtype))
+    print(file=progress)
+    return rows
+
+
+def memory_table(rows: list[dict]) -> str:
+    def gb(x):
+        return "does not fit" if x is None else f"{x / 1e9:.2f}"
+
+    def ms(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    header = ["case", "batch x heads", "seqlen", "HBM model standard GB", "HBM model tiled GB",
+              "standard ms", "cuflash ms", "standard peak GB", "cuflash peak GB"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["case"], f"{r['batch']} x {r['heads']}", str(r["seqlen"]), gb(r["standard_bytes"]),
+            gb(r["tiled_bytes"]), ms(r["standard_ms"]), ms(r["cuflash_ms"]),
+            gb(r["standard_peak_bytes"]), gb(r["cuflash_peak_bytes"])]) + " |")
+    fits = [r["seqlen"] for r in rows if r["case"] == "scaling" and r["standard_peak_bytes"] is None]
+    limit = (f"Standard attention no longer fits from seqlen {min(fits)} on; cuflash's memory stays "
+             f"linear in seqlen (only O and the LSE are written)." if fits
+             else "Standard attention fit at every length measured.")
+    return "\n".join(lines) + "\n\n" + limit + "\n"

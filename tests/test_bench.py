@@ -1,0 +1,114 @@
+"""The bench CLI's arguments, FLOP counting and report writing, with synthetic timings (CPU);
+``python -m cuflash bench --quick`` end to end on a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cuflash import bench
+from cuflash.__main__ import build_parser, main
+
+
+def test_parser_defaults_and_quick():
+    args = build_parser().parse_args(["bench"])
+    assert args.dtype == "bfloat16" and args.causal == "both" and args.mode == "fwd"
+    assert args.head_dims is None and args.seqlens is None and not args.memory
+    args = build_parser().parse_args(["bench", "--quick", "--head-dims", "64,128", "--seqlens", "512 2048"])
+    assert args.quick and args.head_dims == [64, 128] and args.seqlens == [512, 2048]
+
+
+@pytest.mark.parametrize("argv", [["bench", "--head-dims", "60"], ["bench", "--head-dims", "264"],
+                                  ["bench", "--seqlens", "0"], ["bench", "--seqlens", "1k"],
+                                  ["bench", "--dtype", "float32"], ["bench", "--impls", "flash3"]])
+def test_parser_rejects(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+
+
+def test_backward_mode_says_it_is_missing(capsys):
+    assert main(["bench", "--mode", "bwd"]) == 2
+    assert "backward" in capsys.readouterr().err
+
+
+def test_sweep_cases_and_flops():
+    sweep = bench.cases("bfloat16", [64, 128], [1024, 4096], "both")
+    assert len(sweep) == 8 and sweep[0] == bench.Case("bfloat16", 64, 1024, False)
+    case = bench.Case("bfloat16", 128, 16384, False)
+    assert (case.batch, case.heads) == (1, 16)
+    assert case.flops() == 4 * 1 * 16 * 16384 * 16384 * 128
+    assert bench.Case("bfloat16", 128, 16384, True).flops() == case.flops() / 2
+    assert bench.cases("float16", [64], [512], "yes") == [bench.Case("float16", 64, 512, True)]
+
+
+def _synthetic_report() -> bench.Report:
+    fast, slow = bench.Case("bfloat16", 128, 1024, False), bench.Case("bfloat16", 128, 4096, True)
+    ms = {"cuflash": 1.0, "sdpa-flash": 1.25, "sdpa-cudnn": 0.5}
+    measurements = [bench.Measurement(name, case, t * (4 if case is slow else 1))
+                    for case in (fast, slow) for name, t in ms.items()]
+    measurements.append(bench.Measurement("standard", fast, None, "OutOfMemoryError: synthetic"))
+    return bench.Report(measurements, {"date": "2026-11-30", "device": "Synthetic GPU"},
+                        [{"kernel": "k<128>", "arch": "sm_90", "cold_compile_s": 0.4, "warm_load_ms": 2.5}])
+
+
+def test_markdown_table_has_ratios_failures_and_compile_times():
+    text = bench.markdown_table(_synthetic_report())
+    row = next(line for line in text.splitlines() if line.startswith("| bfloat16 | 128 | no | 1024"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    tflops = bench.Case("bfloat16", 128, 1024, False).flops() / 1e-3 / 1e12
+    assert cells[4] == f"{tflops:.1f}" and cells[-2] == "1.25" and cells[-1] == "0.50"
+    assert "n/a" in cells  # the failed standard run
+    assert "OutOfMemoryError: synthetic" in text and "cold NVRTC compile 0.40 s" in text
+    assert "Synthetic GPU" in text
+
+
+def test_json_and_plot_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    messages = bench.write_outputs(_synthetic_report(), tmp_path)
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert {m["impl"] for m in data["measurements"]} == {"cuflash", "sdpa-flash", "sdpa-cudnn", "standard"}
+    assert data["measurements"][0]["tflops"] > 0 and data["environment"]["device"] == "Synthetic GPU"
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "bench.md").read_text().startswith("Forward TFLOP/s")
+    assert "bench.png" in messages[0]
+
+
+def test_plot_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    messages = bench.write_outputs(_synthetic_report(), tmp_path)
+    assert not (tmp_path / "bench.png").exists()
+    assert any("matplotlib is not installed" in m for m in messages)
+
+
+def test_hbm_model():
+    model = bench.hbm_model_bytes(seqlen=1024, head_dim=64, batch_heads=64 * 16, block_m=128)
+    n, d, bh = 1024, 64, 64 * 16
+    assert model["standard_bytes"] == (4 * n * d + 4 * n * n) * bh * 2
+    assert model["tiled_bytes"] == (2 * n * d + 2 * n * d * 8) * bh * 2
+    assert model["tiled_bytes"] < model["standard_bytes"]
+
+
+def test_memory_table_reports_where_standard_stops_fitting():
+    rows = [
+        {"case": "scaling", "batch": 1, "heads": 8, "head_dim": 128, "seqlen": s, "standard_bytes": 1e9,
+         "tiled_bytes": 1e8, "standard_ms": None if s > 2048 else 1.0, "cuflash_ms": 0.1,
+         "standard_peak_bytes": None if s > 2048 else 2e9, "cuflash_peak_bytes": 1e7}
+        for s in (1024, 2048, 4096, 8192)
+    ]
+    text = bench.memory_table(rows)
+    assert "does not fit" in text and "no longer fits from seqlen 4096" in text
+
+
+@pytest.mark.gpu
+def test_bench_quick_end_to_end(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "cuflash", "bench", "--quick", "--repeats", "3",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for name in ("bench.md", "bench.json", "bench.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert any(m["impl"] == "cuflash" and m["tflops"] > 0 for m in data["measurements"])
