@@ -136,7 +136,8 @@ def report_json(report: Report) -> str:
 
 
 def write_plot(report: Report, path: Path) -> str | None:
-    """TFLOP/s against seqlen, a line per implementation, a panel per (head_dim, causal).
+    """TFLOP/s against seqlen, a line per implementation, a panel per head_dim (columns) and
+    causal setting (rows).
     Returns None when written, else why not (matplotlib missing)."""
     try:
         import matplotlib
@@ -145,20 +146,24 @@ def write_plot(report: Report, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
-    panels = sorted({(m.case.head_dim, m.case.causal) for m in report.measurements})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (head_dim, causal) in zip(axes[0], panels):
-        for impl in IMPLEMENTATIONS:
-            points = sorted((m.case.seqlen, m.tflops) for m in report.measurements
-                            if m.impl == impl and m.case.head_dim == head_dim and m.case.causal == causal
-                            and m.tflops is not None)
-            if points:
-                ax.plot(*zip(*points), marker="o", label=impl)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"head_dim {head_dim}, {'causal' if causal else 'non-causal'}")
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("TFLOP/s")
-        ax.grid(alpha=0.3)
+    head_dims = sorted({m.case.head_dim for m in report.measurements})
+    causals = sorted({m.case.causal for m in report.measurements})
+    fig, axes = plt.subplots(len(causals), len(head_dims), squeeze=False,
+                             figsize=(4.2 * len(head_dims), 3.4 * len(causals)))
+    for row, causal in enumerate(causals):
+        for col, head_dim in enumerate(head_dims):
+            ax = axes[row][col]
+            for impl in IMPLEMENTATIONS:
+                points = sorted((m.case.seqlen, m.tflops) for m in report.measurements
+                                if m.impl == impl and m.case.head_dim == head_dim and m.case.causal == causal
+                                and m.tflops is not None)
+                if points:
+                    ax.plot(*zip(*points), marker="o", label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"head_dim {head_dim}, {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("seqlen")
+            ax.set_ylabel("TFLOP/s")
+            ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(report.environment.get("device", ""), fontsize=9)
     fig.tight_layout()
