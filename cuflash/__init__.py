@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from cuflash.api import attention
+from cuflash.api import attention, attention_backward
 
-__all__ = ["attention", "__version__"]
+__all__ = ["attention", "attention_backward", "__version__"]

@@ -22,10 +22,10 @@ from cuflash import dispatch, kernels, nvrtc, reference
 
 
 def compile_check(arch: str) -> int:
-    """Compile all forward instantiations for ``arch``; return the number of failures."""
+    """Compile every instantiation (forward and backward) for ``arch``; return the number of failures."""
     print(f"NVRTC {'.'.join(map(str, nvrtc.version()))}, target {arch}, sources {kernels.source_root()}")
     failures = 0
-    for choice in dispatch.all_forward_kernels("sm80"):
+    for choice in dispatch.all_kernels("sm80"):
         try:
             compiled = kernels.compile_kernel(choice, arch, use_cache=False)
         except nvrtc.CompileError as error:

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from cuflash import dispatch, interop, kernels, reference
-from cuflash.params import pack_fwd_params
+from cuflash.params import pack_bwd_params, pack_convert_params, pack_fwd_params
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_backward"]
 
 _DEVICE_DTYPES = ("float16", "bfloat16")
 _HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -102,19 +102,25 @@ def _framework(**arrays: Any) -> str:
     return found["q"]
 
 
-def _check_out(out, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
-    if tuple(out.shape) != expected_shape:
-        raise ValueError(f"out: expected shape {expected_shape}, got {tuple(out.shape)}")
-    if _dtype_name(out) != _dtype_name(like):
-        raise TypeError(f"out: expected dtype {_dtype_name(like)} like q, got {_dtype_name(out)}")
-    if _strides(out)[3] != 1:
-        raise ValueError("out: the last (head_dim) dimension must be contiguous")
-    if on_device:
-        if out.device != like.device:
-            raise ValueError(f"out: on device {out.device}, but q is on device {like.device}")
-        if not out.aligned_16:
-            raise ValueError("out: data pointer and strides must be 16-byte aligned (the kernel "
-                             "writes 16-byte vectors)")
+def _check_like(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
+    """``t`` (an output or a forward tensor) must have ``expected_shape``, ``like``'s dtype and
+    device, and a contiguous last dimension."""
+    if tuple(t.shape) != tuple(expected_shape):
+        raise ValueError(f"{name}: expected shape {tuple(expected_shape)}, got {tuple(t.shape)}")
+    if _dtype_name(t) != _dtype_name(like):
+        raise TypeError(f"{name}: expected dtype {_dtype_name(like)} like q, got {_dtype_name(t)}")
+    if _strides(t)[-1] != 1:
+        raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
+    if on_device and t.device != like.device:
+        raise ValueError(f"{name}: on device {t.device}, but q is on device {like.device}")
+
+
+def _check_out(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
+    """An output the kernels write with 16-byte stores."""
+    _check_like(name, t, expected_shape, like, on_device)
+    if on_device and not t.aligned_16:
+        raise ValueError(f"{name}: data pointer and strides must be 16-byte aligned (the kernel "
+                         f"writes 16-byte vectors)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,7 +194,7 @@ def attention(
     batch, seqlen_q, heads, head_dim = qt.shape
     if out is not None:
         out_t = interop.describe(out, interop.framework_of(out, "out"), "out")
-        _check_out(out_t, qt.shape, qt, on_device=True)
+        _check_out("out", out_t, qt.shape, qt, on_device=True)
     else:
         out_t = interop.empty(framework, qt, qt.shape)
     lse_t = interop.empty(framework, qt, (batch, heads, seqlen_q), float32=True)
@@ -210,10 +216,135 @@ def _attention_host(q, k, v, causal, softmax_scale, return_lse, out):
     _check_qkv(q, k, v, on_device=False)
     scale = _resolve_scale(softmax_scale, q.shape[3])
     if out is not None:
-        _check_out(out, tuple(q.shape), q, on_device=False)
+        _check_out("out", out, tuple(q.shape), q, on_device=False)
     result, lse = reference.attention_blockwise(q, k, v, causal=bool(causal), softmax_scale=scale)
     if out is None:
         out = result.astype(q.dtype)
     else:
         out[...] = result.astype(q.dtype)
     return (out, lse.astype(np.float32)) if return_lse else out
+
+
+def attention_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    deterministic: bool = False,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+) -> tuple[Any, Any, Any]:
+    """Gradients of ``out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale)``.
+
+    P is recomputed from ``lse`` block by block (FlashAttention-2): nothing of size
+    seqlen_q x seqlen_k is stored; the extra device memory is O(batch x heads x seqlen) plus fp32
+    accumulators the size of dq (and of dk, dv under GQA/MQA).
+
+    Parameters
+    ----------
+    dout : array, shape and dtype of q
+        Upstream gradient of ``out``.
+    q, k, v, out : arrays
+        The forward's inputs and output, as for :func:`attention`.
+    lse : array, float32 (batch, heads, seqlen_q), contiguous
+        The forward's log-sum-exp (``attention(..., return_lse=True)``).
+    causal, softmax_scale
+        As in the forward call.
+    deterministic : bool
+        Bitwise-reproducible gradients. Not implemented yet: True raises NotImplementedError.
+        The default accumulates dq (and, when several query heads share a K/V head, dk and dv)
+        with fp32 atomics, whose order varies between runs, so those can differ in the last bits.
+    dq, dk, dv : arrays, optional
+        Where to write the gradients (shapes of q, k, v; dtype of q).
+
+    Returns
+    -------
+    (dq, dk, dv)
+        In the caller's framework, as for :func:`attention`; dk and dv summed over each group of
+        query heads for GQA/MQA.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As for :func:`attention`, and for dout/out not matching q, an lse that is not float32 or
+        not (batch, heads, seqlen_q), or gradients passed in dq/dk/dv of the wrong shape or dtype.
+    NotImplementedError
+        ``deterministic=True``.
+    """
+    given = {"dq": dq, "dk": dk, "dv": dv}
+    arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
+    arrays |= {name: x for name, x in given.items() if x is not None}
+    framework = _framework(**arrays)
+    if framework == "numpy":
+        tensors = arrays
+    else:
+        tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
+    qt, kt, vt = tensors["q"], tensors["k"], tensors["v"]
+    on_device = framework != "numpy"
+    _check_qkv(qt, kt, vt, on_device=on_device)
+    scale = _resolve_scale(softmax_scale, qt.shape[3])
+    batch, seqlen_q, heads, head_dim = qt.shape
+    _check_like("dout", tensors["dout"], qt.shape, qt, on_device)
+    _check_like("out", tensors["out"], qt.shape, qt, on_device)
+    lse_t = tensors["lse"]
+    if _dtype_name(lse_t) != "float32":
+        raise TypeError(f"lse: expected float32 (as attention(..., return_lse=True) returns it), got {_dtype_name(lse_t)}")
+    if tuple(lse_t.shape) != (batch, heads, seqlen_q):
+        raise ValueError(f"lse: expected shape {(batch, heads, seqlen_q)}, got {tuple(lse_t.shape)}")
+    if _strides(lse_t) != (heads * seqlen_q, seqlen_q, 1):
+        raise ValueError("lse: must be contiguous")
+    if on_device and lse_t.device != qt.device:
+        raise ValueError(f"lse: on device {lse_t.device}, but q is on device {qt.device}")
+    for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
+        if name in tensors:
+            _check_out(name, tensors[name], like_shape, qt, on_device)
+    if deterministic:
+        raise NotImplementedError("attention_backward: deterministic=True is not implemented yet")
+    if not on_device:
+        return _backward_host(tensors, causal, scale)
+
+    dout_t, out_t = tensors["dout"], tensors["out"]
+    qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
+                                 for t in (qt, kt, vt, dout_t, out_t))
+    grads = {name: tensors.get(name) or interop.empty(framework, qt, shape)
+             for name, shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape))}
+    group = heads // kt.shape[2]
+    delta = interop.empty(framework, qt, (batch, heads, seqlen_q), float32=True)
+    dq_accum = interop.empty(framework, qt, qt.shape, float32=True, zeroed=True)
+    dk_accum, dv_accum = ((interop.empty(framework, qt, kt.shape, float32=True, zeroed=True) for _ in range(2))
+                          if group > 1 else (None, None))
+
+    family, arch = _device_plan(qt.device)
+    preprocess, main, convert = dispatch.backward_kernels(family, head_dim, bool(causal), qt.dtype)
+    stream = interop.stream_handle(framework, qt.device)
+    params = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads["dk"], grads["dv"],
+                             dk_accum, dv_accum, scale)
+    kernels.launch(preprocess, arch, qt.device, (-(-seqlen_q // 8), heads, batch), params, stream)
+    kernels.launch(main, arch, qt.device, (-(-kt.shape[1] // main.tile.block_n), heads, batch), params, stream)
+    for src, name in ((dq_accum, "dq"), (dk_accum, "dk"), (dv_accum, "dv")):
+        if src is not None:
+            pairs = math.prod(src.shape) // 2
+            kernels.launch(convert, arch, qt.device, (-(-pairs // 256), 1, 1),
+                           pack_convert_params(src, grads[name]), stream)
+    return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
+
+
+def _backward_host(tensors: dict, causal: bool, scale: float):
+    """NumPy in, NumPy out: the float64 reference gradients, cast to the inputs' dtype."""
+    q = tensors["q"]
+    result = reference.attention_backward_reference(tensors["dout"], q, tensors["k"], tensors["v"],
+                                                    causal=bool(causal), softmax_scale=scale)
+    grads = []
+    for name, value in zip(("dq", "dk", "dv"), result):
+        if name in tensors:
+            tensors[name][...] = value.astype(q.dtype)
+            grads.append(tensors[name])
+        else:
+            grads.append(value.astype(q.dtype))
+    return tuple(grads)

@@ -18,7 +18,8 @@ __all__ = [
     "HEAD_DIM_BUCKETS",
     "KernelChoice",
     "Tile",
-    "all_forward_kernels",
+    "all_kernels",
+    "backward_kernels",
     "forward_kernel",
     "head_dim_bucket",
     "select_family",
@@ -57,18 +58,14 @@ class KernelChoice:
     family: str
     source: str  # relative to cuda_src/
     name_expression: str
-    tile: Tile
-    head_dim_bucket: int
+    threads: int
+    smem_bytes: int  # dynamic shared memory per CTA
+    tile: Tile | None = None  # attention kernels' tile; None for the small helper kernels
 
-    @property
-    def threads(self) -> int:
-        return self.tile.warps * 32
 
-    @property
-    def smem_bytes(self) -> int:
-        # Q tile plus one K and one V tile, rows padded to whole 128-byte groups (see smem.cuh).
-        row_elems = -(-self.head_dim_bucket // 64) * 64
-        return (self.tile.block_m + 2 * self.tile.block_n) * row_elems * 2
+def _row_elems(bucket: int) -> int:
+    """Shared-memory row pitch of a head-dim bucket: whole 128-byte swizzle groups (smem.cuh)."""
+    return -(-bucket // 64) * 64
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -123,14 +120,42 @@ def forward_kernel(
         f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
         f"{'true' if causal else 'false'}, {ELEMENT_TYPES[dtype_name]}>"
     )
-    return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile, bucket)
+    # Q tile plus one K and one V tile.
+    smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2
+    return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile)
 
 
-def all_forward_kernels(family: str) -> list[KernelChoice]:
-    """Every forward instantiation of a family, for the ahead-of-time compile check."""
-    return [
-        forward_kernel(family, bucket, causal, dtype)
-        for bucket in HEAD_DIM_BUCKETS
-        for causal in (False, True)
-        for dtype in ELEMENT_TYPES
-    ]
+# sm80 backward: 64 keys per CTA and 64 query rows per step for every bucket, 8 warps (the warp
+# layouts in flash_bwd.cu assume exactly this). dK and dV stay in registers: 16 keys x half of
+# head_dim each per warp, 64 fp32 registers per thread at head_dim 128.
+SM80_BWD_TILE = Tile(64, 64, 8)
+
+
+@functools.lru_cache(maxsize=None)
+def backward_kernels(family: str, head_dim: int, causal: bool, dtype_name: str) -> tuple[KernelChoice, ...]:
+    """(preprocess, main, convert) kernels of the backward pass."""
+    if family != "sm80":
+        raise ValueError(f"family: no backward kernel for {family!r}")
+    bucket = head_dim_bucket(head_dim)
+    tile, elem = SM80_BWD_TILE, ELEMENT_TYPES[dtype_name]
+    main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
+            f"{'true' if causal else 'false'}, {elem}>")
+    # K, V, two buffers each of Q and dO, and the P and dS tiles (rows of block_n elements).
+    smem = ((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
+    return (
+        KernelChoice(family, "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", 256, 0),
+        KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile),
+        KernelChoice(family, "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", 256, 0),
+    )
+
+
+def all_kernels(family: str) -> list[KernelChoice]:
+    """Every instantiation of a family (forward and backward), for the ahead-of-time compile check."""
+    found: dict[str, KernelChoice] = {}
+    for bucket in HEAD_DIM_BUCKETS:
+        for causal in (False, True):
+            for dtype in ELEMENT_TYPES:
+                for choice in (forward_kernel(family, bucket, causal, dtype),
+                               *backward_kernels(family, bucket, causal, dtype)):
+                    found.setdefault(choice.name_expression, choice)
+    return list(found.values())

@@ -100,17 +100,21 @@ def _torch():
     return torch
 
 
-def empty(framework: str, like: DeviceTensor, shape: tuple[int, ...], float32: bool = False) -> DeviceTensor:
+def empty(framework: str, like: DeviceTensor, shape: tuple[int, ...], float32: bool = False,
+          zeroed: bool = False) -> DeviceTensor:
     """A new array shaped ``shape`` of ``like``'s dtype (or float32), on ``like``'s device, from
-    the caller's framework (CuPy for CuPy and other DLPack producers)."""
+    the caller's framework (CuPy for CuPy and other DLPack producers). Scratch buffers come from
+    the caller's allocator too, so torch's stream-ordered caching allocator owns their lifetime;
+    ``zeroed`` fills them on the caller's stream."""
     if framework == "torch":
         torch = _torch()
-        native = torch.empty(shape, dtype=torch.float32 if float32 else like.native.dtype,
-                             device=like.native.device)
+        make = torch.zeros if zeroed else torch.empty
+        native = make(shape, dtype=torch.float32 if float32 else like.native.dtype, device=like.native.device)
         return describe(native, "torch", "")
     cupy = _cupy()
     with cupy.cuda.Device(like.device):
-        native = cupy.empty(shape, dtype=np.float32 if float32 else like.native.dtype)
+        make = cupy.zeros if zeroed else cupy.empty
+        native = make(shape, dtype=np.float32 if float32 else like.native.dtype)
     return describe(native, "cupy", "")
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "attention_backward_reference",
     "attention_reference",
     "attention_blockwise",
     "attention_flops",
@@ -236,6 +237,55 @@ def attention_blockwise(
         out.reshape(b, hq, sq, dv).transpose(0, 2, 1, 3),
         lse.reshape(b, hq, sq),
     )
+
+
+def attention_backward_reference(
+    dout: npt.ArrayLike,
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Float64 gradients of ``out = attention(q, k, v)`` against the upstream gradient ``dout``.
+
+    With ``P = softmax(S)``, ``S = q kᵀ · scale``: ``dv = Pᵀ dout``, ``dP = dout vᵀ``,
+    ``dS = P ∘ (dP - rowsum(dP ∘ P))``, ``dq = dS k · scale``, ``dk = dSᵀ q · scale``. For GQA/MQA,
+    dk and dv of a kv head are summed over the query heads that share it. Masked scores, and
+    rows that see no key, contribute nothing.
+
+    Returns
+    -------
+    dq : (batch, seqlen_q, heads, head_dim), dk and dv : (batch, seqlen_k, heads_kv, head_dim),
+    all float64.
+    """
+    q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
+    dout = np.asarray(dout, dtype=np.float64)
+    if dout.shape != q.shape[:3] + (v.shape[3],):
+        raise ValueError(f"dout: expected shape {q.shape[:3] + (v.shape[3],)}, got {dout.shape}")
+    qh, kh, vh, doh = (x.astype(np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, dout))
+    b, hq, sq, _ = qh.shape
+    hkv, sk = kh.shape[1], kh.shape[2]
+    group = hq // hkv
+    allowed = _causal_allowed(np.arange(sq), np.arange(sk), sk - sq) if causal else None
+    dq, dk, dv = np.zeros_like(qh), np.zeros_like(kh), np.zeros_like(vh)
+    for bi in range(b):
+        for h in range(hq):
+            kv = h // group
+            s = qh[bi, h] @ kh[bi, kv].T * scale
+            if allowed is not None:
+                s = np.where(allowed, s, -np.inf)
+            m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+            p = np.exp(s - np.where(np.isneginf(m), 0, m))
+            l = p.sum(axis=-1, keepdims=True)
+            p /= np.where(l == 0, 1, l)
+            dv[bi, kv] += p.T @ doh[bi, h]
+            dp = doh[bi, h] @ vh[bi, kv].T
+            ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+            dq[bi, h] = ds @ kh[bi, kv] * scale
+            dk[bi, kv] += ds.T @ qh[bi, h] * scale
+    return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
 
 
 def attention_flops(

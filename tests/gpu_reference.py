@@ -56,6 +56,36 @@ def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None):
     return out.transpose(0, 2, 1, 3), lse
 
 
+def attention_backward(q, k, v, dout, *, causal: bool, scale: float, lowp: str | None = None):
+    """(dq, dk, dv) in float64; ``lowp`` rounds S, P, dP, dS and the gradients to float16/bfloat16,
+    as autograd through attention computed in that dtype would."""
+    group = q.shape[2] // k.shape[2]
+    qh, kh, vh, doh = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
+    kh, vh = (cp.repeat(x, group, axis=1) for x in (kh, vh))
+    rnd = (lambda x: round_to(x, lowp)) if lowp else (lambda x: x)
+    s = rnd(cp.matmul(qh, kh.transpose(0, 1, 3, 2)) * scale)
+    sq, sk = q.shape[1], k.shape[1]
+    if causal:
+        allowed = cp.arange(sk)[None, :] <= cp.arange(sq)[:, None] + (sk - sq)
+        s = cp.where(allowed, s, -cp.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = cp.exp(s - cp.where(cp.isneginf(m), 0.0, m))
+    l = p.sum(axis=-1, keepdims=True)
+    p = rnd(p / cp.where(l == 0, 1.0, l))
+    dv = cp.matmul(p.transpose(0, 1, 3, 2), doh)
+    dp = rnd(cp.matmul(doh, vh.transpose(0, 1, 3, 2)))
+    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+    dq = cp.matmul(ds, kh) * scale
+    dk = cp.matmul(ds.transpose(0, 1, 3, 2), qh) * scale
+
+    def per_kv_head(x):  # sum the query heads of each group
+        b, h, s_, d = x.shape
+        return x.reshape(b, h // group, group, s_, d).sum(axis=2)
+
+    dq, dk, dv = dq, per_kv_head(dk), per_kv_head(dv)
+    return tuple(rnd(x).transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
 def check_rule(name: str, got, ref, lowp_ref, dtype_name: str) -> None:
     """DESIGN.md: max|got - ref| <= 2 max|lowp_ref - ref| + atol, with atol the rounding error
     of representing the reference in the low-precision dtype (flash-attn's test rule)."""

@@ -117,7 +117,7 @@ def test_device_seqlen_above_grid_limit():
 def test_misaligned_out_is_refused():
     q = _tensor((1, 8, 2, 64))
     with pytest.raises(ValueError, match="out: data pointer"):
-        api._check_out(_tensor((1, 8, 2, 64), ptr=(1 << 20) + 2), q.shape, q, on_device=True)
+        api._check_out("out", _tensor((1, 8, 2, 64), ptr=(1 << 20) + 2), q.shape, q, on_device=True)
 
 
 def test_alignment_rule():

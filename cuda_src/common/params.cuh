@@ -25,4 +25,49 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 160, "cuflash/params.py packs 160 bytes");
 
+// Backward pass: inputs of the forward, its output and LSE, the upstream gradient, fp32
+// accumulators and the gradients. Mirrored by BWD_PARAMS in cuflash/params.py.
+struct BwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* dout;
+  const float* lse;  // (batch, heads, seqlen_q), contiguous
+  float* delta;      // (batch, heads, seqlen_q): rowsum(dO * O), written by the preprocess
+  float* dq_accum;   // (batch, seqlen_q, heads, head_dim) fp32, zeroed, atomically accumulated
+  void* dk;          // (batch, seqlen_k, heads_kv, head_dim), written directly when kv_group == 1
+  void* dv;
+  float* dk_accum;   // (batch, seqlen_k, heads_kv, head_dim) fp32, zeroed, when kv_group > 1
+  float* dv_accum;
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 k_batch_stride, k_row_stride, k_head_stride;
+  i64 v_batch_stride, v_row_stride, v_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  i64 do_batch_stride, do_row_stride, do_head_stride;
+  i64 dk_batch_stride, dk_row_stride, dk_head_stride;
+  i64 dv_batch_stride, dv_row_stride, dv_head_stride;
+  int batch;
+  int heads;
+  int kv_group;
+  int seqlen_q;
+  int seqlen_k;
+  int head_dim;
+  float scale_log2;
+  float scale;
+};
+static_assert(sizeof(BwdParams) == 296, "cuflash/params.py packs 296 bytes");
+
+// fp32 (batch, seqlen, heads, head_dim) contiguous -> 16-bit output with any strides.
+struct ConvertParams {
+  const float* src;
+  void* dst;
+  i64 dst_batch_stride, dst_row_stride, dst_head_stride;
+  int batch;
+  int seqlen;
+  int heads;
+  int head_dim;
+};
+static_assert(sizeof(ConvertParams) == 56, "cuflash/params.py packs 56 bytes");
+
 }  // namespace cuflash

@@ -75,13 +75,20 @@ template <int ROW_ELEMS>
 struct FragmentAddress {
   u32 addr[4];
 
-  __device__ __forceinline__ FragmentAddress(const u16* tile, int row, int chunk_bit) {
+  // col_base (a multiple of 16 elements, may be a run-time value such as a warp's column offset)
+  // is folded into the four addresses: adding 8 chunks to a logical chunk adds 8 to the physical
+  // one, so at() stays a table lookup by compile-time offsets.
+  __device__ __forceinline__ FragmentAddress(const u16* tile, int row, int chunk_bit, int col_base = 0) {
     const u32 row_start = smem_addr(tile + row * ROW_ELEMS);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) addr[j] = row_start + ((((2 * j) | chunk_bit) ^ (row & 7)) * 16);
+    for (int j = 0; j < 4; ++j) {
+      const int chunk = col_base / 8 + 2 * j + chunk_bit;
+      addr[j] = row_start + (((chunk ^ row) & 7) | (chunk & ~7)) * 16;
+    }
   }
 
-  // Byte address at (row + row_offset, col + chunk_bit * 8); row_offset % 8 == 0, col % 16 == 0.
+  // Byte address at (row + row_offset, col_base + col + chunk_bit * 8); row_offset % 8 == 0 and
+  // col % 16 == 0, both compile-time after unrolling.
   __device__ __forceinline__ u32 at(int row_offset, int col) const {
     const int chunk = col / 8;
     return addr[(chunk % 8) / 2] + (row_offset * ROW_ELEMS + (chunk & ~7) * 8) * 2;
