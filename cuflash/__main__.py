@@ -136,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--head-dims", type=_head_dims, help="e.g. '64,128,256' (default: 64 128 256)")
     bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
-    bench.add_argument("--mode", choices=["fwd", "bwd"], default="fwd", help="forward or backward pass")
+    bench.add_argument("--mode", choices=bench_module.MODES, default="fwd",
+                       help="what one timed call does: forward, backward (forward run untimed) or both")
     bench.add_argument("--family", choices=["auto", "sm80"], default="auto", help="cuflash kernel family")
     bench.add_argument("--impls", nargs="+", choices=bench_module.IMPLEMENTATIONS,
                        default=list(bench_module.IMPLEMENTATIONS), help="what to time (peers that are not installed are skipped)")
@@ -149,10 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bench(args: argparse.Namespace) -> int:
-    if args.mode == "bwd":
-        print("python -m cuflash bench: --mode bwd needs the backward pass, which cuflash does not have "
-              "yet", file=sys.stderr)
-        return 2
     reason = gpu_unavailable()
     if reason is not None:
         print(f"python -m cuflash bench needs a CUDA GPU ({reason})", file=sys.stderr)
@@ -169,7 +166,7 @@ def bench(args: argparse.Namespace) -> int:
         return 0
     head_dims = args.head_dims or (bench_module.QUICK_HEAD_DIMS if args.quick else bench_module.STANDARD_HEAD_DIMS)
     seqlens = args.seqlens or (bench_module.QUICK_SEQLENS if args.quick else bench_module.STANDARD_SEQLENS)
-    sweep = bench_module.cases(args.dtype, head_dims, seqlens, args.causal)
+    sweep = bench_module.cases(args.dtype, head_dims, seqlens, args.causal, args.mode)
     report = bench_module.run_sweep(sweep, args.impls, repeats=args.repeats)
     print(bench_module.markdown_table(report))
     for line in bench_module.write_outputs(report, out):

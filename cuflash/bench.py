@@ -1,6 +1,7 @@
 """``python -m cuflash bench``: cuflash next to its peers in one run, and the IO/memory report.
 
-The sweep times the forward pass on DESIGN.md's standard shapes (batch·seqlen = 16384,
+The sweep times the forward pass (or with ``--mode`` the backward, or both) on DESIGN.md's
+standard shapes (batch·seqlen = 16384,
 heads·head_dim = 2048) for cuflash and every peer that is installed: torch SDPA with its
 FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, and standard
 attention in CuPy (S and P written to memory). It writes ``bench.md`` (table with ratios),
@@ -36,12 +37,17 @@ IMPLEMENTATIONS = ("cuflash", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sta
 PEERS_FOR_RATIOS = ("sdpa-flash", "sdpa-cudnn")
 
 
+MODES = ("fwd", "bwd", "fwd_bwd")
+MODE_TITLES = {"fwd": "Forward", "bwd": "Backward", "fwd_bwd": "Forward + backward"}
+
+
 @dataclass(frozen=True)
 class Case:
     dtype: str
     head_dim: int
     seqlen: int
     causal: bool
+    mode: str = "fwd"  # what one timed call does: the forward, the backward, or both
 
     @property
     def batch(self) -> int:
@@ -51,9 +57,9 @@ class Case:
     def heads(self) -> int:
         return max(1, HIDDEN // self.head_dim)
 
-    def flops(self, mode: str = "fwd") -> float:
+    def flops(self) -> float:
         return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim,
-                               causal=self.causal, mode=mode)
+                               causal=self.causal, mode=self.mode)
 
 
 @dataclass
@@ -75,10 +81,10 @@ class Report:
     compile_times: list[dict] = field(default_factory=list)
 
 
-def cases(dtype: str, head_dims, seqlens, causal: str) -> list[Case]:
+def cases(dtype: str, head_dims, seqlens, causal: str, mode: str = "fwd") -> list[Case]:
     """The sweep: every head_dim x causal setting x seqlen, in table order."""
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[causal]
-    return [Case(dtype, d, s, c) for d in head_dims for c in causals for s in seqlens]
+    return [Case(dtype, d, s, c, mode) for d in head_dims for c in causals for s in seqlens]
 
 
 # ----------------------------------------------------------------------------- report writing
@@ -110,7 +116,8 @@ def markdown_table(report: Report) -> str:
                  *(_fmt(values[i]) for i in impls), *ratios]
         lines.append("| " + " | ".join(cells) + " |")
     env = report.environment
-    title = (f"Forward TFLOP/s, batch*seqlen={TOTAL_TOKENS}, heads*head_dim={HIDDEN}; "
+    mode = report.measurements[0].case.mode if report.measurements else "fwd"
+    title = (f"{MODE_TITLES[mode]} TFLOP/s, batch*seqlen={TOTAL_TOKENS}, heads*head_dim={HIDDEN}; "
              + ", ".join(f"{k} {v}" for k, v in env.items()))
     notes = [f"- {m.impl} at {m.case}: {m.note}" for m in report.measurements if m.note]
     compile_lines = [f"- {c['kernel']}: cold NVRTC compile {c['cold_compile_s']:.2f} s, "
@@ -251,14 +258,72 @@ def implementations(names) -> dict[str, Callable]:
     return found
 
 
-def measure(run: Callable, case: Case, sets, repeats: int) -> float:
+def gradient_call(name: str, case: Case, q, k, v, dout) -> Callable[[], object]:
+    """One timed call of ``case.mode`` ("bwd" or "fwd_bwd") for implementation ``name`` on one
+    input set. For "bwd" the forward runs here, once, outside the timing; the peers' backward
+    goes through autograd. Standard attention in CuPy has no backward: NotImplementedError."""
+    import cuflash
+
+    causal = case.causal
+    if name == "cuflash":
+        if case.mode == "bwd":
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            return lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+        def forward_backward():
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+
+        return forward_backward
+    if not name.startswith("sdpa-"):
+        raise NotImplementedError(f"{name} has no backward")
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+    leaves = [torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v)]
+    grad_out = torch.from_dlpack(dout).transpose(1, 2)
+
+    def forward():
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal)
+
+    if case.mode == "bwd":
+        out = forward()
+        return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+    return lambda: torch.autograd.grad(forward(), leaves, grad_out)
+
+
+def input_sets(case: Case) -> list[tuple]:
+    """Random q, k, v (and the upstream gradient for the backward modes) of ``case``, in as many
+    copies as it takes to rotate through 3x the L2 cache."""
+    from cuflash.timing import copies_to_defeat_l2
+
+    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    tensors = 3 if case.mode == "fwd" else 4
+    count = copies_to_defeat_l2(tensors * math.prod(shape) * 2)
+    return [tuple(random_normal(shape, case.dtype, seed=tensors * i + j) for j in range(tensors))
+            for i in range(count)]
+
+
+def timed_calls(name: str, run: Callable, case: Case, sets) -> list[Callable[[], object]]:
+    """One zero-argument call per input set: the forward ``run``, or ``gradient_call``."""
+    if case.mode == "fwd":
+        return [lambda s=s: run(*s, case.causal) for s in sets]
+    return [gradient_call(name, case, *s) for s in sets]
+
+
+def measure(name: str, run: Callable, case: Case, sets, repeats: int) -> float:
+    """Median ms per call of implementation ``name`` (``run`` is its forward) over the rotated sets."""
     from cuflash.timing import time_ms
 
-    return time_ms(lambda i: run(*sets[i], case.causal), len(sets), repeats=repeats)
+    calls = timed_calls(name, run, case, sets)
+    return time_ms(lambda i: calls[i](), len(calls), repeats=repeats)
 
 
-def compile_times(dtype: str, head_dims, causals) -> list[dict]:
-    """Cold NVRTC compile and warm disk-cache load of each forward instantiation the sweep used."""
+def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dict]:
+    """Cold NVRTC compile and warm disk-cache load of each instantiation the sweep used."""
     import cupy as cp
     from cupy.cuda import function as cuda_function
 
@@ -269,41 +334,40 @@ def compile_times(dtype: str, head_dims, causals) -> list[dict]:
     rows = []
     for head_dim in head_dims:
         for causal in causals:
-            choice = dispatch.forward_kernel(family, head_dim, causal, dtype)
-            cold = kernels.compile_kernel(choice, arch, use_cache=False).seconds
-            kernels.compile_kernel(choice, arch)  # make sure the disk cache holds it
-            start = time.perf_counter()
-            compiled = kernels.compile_kernel(choice, arch)
-            cuda_function.Module().load(compiled.cubin)
-            rows.append({"kernel": choice.name_expression, "arch": arch, "cold_compile_s": cold,
-                         "warm_load_ms": (time.perf_counter() - start) * 1e3})
+            choices = [dispatch.forward_kernel(family, head_dim, causal, dtype)] if mode != "bwd" else []
+            if mode != "fwd":
+                choices.append(dispatch.backward_kernels(family, head_dim, causal, dtype)[1])
+            for choice in choices:
+                cold = kernels.compile_kernel(choice, arch, use_cache=False).seconds
+                kernels.compile_kernel(choice, arch)  # make sure the disk cache holds it
+                start = time.perf_counter()
+                compiled = kernels.compile_kernel(choice, arch)
+                cuda_function.Module().load(compiled.cubin)
+                rows.append({"kernel": choice.name_expression, "arch": arch, "cold_compile_s": cold,
+                             "warm_load_ms": (time.perf_counter() - start) * 1e3})
     return rows
 
 
 def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, progress=sys.stderr) -> Report:
-    from cuflash.timing import copies_to_defeat_l2
-
     impls = implementations(impl_names)
     report = Report([], environment())
     total = len(sweep) * len(impls)
     done = 0
     for case in sweep:
-        shape = (case.batch, case.seqlen, case.heads, case.head_dim)
-        count = copies_to_defeat_l2(3 * math.prod(shape) * 2)
-        sets = [tuple(random_normal(shape, case.dtype, seed=3 * i + j) for j in range(3)) for i in range(count)]
+        sets = input_sets(case)
         for name, run in impls.items():
             done += 1
             print(f"\r[{done:>3}/{total}] {name:<15} d={case.head_dim:<3} causal={case.causal!s:<5} "
                   f"seqlen={case.seqlen:<6}", end="", file=progress, flush=True)
             try:
-                ms = measure(run, case, sets, repeats if name != "standard" else 3)
+                ms = measure(name, run, case, sets, repeats if name != "standard" else 3)
                 report.measurements.append(Measurement(name, case, ms))
             except Exception as error:  # a peer that refuses a case is reported, not fatal
                 report.measurements.append(Measurement(name, case, None, f"{type(error).__name__}: {error}"[:160]))
         del sets
     print(file=progress)
     report.compile_times = compile_times(sweep[0].dtype, sorted({c.head_dim for c in sweep}),
-                                         sorted({c.causal for c in sweep}))
+                                         sorted({c.causal for c in sweep}), sweep[0].mode)
     return report
 
 

@@ -30,9 +30,13 @@ def test_parser_rejects(argv, capsys):
     assert exit_info.value.code == 2
 
 
-def test_backward_mode_says_it_is_missing(capsys):
-    assert main(["bench", "--mode", "bwd"]) == 2
-    assert "backward" in capsys.readouterr().err
+def test_bench_without_gpu_says_so(capsys):
+    from tests.conftest import gpu_unavailable_reason
+
+    if gpu_unavailable_reason() is None:
+        pytest.skip("this machine has a GPU")
+    assert main(["bench", "--quick", "--mode", "fwd_bwd"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_sweep_cases_and_flops():
@@ -43,6 +47,10 @@ def test_sweep_cases_and_flops():
     assert case.flops() == 4 * 1 * 16 * 16384 * 16384 * 128
     assert bench.Case("bfloat16", 128, 16384, True).flops() == case.flops() / 2
     assert bench.cases("float16", [64], [512], "yes") == [bench.Case("float16", 64, 512, True)]
+    assert bench.Case("bfloat16", 128, 16384, False, "bwd").flops() == 2.5 * case.flops()
+    assert bench.Case("bfloat16", 128, 16384, False, "fwd_bwd").flops() == 3.5 * case.flops()
+    assert bench.cases("bfloat16", [64], [512], "no", "bwd")[0].mode == "bwd"
+    assert build_parser().parse_args(["bench", "--mode", "fwd_bwd"]).mode == "fwd_bwd"
 
 
 def _synthetic_report() -> bench.Report:
@@ -64,6 +72,12 @@ def test_markdown_table_has_ratios_failures_and_compile_times():
     assert "n/a" in cells  # the failed standard run
     assert "OutOfMemoryError: synthetic" in text and "cold NVRTC compile 0.40 s" in text
     assert "Synthetic GPU" in text
+
+
+def test_table_title_names_the_mode():
+    case = bench.Case("bfloat16", 64, 1024, True, "bwd")
+    report = bench.Report([bench.Measurement("cuflash", case, 2.0)], {"device": "Synthetic GPU"})
+    assert bench.markdown_table(report).startswith("Backward TFLOP/s")
 
 
 def test_json_and_plot_written(tmp_path):
@@ -104,9 +118,10 @@ def test_memory_table_reports_where_standard_stops_fitting():
 
 
 @pytest.mark.gpu
-def test_bench_quick_end_to_end(tmp_path):
+@pytest.mark.parametrize("mode", ["fwd", "fwd_bwd"])
+def test_bench_quick_end_to_end(tmp_path, mode):
     result = subprocess.run([sys.executable, "-m", "cuflash", "bench", "--quick", "--repeats", "3",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                             "--mode", mode, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     for name in ("bench.md", "bench.json", "bench.png"):
         assert (tmp_path / name).stat().st_size > 0, name
