@@ -13,7 +13,8 @@ import pytest
 
 import cuflash
 from cuflash import api, dispatch, interop
-from cuflash.params import FWD_PARAMS, FWD_PARAMS_SIZE
+from cuflash.params import (BWD_PARAMS, BWD_PARAMS_SIZE, CONVERT_PARAMS, CONVERT_PARAMS_SIZE, FWD_PARAMS,
+                            FWD_PARAMS_SIZE)
 
 
 def qkv(shape_q=(2, 16, 4, 64), shape_kv=(2, 24, 2, 64), dtype=np.float32):
@@ -130,6 +131,10 @@ def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.itemsize == FWD_PARAMS_SIZE
     assert FWD_PARAMS.fields["lse"][1] == 32 and FWD_PARAMS.fields["q_batch_stride"][1] == 40
     assert FWD_PARAMS.fields["heads"][1] == 136 and FWD_PARAMS.fields["scale_log2"][1] == 156
+    # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
+    assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
+    assert BWD_PARAMS.fields["q_batch_stride"][1] == 96 and BWD_PARAMS.fields["batch"][1] == 264
+    assert BWD_PARAMS.fields["scale"][1] == 292 and CONVERT_PARAMS.fields["batch"][1] == 40
 
 
 def test_dispatch_families(monkeypatch):
@@ -171,3 +176,59 @@ def test_device_errors_with_real_arrays():
         cuflash.attention(h, np.zeros((1, 8, 2, 64), np.float16), h)
     with pytest.raises(ValueError, match="out: expected shape"):
         cuflash.attention(h, h, h, out=cp.empty((1, 8, 2, 32), cp.float16))
+
+
+def _forward_for_backward(dtype=np.float32):
+    q, k, v = qkv(dtype=dtype)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    dout = np.random.default_rng().standard_normal(q.shape).astype(dtype)
+    return dout, q, k, v, out, lse
+
+
+def test_backward_host_path_matches_reference():
+    from cuflash.reference import attention_backward_reference
+
+    dout, q, k, v, out, lse = _forward_for_backward(np.float64)
+    dk_given = np.full(k.shape, np.nan)
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, dk=dk_given)
+    expected = attention_backward_reference(dout, q, k, v, causal=True)
+    assert dk is dk_given
+    for got, want in zip((dq, dk, dv), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "mutate, error, words",
+    [
+        (lambda a: a | {"dout": a["dout"][:, :3]}, ValueError, "dout: expected shape"),
+        (lambda a: a | {"dout": a["dout"].astype(np.float64)}, TypeError, "dout: expected dtype"),
+        (lambda a: a | {"out": a["out"][..., :32]}, ValueError, "out: expected shape"),
+        (lambda a: a | {"lse": a["lse"].astype(np.float64)}, TypeError, "lse: expected float32"),
+        (lambda a: a | {"lse": a["lse"][:, :2]}, ValueError, "lse: expected shape"),
+        (lambda a: a | {"lse": np.asfortranarray(a["lse"])}, ValueError, "lse: must be contiguous"),
+        (lambda a: a | {"dq": np.empty((2, 16, 4, 32), np.float32)}, ValueError, "dq: expected shape"),
+        (lambda a: a | {"dk": np.empty((2, 24, 2, 64), np.float64)}, TypeError, "dk: expected dtype"),
+        (lambda a: a | {"dv": np.empty((2, 16, 4, 64), np.float32)}, ValueError, "dv: expected shape"),
+    ],
+)
+def test_backward_bad_inputs(mutate, error, words):
+    dout, q, k, v, out, lse = _forward_for_backward()
+    args = mutate({"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse})
+    grads = {name: args.pop(name) for name in ("dq", "dk", "dv") if name in args}
+    with pytest.raises(error, match=words):
+        cuflash.attention_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"],
+                                   causal=True, **grads)
+
+
+def test_backward_deterministic_is_refused_not_ignored():
+    dout, q, k, v, out, lse = _forward_for_backward()
+    with pytest.raises(NotImplementedError, match="deterministic"):
+        cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+
+
+def test_backward_kernel_choices():
+    preprocess, main, convert = dispatch.backward_kernels("sm80", 128, True, "bfloat16")
+    assert main.name_expression == "cuflash::flash_bwd_sm80<128, 64, 64, 8, true, cuflash::bf16>"
+    assert main.smem_bytes == ((2 * 64 + 4 * 64) * 128 + 2 * 64 * 64) * 2
+    assert dispatch.backward_kernels("sm80", 256, False, "float16")[1].smem_bytes <= 227 * 1024
+    assert preprocess.smem_bytes == convert.smem_bytes == 0
