@@ -197,7 +197,7 @@ def attention(
         _check_out("out", out_t, qt.shape, qt, on_device=True)
     else:
         out_t = interop.empty(framework, qt, qt.shape)
-    lse_t = interop.empty(framework, qt, (batch, heads, seqlen_q), float32=True)
+    lse_t = interop.empty(framework, qt, (batch, heads, seqlen_q), dtype="float32")
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
 
     family, arch = _device_plan(qt.device)
@@ -257,9 +257,13 @@ def attention_backward(
     causal, softmax_scale
         As in the forward call.
     deterministic : bool
-        Bitwise-reproducible gradients. Not implemented yet: True raises NotImplementedError.
-        The default accumulates dq (and, when several query heads share a K/V head, dk and dv)
-        with fp32 atomics, whose order varies between runs, so those can differ in the last bits.
+        False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds whose
+        order varies between runs, so results can differ in the last bits from run to run.
+        True: bitwise-identical gradients on every run. Each query block's dq is summed in a fixed
+        order of key blocks (a counter per query block orders the adds; the schedule keeps CTAs
+        from waiting on each other in the common case), and GQA/MQA dk, dv are stored per query
+        head and summed in head order. Costs a few percent of backward time and, under GQA/MQA,
+        fp32 scratch of 2 x (batch, seqlen_k, heads, head_dim) instead of heads_kv.
     dq, dk, dv : arrays, optional
         Where to write the gradients (shapes of q, k, v; dtype of q).
 
@@ -274,8 +278,6 @@ def attention_backward(
     TypeError, ValueError
         As for :func:`attention`, and for dout/out not matching q, an lse that is not float32 or
         not (batch, heads, seqlen_q), or gradients passed in dq/dk/dv of the wrong shape or dtype.
-    NotImplementedError
-        ``deterministic=True``.
     """
     given = {"dq": dq, "dk": dk, "dv": dv}
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
@@ -304,8 +306,6 @@ def attention_backward(
     for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
         if name in tensors:
             _check_out(name, tensors[name], like_shape, qt, on_device)
-    if deterministic:
-        raise NotImplementedError("attention_backward: deterministic=True is not implemented yet")
     if not on_device:
         return _backward_host(tensors, causal, scale)
 
@@ -314,17 +314,25 @@ def attention_backward(
                                  for t in (qt, kt, vt, dout_t, out_t))
     grads = {name: tensors.get(name) or interop.empty(framework, qt, shape)
              for name, shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape))}
-    group = heads // kt.shape[2]
-    delta = interop.empty(framework, qt, (batch, heads, seqlen_q), float32=True)
-    dq_accum = interop.empty(framework, qt, qt.shape, float32=True, zeroed=True)
-    dk_accum, dv_accum = ((interop.empty(framework, qt, kt.shape, float32=True, zeroed=True) for _ in range(2))
-                          if group > 1 else (None, None))
-
+    deterministic = bool(deterministic)
     family, arch = _device_plan(qt.device)
-    preprocess, main, convert = dispatch.backward_kernels(family, head_dim, bool(causal), qt.dtype)
+    preprocess, main, convert = dispatch.backward_kernels(family, head_dim, bool(causal), qt.dtype, deterministic)
+    group = heads // kt.shape[2]
+    delta = interop.empty(framework, qt, (batch, heads, seqlen_q), dtype="float32")
+    dq_accum = interop.empty(framework, qt, qt.shape, dtype="float32", zeroed=True)
+    dk_accum = dv_accum = dq_semaphore = None
+    if group > 1:
+        # Deterministic: one slice per query head, plainly stored, summed by the convert kernel.
+        shape = (*kt.shape[:2], heads if deterministic else kt.shape[2], head_dim)
+        dk_accum, dv_accum = (interop.empty(framework, qt, shape, dtype="float32", zeroed=not deterministic)
+                              for _ in range(2))
+    if deterministic:
+        m_blocks = -(-seqlen_q // main.tile.block_m)
+        dq_semaphore = interop.empty(framework, qt, (batch, heads, m_blocks), dtype="int32", zeroed=True)
+
     stream = interop.stream_handle(framework, qt.device)
     params = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads["dk"], grads["dv"],
-                             dk_accum, dv_accum, scale)
+                             dk_accum, dv_accum, dq_semaphore, scale)
     kernels.launch(preprocess, arch, qt.device, (-(-seqlen_q // 8), heads, batch), params, stream)
     kernels.launch(main, arch, qt.device, (-(-kt.shape[1] // main.tile.block_n), heads, batch), params, stream)
     for src, name in ((dq_accum, "dq"), (dk_accum, "dk"), (dv_accum, "dv")):

@@ -33,7 +33,9 @@ STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 STANDARD_HEAD_DIMS = (64, 128, 256)
 QUICK_SEQLENS = (1024, 4096)
 QUICK_HEAD_DIMS = (128,)
-IMPLEMENTATIONS = ("cuflash", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "standard")
+IMPLEMENTATIONS = ("cuflash", "cuflash-deterministic", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "standard")
+# Implementations that only differ from another in their backward: left out of forward sweeps.
+BACKWARD_VARIANTS = ("cuflash-deterministic",)
 PEERS_FOR_RATIOS = ("sdpa-flash", "sdpa-cudnn")
 
 
@@ -236,7 +238,7 @@ def implementations(names) -> dict[str, Callable]:
 
     found: dict[str, Callable] = {}
     for name in names:
-        if name == "cuflash":
+        if name in ("cuflash", "cuflash-deterministic"):
             found[name] = lambda q, k, v, causal: cuflash.attention(q, k, v, causal=causal)
         elif name == "standard":
             found[name] = standard_attention
@@ -265,14 +267,15 @@ def gradient_call(name: str, case: Case, q, k, v, dout) -> Callable[[], object]:
     import cuflash
 
     causal = case.causal
-    if name == "cuflash":
+    if name in ("cuflash", "cuflash-deterministic"):
+        ordered = name == "cuflash-deterministic"
         if case.mode == "bwd":
             out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-            return lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+            return lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=ordered)
 
         def forward_backward():
             out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-            return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+            return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=ordered)
 
         return forward_backward
     if not name.startswith("sdpa-"):
@@ -349,6 +352,8 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
 
 
 def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, progress=sys.stderr) -> Report:
+    if sweep and sweep[0].mode == "fwd":
+        impl_names = [name for name in impl_names if name not in BACKWARD_VARIANTS]
     impls = implementations(impl_names)
     report = Report([], environment())
     total = len(sweep) * len(impls)

@@ -125,21 +125,31 @@ def forward_kernel(
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile)
 
 
-# sm80 backward: 64 keys per CTA and 64 query rows per step for every bucket, 8 warps (the warp
-# layouts in flash_bwd.cu assume exactly this). dK and dV stay in registers: 16 keys x half of
-# head_dim each per warp, 64 fp32 registers per thread at head_dim 128.
-SM80_BWD_TILE = Tile(64, 64, 8)
+# sm80 backward, per head-dim bucket: BLOCK_N keys per CTA, BLOCK_M query rows per step, 8 warps
+# (flash_bwd.cu derives its warp layouts from these). dK and dV stay in registers for the whole
+# loop: 32 keys x head_dim / (8 / (BLOCK_N / 32)) columns each per warp, 128 fp32 registers per
+# thread at head_dim 128 and 256. 128 keys per CTA halve the Q/dO loads and dQ reductions per
+# FLOP against 64; heads wider than 128 drop to 64 keys to fit K, V and two Q/dO buffers in 227 KB.
+SM80_BWD_TILES = {
+    64: Tile(64, 128, 8),
+    96: Tile(64, 128, 8),
+    128: Tile(64, 128, 8),
+    192: Tile(64, 64, 8),
+    256: Tile(64, 64, 8),
+}
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernels(family: str, head_dim: int, causal: bool, dtype_name: str) -> tuple[KernelChoice, ...]:
-    """(preprocess, main, convert) kernels of the backward pass."""
+def backward_kernels(family: str, head_dim: int, causal: bool, dtype_name: str, deterministic: bool = False,
+                     tile: Tile | None = None) -> tuple[KernelChoice, ...]:
+    """(preprocess, main, convert) kernels of the backward pass (``tile`` overrides the table, for
+    tuning)."""
     if family != "sm80":
         raise ValueError(f"family: no backward kernel for {family!r}")
     bucket = head_dim_bucket(head_dim)
-    tile, elem = SM80_BWD_TILE, ELEMENT_TYPES[dtype_name]
+    tile, elem = tile or SM80_BWD_TILES[bucket], ELEMENT_TYPES[dtype_name]
     main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
-            f"{'true' if causal else 'false'}, {elem}>")
+            f"{'true' if causal else 'false'}, {'true' if deterministic else 'false'}, {elem}>")
     # K, V, two buffers each of Q and dO, and the P and dS tiles (rows of block_n elements).
     smem = ((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
     return (
@@ -155,7 +165,8 @@ def all_kernels(family: str) -> list[KernelChoice]:
     for bucket in HEAD_DIM_BUCKETS:
         for causal in (False, True):
             for dtype in ELEMENT_TYPES:
-                for choice in (forward_kernel(family, bucket, causal, dtype),
-                               *backward_kernels(family, bucket, causal, dtype)):
-                    found.setdefault(choice.name_expression, choice)
+                for deterministic in (False, True):
+                    for choice in (forward_kernel(family, bucket, causal, dtype),
+                                   *backward_kernels(family, bucket, causal, dtype, deterministic)):
+                        found.setdefault(choice.name_expression, choice)
     return list(found.values())

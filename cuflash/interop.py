@@ -100,21 +100,21 @@ def _torch():
     return torch
 
 
-def empty(framework: str, like: DeviceTensor, shape: tuple[int, ...], float32: bool = False,
+def empty(framework: str, like: DeviceTensor, shape: tuple[int, ...], dtype: str | None = None,
           zeroed: bool = False) -> DeviceTensor:
-    """A new array shaped ``shape`` of ``like``'s dtype (or float32), on ``like``'s device, from
+    """A new array shaped ``shape`` of ``dtype`` (default: ``like``'s), on ``like``'s device, from
     the caller's framework (CuPy for CuPy and other DLPack producers). Scratch buffers come from
     the caller's allocator too, so torch's stream-ordered caching allocator owns their lifetime;
     ``zeroed`` fills them on the caller's stream."""
     if framework == "torch":
         torch = _torch()
         make = torch.zeros if zeroed else torch.empty
-        native = make(shape, dtype=torch.float32 if float32 else like.native.dtype, device=like.native.device)
+        native = make(shape, dtype=getattr(torch, dtype) if dtype else like.native.dtype, device=like.native.device)
         return describe(native, "torch", "")
     cupy = _cupy()
     with cupy.cuda.Device(like.device):
         make = cupy.zeros if zeroed else cupy.empty
-        native = make(shape, dtype=np.float32 if float32 else like.native.dtype)
+        native = make(shape, dtype=np.dtype(dtype) if dtype else like.native.dtype)
     return describe(native, "cupy", "")
 
 

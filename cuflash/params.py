@@ -41,29 +41,30 @@ _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv"
 
 BWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dk", "dv",
-                                    "dk_accum", "dv_accum")]
+                                    "dk_accum", "dv_accum", "dq_semaphore")]
     + [(name, np.int64) for name in _BWD_STRIDES]
     + [(name, np.int32) for name in ("batch", "heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim")]
     + [("scale_log2", np.float32), ("scale", np.float32)],
     align=True,
 )
-BWD_PARAMS_SIZE = 296  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 304  # sizeof(BwdParams) in params.cuh
 
 CONVERT_PARAMS = np.dtype(
     [("src", np.uint64), ("dst", np.uint64)]
     + [(name, np.int64) for name in ("dst_batch_stride", "dst_row_stride", "dst_head_stride")]
-    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim")],
+    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "group")],
     align=True,
 )
-CONVERT_PARAMS_SIZE = 56  # sizeof(ConvertParams) in params.cuh
+CONVERT_PARAMS_SIZE = 64  # sizeof(ConvertParams) in params.cuh
 
 
-def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum,
+def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, dq_semaphore,
                     softmax_scale: float) -> np.ndarray:
-    """One BwdParams struct; every argument a DeviceTensor (dk_accum, dv_accum may be None)."""
+    """One BwdParams struct; every argument a DeviceTensor (dk_accum, dv_accum and dq_semaphore may
+    be None)."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
-                                                          dk_accum, dv_accum)]
+                                                          dk_accum, dv_accum, dq_semaphore)]
     return np.array(
         [(*pointers, *strides, q.shape[0], q.shape[2], q.shape[2] // k.shape[2], q.shape[1], k.shape[1],
           q.shape[3], softmax_scale * _LOG2E, softmax_scale)],
@@ -72,5 +73,7 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
 
 
 def pack_convert_params(src, dst) -> np.ndarray:
-    """fp32 contiguous ``src`` (batch, seqlen, heads, head_dim) into 16-bit ``dst`` of any strides."""
-    return np.array([(src.ptr, dst.ptr, *dst.strides[:3], *dst.shape)], dtype=CONVERT_PARAMS)
+    """fp32 contiguous ``src`` (batch, seqlen, heads * group, head_dim) into 16-bit ``dst``
+    (batch, seqlen, heads, head_dim) of any strides, summing each group of source heads."""
+    group = src.shape[2] // dst.shape[2]
+    return np.array([(src.ptr, dst.ptr, *dst.strides[:3], *dst.shape, group)], dtype=CONVERT_PARAMS)

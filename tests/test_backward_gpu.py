@@ -78,8 +78,36 @@ def test_backward_bad_inputs():
         cuflash.attention_backward(q, q, q, q, q, lse[:, :1])
     with pytest.raises(ValueError, match="dk: expected shape"):
         cuflash.attention_backward(q, q, q, q, q, lse, dk=cp.empty((1, 8, 1, 64), cp.float16))
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        cuflash.attention_backward(q, q, q, q, q, lse, deterministic=True)
+
+
+@pytest.mark.parametrize("group", ["mha", "gqa"])
+@pytest.mark.parametrize("seqlens", [(1023, 1023), (113, 1023), (1023, 113), (257, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_deterministic_matches_reference_and_repeats_bitwise(head_dim, causal, seqlens, group, rng):
+    import cupy as cp
+
+    import cuflash
+    from tests import gpu_reference as ref
+
+    heads, heads_kv = GROUPS[group]
+    q = ref.random_bshd((2, seqlens[0], heads, head_dim), "bfloat16", rng)
+    k, v = (ref.random_bshd((2, seqlens[1], heads_kv, head_dim), "bfloat16", rng) for _ in range(2))
+    dout = ref.random_bshd(q.shape, "bfloat16", rng)
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    first = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True)
+    scale = 1 / math.sqrt(head_dim)
+    q64, k64, v64, do64 = (ref.as_float64(x) for x in (q, k, v, dout))
+    exact = ref.attention_backward(q64, k64, v64, do64, causal=causal, scale=scale)
+    lowp = ref.attention_backward(q64, k64, v64, do64, causal=causal, scale=scale, lowp="bfloat16")
+    for name, got, e, lp in zip(("dq", "dk", "dv"), first, exact, lowp):
+        ref.check_rule(name, got, e, lp, "bfloat16")
+    for _ in range(9):
+        again = [cp.full_like(x, cp.nan) for x in first]
+        cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True,
+                                   dq=again[0], dk=again[1], dv=again[2])
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -138,6 +166,26 @@ def test_torch_compile_fullgraph_forward_and_backward():
     assert diff <= 1e-2 * block.proj.weight.grad.float().abs().max().item()
 
 
+def test_flash_attn_func_deterministic_gradients_repeat_bitwise():
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_func
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(2, 700, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, 900, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    dout = torch.randn_like(q)
+
+    def gradients():
+        xs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        flash_attn_func(*xs, causal=True, deterministic=True).backward(dout)
+        return [x.grad for x in xs]
+
+    first = gradients()
+    for _ in range(3):
+        for a, b in zip(first, gradients()):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
 def test_flash_attn_func_signature_and_refusals():
     torch = pytest.importorskip("torch")
     from cuflash.torch import flash_attn_func
@@ -147,6 +195,6 @@ def test_flash_attn_func_signature_and_refusals():
     assert out.shape == q.shape and out.dtype == q.dtype
     for kwargs, name in (({"dropout_p": 0.1}, "dropout_p"), ({"window_size": (128, 0)}, "window_size"),
                          ({"softcap": 30.0}, "softcap"), ({"alibi_slopes": torch.ones(2)}, "alibi_slopes"),
-                         ({"deterministic": True}, "deterministic"), ({"return_attn_probs": True}, "return_attn_probs")):
+                         ({"return_attn_probs": True}, "return_attn_probs")):
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_func(q, q, q, **kwargs)

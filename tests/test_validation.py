@@ -133,8 +133,9 @@ def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.fields["heads"][1] == 136 and FWD_PARAMS.fields["scale_log2"][1] == 156
     # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
-    assert BWD_PARAMS.fields["q_batch_stride"][1] == 96 and BWD_PARAMS.fields["batch"][1] == 264
-    assert BWD_PARAMS.fields["scale"][1] == 292 and CONVERT_PARAMS.fields["batch"][1] == 40
+    assert BWD_PARAMS.fields["q_batch_stride"][1] == 104 and BWD_PARAMS.fields["batch"][1] == 272
+    assert BWD_PARAMS.fields["scale"][1] == 300 and CONVERT_PARAMS.fields["batch"][1] == 40
+    assert CONVERT_PARAMS.fields["group"][1] == 56
 
 
 def test_dispatch_families(monkeypatch):
@@ -220,15 +221,20 @@ def test_backward_bad_inputs(mutate, error, words):
                                    causal=True, **grads)
 
 
-def test_backward_deterministic_is_refused_not_ignored():
-    dout, q, k, v, out, lse = _forward_for_backward()
-    with pytest.raises(NotImplementedError, match="deterministic"):
-        cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True)
+def test_backward_deterministic_host_path():
+    dout, q, k, v, out, lse = _forward_for_backward(np.float64)
+    default = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    ordered = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    for a, b in zip(default, ordered):
+        assert np.array_equal(a, b)
 
 
 def test_backward_kernel_choices():
     preprocess, main, convert = dispatch.backward_kernels("sm80", 128, True, "bfloat16")
-    assert main.name_expression == "cuflash::flash_bwd_sm80<128, 64, 64, 8, true, cuflash::bf16>"
-    assert main.smem_bytes == ((2 * 64 + 4 * 64) * 128 + 2 * 64 * 64) * 2
-    assert dispatch.backward_kernels("sm80", 256, False, "float16")[1].smem_bytes <= 227 * 1024
+    assert main.name_expression == "cuflash::flash_bwd_sm80<128, 64, 128, 8, true, false, cuflash::bf16>"
+    assert main.smem_bytes == ((2 * 128 + 4 * 64) * 128 + 2 * 64 * 128) * 2
+    ordered = dispatch.backward_kernels("sm80", 100, False, "float16", deterministic=True)[1]
+    assert ordered.name_expression == "cuflash::flash_bwd_sm80<128, 64, 128, 8, false, true, cuflash::f16>"
+    for bucket in dispatch.HEAD_DIM_BUCKETS:
+        assert dispatch.backward_kernels("sm80", bucket, False, "float16")[1].smem_bytes <= 227 * 1024
     assert preprocess.smem_bytes == convert.smem_bytes == 0

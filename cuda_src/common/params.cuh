@@ -38,8 +38,10 @@ struct BwdParams {
   float* dq_accum;   // (batch, seqlen_q, heads, head_dim) fp32, zeroed, atomically accumulated
   void* dk;          // (batch, seqlen_k, heads_kv, head_dim), written directly when kv_group == 1
   void* dv;
-  float* dk_accum;   // (batch, seqlen_k, heads_kv, head_dim) fp32, zeroed, when kv_group > 1
+  float* dk_accum;   // fp32, when kv_group > 1: (batch, seqlen_k, heads_kv, head_dim) zeroed, or in
+                     // deterministic mode (batch, seqlen_k, heads, head_dim), one slice per query head
   float* dv_accum;
+  int* dq_semaphore;  // (batch, heads, query blocks), zeroed: deterministic mode's add counters
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;
   i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -56,9 +58,10 @@ struct BwdParams {
   float scale_log2;
   float scale;
 };
-static_assert(sizeof(BwdParams) == 296, "cuflash/params.py packs 296 bytes");
+static_assert(sizeof(BwdParams) == 304, "cuflash/params.py packs 304 bytes");
 
-// fp32 (batch, seqlen, heads, head_dim) contiguous -> 16-bit output with any strides.
+// fp32 (batch, seqlen, heads * group, head_dim) contiguous -> 16-bit (batch, seqlen, heads,
+// head_dim) with any strides, summing each group of source heads.
 struct ConvertParams {
   const float* src;
   void* dst;
@@ -67,7 +70,8 @@ struct ConvertParams {
   int seqlen;
   int heads;
   int head_dim;
+  int group;
 };
-static_assert(sizeof(ConvertParams) == 56, "cuflash/params.py packs 56 bytes");
+static_assert(sizeof(ConvertParams) == 64, "cuflash/params.py packs 64 bytes");
 
 }  // namespace cuflash

@@ -6,6 +6,8 @@
 //     registers and adds its share of dQ into an fp32 buffer with atomics;
 //   flash_bwd_convert_sm80: fp32 accumulators -> the gradients' dtype (dQ always; dK and dV when
 //     several query heads share a K/V head and their contributions were summed atomically).
+#include "common/atomics.cuh"
+#include "common/bwd_schedule.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
 #include "common/smem.cuh"
@@ -41,19 +43,31 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm80(const __grid_co
   if (lane == 0) p.delta[(static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + row] = sum;
 }
 
-// BLOCK_N keys per CTA, BLOCK_M query rows per step, 8 warps. The five products per step use two
-// warp layouts over the 64 x 64 (rows x keys) tile: S = Q K^T and dP = dO V^T with warps as
-// 4 (16 rows) x 2 (32 keys); dV += P^T dO, dK += dS^T Q and dQ = dS K with warps as 4 (16 keys,
-// or 16 rows for dQ) x 2 (halves of head_dim). P and dS go through shared memory between the two.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, class Elem>
-__global__ void __launch_bounds__(WARPS * 32) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
-  static_assert(BLOCK_M == 64 && BLOCK_N == 64 && WARPS == 8, "the warp layouts assume 64 x 64 and 8 warps");
+// One CTA per (key block, head, batch), 8 warps. Each step handles BLOCK_M query rows with five
+// products, in three warp layouts chosen so that each warp's tile is as square as the registers
+// allow (shared-memory reads per multiply-add fall with the tile's area over its perimeter):
+//   S = Q K^T, dP = dO V^T:   warps as KEY_WARPS (32 keys) x ROW_WARPS (BLOCK_M / ROW_WARPS rows);
+//   dV += P^T dO, dK += dS^T Q: warps as KEY_WARPS (32 keys) x ROW_WARPS (head_dim slices), the
+//                               accumulators living in registers for the whole loop;
+//   dQ = dS K:                 warps as Q_ROW_WARPS (rows) x Q_D_WARPS (head_dim slices).
+// P and dS go through shared memory between the layouts.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, bool DETERMINISTIC, class Elem>
+__global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
   constexpr int THREADS = WARPS * 32;
   constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;
   constexpr int KSTEPS = HEAD_DIM / 16;
-  constexpr int HALF_D = HEAD_DIM / 2;  // columns of dK, dV, dQ per warp
-  constexpr int DT = HALF_D / 8;
-  static_assert(HALF_D % 16 == 0, "head_dim halves must be whole 16-column steps");
+  constexpr int KEY_WARPS = BLOCK_N / 32;
+  constexpr int ROW_WARPS = WARPS / KEY_WARPS;
+  constexpr int S_MT = BLOCK_M / ROW_WARPS / 16;  // 16-row tiles of S per warp
+  constexpr int KV_COLS = HEAD_DIM / ROW_WARPS;  // dK, dV columns per warp
+  constexpr int KV_NT = KV_COLS / 8;
+  constexpr int Q_D_WARPS = (HEAD_DIM / 4) % 16 == 0 ? 4 : 2;
+  constexpr int Q_ROWS = BLOCK_M / (WARPS / Q_D_WARPS);
+  constexpr int Q_MT = Q_ROWS / 16;
+  constexpr int Q_COLS = HEAD_DIM / Q_D_WARPS;
+  constexpr int Q_NT = Q_COLS / 8;
+  static_assert(BLOCK_N % 64 == 0 && KEY_WARPS * ROW_WARPS == WARPS, "32 keys per warp, P rows of 64k");
+  static_assert(S_MT >= 1 && KV_COLS % 16 == 0 && Q_COLS % 16 == 0 && Q_MT >= 1, "whole 16 x 16 steps");
   constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) unsigned char smem[];
@@ -61,7 +75,7 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_sm80(const __grid_consta
   u16* const sV = sK + BLOCK_N * ROW_ELEMS;
   u16* const sQ = sV + BLOCK_N * ROW_ELEMS;   // two buffers: the next step's Q loads under this one
   u16* const sdO = sQ + 2 * BLOCK_M * ROW_ELEMS;
-  u16* const sP = sdO + 2 * BLOCK_M * ROW_ELEMS;  // BLOCK_M x BLOCK_N, rows of 64 elements
+  u16* const sP = sdO + 2 * BLOCK_M * ROW_ELEMS;  // BLOCK_M x BLOCK_N
   u16* const sdS = sP + BLOCK_M * BLOCK_N;
   constexpr u32 kQBufferBytes = BLOCK_M * ROW_ELEMS * 2;
 
@@ -71,10 +85,15 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_sm80(const __grid_consta
   const int kv_head = head / p.kv_group;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int wr = warp / 2;  // 16-row (or 16-key) slice
-  const int wc = warp % 2;  // 32-key slice of S and dP, or head_dim half of dK, dV, dQ
+  const int kw = warp % KEY_WARPS;  // 32-key slice (S, dP, dK, dV)
+  const int rw = warp / KEY_WARPS;  // row slice of S and dP, head_dim slice of dK and dV
+  const int qd = warp % Q_D_WARPS;  // head_dim slice of dQ
+  const int qr = warp / Q_D_WARPS;  // row slice of dQ
   const int first_key = n_block * BLOCK_N;
   const Mask<CAUSAL> mask{p.seqlen_k, p.seqlen_k - p.seqlen_q};
+  const BwdSchedule<BLOCK_M, BLOCK_N, CAUSAL> schedule{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M,
+                                                       static_cast<int>(gridDim.x), p.seqlen_k - p.seqlen_q};
+  const int steps = schedule.steps(n_block);
 
   const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
   const u16* dout = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
@@ -94,62 +113,71 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_sm80(const __grid_consta
                                                            dout + row * p.do_row_stride, p.do_row_stride,
                                                            p.seqlen_q - row, p.head_dim);
   };
-
-  // Query blocks that see any key of this block: causal rows r see keys up to r + sk - sq.
-  const int m_begin = CAUSAL ? max(0, first_key - (p.seqlen_k - p.seqlen_q)) / BLOCK_M : 0;
-  const int m_end = (p.seqlen_q + BLOCK_M - 1) / BLOCK_M;
-  if (m_begin < m_end) load_q_block(m_begin, 0);
+  if (steps > 0) load_q_block(schedule.block_at(n_block, 0), 0);
   cp_async_commit();
 
   // Operand addresses (see FragmentAddress): A fragments of Q and dO (rows x d), B fragments of K
   // and V as K^T / V^T, transposed A fragments of P and dS (P^T, dS^T: keys x rows), transposed B
   // fragments of dO and Q (rows x d as k x n) and of K (keys x d), A fragments of dS (rows x keys).
-  const FragmentAddress<ROW_ELEMS> q_a(sQ, wr * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
-  const FragmentAddress<ROW_ELEMS> do_a(sdO, wr * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
-  const FragmentAddress<ROW_ELEMS> k_b(sK, wc * 32 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-  const FragmentAddress<ROW_ELEMS> v_b(sV, wc * 32 + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-  const FragmentAddress<BLOCK_N> p_t(sP, lane % 8 + (lane / 16) * 8, (lane / 8) % 2, wr * 16);
-  const FragmentAddress<BLOCK_N> ds_t(sdS, lane % 8 + (lane / 16) * 8, (lane / 8) % 2, wr * 16);
-  const FragmentAddress<ROW_ELEMS> do_bt(sdO, lane % 8 + ((lane / 8) % 2) * 8, lane / 16, wc * HALF_D);
-  const FragmentAddress<ROW_ELEMS> q_bt(sQ, lane % 8 + ((lane / 8) % 2) * 8, lane / 16, wc * HALF_D);
-  const FragmentAddress<ROW_ELEMS> k_bt(sK, lane % 8 + ((lane / 8) % 2) * 8, lane / 16, wc * HALF_D);
-  const FragmentAddress<BLOCK_N> ds_a(sdS, wr * 16 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const int a_row = lane % 8 + ((lane / 8) % 2) * 8;
+  const int b_row = lane % 8 + (lane / 16) * 8;
+  const FragmentAddress<ROW_ELEMS> q_a(sQ, rw * (BLOCK_M / ROW_WARPS) + a_row, lane / 16);
+  const FragmentAddress<ROW_ELEMS> do_a(sdO, rw * (BLOCK_M / ROW_WARPS) + a_row, lane / 16);
+  const FragmentAddress<ROW_ELEMS> k_b(sK, kw * 32 + b_row, (lane / 8) % 2);
+  const FragmentAddress<ROW_ELEMS> v_b(sV, kw * 32 + b_row, (lane / 8) % 2);
+  const FragmentAddress<BLOCK_N> p_t(sP, b_row, (lane / 8) % 2, kw * 32);
+  const FragmentAddress<BLOCK_N> ds_t(sdS, b_row, (lane / 8) % 2, kw * 32);
+  const FragmentAddress<ROW_ELEMS> do_bt(sdO, a_row, lane / 16, rw * KV_COLS);
+  const FragmentAddress<ROW_ELEMS> q_bt(sQ, a_row, lane / 16, rw * KV_COLS);
+  const FragmentAddress<ROW_ELEMS> k_bt(sK, a_row, lane / 16, qd * Q_COLS);
+  const FragmentAddress<BLOCK_N> ds_a(sdS, qr * Q_ROWS + a_row, lane / 16);
 
-  float dk[DT][4], dv[DT][4];
+  float dk[2][KV_NT][4], dv[2][KV_NT][4];
 #pragma unroll
-  for (int dt = 0; dt < DT; ++dt)
+  for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+    for (int nt = 0; nt < KV_NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[mt][nt][e] = dv[mt][nt][e] = 0.f;
 
-  for (int m = m_begin; m < m_end; ++m) {
-    const u32 buffer_offset = ((m - m_begin) % 2) * kQBufferBytes;
+  for (int step = 0; step < steps; ++step) {
+    const int m = schedule.block_at(n_block, step);
+    const u32 buffer_offset = (step % 2) * kQBufferBytes;
     // Q and dO of this step (and K, V on the first) have landed; every warp is done with the
     // previous step, so its Q/dO buffer, sP and sdS can be overwritten.
     cp_async_wait<0>();
     __syncthreads();
-    if (m + 1 < m_end) load_q_block(m + 1, (m + 1 - m_begin) % 2);
+    if (step + 1 < steps) load_q_block(schedule.block_at(n_block, step + 1), (step + 1) % 2);
     cp_async_commit();
 
-    // S = Q K^T and dP = dO V^T for 16 rows x 32 keys per warp.
-    float s[4][4], dp[4][4];
+    // S = Q K^T and dP = dO V^T: S_MT x 16 rows by 32 keys per warp.
+    float s[S_MT][4][4], dp[S_MT][4][4];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
+    for (int mt = 0; mt < S_MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = dp[nt][e] = 0.f;
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < KSTEPS; ++ks) {
-      u32 aq[4], ado[4];
-      ldmatrix_x4(aq, q_a.at(0, ks * 16) + buffer_offset);
-      ldmatrix_x4(ado, do_a.at(0, ks * 16) + buffer_offset);
+      u32 aq[S_MT][4], ado[S_MT][4];
+#pragma unroll
+      for (int mt = 0; mt < S_MT; ++mt) {
+        ldmatrix_x4(aq[mt], q_a.at(mt * 16, ks * 16) + buffer_offset);
+        ldmatrix_x4(ado[mt], do_a.at(mt * 16, ks * 16) + buffer_offset);
+      }
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         u32 bk[4], bv[4];
         ldmatrix_x4(bk, k_b.at(np * 16, ks * 16));
         ldmatrix_x4(bv, v_b.at(np * 16, ks * 16));
-        Elem::mma(s[2 * np], aq, bk[0], bk[1]);
-        Elem::mma(s[2 * np + 1], aq, bk[2], bk[3]);
-        Elem::mma(dp[2 * np], ado, bv[0], bv[1]);
-        Elem::mma(dp[2 * np + 1], ado, bv[2], bv[3]);
+#pragma unroll
+        for (int mt = 0; mt < S_MT; ++mt) {
+          Elem::mma(s[mt][2 * np], aq[mt], bk[0], bk[1]);
+          Elem::mma(s[mt][2 * np + 1], aq[mt], bk[2], bk[3]);
+          Elem::mma(dp[mt][2 * np], ado[mt], bv[0], bv[1]);
+          Elem::mma(dp[mt][2 * np + 1], ado[mt], bv[2], bv[3]);
+        }
       }
     }
 
@@ -157,111 +185,152 @@ __global__ void __launch_bounds__(WARPS * 32) flash_bwd_sm80(const __grid_consta
     // masked (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
     // dS = P * (dP - delta). Both to shared memory as 16-bit pairs for the next three products.
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int local_row = wr * 16 + h * 8 + lane / 4;
-      const int row = m * BLOCK_M + local_row;
-      const bool row_inside = row < p.seqlen_q;
-      const i64 stat = (static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + row;
-      const float lse_log2 = row_inside ? p.lse[stat] * kLog2e : 0.f;
-      const float delta = row_inside ? p.delta[stat] : 0.f;
-      const int key_limit = row_inside ? mask.key_limit(row) - first_key : 0;
+    for (int mt = 0; mt < S_MT; ++mt) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int key = wc * 32 + nt * 8 + (lane % 4) * 2;
-        float pv[2], dsv[2];
+      for (int h = 0; h < 2; ++h) {
+        const int local_row = rw * (BLOCK_M / ROW_WARPS) + mt * 16 + h * 8 + lane / 4;
+        const int row = m * BLOCK_M + local_row;
+        const bool row_inside = row < p.seqlen_q;
+        const i64 stat = (static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + row;
+        const float lse_log2 = row_inside ? p.lse[stat] * kLog2e : 0.f;
+        const float delta = row_inside ? p.delta[stat] : 0.f;
+        const int key_limit = row_inside ? mask.key_limit(row) - first_key : 0;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          pv[e] = key + e < key_limit ? fast_exp2(fmaf(s[nt][2 * h + e], p.scale_log2, -lse_log2)) : 0.f;
-          dsv[e] = pv[e] * (dp[nt][2 * h + e] - delta);
+        for (int nt = 0; nt < 4; ++nt) {
+          const int key = kw * 32 + nt * 8 + (lane % 4) * 2;
+          float pv[2], dsv[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            pv[e] = key + e < key_limit ? fast_exp2(fmaf(s[mt][nt][2 * h + e], p.scale_log2, -lse_log2)) : 0.f;
+            dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - delta);
+          }
+          *reinterpret_cast<u32*>(sP + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(pv[0], pv[1]);
+          *reinterpret_cast<u32*>(sdS + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(dsv[0], dsv[1]);
         }
-        *reinterpret_cast<u32*>(sP + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(pv[0], pv[1]);
-        *reinterpret_cast<u32*>(sdS + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(dsv[0], dsv[1]);
       }
     }
     __syncthreads();
 
-    // dV += P^T dO and dK += dS^T Q: 16 keys x half of head_dim per warp, k over the 64 rows.
+    // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
 #pragma unroll
     for (int kt = 0; kt < BLOCK_M / 16; ++kt) {
-      u32 apt[4], adst[4];
-      ldmatrix_x4_trans(apt, p_t.at(kt * 16, 0));
-      ldmatrix_x4_trans(adst, ds_t.at(kt * 16, 0));
+      u32 apt[2][4], adst[2][4];
 #pragma unroll
-      for (int dp2 = 0; dp2 < DT / 2; ++dp2) {
+      for (int mt = 0; mt < 2; ++mt) {
+        ldmatrix_x4_trans(apt[mt], p_t.at(kt * 16, mt * 16));
+        ldmatrix_x4_trans(adst[mt], ds_t.at(kt * 16, mt * 16));
+      }
+#pragma unroll
+      for (int np = 0; np < KV_NT / 2; ++np) {
         u32 bdo[4], bq[4];
-        ldmatrix_x4_trans(bdo, do_bt.at(kt * 16, dp2 * 16) + buffer_offset);
-        ldmatrix_x4_trans(bq, q_bt.at(kt * 16, dp2 * 16) + buffer_offset);
-        Elem::mma(dv[2 * dp2], apt, bdo[0], bdo[1]);
-        Elem::mma(dv[2 * dp2 + 1], apt, bdo[2], bdo[3]);
-        Elem::mma(dk[2 * dp2], adst, bq[0], bq[1]);
-        Elem::mma(dk[2 * dp2 + 1], adst, bq[2], bq[3]);
+        ldmatrix_x4_trans(bdo, do_bt.at(kt * 16, np * 16) + buffer_offset);
+        ldmatrix_x4_trans(bq, q_bt.at(kt * 16, np * 16) + buffer_offset);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          Elem::mma(dv[mt][2 * np], apt[mt], bdo[0], bdo[1]);
+          Elem::mma(dv[mt][2 * np + 1], apt[mt], bdo[2], bdo[3]);
+          Elem::mma(dk[mt][2 * np], adst[mt], bq[0], bq[1]);
+          Elem::mma(dk[mt][2 * np + 1], adst[mt], bq[2], bq[3]);
+        }
       }
     }
 
-    // dQ += scale * dS K: 16 rows x half of head_dim per warp, k over the 64 keys; added into
-    // the fp32 buffer, since every key block contributes to the same rows.
-    float dq[DT][4];
+    // dQ = dS K: Q_ROWS x Q_COLS per warp, k over the BLOCK_N keys.
+    float dq[Q_MT][Q_NT][4];
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
+    for (int mt = 0; mt < Q_MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+      for (int nt = 0; nt < Q_NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dq[mt][nt][e] = 0.f;
 #pragma unroll
     for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
-      u32 ads[4];
-      ldmatrix_x4(ads, ds_a.at(0, kt * 16));
+      u32 ads[Q_MT][4];
 #pragma unroll
-      for (int dp2 = 0; dp2 < DT / 2; ++dp2) {
+      for (int mt = 0; mt < Q_MT; ++mt) ldmatrix_x4(ads[mt], ds_a.at(mt * 16, kt * 16));
+#pragma unroll
+      for (int np = 0; np < Q_NT / 2; ++np) {
         u32 bk[4];
-        ldmatrix_x4_trans(bk, k_bt.at(kt * 16, dp2 * 16));
-        Elem::mma(dq[2 * dp2], ads, bk[0], bk[1]);
-        Elem::mma(dq[2 * dp2 + 1], ads, bk[2], bk[3]);
-      }
-    }
+        ldmatrix_x4_trans(bk, k_bt.at(kt * 16, np * 16));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = m * BLOCK_M + wr * 16 + h * 8 + lane / 4;
-      if (row >= p.seqlen_q) continue;
-      float* dq_row = p.dq_accum + ((static_cast<i64>(batch) * p.seqlen_q + row) * p.heads + head) * p.head_dim;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        const int col = wc * HALF_D + dt * 8 + (lane % 4) * 2;
-        if (col < p.head_dim) {
-          atomicAdd(dq_row + col, dq[dt][2 * h] * p.scale);
-          atomicAdd(dq_row + col + 1, dq[dt][2 * h + 1] * p.scale);
+        for (int mt = 0; mt < Q_MT; ++mt) {
+          Elem::mma(dq[mt][2 * np], ads[mt], bk[0], bk[1]);
+          Elem::mma(dq[mt][2 * np + 1], ads[mt], bk[2], bk[3]);
         }
       }
+    }
+
+    // Every key block adds into the same fp32 dQ rows. Deterministic mode adds in the fixed order
+    // of BwdSchedule::rank: each warp waits until the WARPS adds of every earlier key block are
+    // counted, and counts its own once they are visible (the fence before the count).
+    int* const flag = p.dq_semaphore + (static_cast<i64>(batch) * p.heads + head) * schedule.m_blocks + m;
+    if constexpr (DETERMINISTIC) {
+      const int target = schedule.rank(n_block, m) * WARPS;
+      if (lane == 0)
+        while (load_acquire(flag) < target) {
+        }
+      __syncwarp();
+    }
+#pragma unroll
+    for (int mt = 0; mt < Q_MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = m * BLOCK_M + qr * Q_ROWS + mt * 16 + h * 8 + lane / 4;
+        if (row >= p.seqlen_q) continue;
+        float* dq_row = p.dq_accum + ((static_cast<i64>(batch) * p.seqlen_q + row) * p.heads + head) * p.head_dim;
+#pragma unroll
+        for (int nt = 0; nt < Q_NT; ++nt) {
+          const int col = qd * Q_COLS + nt * 8 + (lane % 4) * 2;
+          if (col < p.head_dim) red_add_f32x2(dq_row + col, dq[mt][nt][2 * h] * p.scale, dq[mt][nt][2 * h + 1] * p.scale);
+        }
+      }
+    }
+    if constexpr (DETERMINISTIC) {
+      __threadfence();
+      __syncwarp();
+      if (lane == 0) atomicAdd(flag, 1);
     }
   }
 
   // dK (times the softmax scale) and dV of this block's keys: written directly when this CTA's
-  // query head is the only one using its K/V head, else summed over the group in fp32.
+  // query head is the only one using its K/V head. Otherwise summed over the group in fp32:
+  // atomically into (batch, seqlen_k, heads_kv, head_dim), or, in deterministic mode, stored per
+  // query head into (batch, seqlen_k, heads, head_dim) and summed in order by the convert kernel.
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = first_key + wr * 16 + h * 8 + lane / 4;
-    if (key >= p.seqlen_k) continue;
+  for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      const int col = wc * HALF_D + dt * 8 + (lane % 4) * 2;
-      if (col >= p.head_dim) continue;
-      const float dk0 = dk[dt][2 * h] * p.scale, dk1 = dk[dt][2 * h + 1] * p.scale;
-      const float dv0 = dv[dt][2 * h], dv1 = dv[dt][2 * h + 1];
-      if (p.kv_group == 1) {
-        *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key * p.dk_row_stride +
-                                kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
-        *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + key * p.dv_row_stride +
-                                kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
-      } else {
-        const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * (p.heads / p.kv_group) + kv_head) *
-                           p.head_dim + col;
-        atomicAdd(p.dk_accum + at, dk0);
-        atomicAdd(p.dk_accum + at + 1, dk1);
-        atomicAdd(p.dv_accum + at, dv0);
-        atomicAdd(p.dv_accum + at + 1, dv1);
+    for (int h = 0; h < 2; ++h) {
+      const int key = first_key + kw * 32 + mt * 16 + h * 8 + lane / 4;
+      if (key >= p.seqlen_k) continue;
+#pragma unroll
+      for (int nt = 0; nt < KV_NT; ++nt) {
+        const int col = rw * KV_COLS + nt * 8 + (lane % 4) * 2;
+        if (col >= p.head_dim) continue;
+        const float dk0 = dk[mt][nt][2 * h] * p.scale, dk1 = dk[mt][nt][2 * h + 1] * p.scale;
+        const float dv0 = dv[mt][nt][2 * h], dv1 = dv[mt][nt][2 * h + 1];
+        if (p.kv_group == 1) {
+          *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key * p.dk_row_stride +
+                                  kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
+          *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + key * p.dv_row_stride +
+                                  kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
+        } else if constexpr (DETERMINISTIC) {
+          const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * p.heads + head) * p.head_dim + col;
+          *reinterpret_cast<float2*>(p.dk_accum + at) = make_float2(dk0, dk1);
+          *reinterpret_cast<float2*>(p.dv_accum + at) = make_float2(dv0, dv1);
+        } else {
+          const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * (p.heads / p.kv_group) + kv_head) *
+                             p.head_dim + col;
+          red_add_f32x2(p.dk_accum + at, dk0, dk1);
+          red_add_f32x2(p.dv_accum + at, dv0, dv1);
+        }
       }
     }
   }
 }
 
+// fp32 accumulators -> the gradient's dtype. src is (batch, seqlen, heads * group, head_dim): each
+// output head sums its `group` consecutive source heads in index order (deterministic GQA dK/dV;
+// group is 1 otherwise).
 template <class Elem>
 __global__ void __launch_bounds__(256) flash_bwd_convert_sm80(const __grid_constant__ ConvertParams p) {
   const i64 pair = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x;
@@ -269,13 +338,19 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_sm80(const __grid_const
   const i64 total = static_cast<i64>(p.batch) * p.seqlen * p.heads * pairs_per_row;
   if (pair >= total) return;
   const int col = static_cast<int>(pair % pairs_per_row) * 2;
-  const i64 rest = pair / pairs_per_row;
+  const i64 rest = pair / pairs_per_row;  // (batch * seqlen + row) * heads + head
   const int head = static_cast<int>(rest % p.heads);
   const int row = static_cast<int>((rest / p.heads) % p.seqlen);
   const int batch = static_cast<int>(rest / (static_cast<i64>(p.heads) * p.seqlen));
-  const float2 v = *reinterpret_cast<const float2*>(p.src + pair * 2);
+  const float* src = p.src + (rest * p.group) * p.head_dim + col;
+  float2 sum = make_float2(0.f, 0.f);
+  for (int g = 0; g < p.group; ++g) {
+    const float2 v = *reinterpret_cast<const float2*>(src + g * p.head_dim);
+    sum.x += v.x;
+    sum.y += v.y;
+  }
   *reinterpret_cast<u32*>(static_cast<u16*>(p.dst) + batch * p.dst_batch_stride + row * p.dst_row_stride +
-                          head * p.dst_head_stride + col) = Elem::pack(v.x, v.y);
+                          head * p.dst_head_stride + col) = Elem::pack(sum.x, sum.y);
 }
 
 }  // namespace cuflash
