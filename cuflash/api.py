@@ -17,6 +17,10 @@ __all__ = ["attention", "attention_backward"]
 _DEVICE_DTYPES = ("float16", "bfloat16")
 _HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_GRID_YZ = 65535
+# Deterministic backward: independent fp32 dQ buffers, each summed in its own fixed order and
+# added together in order at the end (BwdSchedule in cuda_src/common/bwd_schedule.cuh). More
+# splits shorten the chains of CTAs that wait for each other, at one dQ-sized fp32 buffer each.
+_DETERMINISTIC_DQ_SPLITS = 4
 
 
 def _dtype_name(x: Any) -> str:
@@ -317,9 +321,15 @@ def attention_backward(
     deterministic = bool(deterministic)
     family, arch = _device_plan(qt.device)
     preprocess, main, convert = dispatch.backward_kernels(family, head_dim, bool(causal), qt.dtype, deterministic)
+    n_blocks = -(-kt.shape[1] // main.tile.block_n)
+    if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
+        raise ValueError(f"k: seqlen_k must be at most {_MAX_GRID_YZ * main.tile.block_n} for the backward "
+                         f"at head_dim {head_dim}, got {kt.shape[1]}")
     group = heads // kt.shape[2]
+    # Causal splits would all walk the same query blocks (BwdSchedule) and contend: measured slower.
+    splits = min(_DETERMINISTIC_DQ_SPLITS, n_blocks) if deterministic and not causal else 1
     delta = interop.empty(framework, qt, (batch, heads, seqlen_q), dtype="float32")
-    dq_accum = interop.empty(framework, qt, qt.shape, dtype="float32", zeroed=True)
+    dq_accum = interop.empty(framework, qt, (splits, *qt.shape), dtype="float32", zeroed=True)
     dk_accum = dv_accum = dq_semaphore = None
     if group > 1:
         # Deterministic: one slice per query head, plainly stored, summed by the convert kernel.
@@ -328,18 +338,25 @@ def attention_backward(
                               for _ in range(2))
     if deterministic:
         m_blocks = -(-seqlen_q // main.tile.block_m)
-        dq_semaphore = interop.empty(framework, qt, (batch, heads, m_blocks), dtype="int32", zeroed=True)
+        dq_semaphore = interop.empty(framework, qt, (splits, batch, heads, m_blocks), dtype="int32", zeroed=True)
 
     stream = interop.stream_handle(framework, qt.device)
     params = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads["dk"], grads["dv"],
                              dk_accum, dv_accum, dq_semaphore, scale)
     kernels.launch(preprocess, arch, qt.device, (-(-seqlen_q // 8), heads, batch), params, stream)
-    kernels.launch(main, arch, qt.device, (-(-kt.shape[1] // main.tile.block_n), heads, batch), params, stream)
-    for src, name in ((dq_accum, "dq"), (dk_accum, "dk"), (dv_accum, "dv")):
-        if src is not None:
-            pairs = math.prod(src.shape) // 2
-            kernels.launch(convert, arch, qt.device, (-(-pairs // 256), 1, 1),
-                           pack_convert_params(src, grads[name]), stream)
+    # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
+    grid = (heads, batch, n_blocks) if causal else (n_blocks, heads, batch)
+    kernels.launch(main, arch, qt.device, grid, params, stream)
+    # (source, gradient, summands, their stride, source stride between heads): dQ sums its splits;
+    # deterministic GQA dK/dV sum the group's adjacent query-head slices.
+    converts = [(dq_accum, "dq", splits, math.prod(qt.shape), head_dim)]
+    if group > 1:
+        converts += [(src, name, *((group, head_dim, group * head_dim) if deterministic else (1, 0, head_dim)))
+                     for src, name in ((dk_accum, "dk"), (dv_accum, "dv"))]
+    for src, name, summands, summand_stride, head_stride in converts:
+        pairs = math.prod(grads[name].shape) // 2
+        kernels.launch(convert, arch, qt.device, (-(-pairs // 256), 1, 1),
+                       pack_convert_params(src, grads[name], summands, summand_stride, head_stride), stream)
     return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
 
 

@@ -43,37 +43,41 @@ BWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dk", "dv",
                                     "dk_accum", "dv_accum", "dq_semaphore")]
     + [(name, np.int64) for name in _BWD_STRIDES]
-    + [(name, np.int32) for name in ("batch", "heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim")]
+    + [(name, np.int32) for name in ("batch", "heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits")]
     + [("scale_log2", np.float32), ("scale", np.float32)],
     align=True,
 )
-BWD_PARAMS_SIZE = 304  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 312  # sizeof(BwdParams) in params.cuh
 
 CONVERT_PARAMS = np.dtype(
     [("src", np.uint64), ("dst", np.uint64)]
-    + [(name, np.int64) for name in ("dst_batch_stride", "dst_row_stride", "dst_head_stride")]
+    + [(name, np.int64) for name in ("dst_batch_stride", "dst_row_stride", "dst_head_stride", "src_head_stride",
+                                     "group_stride")]
     + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "group")],
     align=True,
 )
-CONVERT_PARAMS_SIZE = 64  # sizeof(ConvertParams) in params.cuh
+CONVERT_PARAMS_SIZE = 80  # sizeof(ConvertParams) in params.cuh
 
 
 def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, dq_semaphore,
                     softmax_scale: float) -> np.ndarray:
     """One BwdParams struct; every argument a DeviceTensor (dk_accum, dv_accum and dq_semaphore may
-    be None)."""
+    be None). dq_accum is (dq_splits, batch, seqlen_q, heads, head_dim)."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
                                                           dk_accum, dv_accum, dq_semaphore)]
     return np.array(
         [(*pointers, *strides, q.shape[0], q.shape[2], q.shape[2] // k.shape[2], q.shape[1], k.shape[1],
-          q.shape[3], softmax_scale * _LOG2E, softmax_scale)],
+          q.shape[3], dq_accum.shape[0], softmax_scale * _LOG2E, softmax_scale)],
         dtype=BWD_PARAMS,
     )
 
 
-def pack_convert_params(src, dst) -> np.ndarray:
-    """fp32 contiguous ``src`` (batch, seqlen, heads * group, head_dim) into 16-bit ``dst``
-    (batch, seqlen, heads, head_dim) of any strides, summing each group of source heads."""
-    group = src.shape[2] // dst.shape[2]
-    return np.array([(src.ptr, dst.ptr, *dst.strides[:3], *dst.shape, group)], dtype=CONVERT_PARAMS)
+def pack_convert_params(src, dst, group: int = 1, group_stride: int = 0, src_head_stride: int | None = None) -> np.ndarray:
+    """fp32 contiguous ``src`` into 16-bit ``dst`` (batch, seqlen, heads, head_dim) of any strides:
+    output (b, s, h, c) is the in-order sum over g < ``group`` of src's element
+    ``((b * seqlen + s) * heads + h) * src_head_stride + g * group_stride + c``
+    (``src_head_stride`` defaults to head_dim)."""
+    head_stride = dst.shape[3] if src_head_stride is None else src_head_stride
+    return np.array([(src.ptr, dst.ptr, *dst.strides[:3], head_stride, group_stride, *dst.shape, group)],
+                    dtype=CONVERT_PARAMS)

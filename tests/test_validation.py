@@ -134,8 +134,8 @@ def test_params_struct_matches_cuda_layout():
     # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
     assert BWD_PARAMS.fields["q_batch_stride"][1] == 104 and BWD_PARAMS.fields["batch"][1] == 272
-    assert BWD_PARAMS.fields["scale"][1] == 300 and CONVERT_PARAMS.fields["batch"][1] == 40
-    assert CONVERT_PARAMS.fields["group"][1] == 56
+    assert BWD_PARAMS.fields["scale"][1] == 304 and CONVERT_PARAMS.fields["batch"][1] == 56
+    assert CONVERT_PARAMS.fields["group"][1] == 72 and BWD_PARAMS.fields["dq_splits"][1] == 296
 
 
 def test_dispatch_families(monkeypatch):

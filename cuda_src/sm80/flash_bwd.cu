@@ -79,9 +79,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   u16* const sdS = sP + BLOCK_M * BLOCK_N;
   constexpr u32 kQBufferBytes = BLOCK_M * ROW_ELEMS * 2;
 
-  const int n_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
+  // Causal key blocks differ in length: the grid puts them slowest, so that the longest (the
+  // first, seeing every query) are dispatched first and the short ones fill in at the end.
+  const int n_block = CAUSAL ? blockIdx.z : blockIdx.x;
+  const int head = CAUSAL ? blockIdx.x : blockIdx.y;
+  const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
   const int kv_head = head / p.kv_group;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -91,8 +93,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   const int qr = warp / Q_D_WARPS;  // row slice of dQ
   const int first_key = n_block * BLOCK_N;
   const Mask<CAUSAL> mask{p.seqlen_k, p.seqlen_k - p.seqlen_q};
-  const BwdSchedule<BLOCK_M, BLOCK_N, CAUSAL> schedule{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M,
-                                                       static_cast<int>(gridDim.x), p.seqlen_k - p.seqlen_q};
+  const BwdSchedule<BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC> schedule{
+      (p.seqlen_q + BLOCK_M - 1) / BLOCK_M, static_cast<int>(CAUSAL ? gridDim.z : gridDim.x), p.dq_splits,
+      p.seqlen_k - p.seqlen_q};
+  const int split = n_block % p.dq_splits;  // which fp32 dQ buffer this key block adds into
   const int steps = schedule.steps(n_block);
 
   const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
@@ -260,14 +264,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
       }
     }
 
-    // Every key block adds into the same fp32 dQ rows. Deterministic mode adds in the fixed order
-    // of BwdSchedule::rank: each warp waits until the WARPS adds of every earlier key block are
-    // counted, and counts its own once they are visible (the fence before the count).
-    int* const flag = p.dq_semaphore + (static_cast<i64>(batch) * p.heads + head) * schedule.m_blocks + m;
+    // Every key block adds into the same fp32 dQ rows (of its split, see BwdSchedule).
+    // Deterministic mode adds in key-block order within a split: each warp waits until the WARPS
+    // adds of every earlier key block of its split are counted, and counts its own once they are
+    // visible (the fence before the count).
+    int* const flag = p.dq_semaphore + ((static_cast<i64>(split) * p.batch + batch) * p.heads + head) *
+                                           schedule.m_blocks + m;
     if constexpr (DETERMINISTIC) {
-      const int target = schedule.rank(n_block, m) * WARPS;
       if (lane == 0)
-        while (load_acquire(flag) < target) {
+        while (load_acquire(flag) < n_block / p.dq_splits * WARPS) {
         }
       __syncwarp();
     }
@@ -277,7 +282,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
       for (int h = 0; h < 2; ++h) {
         const int row = m * BLOCK_M + qr * Q_ROWS + mt * 16 + h * 8 + lane / 4;
         if (row >= p.seqlen_q) continue;
-        float* dq_row = p.dq_accum + ((static_cast<i64>(batch) * p.seqlen_q + row) * p.heads + head) * p.head_dim;
+        float* dq_row = p.dq_accum + (((static_cast<i64>(split) * p.batch + batch) * p.seqlen_q + row) * p.heads + head) * p.head_dim;
 #pragma unroll
         for (int nt = 0; nt < Q_NT; ++nt) {
           const int col = qd * Q_COLS + nt * 8 + (lane % 4) * 2;
@@ -328,9 +333,9 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   }
 }
 
-// fp32 accumulators -> the gradient's dtype. src is (batch, seqlen, heads * group, head_dim): each
-// output head sums its `group` consecutive source heads in index order (deterministic GQA dK/dV;
-// group is 1 otherwise).
+// fp32 accumulators -> the gradient's dtype. Output element (batch, row, head, col) is the sum, in
+// index order, of `group` fp32 values: src[((batch * seqlen + row) * heads + head) *
+// src_head_stride + g * group_stride + col] (dQ splits, or deterministic GQA dK/dV per query head).
 template <class Elem>
 __global__ void __launch_bounds__(256) flash_bwd_convert_sm80(const __grid_constant__ ConvertParams p) {
   const i64 pair = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x;
@@ -342,10 +347,10 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_sm80(const __grid_const
   const int head = static_cast<int>(rest % p.heads);
   const int row = static_cast<int>((rest / p.heads) % p.seqlen);
   const int batch = static_cast<int>(rest / (static_cast<i64>(p.heads) * p.seqlen));
-  const float* src = p.src + (rest * p.group) * p.head_dim + col;
+  const float* src = p.src + rest * p.src_head_stride + col;
   float2 sum = make_float2(0.f, 0.f);
   for (int g = 0; g < p.group; ++g) {
-    const float2 v = *reinterpret_cast<const float2*>(src + g * p.head_dim);
+    const float2 v = *reinterpret_cast<const float2*>(src + g * p.group_stride);
     sum.x += v.x;
     sum.y += v.y;
   }
