@@ -17,10 +17,6 @@ __all__ = ["attention", "attention_backward"]
 _DEVICE_DTYPES = ("float16", "bfloat16")
 _HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _MAX_GRID_YZ = 65535
-# Deterministic backward: independent fp32 dQ buffers, each summed in its own fixed order and
-# added together in order at the end (BwdSchedule in cuda_src/common/bwd_schedule.cuh). More
-# splits shorten the chains of CTAs that wait for each other, at one dQ-sized fp32 buffer each.
-_DETERMINISTIC_DQ_SPLITS = 4
 
 
 def _dtype_name(x: Any) -> str:
@@ -125,6 +121,13 @@ def _check_out(name: str, t, expected_shape: tuple[int, ...], like, on_device: b
     if on_device and not t.aligned_16:
         raise ValueError(f"{name}: data pointer and strides must be 16-byte aligned (the kernel "
                          f"writes 16-byte vectors)")
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,12 +266,13 @@ def attention_backward(
     deterministic : bool
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds whose
         order varies between runs, so results can differ in the last bits from run to run.
-        True: bitwise-identical gradients on every run. Each query block's dq is summed in a fixed
-        order of key blocks (the order the GPU dispatches them; a counter per query block makes
-        each CTA wait for its predecessor's adds), non-causal in 4 independent fp32 splits added
-        together in order; GQA/MQA dk, dv are stored per query head and summed in head order.
-        Measured on an H200: 20-30% slower than the default, plus fp32 scratch of up to 4 dq-sized
-        buffers and, under GQA/MQA, 2 x (batch, seqlen_k, heads, head_dim) instead of heads_kv.
+        True: bitwise-identical gradients on every run. Each (batch, head) gets
+        ceil(SMs / (batch * heads)) CTAs (at most one per key block); each walks its key blocks in
+        a fixed order and sums dq into its own fp32 buffer, and the buffers are added in index
+        order; GQA/MQA dk, dv are stored per query head and summed in head order. No atomics race
+        and no CTA waits for another. Costs: that many dq-sized fp32 buffers (one when
+        batch * heads fills the GPU) and, under GQA/MQA, 2 x (batch, seqlen_k, heads, head_dim)
+        fp32 instead of heads_kv; time, see the README's backward table.
     dq, dk, dv : arrays, optional
         Where to write the gradients (shapes of q, k, v; dtype of q).
 
@@ -327,26 +331,27 @@ def attention_backward(
         raise ValueError(f"k: seqlen_k must be at most {_MAX_GRID_YZ * main.tile.block_n} for the backward "
                          f"at head_dim {head_dim}, got {kt.shape[1]}")
     group = heads // kt.shape[2]
-    # Causal splits would all walk the same query blocks (BwdSchedule) and contend: measured slower.
-    splits = min(_DETERMINISTIC_DQ_SPLITS, n_blocks) if deterministic and not causal else 1
+    # Deterministic: enough CTAs per (batch, head) to fill the GPU, each walking its share of the
+    # key blocks in order into its own fp32 dQ split (flash_bwd.cu); the splits are added in order.
+    splits = min(n_blocks, -(-_multiprocessors(qt.device) // (batch * heads))) if deterministic else 1
     delta = interop.empty(framework, qt, (batch, heads, seqlen_q), dtype="float32")
     dq_accum = interop.empty(framework, qt, (splits, *qt.shape), dtype="float32", zeroed=True)
-    dk_accum = dv_accum = dq_semaphore = None
+    dk_accum = dv_accum = None
     if group > 1:
         # Deterministic: one slice per query head, plainly stored, summed by the convert kernel.
         shape = (*kt.shape[:2], heads if deterministic else kt.shape[2], head_dim)
         dk_accum, dv_accum = (interop.empty(framework, qt, shape, dtype="float32", zeroed=not deterministic)
                               for _ in range(2))
-    if deterministic:
-        m_blocks = -(-seqlen_q // main.tile.block_m)
-        dq_semaphore = interop.empty(framework, qt, (splits, batch, heads, m_blocks), dtype="int32", zeroed=True)
 
     stream = interop.stream_handle(framework, qt.device)
     params = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads["dk"], grads["dv"],
-                             dk_accum, dv_accum, dq_semaphore, scale)
+                             dk_accum, dv_accum, scale)
     kernels.launch(preprocess, arch, qt.device, (-(-seqlen_q // 8), heads, batch), params, stream)
     # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
-    grid = (heads, batch, n_blocks) if causal else (n_blocks, heads, batch)
+    if deterministic:
+        grid = (splits, heads, batch)
+    else:
+        grid = (heads, batch, n_blocks) if causal else (n_blocks, heads, batch)
     kernels.launch(main, arch, qt.device, grid, params, stream)
     # (source, gradient, summands, their stride, source stride between heads): dQ sums its splits;
     # deterministic GQA dK/dV sum the group's adjacent query-head slices.

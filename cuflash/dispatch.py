@@ -150,8 +150,10 @@ def backward_kernels(family: str, head_dim: int, causal: bool, dtype_name: str, 
     tile, elem = tile or SM80_BWD_TILES[bucket], ELEMENT_TYPES[dtype_name]
     main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
             f"{'true' if causal else 'false'}, {'true' if deterministic else 'false'}, {elem}>")
-    # K, V, two buffers each of Q and dO, and the P and dS tiles (rows of block_n elements).
-    smem = ((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
+    # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
+    # buffers each of the rows' fp32 log-sum-exp and delta.
+    smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
+            + 4 * tile.block_m * 4)
     return (
         KernelChoice(family, "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", 256, 0),
         KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile),

@@ -41,13 +41,13 @@ _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv"
 
 BWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dk", "dv",
-                                    "dk_accum", "dv_accum", "dq_semaphore")]
+                                    "dk_accum", "dv_accum")]
     + [(name, np.int64) for name in _BWD_STRIDES]
     + [(name, np.int32) for name in ("batch", "heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits")]
     + [("scale_log2", np.float32), ("scale", np.float32)],
     align=True,
 )
-BWD_PARAMS_SIZE = 312  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 304  # sizeof(BwdParams) in params.cuh
 
 CONVERT_PARAMS = np.dtype(
     [("src", np.uint64), ("dst", np.uint64)]
@@ -59,13 +59,13 @@ CONVERT_PARAMS = np.dtype(
 CONVERT_PARAMS_SIZE = 80  # sizeof(ConvertParams) in params.cuh
 
 
-def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, dq_semaphore,
+def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum,
                     softmax_scale: float) -> np.ndarray:
-    """One BwdParams struct; every argument a DeviceTensor (dk_accum, dv_accum and dq_semaphore may
-    be None). dq_accum is (dq_splits, batch, seqlen_q, heads, head_dim)."""
+    """One BwdParams struct; every argument a DeviceTensor (dk_accum and dv_accum may be None).
+    dq_accum is (dq_splits, batch, seqlen_q, heads, head_dim)."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
-                                                          dk_accum, dv_accum, dq_semaphore)]
+                                                          dk_accum, dv_accum)]
     return np.array(
         [(*pointers, *strides, q.shape[0], q.shape[2], q.shape[2] // k.shape[2], q.shape[1], k.shape[1],
           q.shape[3], dq_accum.shape[0], softmax_scale * _LOG2E, softmax_scale)],

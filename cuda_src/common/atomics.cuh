@@ -1,4 +1,4 @@
-// Global-memory reductions and the flag operations that order them across CTAs.
+// Global-memory reductions.
 #pragma once
 #include "common/types.cuh"
 
@@ -13,12 +13,6 @@ __device__ __forceinline__ void red_add_f32x2(float* dst, float a, float b) {
   atomicAdd(dst, a);
   atomicAdd(dst + 1, b);
 #endif
-}
-
-__device__ __forceinline__ int load_acquire(const int* flag) {
-  int value;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(flag) : "memory");
-  return value;
 }
 
 }  // namespace cuflash

@@ -36,13 +36,12 @@ struct BwdParams {
   const float* lse;  // (batch, heads, seqlen_q), contiguous
   float* delta;      // (batch, heads, seqlen_q): rowsum(dO * O), written by the preprocess
   float* dq_accum;   // (dq_splits, batch, seqlen_q, heads, head_dim) fp32, zeroed, accumulated with
-                     // reductions; key block n adds into split n % dq_splits
+                     // reductions; deterministic CTA s adds into split s only
   void* dk;          // (batch, seqlen_k, heads_kv, head_dim), written directly when kv_group == 1
   void* dv;
   float* dk_accum;   // fp32, when kv_group > 1: (batch, seqlen_k, heads_kv, head_dim) zeroed, or in
                      // deterministic mode (batch, seqlen_k, heads, head_dim), one slice per query head
   float* dv_accum;
-  int* dq_semaphore;  // (dq_splits, batch, heads, query blocks), zeroed: deterministic add counters
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;
   i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -56,11 +55,11 @@ struct BwdParams {
   int seqlen_q;
   int seqlen_k;
   int head_dim;
-  int dq_splits;  // 1, or in deterministic mode several, each summed in its own key-block order
+  int dq_splits;  // 1, or in deterministic mode the CTAs per (batch, head), each with its own dQ
   float scale_log2;
   float scale;
 };
-static_assert(sizeof(BwdParams) == 312, "cuflash/params.py packs 312 bytes");
+static_assert(sizeof(BwdParams) == 304, "cuflash/params.py packs 304 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output the
 // in-order sum of `group` source values (flash_bwd_convert_sm80).

@@ -77,13 +77,25 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   u16* const sdO = sQ + 2 * BLOCK_M * ROW_ELEMS;
   u16* const sP = sdO + 2 * BLOCK_M * ROW_ELEMS;  // BLOCK_M x BLOCK_N
   u16* const sdS = sP + BLOCK_M * BLOCK_N;
+  // The rows' log-sum-exp and delta, two buffers like Q: staged with the Q block so that the
+  // softmax after the first two products reads shared memory, not global memory at L2 latency
+  // with two warps per scheduler to hide it.
+  float* const sLse = reinterpret_cast<float*>(sdS + BLOCK_M * BLOCK_N);
+  float* const sDelta = sLse + 2 * BLOCK_M;
   constexpr u32 kQBufferBytes = BLOCK_M * ROW_ELEMS * 2;
 
-  // Causal key blocks differ in length: the grid puts them slowest, so that the longest (the
-  // first, seeing every query) are dispatched first and the short ones fill in at the end.
-  const int n_block = CAUSAL ? blockIdx.z : blockIdx.x;
-  const int head = CAUSAL ? blockIdx.x : blockIdx.y;
-  const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
+  // Default mode: one key block per CTA. Causal key blocks differ in length, so the grid puts
+  // them slowest and the longest (the first, seeing every query) are dispatched first.
+  // Deterministic mode: grid (dq_splits, heads, batch); CTA s takes key blocks s, s + dq_splits,
+  // ... one after the other and adds their dQ into its own fp32 split: one writer per buffer, in
+  // program order, so the sums repeat bitwise with no ordering between CTAs. Interleaving the key
+  // blocks gives every split the same share of causal work.
+  const int head = CAUSAL && !DETERMINISTIC ? blockIdx.x : blockIdx.y;
+  const int batch = CAUSAL && !DETERMINISTIC ? blockIdx.y : blockIdx.z;
+  const int n_blocks = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+  const int split = DETERMINISTIC ? blockIdx.x : 0;
+  const int n_first = DETERMINISTIC || !CAUSAL ? blockIdx.x : blockIdx.z;
+  const int n_stride = DETERMINISTIC ? p.dq_splits : n_blocks;
   const int kv_head = head / p.kv_group;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -91,24 +103,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   const int rw = warp / KEY_WARPS;  // row slice of S and dP, head_dim slice of dK and dV
   const int qd = warp % Q_D_WARPS;  // head_dim slice of dQ
   const int qr = warp / Q_D_WARPS;  // row slice of dQ
-  const int first_key = n_block * BLOCK_N;
   const Mask<CAUSAL> mask{p.seqlen_k, p.seqlen_k - p.seqlen_q};
-  const BwdSchedule<BLOCK_M, BLOCK_N, CAUSAL, DETERMINISTIC> schedule{
-      (p.seqlen_q + BLOCK_M - 1) / BLOCK_M, static_cast<int>(CAUSAL ? gridDim.z : gridDim.x), p.dq_splits,
-      p.seqlen_k - p.seqlen_q};
-  const int split = n_block % p.dq_splits;  // which fp32 dQ buffer this key block adds into
-  const int steps = schedule.steps(n_block);
+  const BwdSchedule<BLOCK_M, BLOCK_N, CAUSAL> schedule{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M, n_blocks,
+                                                       p.seqlen_k - p.seqlen_q};
 
   const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
   const u16* dout = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
-  load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-      sK, static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
-              first_key * p.k_row_stride,
-      p.k_row_stride, p.seqlen_k - first_key, p.head_dim);
-  load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-      sV, static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
-              first_key * p.v_row_stride,
-      p.v_row_stride, p.seqlen_k - first_key, p.head_dim);
+  const i64 stats_offset = (static_cast<i64>(batch) * p.heads + head) * p.seqlen_q;
   auto load_q_block = [&](int m, int buffer) {
     const int row = m * BLOCK_M;
     load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ + buffer * BLOCK_M * ROW_ELEMS, q + row * p.q_row_stride,
@@ -116,9 +117,15 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
     load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sdO + buffer * BLOCK_M * ROW_ELEMS,
                                                            dout + row * p.do_row_stride, p.do_row_stride,
                                                            p.seqlen_q - row, p.head_dim);
+    static_assert(2 * BLOCK_M <= THREADS, "one thread per staged statistic");
+    if (threadIdx.x < 2 * BLOCK_M) {
+      const int r = threadIdx.x % BLOCK_M;
+      const float* stats = (threadIdx.x < BLOCK_M ? p.lse : p.delta) + stats_offset;
+      const bool inside = row + r < p.seqlen_q;
+      cp_async_4((threadIdx.x < BLOCK_M ? sLse : sDelta) + buffer * BLOCK_M + r, inside ? stats + row + r : stats,
+                 inside ? 4 : 0);
+    }
   };
-  if (steps > 0) load_q_block(schedule.block_at(n_block, 0), 0);
-  cp_async_commit();
 
   // Operand addresses (see FragmentAddress): A fragments of Q and dO (rows x d), B fragments of K
   // and V as K^T / V^T, transposed A fragments of P and dS (P^T, dS^T: keys x rows), transposed B
@@ -136,201 +143,202 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   const FragmentAddress<ROW_ELEMS> k_bt(sK, a_row, lane / 16, qd * Q_COLS);
   const FragmentAddress<BLOCK_N> ds_a(sdS, qr * Q_ROWS + a_row, lane / 16);
 
-  float dk[2][KV_NT][4], dv[2][KV_NT][4];
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < KV_NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[mt][nt][e] = dv[mt][nt][e] = 0.f;
-
-  for (int step = 0; step < steps; ++step) {
-    const int m = schedule.block_at(n_block, step);
-    const u32 buffer_offset = (step % 2) * kQBufferBytes;
-    // Q and dO of this step (and K, V on the first) have landed; every warp is done with the
-    // previous step, so its Q/dO buffer, sP and sdS can be overwritten.
-    cp_async_wait<0>();
-    __syncthreads();
-    if (step + 1 < steps) load_q_block(schedule.block_at(n_block, step + 1), (step + 1) % 2);
+  for (int n_block = n_first; n_block < n_blocks; n_block += n_stride) {
+    const int first_key = n_block * BLOCK_N;
+    const int steps = schedule.steps(n_block);
+    // Every warp is done with the previous key block's K, V, Q and dS tiles.
+    if (DETERMINISTIC) __syncthreads();
+    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+        sK, static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                first_key * p.k_row_stride,
+        p.k_row_stride, p.seqlen_k - first_key, p.head_dim);
+    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+        sV, static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                first_key * p.v_row_stride,
+        p.v_row_stride, p.seqlen_k - first_key, p.head_dim);
+    if (steps > 0) load_q_block(schedule.block_at(n_block, 0), 0);
     cp_async_commit();
 
-    // S = Q K^T and dP = dO V^T: S_MT x 16 rows by 32 keys per warp.
-    float s[S_MT][4][4], dp[S_MT][4][4];
+    float dk[2][KV_NT][4], dv[2][KV_NT][4];
 #pragma unroll
-    for (int mt = 0; mt < S_MT; ++mt)
+    for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
+      for (int nt = 0; nt < KV_NT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
+        for (int e = 0; e < 4; ++e) dk[mt][nt][e] = dv[mt][nt][e] = 0.f;
+
+    for (int step = 0; step < steps; ++step) {
+      const int m = schedule.block_at(n_block, step);
+      const u32 buffer_offset = (step % 2) * kQBufferBytes;
+      // Q and dO of this step (and K, V on the first) have landed; every warp is done with the
+      // previous step, so its Q/dO buffer, sP and sdS can be overwritten.
+      cp_async_wait<0>();
+      __syncthreads();
+      if (step + 1 < steps) load_q_block(schedule.block_at(n_block, step + 1), (step + 1) % 2);
+      cp_async_commit();
+
+      // S = Q K^T and dP = dO V^T: S_MT x 16 rows by 32 keys per warp.
+      float s[S_MT][4][4], dp[S_MT][4][4];
 #pragma unroll
-    for (int ks = 0; ks < KSTEPS; ++ks) {
-      u32 aq[S_MT][4], ado[S_MT][4];
+      for (int mt = 0; mt < S_MT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < S_MT; ++mt) {
-        ldmatrix_x4(aq[mt], q_a.at(mt * 16, ks * 16) + buffer_offset);
-        ldmatrix_x4(ado[mt], do_a.at(mt * 16, ks * 16) + buffer_offset);
-      }
+        for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        u32 bk[4], bv[4];
-        ldmatrix_x4(bk, k_b.at(np * 16, ks * 16));
-        ldmatrix_x4(bv, v_b.at(np * 16, ks * 16));
+          for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        u32 aq[S_MT][4], ado[S_MT][4];
 #pragma unroll
         for (int mt = 0; mt < S_MT; ++mt) {
-          Elem::mma(s[mt][2 * np], aq[mt], bk[0], bk[1]);
-          Elem::mma(s[mt][2 * np + 1], aq[mt], bk[2], bk[3]);
-          Elem::mma(dp[mt][2 * np], ado[mt], bv[0], bv[1]);
-          Elem::mma(dp[mt][2 * np + 1], ado[mt], bv[2], bv[3]);
+          ldmatrix_x4(aq[mt], q_a.at(mt * 16, ks * 16) + buffer_offset);
+          ldmatrix_x4(ado[mt], do_a.at(mt * 16, ks * 16) + buffer_offset);
         }
-      }
-    }
-
-    // P = exp2(S * scale * log2(e) - lse * log2(e)) recomputed from the forward's LSE, 0 where
-    // masked (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
-    // dS = P * (dP - delta). Both to shared memory as 16-bit pairs for the next three products.
 #pragma unroll
-    for (int mt = 0; mt < S_MT; ++mt) {
+        for (int np = 0; np < 2; ++np) {
+          u32 bk[4], bv[4];
+          ldmatrix_x4(bk, k_b.at(np * 16, ks * 16));
+          ldmatrix_x4(bv, v_b.at(np * 16, ks * 16));
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int local_row = rw * (BLOCK_M / ROW_WARPS) + mt * 16 + h * 8 + lane / 4;
-        const int row = m * BLOCK_M + local_row;
-        const bool row_inside = row < p.seqlen_q;
-        const i64 stat = (static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + row;
-        const float lse_log2 = row_inside ? p.lse[stat] * kLog2e : 0.f;
-        const float delta = row_inside ? p.delta[stat] : 0.f;
-        const int key_limit = row_inside ? mask.key_limit(row) - first_key : 0;
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const int key = kw * 32 + nt * 8 + (lane % 4) * 2;
-          float pv[2], dsv[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            pv[e] = key + e < key_limit ? fast_exp2(fmaf(s[mt][nt][2 * h + e], p.scale_log2, -lse_log2)) : 0.f;
-            dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - delta);
+          for (int mt = 0; mt < S_MT; ++mt) {
+            Elem::mma(s[mt][2 * np], aq[mt], bk[0], bk[1]);
+            Elem::mma(s[mt][2 * np + 1], aq[mt], bk[2], bk[3]);
+            Elem::mma(dp[mt][2 * np], ado[mt], bv[0], bv[1]);
+            Elem::mma(dp[mt][2 * np + 1], ado[mt], bv[2], bv[3]);
           }
-          *reinterpret_cast<u32*>(sP + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(pv[0], pv[1]);
-          *reinterpret_cast<u32*>(sdS + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(dsv[0], dsv[1]);
         }
       }
-    }
-    __syncthreads();
 
-    // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
+      // P = exp2(S * scale * log2(e) - lse * log2(e)) recomputed from the forward's LSE, 0 where
+      // masked (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
+      // dS = P * (dP - delta). Both to shared memory as 16-bit pairs for the next three products.
 #pragma unroll
-    for (int kt = 0; kt < BLOCK_M / 16; ++kt) {
-      u32 apt[2][4], adst[2][4];
+      for (int mt = 0; mt < S_MT; ++mt) {
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        ldmatrix_x4_trans(apt[mt], p_t.at(kt * 16, mt * 16));
-        ldmatrix_x4_trans(adst[mt], ds_t.at(kt * 16, mt * 16));
+        for (int h = 0; h < 2; ++h) {
+          const int local_row = rw * (BLOCK_M / ROW_WARPS) + mt * 16 + h * 8 + lane / 4;
+          const int row = m * BLOCK_M + local_row;
+          const bool row_inside = row < p.seqlen_q;
+          const float lse_log2 = sLse[(step % 2) * BLOCK_M + local_row] * kLog2e;
+          const float delta = sDelta[(step % 2) * BLOCK_M + local_row];
+          const int key_limit = row_inside ? mask.key_limit(row) - first_key : 0;
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const int key = kw * 32 + nt * 8 + (lane % 4) * 2;
+            float pv[2], dsv[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              pv[e] = key + e < key_limit ? fast_exp2(fmaf(s[mt][nt][2 * h + e], p.scale_log2, -lse_log2)) : 0.f;
+              dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - delta);
+            }
+            *reinterpret_cast<u32*>(sP + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(pv[0], pv[1]);
+            *reinterpret_cast<u32*>(sdS + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(dsv[0], dsv[1]);
+          }
+        }
       }
+      __syncthreads();
+
+      // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
 #pragma unroll
-      for (int np = 0; np < KV_NT / 2; ++np) {
-        u32 bdo[4], bq[4];
-        ldmatrix_x4_trans(bdo, do_bt.at(kt * 16, np * 16) + buffer_offset);
-        ldmatrix_x4_trans(bq, q_bt.at(kt * 16, np * 16) + buffer_offset);
+      for (int kt = 0; kt < BLOCK_M / 16; ++kt) {
+        u32 apt[2][4], adst[2][4];
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
-          Elem::mma(dv[mt][2 * np], apt[mt], bdo[0], bdo[1]);
-          Elem::mma(dv[mt][2 * np + 1], apt[mt], bdo[2], bdo[3]);
-          Elem::mma(dk[mt][2 * np], adst[mt], bq[0], bq[1]);
-          Elem::mma(dk[mt][2 * np + 1], adst[mt], bq[2], bq[3]);
+          ldmatrix_x4_trans(apt[mt], p_t.at(kt * 16, mt * 16));
+          ldmatrix_x4_trans(adst[mt], ds_t.at(kt * 16, mt * 16));
+        }
+#pragma unroll
+        for (int np = 0; np < KV_NT / 2; ++np) {
+          u32 bdo[4], bq[4];
+          ldmatrix_x4_trans(bdo, do_bt.at(kt * 16, np * 16) + buffer_offset);
+          ldmatrix_x4_trans(bq, q_bt.at(kt * 16, np * 16) + buffer_offset);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            Elem::mma(dv[mt][2 * np], apt[mt], bdo[0], bdo[1]);
+            Elem::mma(dv[mt][2 * np + 1], apt[mt], bdo[2], bdo[3]);
+            Elem::mma(dk[mt][2 * np], adst[mt], bq[0], bq[1]);
+            Elem::mma(dk[mt][2 * np + 1], adst[mt], bq[2], bq[3]);
+          }
+        }
+      }
+
+      // dQ = dS K: Q_ROWS x Q_COLS per warp, k over the BLOCK_N keys.
+      float dq[Q_MT][Q_NT][4];
+#pragma unroll
+      for (int mt = 0; mt < Q_MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < Q_NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dq[mt][nt][e] = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
+        u32 ads[Q_MT][4];
+#pragma unroll
+        for (int mt = 0; mt < Q_MT; ++mt) ldmatrix_x4(ads[mt], ds_a.at(mt * 16, kt * 16));
+#pragma unroll
+        for (int np = 0; np < Q_NT / 2; ++np) {
+          u32 bk[4];
+          ldmatrix_x4_trans(bk, k_bt.at(kt * 16, np * 16));
+#pragma unroll
+          for (int mt = 0; mt < Q_MT; ++mt) {
+            Elem::mma(dq[mt][2 * np], ads[mt], bk[0], bk[1]);
+            Elem::mma(dq[mt][2 * np + 1], ads[mt], bk[2], bk[3]);
+          }
+        }
+      }
+
+      // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode).
+#pragma unroll
+      for (int mt = 0; mt < Q_MT; ++mt) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m * BLOCK_M + qr * Q_ROWS + mt * 16 + h * 8 + lane / 4;
+          if (row >= p.seqlen_q) continue;
+          float* dq_row = p.dq_accum + (((static_cast<i64>(split) * p.batch + batch) * p.seqlen_q + row) * p.heads +
+                                        head) * p.head_dim;
+#pragma unroll
+          for (int nt = 0; nt < Q_NT; ++nt) {
+            const int col = qd * Q_COLS + nt * 8 + (lane % 4) * 2;
+            if (col < p.head_dim) red_add_f32x2(dq_row + col, dq[mt][nt][2 * h] * p.scale, dq[mt][nt][2 * h + 1] * p.scale);
+          }
         }
       }
     }
 
-    // dQ = dS K: Q_ROWS x Q_COLS per warp, k over the BLOCK_N keys.
-    float dq[Q_MT][Q_NT][4];
+    // dK (times the softmax scale) and dV of this block's keys: written directly when this CTA's
+    // query head is the only one using its K/V head. Otherwise summed over the group in fp32:
+    // atomically into (batch, seqlen_k, heads_kv, head_dim), or, in deterministic mode, stored per
+    // query head into (batch, seqlen_k, heads, head_dim) and summed in order by the convert kernel.
 #pragma unroll
-    for (int mt = 0; mt < Q_MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < Q_NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[mt][nt][e] = 0.f;
-#pragma unroll
-    for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
-      u32 ads[Q_MT][4];
-#pragma unroll
-      for (int mt = 0; mt < Q_MT; ++mt) ldmatrix_x4(ads[mt], ds_a.at(mt * 16, kt * 16));
-#pragma unroll
-      for (int np = 0; np < Q_NT / 2; ++np) {
-        u32 bk[4];
-        ldmatrix_x4_trans(bk, k_bt.at(kt * 16, np * 16));
-#pragma unroll
-        for (int mt = 0; mt < Q_MT; ++mt) {
-          Elem::mma(dq[mt][2 * np], ads[mt], bk[0], bk[1]);
-          Elem::mma(dq[mt][2 * np + 1], ads[mt], bk[2], bk[3]);
-        }
-      }
-    }
-
-    // Every key block adds into the same fp32 dQ rows (of its split, see BwdSchedule).
-    // Deterministic mode adds in key-block order within a split: each warp waits until the WARPS
-    // adds of every earlier key block of its split are counted, and counts its own once they are
-    // visible (the fence before the count).
-    int* const flag = p.dq_semaphore + ((static_cast<i64>(split) * p.batch + batch) * p.heads + head) *
-                                           schedule.m_blocks + m;
-    if constexpr (DETERMINISTIC) {
-      if (lane == 0)
-        while (load_acquire(flag) < n_block / p.dq_splits * WARPS) {
-        }
-      __syncwarp();
-    }
-#pragma unroll
-    for (int mt = 0; mt < Q_MT; ++mt) {
+    for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = m * BLOCK_M + qr * Q_ROWS + mt * 16 + h * 8 + lane / 4;
-        if (row >= p.seqlen_q) continue;
-        float* dq_row = p.dq_accum + (((static_cast<i64>(split) * p.batch + batch) * p.seqlen_q + row) * p.heads + head) * p.head_dim;
+        const int key = first_key + kw * 32 + mt * 16 + h * 8 + lane / 4;
+        if (key >= p.seqlen_k) continue;
 #pragma unroll
-        for (int nt = 0; nt < Q_NT; ++nt) {
-          const int col = qd * Q_COLS + nt * 8 + (lane % 4) * 2;
-          if (col < p.head_dim) red_add_f32x2(dq_row + col, dq[mt][nt][2 * h] * p.scale, dq[mt][nt][2 * h + 1] * p.scale);
+        for (int nt = 0; nt < KV_NT; ++nt) {
+          const int col = rw * KV_COLS + nt * 8 + (lane % 4) * 2;
+          if (col >= p.head_dim) continue;
+          const float dk0 = dk[mt][nt][2 * h] * p.scale, dk1 = dk[mt][nt][2 * h + 1] * p.scale;
+          const float dv0 = dv[mt][nt][2 * h], dv1 = dv[mt][nt][2 * h + 1];
+          if (p.kv_group == 1) {
+            *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key * p.dk_row_stride +
+                                    kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
+            *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + key * p.dv_row_stride +
+                                    kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
+          } else if constexpr (DETERMINISTIC) {
+            const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * p.heads + head) * p.head_dim + col;
+            *reinterpret_cast<float2*>(p.dk_accum + at) = make_float2(dk0, dk1);
+            *reinterpret_cast<float2*>(p.dv_accum + at) = make_float2(dv0, dv1);
+          } else {
+            const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * (p.heads / p.kv_group) + kv_head) *
+                               p.head_dim + col;
+            red_add_f32x2(p.dk_accum + at, dk0, dk1);
+            red_add_f32x2(p.dv_accum + at, dv0, dv1);
+          }
         }
       }
     }
-    if constexpr (DETERMINISTIC) {
-      __threadfence();
-      __syncwarp();
-      if (lane == 0) atomicAdd(flag, 1);
-    }
-  }
-
-  // dK (times the softmax scale) and dV of this block's keys: written directly when this CTA's
-  // query head is the only one using its K/V head. Otherwise summed over the group in fp32:
-  // atomically into (batch, seqlen_k, heads_kv, head_dim), or, in deterministic mode, stored per
-  // query head into (batch, seqlen_k, heads, head_dim) and summed in order by the convert kernel.
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int key = first_key + kw * 32 + mt * 16 + h * 8 + lane / 4;
-      if (key >= p.seqlen_k) continue;
-#pragma unroll
-      for (int nt = 0; nt < KV_NT; ++nt) {
-        const int col = rw * KV_COLS + nt * 8 + (lane % 4) * 2;
-        if (col >= p.head_dim) continue;
-        const float dk0 = dk[mt][nt][2 * h] * p.scale, dk1 = dk[mt][nt][2 * h + 1] * p.scale;
-        const float dv0 = dv[mt][nt][2 * h], dv1 = dv[mt][nt][2 * h + 1];
-        if (p.kv_group == 1) {
-          *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key * p.dk_row_stride +
-                                  kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
-          *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + key * p.dv_row_stride +
-                                  kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
-        } else if constexpr (DETERMINISTIC) {
-          const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * p.heads + head) * p.head_dim + col;
-          *reinterpret_cast<float2*>(p.dk_accum + at) = make_float2(dk0, dk1);
-          *reinterpret_cast<float2*>(p.dv_accum + at) = make_float2(dv0, dv1);
-        } else {
-          const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * (p.heads / p.kv_group) + kv_head) *
-                             p.head_dim + col;
-          red_add_f32x2(p.dk_accum + at, dk0, dk1);
-          red_add_f32x2(p.dv_accum + at, dv0, dv1);
-        }
-      }
-    }
-  }
+  }  // key blocks
 }
 
 // fp32 accumulators -> the gradient's dtype. Output element (batch, row, head, col) is the sum, in
