@@ -23,11 +23,14 @@ struct BwdSchedule {
   }
   __device__ __forceinline__ int steps(int n) const { return max(0, m_blocks - first(n)); }
 
-  // The query block key block n visits at step i (0 <= i < steps(n)).
-  __device__ __forceinline__ int block_at(int n, int i) const {
-    if (CAUSAL) return first(n) + i;
-    const int rotated = static_cast<int>(static_cast<i64>(n) * m_blocks / n_blocks) + i;
-    return rotated < m_blocks ? rotated : rotated - m_blocks;
+  // The query block key block n visits first; computed once per key block (a 64-bit division).
+  __device__ __forceinline__ int start(int n) const {
+    return CAUSAL ? first(n) : static_cast<int>(static_cast<i64>(n) * m_blocks / n_blocks);
+  }
+  // The query block visited at step i (0 <= i < steps(n)) by the key block that starts at `start`.
+  __device__ __forceinline__ int block_at(int start, int i) const {
+    const int m = start + i;
+    return CAUSAL || m < m_blocks ? m : m - m_blocks;
   }
 };
 

@@ -43,6 +43,43 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm80(const __grid_co
   if (lane == 0) p.delta[(static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + row] = sum;
 }
 
+// P = exp2(S * scale * log2(e) - lse * log2(e)) recomputed from the forward's LSE, 0 where masked
+// (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
+// dS = P * (dP - delta), for one warp's S_MT x 16 rows by 32 keys; both to shared memory as
+// 16-bit pairs for the next three products. EDGE: some score of the block is masked.
+template <bool EDGE, int BLOCK_M, int BLOCK_N, class Elem, int S_MT, bool CAUSAL>
+__device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], const float (&dp)[S_MT][4][4], u16* sP,
+                                                u16* sdS, const float* lse, const float* delta, int first_local_row,
+                                                int first_local_key, int m, int first_key, const Mask<CAUSAL>& mask,
+                                                const BwdParams& p) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mt = 0; mt < S_MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int local_row = first_local_row + mt * 16 + h * 8 + lane / 4;
+      const int row = m * BLOCK_M + local_row;
+      const float lse_log2 = lse[local_row] * kLog2e;
+      const float row_delta = delta[local_row];
+      const int key_limit = row < p.seqlen_q ? mask.key_limit(row) - first_key : 0;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int key = first_local_key + nt * 8 + (lane % 4) * 2;
+        float pv[2], dsv[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pv[e] = fast_exp2(fmaf(s[mt][nt][2 * h + e], p.scale_log2, -lse_log2));
+          if (EDGE && key + e >= key_limit) pv[e] = 0.f;
+          dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - row_delta);
+        }
+        *reinterpret_cast<u32*>(sP + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(pv[0], pv[1]);
+        *reinterpret_cast<u32*>(sdS + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(dsv[0], dsv[1]);
+      }
+    }
+  }
+}
+
 // One CTA per (key block, head, batch), 8 warps. Each step handles BLOCK_M query rows with five
 // products, in three warp layouts chosen so that each warp's tile is as square as the registers
 // allow (shared-memory reads per multiply-add fall with the tile's area over its perimeter):
@@ -68,7 +105,6 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   constexpr int Q_NT = Q_COLS / 8;
   static_assert(BLOCK_N % 64 == 0 && KEY_WARPS * ROW_WARPS == WARPS, "32 keys per warp, P rows of 64k");
   static_assert(S_MT >= 1 && KV_COLS % 16 == 0 && Q_COLS % 16 == 0 && Q_MT >= 1, "whole 16 x 16 steps");
-  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) unsigned char smem[];
   u16* const sK = reinterpret_cast<u16*>(smem);
@@ -146,6 +182,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   for (int n_block = n_first; n_block < n_blocks; n_block += n_stride) {
     const int first_key = n_block * BLOCK_N;
     const int steps = schedule.steps(n_block);
+    const int start = schedule.start(n_block);
     // Every warp is done with the previous key block's K, V, Q and dS tiles.
     if (DETERMINISTIC) __syncthreads();
     load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
@@ -156,7 +193,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
         sV, static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
                 first_key * p.v_row_stride,
         p.v_row_stride, p.seqlen_k - first_key, p.head_dim);
-    if (steps > 0) load_q_block(schedule.block_at(n_block, 0), 0);
+    if (steps > 0) load_q_block(schedule.block_at(start, 0), 0);
     cp_async_commit();
 
     float dk[2][KV_NT][4], dv[2][KV_NT][4];
@@ -168,13 +205,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
         for (int e = 0; e < 4; ++e) dk[mt][nt][e] = dv[mt][nt][e] = 0.f;
 
     for (int step = 0; step < steps; ++step) {
-      const int m = schedule.block_at(n_block, step);
+      const int m = schedule.block_at(start, step);
       const u32 buffer_offset = (step % 2) * kQBufferBytes;
       // Q and dO of this step (and K, V on the first) have landed; every warp is done with the
       // previous step, so its Q/dO buffer, sP and sdS can be overwritten.
       cp_async_wait<0>();
       __syncthreads();
-      if (step + 1 < steps) load_q_block(schedule.block_at(n_block, step + 1), (step + 1) % 2);
+      if (step + 1 < steps) load_q_block(schedule.block_at(start, step + 1), (step + 1) % 2);
       cp_async_commit();
 
       // S = Q K^T and dP = dO V^T: S_MT x 16 rows by 32 keys per warp.
@@ -208,33 +245,18 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
         }
       }
 
-      // P = exp2(S * scale * log2(e) - lse * log2(e)) recomputed from the forward's LSE, 0 where
-      // masked (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
-      // dS = P * (dP - delta). Both to shared memory as 16-bit pairs for the next three products.
-#pragma unroll
-      for (int mt = 0; mt < S_MT; ++mt) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int local_row = rw * (BLOCK_M / ROW_WARPS) + mt * 16 + h * 8 + lane / 4;
-          const int row = m * BLOCK_M + local_row;
-          const bool row_inside = row < p.seqlen_q;
-          const float lse_log2 = sLse[(step % 2) * BLOCK_M + local_row] * kLog2e;
-          const float delta = sDelta[(step % 2) * BLOCK_M + local_row];
-          const int key_limit = row_inside ? mask.key_limit(row) - first_key : 0;
-#pragma unroll
-          for (int nt = 0; nt < 4; ++nt) {
-            const int key = kw * 32 + nt * 8 + (lane % 4) * 2;
-            float pv[2], dsv[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              pv[e] = key + e < key_limit ? fast_exp2(fmaf(s[mt][nt][2 * h + e], p.scale_log2, -lse_log2)) : 0.f;
-              dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - delta);
-            }
-            *reinterpret_cast<u32*>(sP + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(pv[0], pv[1]);
-            *reinterpret_cast<u32*>(sdS + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(dsv[0], dsv[1]);
-          }
-        }
-      }
+      // Only blocks at the sequence ends or on the causal diagonal pay for the mask.
+      const bool edge = (m + 1) * BLOCK_M > p.seqlen_q || first_key + BLOCK_N > p.seqlen_k ||
+                        (CAUSAL && first_key + BLOCK_N - 1 > m * BLOCK_M + p.seqlen_k - p.seqlen_q);
+      const float* lse = sLse + (step % 2) * BLOCK_M;
+      const float* delta = sDelta + (step % 2) * BLOCK_M;
+      const int first_local_row = rw * (BLOCK_M / ROW_WARPS);
+      if (edge)
+        softmax_to_smem<true, BLOCK_M, BLOCK_N, Elem>(s, dp, sP, sdS, lse, delta, first_local_row, kw * 32, m, first_key,
+                                                      mask, p);
+      else
+        softmax_to_smem<false, BLOCK_M, BLOCK_N, Elem>(s, dp, sP, sdS, lse, delta, first_local_row, kw * 32, m,
+                                                       first_key, mask, p);
       __syncthreads();
 
       // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
@@ -286,19 +308,27 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
         }
       }
 
-      // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode).
+      // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode). Lanes
+      // l and l ^ 1 hold columns c..c+1 and c+2..c+3 of the same two rows: one swap gives the even
+      // lane four columns of the first row and the odd lane four of the second, one 16-byte
+      // reduction each.
+      const bool even = lane % 2 == 0;
 #pragma unroll
       for (int mt = 0; mt < Q_MT; ++mt) {
+        const int row = m * BLOCK_M + qr * Q_ROWS + mt * 16 + (even ? 0 : 8) + lane / 4;
+        float* dq_row = p.dq_accum + (((static_cast<i64>(split) * p.batch + batch) * p.seqlen_q + row) * p.heads +
+                                      head) * p.head_dim;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = m * BLOCK_M + qr * Q_ROWS + mt * 16 + h * 8 + lane / 4;
-          if (row >= p.seqlen_q) continue;
-          float* dq_row = p.dq_accum + (((static_cast<i64>(split) * p.batch + batch) * p.seqlen_q + row) * p.heads +
-                                        head) * p.head_dim;
-#pragma unroll
-          for (int nt = 0; nt < Q_NT; ++nt) {
-            const int col = qd * Q_COLS + nt * 8 + (lane % 4) * 2;
-            if (col < p.head_dim) red_add_f32x2(dq_row + col, dq[mt][nt][2 * h] * p.scale, dq[mt][nt][2 * h + 1] * p.scale);
+        for (int nt = 0; nt < Q_NT; ++nt) {
+          const float* mine = dq[mt][nt];
+          const float send0 = even ? mine[2] : mine[0], send1 = even ? mine[3] : mine[1];
+          const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+          const int col = qd * Q_COLS + nt * 8 + (lane % 4 / 2) * 4;
+          if (row < p.seqlen_q && col < p.head_dim) {
+            if (even)
+              red_add_f32x4(dq_row + col, mine[0] * p.scale, mine[1] * p.scale, got0 * p.scale, got1 * p.scale);
+            else
+              red_add_f32x4(dq_row + col, got0 * p.scale, got1 * p.scale, mine[2] * p.scale, mine[3] * p.scale);
           }
         }
       }
