@@ -1,11 +1,12 @@
 // FlashAttention-2 backward for compute capability 8.0 and newer, in three launches:
 //   flash_bwd_preprocess_sm80: delta = rowsum(dO * O), one warp per query row;
-//   flash_bwd_sm80: one CTA per (key block, head, batch) keeps K and V in shared memory, walks the
-//     query blocks that can see them, recomputes P = exp(S - lse) from the forward's log-sum-exp
-//     (no stored P, nothing that grows with seqlen_q x seqlen_k), accumulates dK and dV in
-//     registers and adds its share of dQ into an fp32 buffer with atomics;
-//   flash_bwd_convert_sm80: fp32 accumulators -> the gradients' dtype (dQ always; dK and dV when
-//     several query heads share a K/V head and their contributions were summed atomically).
+//   flash_bwd_sm80: a CTA keeps one key block's K and V in shared memory, walks the query blocks
+//     that can see them, recomputes P = exp(S - lse) from the forward's log-sum-exp (no stored P,
+//     nothing that grows with seqlen_q x seqlen_k), accumulates dK and dV in registers and adds
+//     its share of dQ into an fp32 buffer with reductions (deterministic mode: several key blocks
+//     per CTA, in order, into the CTA's own buffer);
+//   flash_bwd_convert_sm80: fp32 accumulators -> the gradients' dtype (dQ, summing the
+//     deterministic splits; dK and dV when several query heads share a K/V head).
 #include "common/atomics.cuh"
 #include "common/bwd_schedule.cuh"
 #include "common/mask.cuh"
