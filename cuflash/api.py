@@ -90,6 +90,39 @@ def _resolve_scale(softmax_scale: Any, head_dim: int) -> float:
     return scale
 
 
+def _resolve_window(window: Any) -> tuple[int, int]:
+    """``(left, right)``: two integers >= -1 (-1 unbounded)."""
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise TypeError(f"window: expected a pair (left, right) of integers, got {window!r}")
+    for side in window:
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise TypeError(f"window: expected integers, got {window!r}")
+    left, right = (int(side) for side in window)
+    if left < -1 or right < -1:
+        raise ValueError(f"window: values must be -1 (unbounded) or >= 0, got {window!r}")
+    return left, right
+
+
+def _resolve_softcap(softcap: Any) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap: expected a real number, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap: must be finite and >= 0 (0 disables it), got {softcap}")
+    return value
+
+
+def _refuse_on_device(window: tuple[int, int], softcap: float) -> None:
+    """Sliding windows and softcap exist in the CPU reference path; the GPU kernels do not have
+    them yet, and ignoring them would change results."""
+    if window != (-1, -1):
+        raise NotImplementedError("window: sliding windows are not in the GPU kernels yet; NumPy inputs "
+                                  "run them on the CPU reference path")
+    if softcap:
+        raise NotImplementedError("softcap: not in the GPU kernels yet; NumPy inputs run it on the CPU "
+                                  "reference path")
+
+
 def _framework(**arrays: Any) -> str:
     """The framework of q; every array must be on the same side (NumPy vs device) as q."""
     found = {name: interop.framework_of(x, name) for name, x in arrays.items()}
@@ -146,6 +179,8 @@ def attention(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     return_lse: bool = False,
     out: Any = None,
 ) -> Any:
@@ -162,6 +197,14 @@ def attention(
         Query i sees key j only if ``j <= i + seqlen_k - seqlen_q`` (aligned bottom-right).
     softmax_scale : float, optional
         Finite and positive; default ``1 / sqrt(head_dim)``.
+    window : (left, right)
+        Sliding window as flash-attn's ``window_size``: query i sees key j only if
+        ``i + d - left <= j <= i + d + right`` with ``d = seqlen_k - seqlen_q``; -1 leaves a side
+        unbounded; ``causal`` sets right to 0. CPU reference path only for now (GPU:
+        NotImplementedError).
+    softcap : float
+        ``> 0``: scaled scores s become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2,
+        Grok); 0 disables it. CPU reference path only for now (GPU: NotImplementedError).
     return_lse : bool
         Also return the log-sum-exp of the scaled scores, float32 (batch, heads, seqlen_q),
         natural log; ``-inf`` for a row that sees no key (its output row is 0).
@@ -192,12 +235,14 @@ def attention(
     """
     arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
     framework = _framework(**arrays)
+    window, softcap = _resolve_window(window), _resolve_softcap(softcap)
     if framework == "numpy":
-        return _attention_host(q, k, v, causal, softmax_scale, return_lse, out)
+        return _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse, out)
 
     qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
     _check_qkv(qt, kt, vt, on_device=True)
     scale = _resolve_scale(softmax_scale, qt.shape[3])
+    _refuse_on_device(window, softcap)
     batch, seqlen_q, heads, head_dim = qt.shape
     if out is not None:
         out_t = interop.describe(out, interop.framework_of(out, "out"), "out")
@@ -218,13 +263,14 @@ def attention(
     return (result, lse_t.native) if return_lse else result
 
 
-def _attention_host(q, k, v, causal, softmax_scale, return_lse, out):
+def _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse, out):
     """NumPy in, NumPy out: the blockwise online-softmax algorithm in float64."""
     _check_qkv(q, k, v, on_device=False)
     scale = _resolve_scale(softmax_scale, q.shape[3])
     if out is not None:
         _check_out("out", out, tuple(q.shape), q, on_device=False)
-    result, lse = reference.attention_blockwise(q, k, v, causal=bool(causal), softmax_scale=scale)
+    result, lse = reference.attention_blockwise(q, k, v, causal=bool(causal), softmax_scale=scale, window=window,
+                                                softcap=softcap)
     if out is None:
         out = result.astype(q.dtype)
     else:
@@ -242,6 +288,8 @@ def attention_backward(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
     deterministic: bool = False,
     dq: Any = None,
     dk: Any = None,
@@ -261,8 +309,8 @@ def attention_backward(
         The forward's inputs and output, as for :func:`attention`.
     lse : array, float32 (batch, heads, seqlen_q), contiguous
         The forward's log-sum-exp (``attention(..., return_lse=True)``).
-    causal, softmax_scale
-        As in the forward call.
+    causal, softmax_scale, window, softcap
+        As in the forward call (window and softcap: CPU reference path only for now).
     deterministic : bool
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds whose
         order varies between runs, so results can differ in the last bits from run to run.
@@ -315,8 +363,10 @@ def attention_backward(
     for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
         if name in tensors:
             _check_out(name, tensors[name], like_shape, qt, on_device)
+    window, softcap = _resolve_window(window), _resolve_softcap(softcap)
     if not on_device:
-        return _backward_host(tensors, causal, scale)
+        return _backward_host(tensors, causal, scale, window, softcap)
+    _refuse_on_device(window, softcap)
 
     dout_t, out_t = tensors["dout"], tensors["out"]
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
@@ -367,11 +417,12 @@ def attention_backward(
     return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
 
 
-def _backward_host(tensors: dict, causal: bool, scale: float):
+def _backward_host(tensors: dict, causal: bool, scale: float, window: tuple[int, int], softcap: float):
     """NumPy in, NumPy out: the float64 reference gradients, cast to the inputs' dtype."""
     q = tensors["q"]
     result = reference.attention_backward_reference(tensors["dout"], q, tensors["k"], tensors["v"],
-                                                    causal=bool(causal), softmax_scale=scale)
+                                                    causal=bool(causal), softmax_scale=scale, window=window,
+                                                    softcap=softcap)
     grads = []
     for name, value in zip(("dq", "dk", "dv"), result):
         if name in tensors:

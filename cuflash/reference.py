@@ -11,9 +11,12 @@ Everything here is NumPy only (no CuPy), so it runs anywhere and serves three ro
 
 Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``k`` and ``v`` may have
 ``heads_kv`` heads with ``heads_q % heads_kv == 0``; query head ``h`` uses kv head
-``h // (heads_q // heads_kv)``. Causal masking is aligned bottom-right: query ``i`` may attend
-key ``j`` iff ``j <= i + seqlen_k - seqlen_q``. A row whose keys are all masked gives
-``out = 0`` and ``lse = -inf``, never NaN.
+``h // (heads_q // heads_kv)``. Which keys a query sees is :func:`allowed_keys` (causal and
+sliding windows, flash-attn's semantics, aligned bottom-right). ``softcap > 0`` replaces the
+scaled scores ``s`` by ``softcap * tanh(s / softcap)`` before the softmax. A row whose keys are
+all masked gives ``out = 0`` and ``lse = -inf``, never NaN. Variable-length batches
+(:func:`attention_varlen_reference`) are packed ``(total_tokens, heads, head_dim)`` with
+cumulative lengths, each sequence attending only to itself.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "allowed_keys",
     "attention_backward_reference",
+    "attention_varlen_backward_reference",
+    "attention_varlen_reference",
     "attention_reference",
     "attention_blockwise",
     "attention_flops",
@@ -64,9 +70,37 @@ def _check_inputs(
     return q, k, v, scale
 
 
-def _causal_allowed(rows: np.ndarray, cols: np.ndarray, offset: int) -> np.ndarray:
-    """Bottom-right causal mask: ``allowed[i, j] = cols[j] <= rows[i] + offset``."""
-    return cols[None, :] <= rows[:, None] + offset
+def key_bounds(rows: np.ndarray, seqlen_q: int, seqlen_k: int, causal: bool,
+               window: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Keys ``[lo, hi)`` that query rows ``rows`` see (``lo >= hi``: none).
+
+    flash-attn's rules, aligned bottom-right with ``offset = seqlen_k - seqlen_q``: query ``i``
+    sees key ``j`` iff ``0 <= j < seqlen_k``, ``j <= i + offset + right`` unless ``right == -1``
+    and ``j >= i + offset - left`` unless ``left == -1``; ``causal`` sets ``right = 0``.
+    """
+    left, right = window
+    if causal:
+        right = 0
+    offset = seqlen_k - seqlen_q
+    rows = np.asarray(rows)
+    lo = np.zeros_like(rows) if left < 0 else np.clip(rows + offset - left, 0, seqlen_k)
+    hi = np.full_like(rows, seqlen_k) if right < 0 else np.clip(rows + offset + right + 1, 0, seqlen_k)
+    return lo, hi
+
+
+def allowed_keys(seqlen_q: int, seqlen_k: int, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
+                 rows: np.ndarray | None = None, cols: np.ndarray | None = None) -> np.ndarray:
+    """Boolean ``(len(rows), len(cols))`` mask of the (query, key) pairs that take part (see
+    :func:`key_bounds`); ``rows`` and ``cols`` default to every query and key."""
+    rows = np.arange(seqlen_q) if rows is None else np.asarray(rows)
+    cols = np.arange(seqlen_k) if cols is None else np.asarray(cols)
+    lo, hi = key_bounds(rows, seqlen_q, seqlen_k, causal, window)
+    return (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+
+
+def _softcapped(s: np.ndarray, softcap: float) -> np.ndarray:
+    """``softcap * tanh(s / softcap)`` (Gemma 2, Grok); ``s`` unchanged when ``softcap == 0``."""
+    return s if softcap == 0 else softcap * np.tanh(s / softcap)
 
 
 def _finalize(
@@ -94,6 +128,8 @@ def attention_reference(
     causal: bool = False,
     softmax_scale: float | None = None,
     dtype: npt.DTypeLike = np.float64,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Naive attention ``softmax(q k^T * scale) v``, one (batch, head) at a time.
 
@@ -106,6 +142,10 @@ def attention_reference(
         Bottom-right aligned: query ``i`` attends key ``j`` iff ``j <= i + seqlen_k - seqlen_q``.
     softmax_scale : float, optional
         Defaults to ``1 / sqrt(head_dim)``.
+    window : (left, right)
+        Sliding window, ``-1`` unbounded (:func:`key_bounds`).
+    softcap : float
+        ``> 0``: scores ``s`` become ``softcap * tanh(s / softcap)`` before the softmax.
     dtype : dtype, default float64
         The dtype every step is rounded to. ``float64``: the exact reference. Anything else
         (float32, float16, bfloat16) gives flash-attn's same-dtype baseline: inputs cast to
@@ -133,9 +173,7 @@ def attention_reference(
     b, hq, sq, _ = qh.shape
     hkv, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
     group = hq // hkv
-    masked = None
-    if causal:
-        masked = ~_causal_allowed(np.arange(sq), np.arange(sk), sk - sq)
+    masked = ~allowed_keys(sq, sk, causal=causal, window=window)
 
     out = np.empty((b, hq, sq, dv), dtype)
     lse = np.empty((b, hq, sq), acc)
@@ -144,7 +182,9 @@ def attention_reference(
             s = qh[bi, h] @ kh[bi, h // group].T
             s *= acc.type(scale)
             s = rounded(s)
-            if masked is not None:
+            if softcap:
+                s = rounded(_softcapped(s, acc.type(softcap)))
+            if masked.any():
                 np.copyto(s, -np.inf, where=masked)
             m = s.max(axis=-1, initial=-np.inf)
             m_safe = np.where(np.isneginf(m), 0, m)  # fully masked row: avoid -inf - -inf
@@ -166,18 +206,21 @@ def attention_blockwise(
     block_m: int = 64,
     block_n: int = 64,
     dtype: npt.DTypeLike = np.float64,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FlashAttention-2 forward: online softmax over key blocks, vectorised over batch and heads.
 
     For each block of ``block_m`` queries, loop over blocks of ``block_n`` keys keeping a running
     max ``m``, running sum ``l`` and an unnormalised accumulator, all in the ``exp2`` domain
-    (``scale * log2(e)`` folded into the scores once); rescale by ``exp2(m_old - m_new)``; skip key
-    blocks entirely above the causal diagonal; mask only the tiles the diagonal crosses;
-    normalise once at the end. The full score matrix is never formed.
+    (``scale * log2(e)`` folded into the scores once); rescale by ``exp2(m_old - m_new)``; visit
+    only the key blocks some row of the query block may see (causal diagonal, sliding window), so
+    the cost follows the window; mask only the tiles a boundary crosses; normalise once at the
+    end. The full score matrix is never formed.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale
+    q, k, v, causal, softmax_scale, window, softcap
         As in :func:`attention_reference` (BSHD layout, GQA/MQA allowed).
     block_m, block_n : int
         Query and key tile sizes; they need not divide the sequence lengths.
@@ -199,7 +242,6 @@ def attention_blockwise(
     b, sq, hq, _ = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
-    offset = sk - sq  # causal: row i sees keys j <= i + offset
     scale_log2 = dtype.type(scale * _LOG2E)
 
     # q as (b, hkv, group, sq, d) and k, v as (b, hkv, 1, sk, d): GQA by broadcasting, no copies.
@@ -215,13 +257,17 @@ def attention_blockwise(
         m = np.full(q_blk.shape[:-1], -np.inf, dtype)
         l = np.zeros(q_blk.shape[:-1], dtype)
         acc = np.zeros(q_blk.shape[:-1] + (dv,), dtype)
-        n_end = min(sk, i1 + offset) if causal else sk  # key blocks past this are all masked
-        for j0 in range(0, max(n_end, 0), block_n):
+        lo, hi = key_bounds(np.arange(i0, i1), sq, sk, causal, window)
+        n_begin, n_end = int(lo.min()) // block_n * block_n, int(hi.max())  # keys outside: all masked
+        for j0 in range(n_begin, n_end, block_n):
             j1 = min(j0 + block_n, sk)
             s = q_blk @ kg[..., j0:j1, :].swapaxes(-1, -2)
-            s *= scale_log2
-            if causal and j1 - 1 > i0 + offset:  # the diagonal crosses this tile
-                allowed = _causal_allowed(np.arange(i0, i1), np.arange(j0, j1), offset)
+            if softcap:
+                s = _softcapped(s * dtype.type(scale), dtype.type(softcap)) * dtype.type(_LOG2E)
+            else:
+                s *= scale_log2
+            if lo.max() > j0 or hi.min() < j1:  # a window or diagonal boundary crosses this tile
+                allowed = (np.arange(j0, j1)[None, :] >= lo[:, None]) & (np.arange(j0, j1)[None, :] < hi[:, None])
                 np.copyto(s, -np.inf, where=~allowed)
             m_new = np.maximum(m, s.max(axis=-1))
             m_safe = np.where(np.isneginf(m_new), 0, m_new)  # rows with nothing seen yet
@@ -247,13 +293,16 @@ def attention_backward_reference(
     *,
     causal: bool = False,
     softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Float64 gradients of ``out = attention(q, k, v)`` against the upstream gradient ``dout``.
 
     With ``P = softmax(S)``, ``S = q kᵀ · scale``: ``dv = Pᵀ dout``, ``dP = dout vᵀ``,
-    ``dS = P ∘ (dP - rowsum(dP ∘ P))``, ``dq = dS k · scale``, ``dk = dSᵀ q · scale``. For GQA/MQA,
-    dk and dv of a kv head are summed over the query heads that share it. Masked scores, and
-    rows that see no key, contribute nothing.
+    ``dS = P ∘ (dP - rowsum(dP ∘ P))``, ``dq = dS k · scale``, ``dk = dSᵀ q · scale``. With a
+    softcap, ``S = c · tanh(q kᵀ · scale / c)`` and dS is multiplied by its derivative
+    ``1 - (S / c)²``. For GQA/MQA, dk and dv of a kv head are summed over the query heads that
+    share it. Masked scores, and rows that see no key, contribute nothing.
 
     Returns
     -------
@@ -268,14 +317,13 @@ def attention_backward_reference(
     b, hq, sq, _ = qh.shape
     hkv, sk = kh.shape[1], kh.shape[2]
     group = hq // hkv
-    allowed = _causal_allowed(np.arange(sq), np.arange(sk), sk - sq) if causal else None
+    allowed = allowed_keys(sq, sk, causal=causal, window=window)
     dq, dk, dv = np.zeros_like(qh), np.zeros_like(kh), np.zeros_like(vh)
     for bi in range(b):
         for h in range(hq):
             kv = h // group
-            s = qh[bi, h] @ kh[bi, kv].T * scale
-            if allowed is not None:
-                s = np.where(allowed, s, -np.inf)
+            s = _softcapped(qh[bi, h] @ kh[bi, kv].T * scale, softcap)
+            s = np.where(allowed, s, -np.inf)
             m = s.max(axis=-1, keepdims=True, initial=-np.inf)
             p = np.exp(s - np.where(np.isneginf(m), 0, m))
             l = p.sum(axis=-1, keepdims=True)
@@ -283,9 +331,70 @@ def attention_backward_reference(
             dv[bi, kv] += p.T @ doh[bi, h]
             dp = doh[bi, h] @ vh[bi, kv].T
             ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+            if softcap:
+                ds *= 1 - np.where(allowed, s / softcap, 0) ** 2
             dq[bi, h] = ds @ kh[bi, kv] * scale
             dk[bi, kv] += ds.T @ qh[bi, h] * scale
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+def _sequences(cu_seqlens_q: npt.ArrayLike, cu_seqlens_k: npt.ArrayLike):
+    """(query slice, key slice) of each sequence of a packed batch."""
+    cu_q, cu_k = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
+    if cu_q.shape != cu_k.shape or cu_q.ndim != 1 or cu_q.size < 2:
+        raise ValueError(f"cu_seqlens_q, cu_seqlens_k: expected equal shapes (batch + 1,), got {cu_q.shape}, {cu_k.shape}")
+    return [(slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])) for i in range(cu_q.size - 1)]
+
+
+def attention_varlen_reference(
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike,
+    **options,
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`attention_reference` of each sequence of a packed batch.
+
+    q is ``(total_q, heads, head_dim)``, k and v ``(total_k, heads_kv, head_dim)``; sequence ``i``
+    owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``
+    (either may be empty) and sees only its own keys, with causal and window alignment per
+    sequence. ``options``: causal, softmax_scale, window, softcap, dtype.
+
+    Returns
+    -------
+    out : (total_q, heads, head_dim) ; lse : (heads, total_q), ``-inf`` for rows that see no key.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    dtype = np.dtype(options.get("dtype", np.float64))
+    out = np.zeros(q.shape[:2] + (v.shape[2],), dtype)
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf, np.float64 if dtype == np.float64 else np.float32)
+    for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows.stop > rows.start and keys.stop > keys.start:
+            o, l = attention_reference(q[None, rows], k[None, keys], v[None, keys], **options)
+            out[rows], lse[:, rows] = o[0], l[0]
+    return out, lse
+
+
+def attention_varlen_backward_reference(
+    dout: npt.ArrayLike,
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    cu_seqlens_q: npt.ArrayLike,
+    cu_seqlens_k: npt.ArrayLike,
+    **options,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`attention_backward_reference` of each sequence of a packed batch (layout as in
+    :func:`attention_varlen_reference`; ``options``: causal, softmax_scale, window, softcap)."""
+    dout, q, k, v = (np.asarray(x) for x in (dout, q, k, v))
+    dq, dk, dv = (np.zeros(x.shape, np.float64) for x in (q, k, v))
+    for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+        if rows.stop > rows.start and keys.stop > keys.start:
+            grads = attention_backward_reference(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
+                                                 **options)
+            dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
+    return dq, dk, dv
 
 
 def attention_flops(

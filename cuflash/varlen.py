@@ -1,0 +1,220 @@
+"""Variable-length batches: packed ``(total_tokens, heads, head_dim)`` tensors and int32
+cumulative sequence lengths, flash-attn's ``*_varlen`` layout.
+
+Sequence ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and key rows
+``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` and attends only to its own keys (causal and window
+alignment per sequence). Either length may be 0. This version runs the float64 reference on the
+CPU for NumPy inputs; on the GPU it validates its arguments and then raises NotImplementedError,
+since the varlen kernels do not exist yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cuflash import api, interop, reference
+
+__all__ = ["attention_varlen", "attention_varlen_backward"]
+
+
+def _as_batch_of_one(x: Any) -> Any:
+    """A packed (total, heads, head_dim) tensor seen as (1, total, heads, head_dim)."""
+    if isinstance(x, interop.DeviceTensor):
+        return interop.DeviceTensor(x.native, x.ptr, (1, *x.shape), (0, *x.strides), x.dtype, x.itemsize, x.device)
+    return x[None]
+
+
+def _host_lengths(name: str, cu: Any, on_device: bool, device: int | None) -> np.ndarray:
+    """The host copy of a cu_seqlens argument after its type checks (a device-to-host copy for
+    GPU arrays)."""
+    framework = interop.framework_of(cu, name)
+    if (framework == "numpy") == on_device:
+        raise TypeError(f"{name}: must be on the same side as q ({'GPU' if on_device else 'NumPy'})")
+    if framework == "numpy":
+        host = cu
+    else:
+        t = interop.describe(cu, framework, name)
+        if t.device != device:
+            raise ValueError(f"{name}: on device {t.device}, but q is on device {device}")
+        host = t.native.cpu().numpy() if framework == "torch" else t.native.get()
+    if str(host.dtype) != "int32":
+        raise TypeError(f"{name}: expected int32, got {host.dtype}")
+    if host.ndim != 1 or host.size < 2:
+        raise ValueError(f"{name}: expected shape (batch + 1,) with batch >= 1, got {tuple(host.shape)}")
+    return host.astype(np.int64)
+
+
+def _check_lengths(name: str, cu: np.ndarray, total: int, max_seqlen: Any, max_name: str, validate: bool) -> int:
+    """Values of a cu_seqlens (behind ``validate``) and the resolved max_seqlen."""
+    lengths = np.diff(cu)
+    if validate:
+        if cu[0] != 0:
+            raise ValueError(f"{name}: must start at 0, got {cu[0]}")
+        if (lengths < 0).any():
+            i = int(np.argmax(lengths < 0))
+            raise ValueError(f"{name}: must not decrease, but entry {i + 1} ({cu[i + 1]}) < entry {i} ({cu[i]})")
+        if cu[-1] != total:
+            raise ValueError(f"{name}: last entry {cu[-1]} must equal the packed length {total}")
+    if max_seqlen is None:
+        return int(lengths.max(initial=0))
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)):
+        raise TypeError(f"{max_name}: expected an int or None, got {type(max_seqlen).__name__}")
+    if validate and max_seqlen < lengths.max(initial=0):
+        i = int(np.argmax(lengths))
+        raise ValueError(f"{max_name}: {max_seqlen} is smaller than sequence {i}'s length {lengths[i]}")
+    return int(max_seqlen)
+
+
+def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate: bool):
+    """Framework, validated tensors (packed, checked as a batch of one) and host cu_seqlens."""
+    framework = api._framework(**arrays)
+    on_device = framework != "numpy"
+    tensors = {name: interop.describe(x, framework, name) if on_device else x for name, x in arrays.items()}
+    for name in ("q", "k", "v"):
+        if tensors[name].ndim != 3:
+            raise ValueError(f"{name}: expected 3 dims (total_tokens, heads, head_dim), got shape "
+                             f"{tuple(tensors[name].shape)}")
+    qt, kt, vt = (_as_batch_of_one(tensors[name]) for name in ("q", "k", "v"))
+    api._check_qkv(qt, kt, vt, on_device=on_device)
+    device = tensors["q"].device if on_device else None
+    cu_q = _host_lengths("cu_seqlens_q", cu_seqlens_q, on_device, device)
+    cu_k = _host_lengths("cu_seqlens_k", cu_seqlens_k, on_device, device)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"cu_seqlens_k: {cu_k.size - 1} sequences, but cu_seqlens_q has {cu_q.size - 1}")
+    max_q = _check_lengths("cu_seqlens_q", cu_q, tensors["q"].shape[0], max_seqlen_q, "max_seqlen_q", validate)
+    max_k = _check_lengths("cu_seqlens_k", cu_k, tensors["k"].shape[0], max_seqlen_k, "max_seqlen_k", validate)
+    return framework, tensors, cu_q, cu_k, (max_q, max_k)
+
+
+def _refuse_on_device() -> None:
+    raise NotImplementedError("attention_varlen: the GPU kernels for variable-length batches are not "
+                              "implemented yet; NumPy inputs run the CPU reference path")
+
+
+def attention_varlen(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    out: Any = None,
+    validate: bool = True,
+) -> Any:
+    """Attention over a packed batch of sequences of different lengths.
+
+    Parameters
+    ----------
+    q : array, (total_q, heads, head_dim)
+    k, v : arrays, (total_k, heads_kv, head_dim)
+        dtypes, devices and head rules as for :func:`cuflash.attention`.
+    cu_seqlens_q, cu_seqlens_k : int32 arrays, (batch + 1,)
+        Cumulative lengths starting at 0, on q's side (device or NumPy).
+    max_seqlen_q, max_seqlen_k : int, optional
+        The longest sequence; omitted, they are computed on the host (a device-to-host copy and
+        synchronisation for GPU arrays).
+    causal, softmax_scale, window, softcap
+        As for :func:`cuflash.attention`, per sequence.
+    return_lse : bool
+        Also return lse, float32 (heads, total_q); -inf for rows that see no key.
+    out : array, optional
+        Where to write the output (shape and dtype of q).
+    validate : bool
+        Check that the cumulative lengths start at 0, do not decrease and end at the packed length,
+        and that max_seqlen_* are not smaller than a real sequence. False skips the checks (wrong
+        lengths then give wrong results). This version copies the lengths to the host either way.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad arguments, each naming the argument.
+    NotImplementedError
+        GPU inputs (the varlen kernels do not exist yet).
+    """
+    arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
+    framework, tensors, cu_q, cu_k, _ = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                      max_seqlen_k, validate)
+    scale = api._resolve_scale(softmax_scale, tensors["q"].shape[2])
+    window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
+    if out is not None:
+        api._check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
+    if framework != "numpy":
+        _refuse_on_device()
+    result, lse = reference.attention_varlen_reference(q, k, v, cu_q, cu_k, causal=bool(causal), softmax_scale=scale,
+                                                       window=window, softcap=softcap)
+    if out is None:
+        out = result.astype(q.dtype)
+    else:
+        out[...] = result.astype(q.dtype)
+    return (out, lse.astype(np.float32)) if return_lse else out
+
+
+def attention_varlen_backward(
+    dout: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    out: Any,
+    lse: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
+    validate: bool = True,
+) -> tuple[Any, Any, Any]:
+    """Gradients (dq, dk, dv) of :func:`attention_varlen`, arguments as there and as for
+    :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
+    reference path is deterministic whatever ``deterministic`` says.
+
+    Raises NotImplementedError for GPU inputs (the varlen kernels do not exist yet).
+    """
+    given = {"dq": dq, "dk": dk, "dv": dv}
+    arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
+    arrays |= {name: x for name, x in given.items() if x is not None}
+    framework, tensors, cu_q, cu_k, _ = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                      max_seqlen_k, validate)
+    on_device = framework != "numpy"
+    qt, kt = tensors["q"], tensors["k"]
+    scale = api._resolve_scale(softmax_scale, qt.shape[2])
+    window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
+    api._check_like("dout", tensors["dout"], qt.shape, qt, on_device)
+    api._check_like("out", tensors["out"], qt.shape, qt, on_device)
+    lse_t = tensors["lse"]
+    if api._dtype_name(lse_t) != "float32":
+        raise TypeError(f"lse: expected float32 (as attention_varlen(..., return_lse=True) returns it), "
+                        f"got {api._dtype_name(lse_t)}")
+    if tuple(lse_t.shape) != (qt.shape[1], qt.shape[0]):
+        raise ValueError(f"lse: expected shape {(qt.shape[1], qt.shape[0])}, got {tuple(lse_t.shape)}")
+    for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
+        if name in tensors:
+            api._check_out(name, tensors[name], like_shape, qt, on_device)
+    if on_device:
+        _refuse_on_device()
+    result = reference.attention_varlen_backward_reference(dout, q, k, v, cu_q, cu_k, causal=bool(causal),
+                                                           softmax_scale=scale, window=window, softcap=softcap)
+    grads = []
+    for name, value in zip(("dq", "dk", "dv"), result):
+        if given[name] is not None:
+            given[name][...] = value.astype(q.dtype)
+            grads.append(given[name])
+        else:
+            grads.append(value.astype(q.dtype))
+    return tuple(grads)

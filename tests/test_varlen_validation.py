@@ -1,0 +1,104 @@
+"""attention(window=, softcap=) and attention_varlen on the CPU reference path, and their bad
+inputs: each a TypeError or ValueError naming the argument (issue 5's list)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+
+
+def _packed(lengths_q=(5, 0, 9), lengths_k=(7, 3, 2), heads=4, heads_kv=2, head_dim=16, dtype=np.float32):
+    rng = np.random.default_rng(2)
+    cu_q = np.concatenate([[0], np.cumsum(lengths_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lengths_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], heads, head_dim)).astype(dtype)
+    k, v = (rng.standard_normal((cu_k[-1], heads_kv, head_dim)).astype(dtype) for _ in range(2))
+    return q, k, v, cu_q, cu_k
+
+
+def test_attention_window_and_softcap_on_the_host_path():
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 70, 2, 16)) for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, causal=True, window=(9, 0), softcap=3.0, return_lse=True)
+    ref_out, ref_lse = reference.attention_reference(q, k, v, causal=True, window=(9, 0), softcap=3.0)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+    dout = rng.standard_normal(q.shape)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, window=(9, 0), softcap=3.0)
+    expected = reference.attention_backward_reference(dout, q, k, v, causal=True, window=(9, 0), softcap=3.0)
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_varlen_host_path_matches_reference():
+    q, k, v, cu_q, cu_k = _packed(dtype=np.float64)
+    out_given = np.full(q.shape, np.nan)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, window=(3, -1), return_lse=True,
+                                        out=out_given)
+    assert out is out_given and lse.dtype == np.float32 and lse.shape == (4, q.shape[0])
+    ref_out, ref_lse = reference.attention_varlen_reference(q, k, v, cu_q, cu_k, causal=True, window=(3, -1))
+    np.testing.assert_allclose(out, ref_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse.astype(np.float32))
+    dout = np.random.default_rng(9).standard_normal(q.shape)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, window=(3, -1))
+    expected = reference.attention_varlen_backward_reference(dout, q, k, v, cu_q, cu_k, causal=True, window=(3, -1))
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ({"cu_seqlens_q": np.array([0, 5, 5, 14], np.int64)}, TypeError, "cu_seqlens_q: expected int32"),
+        ({"cu_seqlens_k": np.array([0, 7, 10, 12], np.float32)}, TypeError, "cu_seqlens_k: expected int32"),
+        ({"cu_seqlens_q": np.array([1, 5, 5, 14], np.int32)}, ValueError, "cu_seqlens_q: must start at 0"),
+        ({"cu_seqlens_q": np.array([0, 5, 4, 14], np.int32)}, ValueError, "cu_seqlens_q: must not decrease"),
+        ({"cu_seqlens_k": np.array([0, 7, 10, 11], np.int32)}, ValueError, "cu_seqlens_k: last entry 11"),
+        ({"cu_seqlens_k": np.array([0, 12], np.int32)}, ValueError, "cu_seqlens_k: 1 sequences"),
+        ({"cu_seqlens_q": np.array([0], np.int32)}, ValueError, "cu_seqlens_q: expected shape"),
+        ({"max_seqlen_q": 8}, ValueError, "max_seqlen_q: 8 is smaller than sequence 2's length 9"),
+        ({"max_seqlen_k": 2.5}, TypeError, "max_seqlen_k: expected an int"),
+        ({"window": (-2, 0)}, ValueError, "window: values must be -1"),
+        ({"window": (1.5, 0)}, TypeError, "window: expected integers"),
+        ({"window": 3}, TypeError, "window: expected a pair"),
+        ({"softcap": -1.0}, ValueError, "softcap: must be finite and >= 0"),
+        ({"softcap": "30"}, TypeError, "softcap: expected a real number"),
+        ({"q": np.zeros((14, 4), np.float32)}, ValueError, "q: expected 3 dims"),
+        ({"k": np.zeros((12, 3, 16), np.float32), "v": np.zeros((12, 3, 16), np.float32)}, ValueError,
+         "heads_kv \\(3\\) must divide"),
+    ],
+)
+def test_attention_varlen_bad_inputs(change, error, words):
+    q, k, v, cu_q, cu_k = _packed()
+    args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k} | change
+    with pytest.raises(error, match=words):
+        cuflash.attention_varlen(**args)
+
+
+def test_attention_varlen_validate_false_skips_value_checks():
+    q, k, v, cu_q, cu_k = _packed()
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=1)
+    out = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=1, validate=False)
+    assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("window, softcap, error, words", [((-3, -1), 0.0, ValueError, "window"),
+                                                          ((-1, -1), float("inf"), ValueError, "softcap"),
+                                                          ((0, True), 0.0, TypeError, "window")])
+def test_attention_window_softcap_bad_values(window, softcap, error, words):
+    q = np.zeros((1, 8, 2, 16), np.float32)
+    with pytest.raises(error, match=words):
+        cuflash.attention(q, q, q, window=window, softcap=softcap)
+
+
+def test_attention_varlen_backward_bad_lse():
+    q, k, v, cu_q, cu_k = _packed()
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    with pytest.raises(ValueError, match="lse: expected shape"):
+        cuflash.attention_varlen_backward(q, q, k, v, out, lse[:, :3], cu_q, cu_k)
+    with pytest.raises(TypeError, match="lse: expected float32"):
+        cuflash.attention_varlen_backward(q, q, k, v, out, lse.astype(np.float64), cu_q, cu_k)
