@@ -271,11 +271,7 @@ def _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse,
         _check_out("out", out, tuple(q.shape), q, on_device=False)
     result, lse = reference.attention_blockwise(q, k, v, causal=bool(causal), softmax_scale=scale, window=window,
                                                 softcap=softcap)
-    if out is None:
-        out = result.astype(q.dtype)
-    else:
-        out[...] = result.astype(q.dtype)
-    return (out, lse.astype(np.float32)) if return_lse else out
+    return _host_output(result, lse, q.dtype, out, return_lse)
 
 
 def attention_backward(
@@ -349,20 +345,7 @@ def attention_backward(
     _check_qkv(qt, kt, vt, on_device=on_device)
     scale = _resolve_scale(softmax_scale, qt.shape[3])
     batch, seqlen_q, heads, head_dim = qt.shape
-    _check_like("dout", tensors["dout"], qt.shape, qt, on_device)
-    _check_like("out", tensors["out"], qt.shape, qt, on_device)
-    lse_t = tensors["lse"]
-    if _dtype_name(lse_t) != "float32":
-        raise TypeError(f"lse: expected float32 (as attention(..., return_lse=True) returns it), got {_dtype_name(lse_t)}")
-    if tuple(lse_t.shape) != (batch, heads, seqlen_q):
-        raise ValueError(f"lse: expected shape {(batch, heads, seqlen_q)}, got {tuple(lse_t.shape)}")
-    if _strides(lse_t) != (heads * seqlen_q, seqlen_q, 1):
-        raise ValueError("lse: must be contiguous")
-    if on_device and lse_t.device != qt.device:
-        raise ValueError(f"lse: on device {lse_t.device}, but q is on device {qt.device}")
-    for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
-        if name in tensors:
-            _check_out(name, tensors[name], like_shape, qt, on_device)
+    _check_backward_inputs(tensors, (batch, heads, seqlen_q), on_device)
     window, softcap = _resolve_window(window), _resolve_softcap(softcap)
     if not on_device:
         return _backward_host(tensors, causal, scale, window, softcap)
@@ -417,17 +400,51 @@ def attention_backward(
     return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
 
 
+def _check_backward_inputs(tensors: dict, lse_shape: tuple[int, ...], on_device: bool) -> None:
+    """dout and out like q; lse float32, contiguous, of ``lse_shape``, on q's device; gradients
+    passed in dq, dk, dv shaped like q, k, v."""
+    qt, kt = tensors["q"], tensors["k"]
+    _check_like("dout", tensors["dout"], qt.shape, qt, on_device)
+    _check_like("out", tensors["out"], qt.shape, qt, on_device)
+    lse_t = tensors["lse"]
+    if _dtype_name(lse_t) != "float32":
+        raise TypeError(f"lse: expected float32 (as the forward's return_lse=True gives it), got {_dtype_name(lse_t)}")
+    if tuple(lse_t.shape) != tuple(lse_shape):
+        raise ValueError(f"lse: expected shape {tuple(lse_shape)}, got {tuple(lse_t.shape)}")
+    if _strides(lse_t) != tuple(math.prod(lse_shape[i + 1:]) for i in range(len(lse_shape))):
+        raise ValueError("lse: must be contiguous")
+    if on_device and lse_t.device != qt.device:
+        raise ValueError(f"lse: on device {lse_t.device}, but q is on device {qt.device}")
+    for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
+        if name in tensors:
+            _check_out(name, tensors[name], like_shape, qt, on_device)
+
+
+def _host_output(result: np.ndarray, lse: np.ndarray, dtype, out, return_lse: bool):
+    """The CPU path's float64 result cast to the inputs' dtype, into ``out`` when given."""
+    if out is None:
+        out = result.astype(dtype)
+    else:
+        out[...] = result.astype(dtype)
+    return (out, lse.astype(np.float32)) if return_lse else out
+
+
+def _host_gradients(result, given: dict, dtype) -> tuple:
+    """The CPU path's float64 (dq, dk, dv) cast to the inputs' dtype, into the arrays given."""
+    grads = []
+    for name, value in zip(("dq", "dk", "dv"), result):
+        if given.get(name) is not None:
+            given[name][...] = value.astype(dtype)
+            grads.append(given[name])
+        else:
+            grads.append(value.astype(dtype))
+    return tuple(grads)
+
+
 def _backward_host(tensors: dict, causal: bool, scale: float, window: tuple[int, int], softcap: float):
     """NumPy in, NumPy out: the float64 reference gradients, cast to the inputs' dtype."""
     q = tensors["q"]
     result = reference.attention_backward_reference(tensors["dout"], q, tensors["k"], tensors["v"],
                                                     causal=bool(causal), softmax_scale=scale, window=window,
                                                     softcap=softcap)
-    grads = []
-    for name, value in zip(("dq", "dk", "dv"), result):
-        if name in tensors:
-            tensors[name][...] = value.astype(q.dtype)
-            grads.append(tensors[name])
-        else:
-            grads.append(value.astype(q.dtype))
-    return tuple(grads)
+    return _host_gradients(result, tensors, q.dtype)

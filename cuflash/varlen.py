@@ -46,8 +46,8 @@ def _host_lengths(name: str, cu: Any, on_device: bool, device: int | None) -> np
     return host.astype(np.int64)
 
 
-def _check_lengths(name: str, cu: np.ndarray, total: int, max_seqlen: Any, max_name: str, validate: bool) -> int:
-    """Values of a cu_seqlens (behind ``validate``) and the resolved max_seqlen."""
+def _check_lengths(name: str, cu: np.ndarray, total: int, max_seqlen: Any, max_name: str, validate: bool) -> None:
+    """Values of a cu_seqlens and its max_seqlen (behind ``validate``)."""
     lengths = np.diff(cu)
     if validate:
         if cu[0] != 0:
@@ -58,13 +58,12 @@ def _check_lengths(name: str, cu: np.ndarray, total: int, max_seqlen: Any, max_n
         if cu[-1] != total:
             raise ValueError(f"{name}: last entry {cu[-1]} must equal the packed length {total}")
     if max_seqlen is None:
-        return int(lengths.max(initial=0))
+        return
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)):
         raise TypeError(f"{max_name}: expected an int or None, got {type(max_seqlen).__name__}")
     if validate and max_seqlen < lengths.max(initial=0):
         i = int(np.argmax(lengths))
         raise ValueError(f"{max_name}: {max_seqlen} is smaller than sequence {i}'s length {lengths[i]}")
-    return int(max_seqlen)
 
 
 def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate: bool):
@@ -83,9 +82,9 @@ def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     cu_k = _host_lengths("cu_seqlens_k", cu_seqlens_k, on_device, device)
     if cu_q.shape != cu_k.shape:
         raise ValueError(f"cu_seqlens_k: {cu_k.size - 1} sequences, but cu_seqlens_q has {cu_q.size - 1}")
-    max_q = _check_lengths("cu_seqlens_q", cu_q, tensors["q"].shape[0], max_seqlen_q, "max_seqlen_q", validate)
-    max_k = _check_lengths("cu_seqlens_k", cu_k, tensors["k"].shape[0], max_seqlen_k, "max_seqlen_k", validate)
-    return framework, tensors, cu_q, cu_k, (max_q, max_k)
+    _check_lengths("cu_seqlens_q", cu_q, tensors["q"].shape[0], max_seqlen_q, "max_seqlen_q", validate)
+    _check_lengths("cu_seqlens_k", cu_k, tensors["k"].shape[0], max_seqlen_k, "max_seqlen_k", validate)
+    return framework, tensors, cu_q, cu_k
 
 
 def _refuse_on_device() -> None:
@@ -141,8 +140,8 @@ def attention_varlen(
         GPU inputs (the varlen kernels do not exist yet).
     """
     arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
-    framework, tensors, cu_q, cu_k, _ = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                      max_seqlen_k, validate)
+    framework, tensors, cu_q, cu_k = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, validate)
     scale = api._resolve_scale(softmax_scale, tensors["q"].shape[2])
     window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
     if out is not None:
@@ -151,11 +150,7 @@ def attention_varlen(
         _refuse_on_device()
     result, lse = reference.attention_varlen_reference(q, k, v, cu_q, cu_k, causal=bool(causal), softmax_scale=scale,
                                                        window=window, softcap=softcap)
-    if out is None:
-        out = result.astype(q.dtype)
-    else:
-        out[...] = result.astype(q.dtype)
-    return (out, lse.astype(np.float32)) if return_lse else out
+    return api._host_output(result, lse, q.dtype, out, return_lse)
 
 
 def attention_varlen_backward(
@@ -189,32 +184,15 @@ def attention_varlen_backward(
     given = {"dq": dq, "dk": dk, "dv": dv}
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     arrays |= {name: x for name, x in given.items() if x is not None}
-    framework, tensors, cu_q, cu_k, _ = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                      max_seqlen_k, validate)
+    framework, tensors, cu_q, cu_k = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, validate)
     on_device = framework != "numpy"
-    qt, kt = tensors["q"], tensors["k"]
+    qt = tensors["q"]
     scale = api._resolve_scale(softmax_scale, qt.shape[2])
     window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
-    api._check_like("dout", tensors["dout"], qt.shape, qt, on_device)
-    api._check_like("out", tensors["out"], qt.shape, qt, on_device)
-    lse_t = tensors["lse"]
-    if api._dtype_name(lse_t) != "float32":
-        raise TypeError(f"lse: expected float32 (as attention_varlen(..., return_lse=True) returns it), "
-                        f"got {api._dtype_name(lse_t)}")
-    if tuple(lse_t.shape) != (qt.shape[1], qt.shape[0]):
-        raise ValueError(f"lse: expected shape {(qt.shape[1], qt.shape[0])}, got {tuple(lse_t.shape)}")
-    for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
-        if name in tensors:
-            api._check_out(name, tensors[name], like_shape, qt, on_device)
+    api._check_backward_inputs(tensors, (qt.shape[1], qt.shape[0]), on_device)
     if on_device:
         _refuse_on_device()
     result = reference.attention_varlen_backward_reference(dout, q, k, v, cu_q, cu_k, causal=bool(causal),
                                                            softmax_scale=scale, window=window, softcap=softcap)
-    grads = []
-    for name, value in zip(("dq", "dk", "dv"), result):
-        if given[name] is not None:
-            given[name][...] = value.astype(q.dtype)
-            grads.append(given[name])
-        else:
-            grads.append(value.astype(q.dtype))
-    return tuple(grads)
+    return api._host_gradients(result, given, q.dtype)
