@@ -351,7 +351,7 @@ def attention_backward(
         return _backward_host(tensors, causal, scale, window, softcap)
     _refuse_on_device(window, softcap)
 
-    dout_t, out_t = tensors["dout"], tensors["out"]
+    dout_t, out_t, lse_t = tensors["dout"], tensors["out"], tensors["lse"]
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                  for t in (qt, kt, vt, dout_t, out_t))
     grads = {name: tensors.get(name) or interop.empty(framework, qt, shape)
