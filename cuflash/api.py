@@ -369,7 +369,12 @@ def attention_backward(
     # the key blocks in order into its own fp32 dQ split (flash_bwd.cu); splits added in order.
     splits = max(1, min(n_blocks, _multiprocessors(qt.device) // (batch * heads))) if deterministic else 1
     delta = interop.empty(framework, qt, (batch, heads, seqlen_q), dtype="float32")
-    dq_accum = interop.empty(framework, qt, (splits, *qt.shape), dtype="float32", zeroed=True)
+    # Padded to whole query blocks and to the head-dim bucket so the kernel's reductions need no
+    # bounds checks (flash_bwd.cu); rows of one head contiguous.
+    padded_rows = -(-seqlen_q // main.tile.block_m) * main.tile.block_m
+    bucket = dispatch.head_dim_bucket(head_dim)
+    dq_accum = interop.empty(framework, qt, (splits, batch, heads, padded_rows, bucket), dtype="float32",
+                             zeroed=True)
     dk_accum = dv_accum = None
     if group > 1:
         # Deterministic: one slice per query head, plainly stored, summed by the convert kernel.
@@ -387,16 +392,21 @@ def attention_backward(
     else:
         grid = (heads, batch, n_blocks) if causal else (n_blocks, heads, batch)
     kernels.launch(main, arch, qt.device, grid, params, stream)
-    # (source, gradient, summands, their stride, source stride between heads): dQ sums its splits;
-    # deterministic GQA dK/dV sum the group's adjacent query-head slices.
-    converts = [(dq_accum, "dq", splits, math.prod(qt.shape), head_dim)]
+    # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
+    # scale): dQ sums its splits and takes the softmax scale; deterministic GQA dK/dV sum the
+    # group's adjacent query-head slices (dK already scaled by the main kernel).
+    dq_strides = (heads * padded_rows * bucket, bucket, padded_rows * bucket)
+    converts = [(dq_accum, "dq", dq_strides, splits, batch * heads * padded_rows * bucket, scale)]
     if group > 1:
-        converts += [(src, name, *((group, head_dim, group * head_dim) if deterministic else (1, 0, head_dim)))
-                     for src, name in ((dk_accum, "dk"), (dv_accum, "dv"))]
-    for src, name, summands, summand_stride, head_stride in converts:
+        slices = dk_accum.shape[2]  # heads_kv, or heads in deterministic mode
+        kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
+                      group * head_dim if deterministic else head_dim)
+        summands = (group, head_dim) if deterministic else (1, 0)
+        converts += [(src, name, kv_strides, *summands, 1.0) for src, name in ((dk_accum, "dk"), (dv_accum, "dv"))]
+    for src, name, src_strides, summands, summand_stride, factor in converts:
         pairs = math.prod(grads[name].shape) // 2
         kernels.launch(convert, arch, qt.device, (-(-pairs // 256), 1, 1),
-                       pack_convert_params(src, grads[name], summands, summand_stride, head_stride), stream)
+                       pack_convert_params(src, grads[name], src_strides, summands, summand_stride, factor), stream)
     return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
 
 

@@ -35,6 +35,7 @@ class Tile:
     block_m: int  # query rows per CTA
     block_n: int  # keys per main-loop step
     warps: int
+    ctas_per_sm: int = 1  # the register budget the compiler gets: 65536 / (ctas_per_sm * warps * 32)
 
 
 # sm80 forward tiles per head-dim bucket. Each warp owns block_m / warps query rows; 32 rows
@@ -130,8 +131,11 @@ def forward_kernel(
 # loop: 32 keys x head_dim / (8 / (BLOCK_N / 32)) columns each per warp, 128 fp32 registers per
 # thread at head_dim 128 and 256. 128 keys per CTA halve the Q/dO loads and dQ reductions per
 # FLOP against 64; heads wider than 128 drop to 64 keys to fit K, V and two Q/dO buffers in 227 KB.
+# head_dim 64 runs two CTAs per SM (97 KB of shared memory each) at 128 registers: S, dP, dK and
+# dV alone are 128 fp32 registers, so ~170 B spill, and still 3-7% faster than one CTA at 241
+# registers (benchmarks/NOTES.md, backward v4): the second CTA's warps cover the barriers.
 SM80_BWD_TILES = {
-    64: Tile(64, 128, 8),
+    64: Tile(64, 128, 8, ctas_per_sm=2),
     96: Tile(64, 128, 8),
     128: Tile(64, 128, 8),
     192: Tile(64, 64, 8),
@@ -148,7 +152,7 @@ def backward_kernels(family: str, head_dim: int, causal: bool, dtype_name: str, 
         raise ValueError(f"family: no backward kernel for {family!r}")
     bucket = head_dim_bucket(head_dim)
     tile, elem = tile or SM80_BWD_TILES[bucket], ELEMENT_TYPES[dtype_name]
-    main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
+    main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
             f"{'true' if causal else 'false'}, {'true' if deterministic else 'false'}, {elem}>")
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
     # buffers each of the rows' fp32 log-sum-exp and delta.

@@ -51,18 +51,19 @@ BWD_PARAMS_SIZE = 304  # sizeof(BwdParams) in params.cuh
 
 CONVERT_PARAMS = np.dtype(
     [("src", np.uint64), ("dst", np.uint64)]
-    + [(name, np.int64) for name in ("dst_batch_stride", "dst_row_stride", "dst_head_stride", "src_head_stride",
-                                     "group_stride")]
-    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "group")],
+    + [(f"{t}_{s}_stride", np.int64) for t in ("dst", "src") for s in ("batch", "row", "head")]
+    + [("group_stride", np.int64)]
+    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "group")]
+    + [("scale", np.float32)],
     align=True,
 )
-CONVERT_PARAMS_SIZE = 80  # sizeof(ConvertParams) in params.cuh
+CONVERT_PARAMS_SIZE = 96  # sizeof(ConvertParams) in params.cuh
 
 
 def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum,
                     softmax_scale: float) -> np.ndarray:
     """One BwdParams struct; every argument a DeviceTensor (dk_accum and dv_accum may be None).
-    dq_accum is (dq_splits, batch, seqlen_q, heads, head_dim)."""
+    dq_accum is (dq_splits, batch, heads, padded seqlen_q, head-dim bucket)."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
                                                           dk_accum, dv_accum)]
@@ -73,11 +74,10 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
     )
 
 
-def pack_convert_params(src, dst, group: int = 1, group_stride: int = 0, src_head_stride: int | None = None) -> np.ndarray:
-    """fp32 contiguous ``src`` into 16-bit ``dst`` (batch, seqlen, heads, head_dim) of any strides:
-    output (b, s, h, c) is the in-order sum over g < ``group`` of src's element
-    ``((b * seqlen + s) * heads + h) * src_head_stride + g * group_stride + c``
-    (``src_head_stride`` defaults to head_dim)."""
-    head_stride = dst.shape[3] if src_head_stride is None else src_head_stride
-    return np.array([(src.ptr, dst.ptr, *dst.strides[:3], head_stride, group_stride, *dst.shape, group)],
+def pack_convert_params(src, dst, src_strides: tuple[int, int, int], group: int = 1, group_stride: int = 0,
+                        scale: float = 1.0) -> np.ndarray:
+    """fp32 ``src`` into 16-bit ``dst`` (batch, seqlen, heads, head_dim) of any strides: output
+    (b, s, h, c) is ``scale`` times the in-order sum over g < ``group`` of src's element
+    ``b * src_strides[0] + s * src_strides[1] + h * src_strides[2] + g * group_stride + c``."""
+    return np.array([(src.ptr, dst.ptr, *dst.strides[:3], *src_strides, group_stride, *dst.shape, group, scale)],
                     dtype=CONVERT_PARAMS)

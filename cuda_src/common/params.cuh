@@ -35,8 +35,8 @@ struct BwdParams {
   const void* dout;
   const float* lse;  // (batch, heads, seqlen_q), contiguous
   float* delta;      // (batch, heads, seqlen_q): rowsum(dO * O), written by the preprocess
-  float* dq_accum;   // (dq_splits, batch, seqlen_q, heads, head_dim) fp32, zeroed, accumulated with
-                     // reductions; deterministic CTA s adds into split s only
+  float* dq_accum;   // (dq_splits, batch, heads, m_blocks * BLOCK_M, head-dim bucket) fp32, zeroed,
+                     // accumulated unscaled with reductions; deterministic CTA s adds into split s only
   void* dk;          // (batch, seqlen_k, heads_kv, head_dim), written directly when kv_group == 1
   void* dv;
   float* dk_accum;   // fp32, when kv_group > 1: (batch, seqlen_k, heads_kv, head_dim) zeroed, or in
@@ -61,20 +61,21 @@ struct BwdParams {
 };
 static_assert(sizeof(BwdParams) == 304, "cuflash/params.py packs 304 bytes");
 
-// fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output the
-// in-order sum of `group` source values (flash_bwd_convert_sm80).
+// fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
+// `scale` times the in-order sum of `group` source values (flash_bwd_convert_sm80).
 struct ConvertParams {
   const float* src;
   void* dst;
   i64 dst_batch_stride, dst_row_stride, dst_head_stride;
-  i64 src_head_stride;  // elements between consecutive (batch, row, head) of src
-  i64 group_stride;     // elements between the summands of one output
+  i64 src_batch_stride, src_row_stride, src_head_stride;
+  i64 group_stride;  // elements between the summands of one output
   int batch;
   int seqlen;
   int heads;
   int head_dim;
   int group;
+  float scale;
 };
-static_assert(sizeof(ConvertParams) == 80, "cuflash/params.py packs 80 bytes");
+static_assert(sizeof(ConvertParams) == 96, "cuflash/params.py packs 96 bytes");
 
 }  // namespace cuflash

@@ -99,6 +99,31 @@ struct FragmentAddress {
   }
 };
 
+// Addresses of one thread's 4-byte stores of an m16n8 accumulator tile into a swizzled tile: row
+// `row` plus multiples of 8, and columns `col` + 8 * j for j < 4, with col / 8 a multiple of 4.
+// As for FragmentAddress, the XOR term depends only on j, so four addresses and compile-time row
+// offsets cover every store (computing the swizzle per store cost ~90 instructions per step).
+template <int ROW_ELEMS>
+struct StoreAddress {
+  u32 addr[4];
+
+  __device__ __forceinline__ StoreAddress(const u16* tile, int row, int col) {
+    const u32 row_start = smem_addr(tile + row * ROW_ELEMS);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int chunk = col / 8 + j;
+      addr[j] = row_start + ((((chunk ^ row) & 7) | (chunk & ~7)) * 8 + col % 8) * 2;
+    }
+  }
+
+  // Byte address at (row + row_offset, col + 8 * j); row_offset % 8 == 0, compile-time.
+  __device__ __forceinline__ u32 at(int row_offset, int j) const { return addr[j] + row_offset * ROW_ELEMS * 2; }
+};
+
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 value) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(value));
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

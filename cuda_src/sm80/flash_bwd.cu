@@ -48,12 +48,14 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm80(const __grid_co
 // (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
 // dS = P * (dP - delta), for one warp's S_MT x 16 rows by 32 keys; both to shared memory as
 // 16-bit pairs for the next three products. EDGE: some score of the block is masked.
+// `stores` holds this thread's P addresses (StoreAddress); dS sits one P tile further on.
 template <bool EDGE, int BLOCK_M, int BLOCK_N, class Elem, int S_MT, bool CAUSAL>
-__device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], const float (&dp)[S_MT][4][4], u16* sP,
-                                                u16* sdS, const float* lse, const float* delta, int first_local_row,
-                                                int first_local_key, int m, int first_key, const Mask<CAUSAL>& mask,
-                                                const BwdParams& p) {
+__device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], const float (&dp)[S_MT][4][4],
+                                                const StoreAddress<BLOCK_N>& stores, const float* lse,
+                                                const float* delta, int first_local_row, int first_local_key, int m,
+                                                int first_key, const Mask<CAUSAL>& mask, const BwdParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
+  constexpr u32 kDsOffset = BLOCK_M * BLOCK_N * 2;
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int mt = 0; mt < S_MT; ++mt) {
@@ -63,7 +65,7 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
       const int row = m * BLOCK_M + local_row;
       const float lse_log2 = lse[local_row] * kLog2e;
       const float row_delta = delta[local_row];
-      const int key_limit = row < p.seqlen_q ? mask.key_limit(row) - first_key : 0;
+      const int key_limit = EDGE ? (row < p.seqlen_q ? mask.key_limit(row) - first_key : 0) : 0;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int key = first_local_key + nt * 8 + (lane % 4) * 2;
@@ -74,23 +76,25 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
           if (EDGE && key + e >= key_limit) pv[e] = 0.f;
           dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - row_delta);
         }
-        *reinterpret_cast<u32*>(sP + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(pv[0], pv[1]);
-        *reinterpret_cast<u32*>(sdS + swizzle<BLOCK_N>(local_row, key)) = Elem::pack(dsv[0], dsv[1]);
+        const u32 at = stores.at(mt * 16 + h * 8, nt);
+        st_shared_u32(at, Elem::pack(pv[0], pv[1]));
+        st_shared_u32(at + kDsOffset, Elem::pack(dsv[0], dsv[1]));
       }
     }
   }
 }
 
-// One CTA per (key block, head, batch), 8 warps. Each step handles BLOCK_M query rows with five
-// products, in three warp layouts chosen so that each warp's tile is as square as the registers
-// allow (shared-memory reads per multiply-add fall with the tile's area over its perimeter):
+// One CTA per (key block, head, batch), WARPS warps, CTAS_PER_SM resident per SM (the register
+// budget; dispatch.py). Each step handles BLOCK_M query rows with five products, in three warp
+// layouts chosen so that each warp's tile is as square as the registers allow (shared-memory reads per multiply-add fall with the tile's area over its perimeter):
 //   S = Q K^T, dP = dO V^T:   warps as KEY_WARPS (32 keys) x ROW_WARPS (BLOCK_M / ROW_WARPS rows);
 //   dV += P^T dO, dK += dS^T Q: warps as KEY_WARPS (32 keys) x ROW_WARPS (head_dim slices), the
 //                               accumulators living in registers for the whole loop;
 //   dQ = dS K:                 warps as Q_ROW_WARPS (rows) x Q_D_WARPS (head_dim slices).
 // P and dS go through shared memory between the layouts.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, bool DETERMINISTIC, class Elem>
-__global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, bool CAUSAL, bool DETERMINISTIC,
+          class Elem>
+__global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
   constexpr int THREADS = WARPS * 32;
   constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;
   constexpr int KSTEPS = HEAD_DIM / 16;
@@ -179,6 +183,14 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   const FragmentAddress<ROW_ELEMS> q_bt(sQ, a_row, lane / 16, rw * KV_COLS);
   const FragmentAddress<ROW_ELEMS> k_bt(sK, a_row, lane / 16, qd * Q_COLS);
   const FragmentAddress<BLOCK_N> ds_a(sdS, qr * Q_ROWS + a_row, lane / 16);
+  // Stores of P and dS: rows of this warp's S tile, 32 keys from kw * 32, in the m16n8 layout.
+  const int first_local_row = rw * (BLOCK_M / ROW_WARPS);
+  const StoreAddress<BLOCK_N> p_stores(sP, first_local_row + lane / 4, kw * 32 + (lane % 4) * 2);
+  // This thread's dQ reduction target relative to the step's block of the (padded) fp32 buffer:
+  // after the lane-pair swap the even lane owns row lane / 4, the odd lane row lane / 4 + 8.
+  const int dq_thread_offset =
+      (qr * Q_ROWS + (lane % 2) * 8 + lane / 4) * HEAD_DIM + qd * Q_COLS + (lane % 4 / 2) * 4;
+  const int seqlen_q_padded = schedule.m_blocks * BLOCK_M;
 
   for (int n_block = n_first; n_block < n_blocks; n_block += n_stride) {
     const int first_key = n_block * BLOCK_N;
@@ -251,12 +263,11 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
                         (CAUSAL && first_key + BLOCK_N - 1 > m * BLOCK_M + p.seqlen_k - p.seqlen_q);
       const float* lse = sLse + (step % 2) * BLOCK_M;
       const float* delta = sDelta + (step % 2) * BLOCK_M;
-      const int first_local_row = rw * (BLOCK_M / ROW_WARPS);
       if (edge)
-        softmax_to_smem<true, BLOCK_M, BLOCK_N, Elem>(s, dp, sP, sdS, lse, delta, first_local_row, kw * 32, m, first_key,
-                                                      mask, p);
+        softmax_to_smem<true, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32, m,
+                                                      first_key, mask, p);
       else
-        softmax_to_smem<false, BLOCK_M, BLOCK_N, Elem>(s, dp, sP, sdS, lse, delta, first_local_row, kw * 32, m,
+        softmax_to_smem<false, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32, m,
                                                        first_key, mask, p);
       __syncthreads();
 
@@ -309,28 +320,28 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
         }
       }
 
-      // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode). Lanes
-      // l and l ^ 1 hold columns c..c+1 and c+2..c+3 of the same two rows: one swap gives the even
-      // lane four columns of the first row and the odd lane four of the second, one 16-byte
-      // reduction each.
+      // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode),
+      // unscaled (the convert kernel applies the softmax scale once per element). The buffer is
+      // padded to whole blocks of rows and to the head-dim bucket, where dS and K are zero, so the
+      // reductions need no bounds checks. Lanes l and l ^ 1 hold columns c..c+1 and c+2..c+3 of
+      // the same two rows: one swap gives the even lane four columns of the first row and the odd
+      // lane four of the second, one 16-byte reduction each.
       const bool even = lane % 2 == 0;
+      float* const dq_block = p.dq_accum + ((static_cast<i64>(split) * p.batch + batch) * p.heads + head) *
+                                               seqlen_q_padded * HEAD_DIM +
+                              m * BLOCK_M * HEAD_DIM + dq_thread_offset;
 #pragma unroll
       for (int mt = 0; mt < Q_MT; ++mt) {
-        const int row = m * BLOCK_M + qr * Q_ROWS + mt * 16 + (even ? 0 : 8) + lane / 4;
-        float* dq_row = p.dq_accum + (((static_cast<i64>(split) * p.batch + batch) * p.seqlen_q + row) * p.heads +
-                                      head) * p.head_dim;
 #pragma unroll
         for (int nt = 0; nt < Q_NT; ++nt) {
           const float* mine = dq[mt][nt];
           const float send0 = even ? mine[2] : mine[0], send1 = even ? mine[3] : mine[1];
           const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
-          const int col = qd * Q_COLS + nt * 8 + (lane % 4 / 2) * 4;
-          if (row < p.seqlen_q && col < p.head_dim) {
-            if (even)
-              red_add_f32x4(dq_row + col, mine[0] * p.scale, mine[1] * p.scale, got0 * p.scale, got1 * p.scale);
-            else
-              red_add_f32x4(dq_row + col, got0 * p.scale, got1 * p.scale, mine[2] * p.scale, mine[3] * p.scale);
-          }
+          float* const at = dq_block + mt * 16 * HEAD_DIM + nt * 8;
+          if (even)
+            red_add_f32x4(at, mine[0], mine[1], got0, got1);
+          else
+            red_add_f32x4(at, got0, got1, mine[2], mine[3]);
         }
       }
     }
@@ -372,9 +383,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) flash_bwd_sm80(const __grid_con
   }  // key blocks
 }
 
-// fp32 accumulators -> the gradient's dtype. Output element (batch, row, head, col) is the sum, in
-// index order, of `group` fp32 values: src[((batch * seqlen + row) * heads + head) *
-// src_head_stride + g * group_stride + col] (dQ splits, or deterministic GQA dK/dV per query head).
+// fp32 accumulators -> the gradient's dtype, times `scale`. Output element (batch, row, head, col)
+// is scale times the sum, in index order, of `group` fp32 values at src + batch * src_batch_stride
+// + row * src_row_stride + head * src_head_stride + g * group_stride + col (dQ splits, or
+// deterministic GQA dK/dV per query head).
 template <class Elem>
 __global__ void __launch_bounds__(256) flash_bwd_convert_sm80(const __grid_constant__ ConvertParams p) {
   const i64 pair = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x;
@@ -386,7 +398,7 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_sm80(const __grid_const
   const int head = static_cast<int>(rest % p.heads);
   const int row = static_cast<int>((rest / p.heads) % p.seqlen);
   const int batch = static_cast<int>(rest / (static_cast<i64>(p.heads) * p.seqlen));
-  const float* src = p.src + rest * p.src_head_stride + col;
+  const float* src = p.src + batch * p.src_batch_stride + row * p.src_row_stride + head * p.src_head_stride + col;
   float2 sum = make_float2(0.f, 0.f);
   for (int g = 0; g < p.group; ++g) {
     const float2 v = *reinterpret_cast<const float2*>(src + g * p.group_stride);
@@ -394,7 +406,7 @@ __global__ void __launch_bounds__(256) flash_bwd_convert_sm80(const __grid_const
     sum.y += v.y;
   }
   *reinterpret_cast<u32*>(static_cast<u16*>(p.dst) + batch * p.dst_batch_stride + row * p.dst_row_stride +
-                          head * p.dst_head_stride + col) = Elem::pack(sum.x, sum.y);
+                          head * p.dst_head_stride + col) = Elem::pack(sum.x * p.scale, sum.y * p.scale);
 }
 
 }  // namespace cuflash
