@@ -86,7 +86,8 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
 
 // One CTA per (key block, head, batch), WARPS warps, CTAS_PER_SM resident per SM (the register
 // budget; dispatch.py). Each step handles BLOCK_M query rows with five products, in three warp
-// layouts chosen so that each warp's tile is as square as the registers allow (shared-memory reads per multiply-add fall with the tile's area over its perimeter):
+// layouts chosen so that each warp's tile is as square as the registers allow (shared-memory
+// reads per multiply-add fall with the tile's area over its perimeter):
 //   S = Q K^T, dP = dO V^T:   warps as KEY_WARPS (32 keys) x ROW_WARPS (BLOCK_M / ROW_WARPS rows);
 //   dV += P^T dO, dK += dS^T Q: warps as KEY_WARPS (32 keys) x ROW_WARPS (head_dim slices), the
 //                               accumulators living in registers for the whole loop;
