@@ -10,6 +10,7 @@ exist yet: it validates its arguments and raises NotImplementedError.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,33 +27,49 @@ def _as_batch_of_one(x: Any) -> Any:
     return x[None]
 
 
-def _lengths(name: str, cu: Any, on_device: bool, device: int | None) -> tuple[np.ndarray, Any]:
-    """The host copy of a cu_seqlens argument after its type checks (a device-to-host copy for
-    GPU arrays), and its DeviceTensor (None for NumPy)."""
+@dataclass(frozen=True)
+class _Lengths:
+    """The checked cumulative lengths: host copies (int64; None where a GPU array was not copied),
+    the DeviceTensors (None for NumPy), the batch size and max_seqlen_q (None if not known)."""
+
+    host_q: np.ndarray | None
+    host_k: np.ndarray | None
+    device_q: Any
+    device_k: Any
+    batch: int
+    max_seqlen_q: int | None
+
+
+def _lengths(name: str, cu: Any, on_device: bool, device: int | None, copy: bool) -> tuple[Any, Any, int]:
+    """(host int64 copy or None, DeviceTensor or None, batch) of a cu_seqlens argument after its
+    type and shape checks. GPU arrays are copied to the host (a synchronisation) only if ``copy``."""
     framework = interop.framework_of(cu, name)
     if (framework == "numpy") == on_device:
         raise TypeError(f"{name}: must be on the same side as q ({'GPU' if on_device else 'NumPy'})")
-    t = None
-    if framework == "numpy":
-        host = cu
-    else:
-        t = interop.describe(cu, framework, name)
-        if t.device != device:
-            raise ValueError(f"{name}: on device {t.device}, but q is on device {device}")
-        host = t.native.cpu().numpy() if framework == "torch" else t.native.get()
-    if str(host.dtype) != "int32":
-        raise TypeError(f"{name}: expected int32, got {host.dtype}")
-    if host.ndim != 1 or host.size < 2:
-        raise ValueError(f"{name}: expected shape (batch + 1,) with batch >= 1, got {tuple(host.shape)}")
-    if t is not None and t.strides != (1,):
+    t = interop.describe(cu, framework, name) if on_device else None
+    dtype, shape = (t.dtype, t.shape) if on_device else (str(cu.dtype), cu.shape)
+    if dtype != "int32":
+        raise TypeError(f"{name}: expected int32, got {dtype}")
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"{name}: expected shape (batch + 1,) with batch >= 1, got {tuple(shape)}")
+    if not on_device:
+        return cu.astype(np.int64), None, shape[0] - 1
+    if t.device != device:
+        raise ValueError(f"{name}: on device {t.device}, but q is on device {device}")
+    if t.strides != (1,):
         raise ValueError(f"{name}: must be contiguous (the kernel indexes it directly), stride is {t.strides[0]}")
-    return host.astype(np.int64), t
+    if not copy:
+        return None, t, shape[0] - 1
+    host = t.native.cpu().numpy() if framework == "torch" else t.native.get()
+    return host.astype(np.int64), t, shape[0] - 1
 
 
-def _check_lengths(name: str, cu: np.ndarray, total: int, max_seqlen: Any, max_name: str, validate: bool) -> None:
-    """Values of a cu_seqlens and its max_seqlen (behind ``validate``)."""
-    lengths = np.diff(cu)
+def _check_lengths(name: str, cu: np.ndarray | None, total: int, max_seqlen: Any, max_name: str,
+                   validate: bool) -> None:
+    """Values of a cu_seqlens (None: not copied, so not checked) and its max_seqlen (the values
+    behind ``validate``)."""
     if validate:
+        lengths = np.diff(cu)
         if cu[0] != 0:
             raise ValueError(f"{name}: must start at 0, got {cu[0]}")
         if (lengths < 0).any():
@@ -71,9 +88,11 @@ def _check_lengths(name: str, cu: np.ndarray, total: int, max_seqlen: Any, max_n
         raise ValueError(f"{max_name}: {max_seqlen} is smaller than sequence {i}'s length {lengths[i]}")
 
 
-def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate: bool):
-    """Framework, validated tensors (packed, checked as a batch of one), host cu_seqlens and their
-    DeviceTensors (None for NumPy)."""
+def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  validate: bool) -> tuple[str, dict, _Lengths]:
+    """Framework, validated tensors (packed, checked as a batch of one) and the lengths. GPU
+    lengths reach the host only to be validated or to find an omitted max_seqlen_q (the only one
+    the kernels need)."""
     framework = api._framework(**arrays)
     on_device = framework != "numpy"
     tensors = {name: interop.describe(x, framework, name) if on_device else x for name, x in arrays.items()}
@@ -84,34 +103,33 @@ def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     qt, kt, vt = (_as_batch_of_one(tensors[name]) for name in ("q", "k", "v"))
     api._check_qkv(qt, kt, vt, on_device=on_device)
     device = tensors["q"].device if on_device else None
-    cu_q, cu_q_t = _lengths("cu_seqlens_q", cu_seqlens_q, on_device, device)
-    cu_k, cu_k_t = _lengths("cu_seqlens_k", cu_seqlens_k, on_device, device)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_k: {cu_k.size - 1} sequences, but cu_seqlens_q has {cu_q.size - 1}")
+    cu_q, cu_q_t, batch = _lengths("cu_seqlens_q", cu_seqlens_q, on_device, device, validate or max_seqlen_q is None)
+    cu_k, cu_k_t, batch_k = _lengths("cu_seqlens_k", cu_seqlens_k, on_device, device, validate)
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_k: {batch_k} sequences, but cu_seqlens_q has {batch}")
     _check_lengths("cu_seqlens_q", cu_q, tensors["q"].shape[0], max_seqlen_q, "max_seqlen_q", validate)
     _check_lengths("cu_seqlens_k", cu_k, tensors["k"].shape[0], max_seqlen_k, "max_seqlen_k", validate)
-    return framework, tensors, cu_q, cu_k, (cu_q_t, cu_k_t)
+    if max_seqlen_q is None:  # cu_q was copied for it
+        max_seqlen_q = int(np.diff(cu_q).max())
+    return framework, tensors, _Lengths(cu_q, cu_k, cu_q_t, cu_k_t, batch, max_seqlen_q)
 
 
-def _forward_on_device(framework: str, tensors: dict, cu_q: np.ndarray, cu_seqlens, max_seqlen_q, causal: bool,
-                       scale: float, window: tuple[int, int], softcap: float) -> tuple:
+def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
+                       window: tuple[int, int], softcap: float) -> tuple:
     """One forward launch over the packed batch: (out, lse) DeviceTensors."""
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
     total_q, heads, _ = qt.shape
     out_t = tensors.get("out") or interop.empty(framework, qt, qt.shape)
     lse_t = interop.empty(framework, qt, (heads, total_q), dtype="float32")
-    batch = cu_q.size - 1
-    if max_seqlen_q is None:
-        max_seqlen_q = int(np.diff(cu_q).max())
-    if batch > api._MAX_GRID_YZ:
-        raise ValueError(f"cu_seqlens_q: at most {api._MAX_GRID_YZ} sequences, got {batch}")
-    if max_seqlen_q > api._MAX_GRID_YZ * 128:  # causal grids put the 128-row query blocks in grid.z
-        raise ValueError(f"max_seqlen_q: must be at most {api._MAX_GRID_YZ * 128}, got {max_seqlen_q}")
+    if lengths.batch > api._MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: at most {api._MAX_GRID_YZ} sequences, got {lengths.batch}")
+    if lengths.max_seqlen_q > api._MAX_GRID_YZ * 128:  # causal grids put the 128-row query blocks in grid.z
+        raise ValueError(f"max_seqlen_q: must be at most {api._MAX_GRID_YZ * 128}, got {lengths.max_seqlen_q}")
     # Windows normalised against the packed lengths, which bound every sequence's.
     kernel_window = api._kernel_window(causal, window, total_q, kt.shape[0])
     api._launch_forward(framework, *(_as_batch_of_one(t) for t in (qt, kt, vt, out_t)), lse_t, scale, kernel_window,
-                        softcap, batch, int(max_seqlen_q), cu_seqlens)
+                        softcap, lengths.batch, int(lengths.max_seqlen_q), (lengths.device_q, lengths.device_k))
     return out_t, lse_t
 
 
@@ -142,9 +160,9 @@ def attention_varlen(
     cu_seqlens_q, cu_seqlens_k : int32 arrays, (batch + 1,)
         Cumulative lengths starting at 0, on q's side (device or NumPy).
     max_seqlen_q, max_seqlen_k : int, optional
-        The longest sequence; omitted, they are computed on the host from the copy of the
-        lengths. The GPU grid covers max_seqlen_q query rows per sequence; max_seqlen_k is only
-        checked.
+        The longest sequence. The GPU grid covers max_seqlen_q query rows per sequence: omitted,
+        it is computed on the host (a device-to-host copy and synchronisation for GPU arrays).
+        max_seqlen_k is only checked.
     causal, softmax_scale, window, softcap
         As for :func:`cuflash.attention`, per sequence.
     return_lse : bool
@@ -153,9 +171,9 @@ def attention_varlen(
         Where to write the output (shape and dtype of q).
     validate : bool
         Check that the cumulative lengths start at 0, do not decrease and end at the packed length,
-        and that max_seqlen_* are not smaller than a real sequence. False skips the checks (wrong
-        lengths then give wrong results). This version copies the lengths to the host either way
-        (a device-to-host copy and synchronisation for GPU arrays).
+        and that max_seqlen_* are not smaller than a real sequence: a device-to-host copy and
+        synchronisation for GPU arrays. False skips the checks (wrong lengths then give wrong
+        results); with max_seqlen_q given, the call then never waits for the GPU.
 
     Returns
     -------
@@ -168,18 +186,17 @@ def attention_varlen(
         Bad arguments, each naming the argument.
     """
     arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
-    framework, tensors, cu_q, cu_k, cu_seqlens = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                               max_seqlen_k, validate)
+    framework, tensors, lengths = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                validate)
     scale = api._resolve_scale(softmax_scale, tensors["q"].shape[2])
     window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
     if out is not None:
         api._check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
     if framework != "numpy":
-        out_t, lse_t = _forward_on_device(framework, tensors, cu_q, cu_seqlens, max_seqlen_q, bool(causal), scale,
-                                          window, softcap)
+        out_t, lse_t = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap)
         result = out if out is not None else out_t.native
         return (result, lse_t.native) if return_lse else result
-    result, lse = reference.attention_varlen_reference(q, k, v, cu_q, cu_k, causal=bool(causal), softmax_scale=scale,
+    result, lse = reference.attention_varlen_reference(q, k, v, lengths.host_q, lengths.host_k, causal=bool(causal), softmax_scale=scale,
                                                        window=window, softcap=softcap)
     return api._host_output(result, lse, q.dtype, out, return_lse)
 
@@ -215,8 +232,8 @@ def attention_varlen_backward(
     given = {"dq": dq, "dk": dk, "dv": dv}
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     arrays |= {name: x for name, x in given.items() if x is not None}
-    framework, tensors, cu_q, cu_k, _ = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                      max_seqlen_k, validate)
+    framework, tensors, lengths = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                validate)
     on_device = framework != "numpy"
     qt = tensors["q"]
     scale = api._resolve_scale(softmax_scale, qt.shape[2])
@@ -225,6 +242,7 @@ def attention_varlen_backward(
     if on_device:
         raise NotImplementedError("attention_varlen_backward: the GPU backward for variable-length batches is "
                                   "not implemented yet; NumPy inputs run the CPU reference path")
-    result = reference.attention_varlen_backward_reference(dout, q, k, v, cu_q, cu_k, causal=bool(causal),
-                                                           softmax_scale=scale, window=window, softcap=softcap)
+    result = reference.attention_varlen_backward_reference(dout, q, k, v, lengths.host_q, lengths.host_k,
+                                                           causal=bool(causal), softmax_scale=scale, window=window,
+                                                           softcap=softcap)
     return api._host_gradients(result, given, q.dtype)

@@ -91,8 +91,8 @@ def test_packed_launch(launches):
     q, k = _tensor((700, 8, 64)), _tensor((900, 8, 64), ptr=3 << 20)
     cu_q, cu_k = _tensor((4,), "int32", ptr=5 << 20), _tensor((4,), "int32", ptr=6 << 20)
     tensors = {"q": q, "k": k, "v": k}
-    out, lse = varlen._forward_on_device("cupy", tensors, np.array([0, 500, 500, 700]), (cu_q, cu_k), None, True,
-                                         0.125, (-1, -1), 0.0)
+    lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=500)
+    out, lse = varlen._forward_on_device("cupy", tensors, lengths, True, 0.125, (-1, -1), 0.0)
     (choice, grid, params), = launches
     assert lse.shape == (8, 700) and out.shape == q.shape
     assert choice.blocks_slowest and grid == (8, 3, 4)  # heads, batch, ceil(500 / 128) query blocks
