@@ -273,7 +273,7 @@ def attention(
     qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
     _check_qkv(qt, kt, vt, on_device=True)
     scale = _resolve_scale(softmax_scale, qt.shape[3])
-    batch, seqlen_q, heads, head_dim = qt.shape
+    batch, seqlen_q, heads, _ = qt.shape
     if out is not None:
         out_t = interop.describe(out, interop.framework_of(out, "out"), "out")
         _check_out("out", out_t, qt.shape, qt, on_device=True)
