@@ -112,15 +112,46 @@ def _resolve_softcap(softcap: Any) -> float:
     return value
 
 
-def _refuse_on_device(window: tuple[int, int], softcap: float) -> None:
-    """Sliding windows and softcap exist in the CPU reference path; the GPU kernels do not have
-    them yet, and ignoring them would change results."""
+def _refuse_in_backward(window: tuple[int, int], softcap: float) -> None:
+    """Sliding windows and softcap exist in the CPU reference path and the GPU forward; the GPU
+    backward does not have them yet, and ignoring them would change results."""
     if window != (-1, -1):
-        raise NotImplementedError("window: sliding windows are not in the GPU kernels yet; NumPy inputs "
+        raise NotImplementedError("window: sliding windows are not in the GPU backward yet; NumPy inputs "
                                   "run them on the CPU reference path")
     if softcap:
-        raise NotImplementedError("softcap: not in the GPU kernels yet; NumPy inputs run it on the CPU "
+        raise NotImplementedError("softcap: not in the GPU backward yet; NumPy inputs run it on the CPU "
                                   "reference path")
+
+
+def _kernel_window(causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """(left, right) as the kernels take them (common/mask.cuh): causal folded in as right = 0, and
+    a side that bounds no row made -1 (left >= seqlen_k - 1, right >= seqlen_q - 1, with the
+    longest lengths any sequence may have), so that such windows run the plain or causal kernel
+    and every bound fits an int32."""
+    left, right = window
+    if causal:
+        right = 0
+    return (-1 if left >= seqlen_k - 1 else left), (-1 if right >= seqlen_q - 1 else right)
+
+
+def _mask_kind(window: tuple[int, int]) -> str:
+    """dispatch.MASKS entry for a kernel window."""
+    return {(-1, -1): "none", (-1, 0): "causal"}.get(window, "window")
+
+
+def _launch_forward(framework: str, qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int], softcap: float,
+                    batch: int, max_seqlen_q: int, cu_seqlens=(None, None)) -> None:
+    """Launch the forward kernel over a fixed-length batch (q, k, v, out BSHD) or a packed one
+    (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors); ``window`` from
+    _kernel_window."""
+    family, arch = _device_plan(qt.device)
+    mask = _mask_kind(window)
+    choice = dispatch.forward_kernel(family, qt.shape[3], mask, qt.dtype, bool(softcap))
+    m_blocks = -(-max_seqlen_q // choice.tile.block_m)
+    heads = qt.shape[2]
+    grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
+    params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens)
+    kernels.launch(choice, arch, qt.device, grid, params, interop.stream_handle(framework, qt.device))
 
 
 def _framework(**arrays: Any) -> str:
@@ -200,11 +231,11 @@ def attention(
     window : (left, right)
         Sliding window as flash-attn's ``window_size``: query i sees key j only if
         ``i + d - left <= j <= i + d + right`` with ``d = seqlen_k - seqlen_q``; -1 leaves a side
-        unbounded; ``causal`` sets right to 0. CPU reference path only for now (GPU:
-        NotImplementedError).
+        unbounded; ``causal`` sets right to 0. Key blocks outside every row's window are skipped,
+        so the cost follows the window.
     softcap : float
         ``> 0``: scaled scores s become ``softcap * tanh(s / softcap)`` before the softmax (Gemma 2,
-        Grok); 0 disables it. CPU reference path only for now (GPU: NotImplementedError).
+        Grok); 0 disables it.
     return_lse : bool
         Also return the log-sum-exp of the scaled scores, float32 (batch, heads, seqlen_q),
         natural log; ``-inf`` for a row that sees no key (its output row is 0).
@@ -242,8 +273,7 @@ def attention(
     qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
     _check_qkv(qt, kt, vt, on_device=True)
     scale = _resolve_scale(softmax_scale, qt.shape[3])
-    _refuse_on_device(window, softcap)
-    batch, seqlen_q, heads, head_dim = qt.shape
+    batch, seqlen_q, heads, _ = qt.shape
     if out is not None:
         out_t = interop.describe(out, interop.framework_of(out, "out"), "out")
         _check_out("out", out_t, qt.shape, qt, on_device=True)
@@ -251,13 +281,8 @@ def attention(
         out_t = interop.empty(framework, qt, qt.shape)
     lse_t = interop.empty(framework, qt, (batch, heads, seqlen_q), dtype="float32")
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
-
-    family, arch = _device_plan(qt.device)
-    choice = dispatch.forward_kernel(family, head_dim, bool(causal), qt.dtype)
-    m_blocks = -(-seqlen_q // choice.tile.block_m)
-    grid = (heads, batch, m_blocks) if causal else (m_blocks, heads, batch)  # see flash_fwd.cu
-    params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale)
-    kernels.launch(choice, arch, qt.device, grid, params, interop.stream_handle(framework, qt.device))
+    _launch_forward(framework, qt, kt, vt, out_t, lse_t, scale, _kernel_window(bool(causal), window, seqlen_q,
+                    kt.shape[1]), softcap, batch, seqlen_q)
     # For a DLPack producer other than torch, out_t.native is the CuPy array we allocated.
     result = out if out is not None else out_t.native
     return (result, lse_t.native) if return_lse else result
@@ -306,7 +331,8 @@ def attention_backward(
     lse : array, float32 (batch, heads, seqlen_q), contiguous
         The forward's log-sum-exp (``attention(..., return_lse=True)``).
     causal, softmax_scale, window, softcap
-        As in the forward call (window and softcap: CPU reference path only for now).
+        As in the forward call (window and softcap: CPU reference path only for now; GPU inputs
+        raise NotImplementedError).
     deterministic : bool
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds whose
         order varies between runs, so results can differ in the last bits from run to run.
@@ -349,7 +375,7 @@ def attention_backward(
     window, softcap = _resolve_window(window), _resolve_softcap(softcap)
     if not on_device:
         return _backward_host(tensors, causal, scale, window, softcap)
-    _refuse_on_device(window, softcap)
+    _refuse_in_backward(window, softcap)
 
     dout_t, out_t, lse_t = tensors["dout"], tensors["out"], tensors["lse"]
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)

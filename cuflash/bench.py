@@ -337,7 +337,8 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
     rows = []
     for head_dim in head_dims:
         for causal in causals:
-            choices = [dispatch.forward_kernel(family, head_dim, causal, dtype)] if mode != "bwd" else []
+            choices = ([dispatch.forward_kernel(family, head_dim, "causal" if causal else "none", dtype)]
+                       if mode != "bwd" else [])
             if mode != "fwd":
                 choices.append(dispatch.backward_kernels(family, head_dim, causal, dtype)[1])
             for choice in choices:
@@ -407,7 +408,7 @@ def _memory_row(label: str, batch: int, seqlen: int, heads: int, head_dim: int, 
 
     shape = (batch, seqlen, heads, head_dim)
     q, k, v = (random_normal(shape, dtype, seed=i) for i in range(3))
-    block_m = dispatch.forward_kernel("sm80", head_dim, False, dtype).tile.block_m
+    block_m = dispatch.forward_kernel("sm80", head_dim, "none", dtype).tile.block_m
     row = {"case": label, "batch": batch, "seqlen": seqlen, "heads": heads, "head_dim": head_dim,
            **hbm_model_bytes(seqlen, head_dim, batch * heads, block_m)}
     for name, run in (("cuflash", lambda: cuflash.attention(q, k, v)),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 __all__ = [
     "FAMILIES",
     "HEAD_DIM_BUCKETS",
+    "MASKS",
     "KernelChoice",
     "Tile",
     "all_kernels",
@@ -28,6 +29,9 @@ __all__ = [
 FAMILIES = ("sm80",)  # "sm90" joins when its kernels exist
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 ELEMENT_TYPES = {"float16": "cuflash::f16", "bfloat16": "cuflash::bf16"}
+# Forward masks (cuda_src/common/mask.cuh): every key, the causal diagonal, or a window whose
+# bounds are run-time arguments (causal folded in as right = 0), which serves any mask.
+MASKS = ("none", "causal", "window")
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,9 @@ class KernelChoice:
     threads: int
     smem_bytes: int  # dynamic shared memory per CTA
     tile: Tile | None = None  # attention kernels' tile; None for the small helper kernels
+    # Forward grid: (heads, batch, blocks) with the longest blocks first (causal kernels), else
+    # (blocks, heads, batch).
+    blocks_slowest: bool = False
 
 
 def _row_elems(bucket: int) -> int:
@@ -107,23 +114,35 @@ def compile_arch(family: str, capability: tuple[int, int]) -> str:
     return "sm_90a" if family == "sm90" else f"sm_{capability[0]}{capability[1]}"
 
 
+def _cpp(flag: bool) -> str:
+    return "true" if flag else "false"
+
+
 @functools.lru_cache(maxsize=None)
 def forward_kernel(
-    family: str, head_dim: int, causal: bool, dtype_name: str, tile: Tile | None = None
+    family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None
 ) -> KernelChoice:
-    """The forward kernel that serves these code-shaping switches (``tile`` overrides the table,
-    for tuning)."""
+    """The forward kernel that serves these code-shaping switches: ``mask`` one of MASKS,
+    ``softcap`` whether scores are capped (``tile`` overrides the table, for tuning).
+
+    Softcap runs every mask in the window kernel, from the run-time bounds: one instantiation
+    instead of three, and the tanh per score costs more than the bound checks. Its causal case
+    loses the longest-first grid order of the causal kernel (flash_fwd.cu).
+    """
     if family != "sm80":
         raise ValueError(f"family: no forward kernel for {family!r}")
+    if mask not in MASKS:
+        raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
     tile = tile or SM80_FWD_TILES[bucket]
+    causal, window = mask == "causal" and not softcap, mask == "window" or softcap
     expr = (
         f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
-        f"{'true' if causal else 'false'}, {ELEMENT_TYPES[dtype_name]}>"
+        f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}>"
     )
     # Q tile plus one K and one V tile.
     smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2
-    return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile)
+    return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
 
 
 # sm80 backward, per head-dim bucket: BLOCK_N keys per CTA, BLOCK_M query rows per step, 8 warps
@@ -153,7 +172,7 @@ def backward_kernels(family: str, head_dim: int, causal: bool, dtype_name: str, 
     bucket = head_dim_bucket(head_dim)
     tile, elem = tile or SM80_BWD_TILES[bucket], ELEMENT_TYPES[dtype_name]
     main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
-            f"{'true' if causal else 'false'}, {'true' if deterministic else 'false'}, {elem}>")
+            f"{_cpp(causal)}, {_cpp(deterministic)}, {elem}>")
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
     # buffers each of the rows' fp32 log-sum-exp and delta.
     smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
@@ -169,10 +188,13 @@ def all_kernels(family: str) -> list[KernelChoice]:
     """Every instantiation of a family (forward and backward), for the ahead-of-time compile check."""
     found: dict[str, KernelChoice] = {}
     for bucket in HEAD_DIM_BUCKETS:
-        for causal in (False, True):
-            for dtype in ELEMENT_TYPES:
+        for dtype in ELEMENT_TYPES:
+            for mask in MASKS:
+                for softcap in (False, True):
+                    choice = forward_kernel(family, bucket, mask, dtype, softcap)
+                    found.setdefault(choice.name_expression, choice)
+            for causal in (False, True):
                 for deterministic in (False, True):
-                    for choice in (forward_kernel(family, bucket, causal, dtype),
-                                   *backward_kernels(family, bucket, causal, dtype, deterministic)):
+                    for choice in backward_kernels(family, bucket, causal, dtype, deterministic):
                         found.setdefault(choice.name_expression, choice)
     return list(found.values())

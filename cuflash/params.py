@@ -13,26 +13,37 @@ import numpy as np
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 
 FWD_PARAMS = np.dtype(
-    [(name, np.uint64) for name in ("q", "k", "v", "o", "lse")]
-    + [(name, np.int64) for name in _STRIDES]
-    + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim")]
-    + [("scale_log2", np.float32)],
+    [(name, np.uint64) for name in ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")]
+    + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride"]]
+    + [(name, np.int32) for name in ("kv_group", "seqlen_q", "seqlen_k", "head_dim", "window_left", "window_right")]
+    + [("scale_log2", np.float32), ("softcap_exp2_scale", np.float32)],
     align=True,
 )
-FWD_PARAMS_SIZE = 160  # sizeof(FwdParams) in params.cuh
+FWD_PARAMS_SIZE = 200  # sizeof(FwdParams) in params.cuh
 _LOG2E = math.log2(math.e)
 
 
-def pack_fwd_params(q, k, v, out, lse, softmax_scale: float) -> np.ndarray:
-    """One FwdParams struct for DeviceTensors q, k, v, out (BSHD) and lse (batch, heads, seqlen_q).
+def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int] = (-1, -1),
+                    softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None) -> np.ndarray:
+    """One FwdParams struct for DeviceTensors q, k, v, out (BSHD) and lse.
 
-    Built from one tuple in a single NumPy call: per-field assignment costs microseconds each,
-    which a launch path cannot afford.
+    Fixed length: lse is (batch, heads, seqlen_q). Packed batches: q, k, v, out are
+    (1, total, heads, head_dim) views with batch stride 0, lse is (heads, total_q), and
+    ``cu_seqlens_q`` / ``cu_seqlens_k`` the int32 DeviceTensors. ``window`` is (left, right) with
+    causal folded in (right = 0), ``softcap`` 0 for none. Built from one tuple in a single NumPy
+    call: per-field assignment costs microseconds each, which a launch path cannot afford.
     """
     strides = [s for t in (q, k, v, out) for s in t.strides[:3]]
+    if cu_seqlens_q is None:
+        cu_pointers, lse_strides = (0, 0), lse.strides[:2]
+    else:
+        cu_pointers, lse_strides = (cu_seqlens_q.ptr, cu_seqlens_k.ptr), (0, lse.strides[0])
+    # With a softcap the softmax sees tanh(s * scale / softcap) scaled by softcap (softcap.cuh).
+    scale_log2 = (softcap or softmax_scale) * _LOG2E
+    softcap_exp2_scale = 2 * _LOG2E * softmax_scale / softcap if softcap else 0.0
     return np.array(
-        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *strides, q.shape[2], q.shape[2] // k.shape[2],
-          q.shape[1], k.shape[1], q.shape[3], softmax_scale * _LOG2E)],
+        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers, *strides, *lse_strides,
+          q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_exp2_scale)],
         dtype=FWD_PARAMS,
     )
 

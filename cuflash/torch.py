@@ -4,7 +4,8 @@
 implementations and a registered autograd formula, so it trains like any op and traces under
 ``torch.compile(fullgraph=True)`` without a graph break. ``flash_attn_func`` takes flash-attn's
 signature and return convention, so ``from cuflash.torch import flash_attn_func`` replaces
-``from flash_attn import flash_attn_func``; arguments cuflash does not support yet raise
+``from flash_attn import flash_attn_func``, and ``flash_attn_varlen_func`` its packed-batch twin
+(``attention_varlen`` the cuflash-style one); arguments cuflash does not support yet raise
 NotImplementedError naming them, never silently ignored.
 """
 
@@ -14,64 +15,143 @@ import math
 import torch
 
 import cuflash
+from cuflash import api
 
-__all__ = ["attention", "flash_attn_func"]
+__all__ = ["attention", "attention_varlen", "flash_attn_func", "flash_attn_varlen_func"]
 
 
+# Fixed-length batches (batch, seqlen, heads, head_dim). deterministic only shapes the backward;
+# it is an input of the forward op so that autograd's context receives it.
 @torch.library.custom_op("cuflash::attention_forward", mutates_args=(), device_types="cuda")
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    # deterministic only shapes the backward; it is an input here so that autograd's context
-    # receives it.
-    return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, window_left: int,
+             window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right),
+                             softcap=softcap, return_lse=True)
 
 
 @_forward.register_fake
-def _(q, k, v, causal, softmax_scale, deterministic):
+def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, deterministic):
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("cuflash::attention_backward", mutates_args=(), device_types="cuda")
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, causal: bool, softmax_scale: float,
-              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+              softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
-                                      deterministic=deterministic)
+                                      window=(window_left, window_right), softcap=softcap, deterministic=deterministic)
 
 
 @_backward.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right, softcap, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+# Packed batches (total_tokens, heads, head_dim) with int32 cumulative lengths.
+@torch.library.custom_op("cuflash::attention_varlen_forward", mutates_args=(), device_types="cuda")
+def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                    softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
+                                    return_lse=True)
 
 
-def _autograd_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+@_varlen_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
+      window_right, softcap, deterministic):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+@torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=(), device_types="cuda")
+def _varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                     softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                             window=(window_left, window_right), softcap=softcap,
+                                             deterministic=deterministic)
+
+
+@_varlen_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      window_left, window_right, softcap, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _register_autograd(forward, backward, tensor_inputs: int) -> None:
+    """Autograd for a forward op whose first three inputs are q, k, v and whose first
+    ``tensor_inputs`` inputs are tensors: the backward op takes (dout, q, k, v, out, lse), the
+    other tensor inputs, then the forward's non-tensor inputs."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:tensor_inputs], *output)
+        ctx.options = inputs[tensor_inputs:]
+
+    def autograd_backward(ctx, dout, _dlse):
+        q, k, v, *extra, out, lse = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dq, dk, dv = backward(dout, q, k, v, out, lse, *extra, *ctx.options)
+        return (dq, dk, dv) + (None,) * (tensor_inputs - 3 + len(ctx.options))
+
+    forward.register_autograd(autograd_backward, setup_context=setup_context)
+
+
+_register_autograd(_forward, _backward, tensor_inputs=3)
+_register_autograd(_varlen_forward, _varlen_backward, tensor_inputs=5)
+
+
+def _options(q: torch.Tensor, softmax_scale, window, softcap) -> tuple[float, int, int, float]:
+    """(scale, left, right, softcap), validated before they reach an op's schema."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    left, right = api._resolve_window(window)
+    return scale, left, right, api._resolve_softcap(softcap)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-              softmax_scale: float | None = None, deterministic: bool = False) -> torch.Tensor:
+              softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+              deterministic: bool = False) -> torch.Tensor:
     """Differentiable :func:`cuflash.attention` on torch CUDA tensors (batch, seqlen, heads, head_dim).
 
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
-    when ``deterministic`` (see there for the cost).
+    when ``deterministic`` (see there for the cost). The GPU backward does not take ``window``
+    or ``softcap`` yet: with either, backward() raises NotImplementedError.
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, _ = _forward(q, k, v, bool(causal), scale, bool(deterministic))
+    out, _ = _forward(q, k, v, bool(causal), *_options(q, softmax_scale, window, softcap), bool(deterministic))
     return out
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *,
+                     causal: bool = False, softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1),
+                     softcap: float = 0.0, deterministic: bool = False) -> torch.Tensor:
+    """Differentiable :func:`cuflash.attention_varlen` on packed torch CUDA tensors
+    (total_tokens, heads, head_dim) with int32 ``cu_seqlens_*`` (batch + 1,).
+
+    Omitted ``max_seqlen_*`` are read from the lengths (a device-to-host copy, and a graph break
+    under torch.compile). The GPU backward for packed batches does not exist yet: backward()
+    raises NotImplementedError.
+    """
+    max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
+                                  for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
+    out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
+                             *_options(q, softmax_scale, window, softcap), bool(deterministic))
+    return out
+
+
+def _refuse(function: str, dropout_p, alibi_slopes, return_attn_probs) -> None:
+    """flash-attn arguments cuflash does not support raise, never silently ignored."""
+    unsupported = {
+        "dropout_p": dropout_p != 0.0,
+        "alibi_slopes": alibi_slopes is not None,
+        "return_attn_probs": bool(return_attn_probs),
+    }
+    for name, used in unsupported.items():
+        if used:
+            raise NotImplementedError(f"{function}: cuflash does not support {name} yet")
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -80,17 +160,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (batch, seqlen_k, heads_kv, head_dim); returns out (batch, seqlen_q, heads, head_dim).
 
     ``deterministic=True`` makes the backward bitwise reproducible. Raises NotImplementedError,
-    naming the argument, for dropout_p != 0, a window_size other than (-1, -1), softcap != 0,
-    alibi_slopes and return_attn_probs=True.
+    naming the argument, for dropout_p != 0, alibi_slopes and return_attn_probs=True; and from
+    backward() with a window_size other than (-1, -1) or softcap != 0 (not in the GPU backward yet).
     """
-    unsupported = {
-        "dropout_p": dropout_p != 0.0,
-        "window_size": tuple(window_size) != (-1, -1),
-        "softcap": softcap != 0.0,
-        "alibi_slopes": alibi_slopes is not None,
-        "return_attn_probs": bool(return_attn_probs),
-    }
-    for name, used in unsupported.items():
-        if used:
-            raise NotImplementedError(f"flash_attn_func: cuflash does not support {name} yet")
-    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+    _refuse("flash_attn_func", dropout_p, alibi_slopes, return_attn_probs)
+    return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
+                     deterministic=deterministic)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False):
+    """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k and v
+    (total_k, heads_kv, head_dim), int32 cu_seqlens (batch + 1,); returns out (total_q, heads,
+    head_dim). Raises NotImplementedError as :func:`flash_attn_func` does, and from backward()
+    (the GPU backward for packed batches does not exist yet).
+    """
+    _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
+    return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                            softmax_scale=softmax_scale, window=window_size, softcap=softcap,
+                            deterministic=deterministic)

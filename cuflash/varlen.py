@@ -3,13 +3,14 @@ cumulative sequence lengths, flash-attn's ``*_varlen`` layout.
 
 Sequence ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and key rows
 ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` and attends only to its own keys (causal and window
-alignment per sequence). Either length may be 0. This version runs the float64 reference on the
-CPU for NumPy inputs; on the GPU it validates its arguments and then raises NotImplementedError,
-since the varlen kernels do not exist yet.
+alignment per sequence). Either length may be 0. NumPy inputs run the float64 reference on the
+CPU; GPU inputs run the forward kernel over all sequences in one launch. The GPU backward does not
+exist yet: it validates its arguments and raises NotImplementedError.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -26,30 +27,49 @@ def _as_batch_of_one(x: Any) -> Any:
     return x[None]
 
 
-def _host_lengths(name: str, cu: Any, on_device: bool, device: int | None) -> np.ndarray:
-    """The host copy of a cu_seqlens argument after its type checks (a device-to-host copy for
-    GPU arrays)."""
+@dataclass(frozen=True)
+class _Lengths:
+    """The checked cumulative lengths: host copies (int64; None where a GPU array was not copied),
+    the DeviceTensors (None for NumPy), the batch size and max_seqlen_q (None if not known)."""
+
+    host_q: np.ndarray | None
+    host_k: np.ndarray | None
+    device_q: Any
+    device_k: Any
+    batch: int
+    max_seqlen_q: int | None
+
+
+def _lengths(name: str, cu: Any, on_device: bool, device: int | None, copy: bool) -> tuple[Any, Any, int]:
+    """(host int64 copy or None, DeviceTensor or None, batch) of a cu_seqlens argument after its
+    type and shape checks. GPU arrays are copied to the host (a synchronisation) only if ``copy``."""
     framework = interop.framework_of(cu, name)
     if (framework == "numpy") == on_device:
         raise TypeError(f"{name}: must be on the same side as q ({'GPU' if on_device else 'NumPy'})")
-    if framework == "numpy":
-        host = cu
-    else:
-        t = interop.describe(cu, framework, name)
-        if t.device != device:
-            raise ValueError(f"{name}: on device {t.device}, but q is on device {device}")
-        host = t.native.cpu().numpy() if framework == "torch" else t.native.get()
-    if str(host.dtype) != "int32":
-        raise TypeError(f"{name}: expected int32, got {host.dtype}")
-    if host.ndim != 1 or host.size < 2:
-        raise ValueError(f"{name}: expected shape (batch + 1,) with batch >= 1, got {tuple(host.shape)}")
-    return host.astype(np.int64)
+    t = interop.describe(cu, framework, name) if on_device else None
+    dtype, shape = (t.dtype, t.shape) if on_device else (str(cu.dtype), cu.shape)
+    if dtype != "int32":
+        raise TypeError(f"{name}: expected int32, got {dtype}")
+    if len(shape) != 1 or shape[0] < 2:
+        raise ValueError(f"{name}: expected shape (batch + 1,) with batch >= 1, got {tuple(shape)}")
+    if not on_device:
+        return cu.astype(np.int64), None, shape[0] - 1
+    if t.device != device:
+        raise ValueError(f"{name}: on device {t.device}, but q is on device {device}")
+    if t.strides != (1,):
+        raise ValueError(f"{name}: must be contiguous (the kernel indexes it directly), stride is {t.strides[0]}")
+    if not copy:
+        return None, t, shape[0] - 1
+    host = t.native.cpu().numpy() if framework == "torch" else t.native.get()
+    return host.astype(np.int64), t, shape[0] - 1
 
 
-def _check_lengths(name: str, cu: np.ndarray, total: int, max_seqlen: Any, max_name: str, validate: bool) -> None:
-    """Values of a cu_seqlens and its max_seqlen (behind ``validate``)."""
-    lengths = np.diff(cu)
+def _check_lengths(name: str, cu: np.ndarray | None, total: int, max_seqlen: Any, max_name: str,
+                   validate: bool) -> None:
+    """Values of a cu_seqlens (None: not copied, so not checked) and its max_seqlen (the values
+    behind ``validate``)."""
     if validate:
+        lengths = np.diff(cu)
         if cu[0] != 0:
             raise ValueError(f"{name}: must start at 0, got {cu[0]}")
         if (lengths < 0).any():
@@ -61,13 +81,18 @@ def _check_lengths(name: str, cu: np.ndarray, total: int, max_seqlen: Any, max_n
         return
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)):
         raise TypeError(f"{max_name}: expected an int or None, got {type(max_seqlen).__name__}")
+    if max_seqlen < 1:  # the packed length is at least 1, so some sequence is
+        raise ValueError(f"{max_name}: must be at least 1, got {max_seqlen}")
     if validate and max_seqlen < lengths.max(initial=0):
         i = int(np.argmax(lengths))
         raise ValueError(f"{max_name}: {max_seqlen} is smaller than sequence {i}'s length {lengths[i]}")
 
 
-def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate: bool):
-    """Framework, validated tensors (packed, checked as a batch of one) and host cu_seqlens."""
+def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                  validate: bool) -> tuple[str, dict, _Lengths]:
+    """Framework, validated tensors (packed, checked as a batch of one) and the lengths. GPU
+    lengths reach the host only to be validated or to find an omitted max_seqlen_q (the only one
+    the kernels need)."""
     framework = api._framework(**arrays)
     on_device = framework != "numpy"
     tensors = {name: interop.describe(x, framework, name) if on_device else x for name, x in arrays.items()}
@@ -78,18 +103,34 @@ def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     qt, kt, vt = (_as_batch_of_one(tensors[name]) for name in ("q", "k", "v"))
     api._check_qkv(qt, kt, vt, on_device=on_device)
     device = tensors["q"].device if on_device else None
-    cu_q = _host_lengths("cu_seqlens_q", cu_seqlens_q, on_device, device)
-    cu_k = _host_lengths("cu_seqlens_k", cu_seqlens_k, on_device, device)
-    if cu_q.shape != cu_k.shape:
-        raise ValueError(f"cu_seqlens_k: {cu_k.size - 1} sequences, but cu_seqlens_q has {cu_q.size - 1}")
+    cu_q, cu_q_t, batch = _lengths("cu_seqlens_q", cu_seqlens_q, on_device, device, validate or max_seqlen_q is None)
+    cu_k, cu_k_t, batch_k = _lengths("cu_seqlens_k", cu_seqlens_k, on_device, device, validate)
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_k: {batch_k} sequences, but cu_seqlens_q has {batch}")
     _check_lengths("cu_seqlens_q", cu_q, tensors["q"].shape[0], max_seqlen_q, "max_seqlen_q", validate)
     _check_lengths("cu_seqlens_k", cu_k, tensors["k"].shape[0], max_seqlen_k, "max_seqlen_k", validate)
-    return framework, tensors, cu_q, cu_k
+    if max_seqlen_q is None:  # cu_q was copied for it
+        max_seqlen_q = int(np.diff(cu_q).max())
+    return framework, tensors, _Lengths(cu_q, cu_k, cu_q_t, cu_k_t, batch, max_seqlen_q)
 
 
-def _refuse_on_device() -> None:
-    raise NotImplementedError("attention_varlen: the GPU kernels for variable-length batches are not "
-                              "implemented yet; NumPy inputs run the CPU reference path")
+def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
+                       window: tuple[int, int], softcap: float) -> tuple:
+    """One forward launch over the packed batch: (out, lse) DeviceTensors."""
+    qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
+                  for t in (tensors["q"], tensors["k"], tensors["v"]))
+    total_q, heads, _ = qt.shape
+    out_t = tensors.get("out") or interop.empty(framework, qt, qt.shape)
+    lse_t = interop.empty(framework, qt, (heads, total_q), dtype="float32")
+    if lengths.batch > api._MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: at most {api._MAX_GRID_YZ} sequences, got {lengths.batch}")
+    if lengths.max_seqlen_q > api._MAX_GRID_YZ * 128:  # causal grids put the 128-row query blocks in grid.z
+        raise ValueError(f"max_seqlen_q: must be at most {api._MAX_GRID_YZ * 128}, got {lengths.max_seqlen_q}")
+    # Windows normalised against the packed lengths, which bound every sequence's.
+    kernel_window = api._kernel_window(causal, window, total_q, kt.shape[0])
+    api._launch_forward(framework, *(_as_batch_of_one(t) for t in (qt, kt, vt, out_t)), lse_t, scale, kernel_window,
+                        softcap, lengths.batch, int(lengths.max_seqlen_q), (lengths.device_q, lengths.device_k))
+    return out_t, lse_t
 
 
 def attention_varlen(
@@ -119,8 +160,9 @@ def attention_varlen(
     cu_seqlens_q, cu_seqlens_k : int32 arrays, (batch + 1,)
         Cumulative lengths starting at 0, on q's side (device or NumPy).
     max_seqlen_q, max_seqlen_k : int, optional
-        The longest sequence; omitted, they are computed on the host (a device-to-host copy and
-        synchronisation for GPU arrays).
+        The longest sequence. The GPU grid covers max_seqlen_q query rows per sequence: omitted,
+        it is computed on the host (a device-to-host copy and synchronisation for GPU arrays).
+        max_seqlen_k is only checked.
     causal, softmax_scale, window, softcap
         As for :func:`cuflash.attention`, per sequence.
     return_lse : bool
@@ -129,26 +171,32 @@ def attention_varlen(
         Where to write the output (shape and dtype of q).
     validate : bool
         Check that the cumulative lengths start at 0, do not decrease and end at the packed length,
-        and that max_seqlen_* are not smaller than a real sequence. False skips the checks (wrong
-        lengths then give wrong results). This version copies the lengths to the host either way.
+        and that max_seqlen_* are not smaller than a real sequence: a device-to-host copy and
+        synchronisation for GPU arrays. False skips the checks (wrong lengths then give wrong
+        results); with max_seqlen_q given, the call then never waits for the GPU.
+
+    Returns
+    -------
+    out or (out, lse)
+        In the caller's framework, as for :func:`cuflash.attention`.
 
     Raises
     ------
     TypeError, ValueError
         Bad arguments, each naming the argument.
-    NotImplementedError
-        GPU inputs (the varlen kernels do not exist yet).
     """
     arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
-    framework, tensors, cu_q, cu_k = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                   max_seqlen_k, validate)
+    framework, tensors, lengths = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                validate)
     scale = api._resolve_scale(softmax_scale, tensors["q"].shape[2])
     window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
     if out is not None:
         api._check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
     if framework != "numpy":
-        _refuse_on_device()
-    result, lse = reference.attention_varlen_reference(q, k, v, cu_q, cu_k, causal=bool(causal), softmax_scale=scale,
+        out_t, lse_t = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap)
+        result = out if out is not None else out_t.native
+        return (result, lse_t.native) if return_lse else result
+    result, lse = reference.attention_varlen_reference(q, k, v, lengths.host_q, lengths.host_k, causal=bool(causal), softmax_scale=scale,
                                                        window=window, softcap=softcap)
     return api._host_output(result, lse, q.dtype, out, return_lse)
 
@@ -179,20 +227,22 @@ def attention_varlen_backward(
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
     reference path is deterministic whatever ``deterministic`` says.
 
-    Raises NotImplementedError for GPU inputs (the varlen kernels do not exist yet).
+    Raises NotImplementedError for GPU inputs (the varlen backward kernels do not exist yet).
     """
     given = {"dq": dq, "dk": dk, "dv": dv}
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     arrays |= {name: x for name, x in given.items() if x is not None}
-    framework, tensors, cu_q, cu_k = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                   max_seqlen_k, validate)
+    framework, tensors, lengths = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                validate)
     on_device = framework != "numpy"
     qt = tensors["q"]
     scale = api._resolve_scale(softmax_scale, qt.shape[2])
     window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
     api._check_backward_inputs(tensors, (qt.shape[1], qt.shape[0]), on_device)
     if on_device:
-        _refuse_on_device()
-    result = reference.attention_varlen_backward_reference(dout, q, k, v, cu_q, cu_k, causal=bool(causal),
-                                                           softmax_scale=scale, window=window, softcap=softcap)
+        raise NotImplementedError("attention_varlen_backward: the GPU backward for variable-length batches is "
+                                  "not implemented yet; NumPy inputs run the CPU reference path")
+    result = reference.attention_varlen_backward_reference(dout, q, k, v, lengths.host_q, lengths.host_k,
+                                                           causal=bool(causal), softmax_scale=scale, window=window,
+                                                           softcap=softcap)
     return api._host_gradients(result, given, q.dtype)

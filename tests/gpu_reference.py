@@ -1,11 +1,13 @@
 """Float64 reference attention on the GPU (CuPy), for checking kernels at real sizes quickly.
 
-Same semantics as cuflash.reference.attention_reference, batched over (batch, head) on the
-device; ``lowp`` rounds S, P and out to float16/bfloat16 as the same-dtype baseline of the
-correctness rule does.
+Same semantics as cuflash.reference.attention_reference (its mask: reference.allowed_keys),
+batched over (batch, head) on the device; ``lowp`` rounds S, P and out to float16/bfloat16 as the
+same-dtype baseline of the correctness rule does.
 """
 
 from __future__ import annotations
+
+import math
 
 import cupy as cp
 import numpy as np
@@ -29,18 +31,24 @@ def as_float64(x):
     return x.astype(cp.float64)
 
 
-def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None):
+def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None, window=(-1, -1),
+              softcap: float = 0.0):
     """Returns (out, lse) in float64: out (b, sq, h, d), lse (b, h, sq)."""
+    from cuflash.reference import allowed_keys
+
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, s, d)
     group = q.shape[1] // k.shape[1]
     k, v = (cp.repeat(x, group, axis=1) for x in (k, v))
     s = cp.matmul(q, k.transpose(0, 1, 3, 2)) * scale
     if lowp:
         s = round_to(s, lowp)
+    if softcap:
+        s = softcap * cp.tanh(s / softcap)
+        if lowp:
+            s = round_to(s, lowp)
     sq, sk = q.shape[2], k.shape[2]
-    if causal:
-        allowed = cp.arange(sk)[None, :] <= cp.arange(sq)[:, None] + (sk - sq)
-        s = cp.where(allowed, s, -cp.inf)
+    if causal or window != (-1, -1):
+        s = cp.where(cp.asarray(allowed_keys(sq, sk, causal=causal, window=window)), s, -cp.inf)
     m = s.max(axis=-1, keepdims=True)
     m = cp.where(cp.isneginf(m), 0.0, m)
     p = cp.exp(s - m)
@@ -54,6 +62,20 @@ def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None):
         out = round_to(out, lowp)
     lse = cp.where(empty[..., 0], -cp.inf, m[..., 0] + cp.log(cp.where(empty, 1.0, l)[..., 0]))
     return out.transpose(0, 2, 1, 3), lse
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
+    """Packed (total, h, d) q, k, v and host cu_seqlens: (out (total_q, h, d), lse (h, total_q)) in
+    float64, each sequence through :func:`attention`; rows of empty sequences or without keys
+    give 0 and -inf."""
+    out = cp.zeros(q.shape[:2] + (v.shape[2],))
+    lse = cp.full((q.shape[1], q.shape[0]), -cp.inf)
+    for i in range(len(cu_seqlens_q) - 1):
+        rows, keys = slice(cu_seqlens_q[i], cu_seqlens_q[i + 1]), slice(cu_seqlens_k[i], cu_seqlens_k[i + 1])
+        if rows.stop > rows.start and keys.stop > keys.start:
+            o, l = attention(q[None, rows], k[None, keys], v[None, keys], **options)
+            out[rows], lse[:, rows] = o[0], l[0]
+    return out, lse
 
 
 def attention_backward(q, k, v, dout, *, causal: bool, scale: float, lowp: str | None = None):
@@ -99,6 +121,30 @@ def check_rule(name: str, got, ref, lowp_ref, dtype_name: str) -> None:
     atol = float(cp.abs(round_to(finite_ref + 0.3, dtype_name) - 0.3 - finite_ref).max())
     bound = 2 * base + atol
     assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e} (2 x {base:.3e} + {atol:.3e})"
+
+
+def poison_pool():
+    """Fill soon-to-be-reused pool memory with NaN, so an unwritten output element fails."""
+    junk = cp.full(64 << 20, cp.nan, dtype=cp.float32)
+    del junk
+
+
+def check_forward(q, k, v, causal, dtype_name, scale=None, window=(-1, -1), softcap=0.0):
+    """cuflash.attention on fixed-length CuPy inputs, into a NaN-filled ``out`` from a poisoned
+    pool, against the float64 reference with the DESIGN.md rule (out and lse)."""
+    import cuflash
+
+    poison_pool()
+    out = cp.full(q.shape, cp.nan, dtype=q.dtype)
+    options = {"causal": causal, "window": window, "softcap": softcap}
+    result, lse = cuflash.attention(q, k, v, softmax_scale=scale, return_lse=True, out=out, **options)
+    assert result is out
+    scale = scale or 1 / math.sqrt(q.shape[3])
+    q64, k64, v64 = (as_float64(x) for x in (q, k, v))
+    out_ref, lse_ref = attention(q64, k64, v64, scale=scale, **options)
+    out_lowp, lse_lowp = attention(q64, k64, v64, scale=scale, lowp=dtype_name, **options)
+    check_rule("out", out, out_ref, out_lowp, dtype_name)
+    check_rule("lse", lse, lse_ref, lse_lowp, dtype_name)
 
 
 def random_bshd(shape, dtype_name: str, rng: np.random.Generator):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -21,39 +19,13 @@ def rng(request):
     return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
 
 
-def _poison_pool():
-    """Fill soon-to-be-reused pool memory with NaN, so an unwritten output element fails."""
-    import cupy as cp
-
-    junk = cp.full(64 << 20, cp.nan, dtype=cp.float32)
-    del junk
-
-
-def _run_and_check(q, k, v, causal, dtype_name, scale=None):
-    import cupy as cp
-
-    import cuflash
-    from tests import gpu_reference as ref
-
-    _poison_pool()
-    out = cp.full(q.shape, cp.nan, dtype=q.dtype)
-    result, lse = cuflash.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, out=out)
-    assert result is out
-    scale = scale or 1 / math.sqrt(q.shape[3])
-    q64, k64, v64 = (ref.as_float64(x) for x in (q, k, v))
-    out_ref, lse_ref = ref.attention(q64, k64, v64, causal=causal, scale=scale)
-    out_lowp, lse_lowp = ref.attention(q64, k64, v64, causal=causal, scale=scale, lowp=dtype_name)
-    ref.check_rule("out", out, out_ref, out_lowp, dtype_name)
-    ref.check_rule("lse", lse, lse_ref, lse_lowp, dtype_name)
-
-
 @pytest.mark.parametrize("group", list(GROUPS))
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
 def test_forward_matches_reference(dtype_name, head_dim, causal, seqlens, group, rng):
-    from tests.gpu_reference import random_bshd
+    from tests.gpu_reference import check_forward, random_bshd
 
     heads, heads_kv = GROUPS[group]
     seqlen_q, seqlen_k = seqlens
@@ -61,26 +33,26 @@ def test_forward_matches_reference(dtype_name, head_dim, causal, seqlens, group,
     q = random_bshd((batch, seqlen_q, heads, head_dim), dtype_name, rng)
     k = random_bshd((batch, seqlen_k, heads_kv, head_dim), dtype_name, rng)
     v = random_bshd((batch, seqlen_k, heads_kv, head_dim), dtype_name, rng)
-    _run_and_check(q, k, v, causal, dtype_name)
+    check_forward(q, k, v, causal, dtype_name)
 
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_strided_inputs_without_copy(causal, rng):
     """q/k/v as slices of a packed (b, s, 3, h, d) buffer and of a (b, h, s, d) transpose."""
-    from tests.gpu_reference import random_bshd
+    from tests.gpu_reference import check_forward, random_bshd
 
     qkv = random_bshd((2, 300, 3, 4, 128), "bfloat16", rng)
     q, k = qkv[:, :, 0], qkv[:, :, 1]
     v = random_bshd((2, 4, 300, 128), "bfloat16", rng).transpose(0, 2, 1, 3)
     assert not q.flags.c_contiguous and not v.flags.c_contiguous
-    _run_and_check(q, k, v, causal, "bfloat16")
+    check_forward(q, k, v, causal, "bfloat16")
 
 
 def test_softmax_scale_is_used(rng):
-    from tests.gpu_reference import random_bshd
+    from tests.gpu_reference import check_forward, random_bshd
 
     q, k, v = (random_bshd((1, 200, 2, 64), "float16", rng) for _ in range(3))
-    _run_and_check(q, k, v, True, "float16", scale=0.37)
+    check_forward(q, k, v, True, "float16", scale=0.37)
 
 
 def test_rows_without_keys_give_zero_and_minus_inf(rng):
@@ -88,7 +60,7 @@ def test_rows_without_keys_give_zero_and_minus_inf(rng):
     import cupy as cp
 
     import cuflash
-    from tests.gpu_reference import random_bshd
+    from tests.gpu_reference import check_forward, random_bshd
 
     q = random_bshd((1, 300, 2, 64), "bfloat16", rng)
     k, v = (random_bshd((1, 100, 2, 64), "bfloat16", rng) for _ in range(2))
@@ -96,7 +68,7 @@ def test_rows_without_keys_give_zero_and_minus_inf(rng):
     assert bool(cp.all(out[:, :200].view(cp.uint16) == 0))
     assert bool(cp.all(cp.isneginf(lse[:, :, :200])))
     assert bool(cp.all(cp.isfinite(lse[:, :, 200:])))
-    _run_and_check(q, k, v, True, "bfloat16")
+    check_forward(q, k, v, True, "bfloat16")
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -168,10 +140,10 @@ def test_jax_in_cupy_out():
 def test_misaligned_strides_are_copied_not_wrong(rng):
     """A head_dim-8 view whose row stride (9 heads x 8) is not a multiple of 16 bytes... is fine;
     a pointer offset by one element is not 16-byte aligned and takes the copy path."""
-    from tests.gpu_reference import random_bshd
+    from tests.gpu_reference import check_forward, random_bshd
 
     base = random_bshd((1, 100 * 2 * 64 + 8), "float16", rng)[0]
     q = base[8:].reshape(1, 100, 2, 64)  # 16-byte aligned (8 halves)
     shifted = random_bshd((1, 100 * 2 * 64 + 1), "float16", rng)[0][1:].reshape(1, 100, 2, 64)
     assert shifted.data.ptr % 16 != 0
-    _run_and_check(shifted, q, q, False, "float16")
+    check_forward(shifted, q, q, False, "float16")

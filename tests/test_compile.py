@@ -16,7 +16,7 @@ def test_every_kernel_compiles(arch):
 
 def test_disk_cache_key_follows_header_content(tmp_path, monkeypatch):
     monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path))
-    choice = dispatch.forward_kernel("sm80", 64, False, "float16")
+    choice = dispatch.forward_kernel("sm80", 64, "none", "float16")
     first = kernels.compile_kernel(choice, "sm_80")
     assert first.seconds > 0 and len(list(tmp_path.glob("*.cubin"))) == 1
     again = kernels.compile_kernel(choice, "sm_80")

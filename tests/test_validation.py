@@ -129,8 +129,10 @@ def test_alignment_rule():
 
 def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.itemsize == FWD_PARAMS_SIZE
-    assert FWD_PARAMS.fields["lse"][1] == 32 and FWD_PARAMS.fields["q_batch_stride"][1] == 40
-    assert FWD_PARAMS.fields["heads"][1] == 136 and FWD_PARAMS.fields["scale_log2"][1] == 156
+    assert FWD_PARAMS.fields["lse"][1] == 32 and FWD_PARAMS.fields["cu_seqlens_k"][1] == 48
+    assert FWD_PARAMS.fields["q_batch_stride"][1] == 56 and FWD_PARAMS.fields["lse_head_stride"][1] == 160
+    assert FWD_PARAMS.fields["kv_group"][1] == 168 and FWD_PARAMS.fields["window_right"][1] == 188
+    assert FWD_PARAMS.fields["softcap_exp2_scale"][1] == 196
     # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
     assert BWD_PARAMS.fields["q_batch_stride"][1] == 96 and BWD_PARAMS.fields["batch"][1] == 264
@@ -161,7 +163,7 @@ def test_dispatch_families(monkeypatch):
                                               (104, 128), (160, 192), (200, 256), (256, 256)])
 def test_head_dim_buckets(head_dim, bucket):
     assert dispatch.head_dim_bucket(head_dim) == bucket
-    choice = dispatch.forward_kernel("sm80", head_dim, True, "bfloat16")
+    choice = dispatch.forward_kernel("sm80", head_dim, "causal", "bfloat16")
     assert choice.name_expression.startswith(f"cuflash::flash_fwd_sm80<{bucket}, ")
     assert choice.smem_bytes <= 227 * 1024
 

@@ -10,20 +10,29 @@ struct FwdParams {
   const void* k;
   const void* v;
   void* o;
-  float* lse;  // (batch, heads, seqlen_q), contiguous
+  float* lse;  // (batch, heads, seqlen_q), or (heads, total_q) for packed batches; see lse_*_stride
+  // Packed variable-length batches: (batch + 1) cumulative lengths, sequence b owning rows
+  // [cu[b], cu[b + 1]) of q (and o, lse) and k, v, which have batch stride 0. Null for a
+  // fixed-length batch (see common/seqlen.cuh for why this is a run-time switch).
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
   // Strides in elements; the head_dim stride is 1.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;
   i64 v_batch_stride, v_row_stride, v_head_stride;
   i64 o_batch_stride, o_row_stride, o_head_stride;
-  int heads;
+  i64 lse_batch_stride, lse_head_stride;  // the row stride is 1
   int kv_group;  // heads / heads_kv: query heads that share one K/V head
-  int seqlen_q;
+  int seqlen_q;  // fixed-length batches only
   int seqlen_k;
   int head_dim;  // the real head_dim; the kernel's template bucket may be larger
-  float scale_log2;  // softmax_scale * log2(e): scores go straight to the exp2 domain
+  int window_left;   // -1 or >= 0, causal folded in as window_right = 0 (common/mask.cuh);
+  int window_right;  // read by WINDOW kernels only
+  float scale_log2;  // softmax_scale * log2(e): scores go straight to the exp2 domain; with a
+                     // softcap, softcap * log2(e) (common/softcap.cuh)
+  float softcap_exp2_scale;  // 2 * log2(e) * softmax_scale / softcap, read by SOFTCAP kernels only
 };
-static_assert(sizeof(FwdParams) == 160, "cuflash/params.py packs 160 bytes");
+static_assert(sizeof(FwdParams) == 200, "cuflash/params.py packs 200 bytes");
 
 // Backward pass: inputs of the forward, its output and LSE, the upstream gradient, fp32
 // accumulators and the gradients. Mirrored by BWD_PARAMS in cuflash/params.py.

@@ -2,10 +2,11 @@
 // batch); K and V tiles stream through shared memory with cp.async while the warps run
 // mma.sync m16n8k16 with fp32 accumulators; softmax stays in registers. Only O and the LSE reach
 // global memory.
-#include "common/block_info.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/seqlen.cuh"
 #include "common/smem.cuh"
+#include "common/softcap.cuh"
 #include "common/softmax.cuh"
 #include "common/types.cuh"
 
@@ -13,8 +14,9 @@ namespace cuflash {
 
 // HEAD_DIM: the head-dim bucket (the real head_dim may be smaller; the rest is zero-filled).
 // BLOCK_M query rows per CTA, BLOCK_N keys per step, WARPS warps each owning BLOCK_M / WARPS
-// query rows. Elem: f16 or bf16.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, class Elem>
+// query rows. CAUSAL, WINDOW: the mask (common/mask.cuh). SOFTCAP: tanh-capped scores
+// (common/softcap.cuh). Elem: f16 or bf16.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
 __global__ void __launch_bounds__(WARPS * 32)
     flash_fwd_sm80(const __grid_constant__ FwdParams p) {
   constexpr int THREADS = WARPS * 32;
@@ -34,23 +36,28 @@ __global__ void __launch_bounds__(WARPS * 32)
   // Grid (m_blocks, heads, batch), or (heads, batch, m_blocks) when causal: causal query blocks
   // near the end of the sequence see the most keys, and with the block index slowest and
   // reversed the heaviest blocks of every head start first, so the grid ends on short work.
+  // Window work per block is flat, so windows keep the plain order. A packed batch's grid covers
+  // its longest sequence; the CTAs past a shorter one's end leave at once.
   const int m_block = CAUSAL ? gridDim.z - 1 - blockIdx.z : blockIdx.x;
   const int head = CAUSAL ? blockIdx.x : blockIdx.y;
   const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
+  const Sequence seq = sequence_of(p, batch);
+  const int first_row = m_block * BLOCK_M;
+  if (first_row >= seq.seqlen_q) return;
   const int kv_head = head / p.kv_group;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
 
-  const BlockInfo<BLOCK_M, BLOCK_N, CAUSAL> info{m_block, p.seqlen_q, p.seqlen_k};
-  const Mask<CAUSAL> mask{p.seqlen_k, p.seqlen_k - p.seqlen_q};
-  const int n_end = info.n_block_end();
-  const int first_row = m_block * BLOCK_M;
+  const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+  const BlockRange n_range = key_blocks<BLOCK_M, BLOCK_N>(mask, m_block);
   const int warp_row = warp * MT * 16;  // first row of this warp inside the block
 
-  const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride +
-                 head * p.q_head_stride + first_row * p.q_row_stride;
-  const u16* k = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride;
-  const u16* v = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride;
+  const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
+                 (seq.q_begin + first_row) * p.q_row_stride;
+  const u16* k = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                 seq.k_begin * p.k_row_stride;
+  const u16* v = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                 seq.k_begin * p.v_row_stride;
 
   // Fragment rows of this thread: Q and V use ldmatrix matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
   // in that order; K's B fragments pair (keys 0-7 | 8-15) with (k 0-7 | 8-15) the other way round.
@@ -68,23 +75,24 @@ __global__ void __launch_bounds__(WARPS * 32)
   OnlineSoftmax<MT> softmax;
   softmax.init();
 
-  if (n_end > 0) {
+  if (n_range.begin < n_range.end) {
     load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ, q, p.q_row_stride,
-                                                           p.seqlen_q - first_row, p.head_dim);
-    const int last = n_end - 1;
+                                                           seq.seqlen_q - first_row, p.head_dim);
+    const int last = n_range.end - 1;
     load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-        sK, k + last * BLOCK_N * p.k_row_stride, p.k_row_stride, p.seqlen_k - last * BLOCK_N, p.head_dim);
+        sK, k + last * BLOCK_N * p.k_row_stride, p.k_row_stride, seq.seqlen_k - last * BLOCK_N, p.head_dim);
     cp_async_commit();
 
     // Key blocks run from the last to the first, so the blocks that need masking (the diagonal
-    // and the sequence end) come first and the rest run the mask-free path.
-    for (int n = last; n >= 0; --n) {
+    // and the sequence end) come first and the rest run the mask-free path; a window's left
+    // edge comes last.
+    for (int n = last; n >= n_range.begin; --n) {
       // K[n] (and Q) have landed, and every warp has finished P.V of the previous step, so the
       // single V buffer is free for V[n].
       cp_async_wait<0>();
       __syncthreads();
       load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-          sV, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, p.seqlen_k - n * BLOCK_N, p.head_dim);
+          sV, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n * BLOCK_N, p.head_dim);
       cp_async_commit();
 
       float s[MT][NT][4];
@@ -114,16 +122,17 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
       }
 
-      if (info.needs_mask(n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
+      if (SOFTCAP) softcap_scores(s, p.softcap_exp2_scale);
+      if (needs_mask<BLOCK_M, BLOCK_N>(mask, m_block, n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
 
       // V[n] has landed and every warp is done reading K[n]: prefetch K[n-1] under the softmax
       // and P.V below.
       cp_async_wait<0>();
       __syncthreads();
-      if (n > 0) {
+      if (n > n_range.begin) {
         load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
             sK, k + (n - 1) * BLOCK_N * p.k_row_stride, p.k_row_stride,
-            p.seqlen_k - (n - 1) * BLOCK_N, p.head_dim);
+            seq.seqlen_k - (n - 1) * BLOCK_N, p.head_dim);
         cp_async_commit();
       }
 
@@ -173,21 +182,22 @@ __global__ void __launch_bounds__(WARPS * 32)
             Elem::pack(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
       }
       const int global_row = first_row + row;
-      if (lane % 4 == 0 && global_row < p.seqlen_q) {
-        p.lse[(static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + global_row] = lse[mt][h];
+      if (lane % 4 == 0 && global_row < seq.seqlen_q) {
+        p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin + global_row] = lse[mt][h];
       }
     }
   }
   __syncwarp();
 
-  u16* out = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+  u16* out = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride +
+             seq.q_begin * p.o_row_stride;
   constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
 #pragma unroll
   for (int i = lane; i < MT * 16 * CHUNKS_PER_ROW; i += 32) {
     const int row = warp_row + i / CHUNKS_PER_ROW;
     const int col = (i % CHUNKS_PER_ROW) * 8;
     const int global_row = first_row + row;
-    if (global_row < p.seqlen_q && col < p.head_dim) {
+    if (global_row < seq.seqlen_q && col < p.head_dim) {
       *reinterpret_cast<uint4*>(out + global_row * p.o_row_stride + col) =
           *reinterpret_cast<const uint4*>(sQ + swizzle<ROW_ELEMS>(row, col));
     }

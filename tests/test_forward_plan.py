@@ -1,0 +1,102 @@
+"""The forward's host side without a GPU: window normalisation against the reference semantics,
+kernel choice per mask and softcap, and the grid and FwdParams a launch gets (kernels.launch
+captured), for fixed-length and packed batches."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import api, dispatch, interop, kernels, varlen
+from cuflash.reference import allowed_keys
+
+WINDOW_SIDES = (-1, 0, 1, 3, 6, 7, 8, 20)
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 8), (8, 1), (7, 7), (5, 9), (9, 5)])
+def test_kernel_window_keeps_the_mask(seqlen_q, seqlen_k):
+    """Folding causal in and dropping sides that bound nothing changes no (query, key) pair, also
+    when normalised against longer (packed) lengths."""
+    for causal, left, right in itertools.product((False, True), WINDOW_SIDES, WINDOW_SIDES):
+        expected = allowed_keys(seqlen_q, seqlen_k, causal=causal, window=(left, right))
+        for bound_q, bound_k in ((seqlen_q, seqlen_k), (seqlen_q + 5, seqlen_k + 9)):
+            window = api._kernel_window(causal, (left, right), bound_q, bound_k)
+            assert np.array_equal(allowed_keys(seqlen_q, seqlen_k, window=window), expected), (causal, left, right)
+
+
+def test_kernel_window_picks_the_cheapest_mask():
+    assert api._mask_kind(api._kernel_window(False, (-1, -1), 100, 100)) == "none"
+    assert api._mask_kind(api._kernel_window(False, (99, 150), 100, 100)) == "none"
+    assert api._mask_kind(api._kernel_window(True, (-1, 5), 100, 100)) == "causal"
+    assert api._mask_kind(api._kernel_window(False, (-1, 0), 100, 100)) == "causal"
+    assert api._mask_kind(api._kernel_window(True, (10**12, -1), 100, 100)) == "causal"  # fits int32
+    assert api._kernel_window(True, (1, 0), 1, 100) == (1, -1)  # one query sees the last key: no right bound
+    assert api._mask_kind(api._kernel_window(True, (98, -1), 100, 100)) == "window"
+
+
+def test_forward_kernel_flags():
+    name = lambda mask, softcap: dispatch.forward_kernel("sm80", 128, mask, "bfloat16", softcap).name_expression  # noqa: E731
+    assert name("none", False).endswith("false, false, false, cuflash::bf16>")
+    assert name("causal", False).endswith("true, false, false, cuflash::bf16>")
+    assert name("window", False).endswith("false, true, false, cuflash::bf16>")
+    # Softcap serves every mask from the run-time window bounds.
+    assert name("none", True) == name("causal", True) == name("window", True)
+    assert name("none", True).endswith("false, true, true, cuflash::bf16>")
+    assert dispatch.forward_kernel("sm80", 128, "causal", "bfloat16").blocks_slowest
+    assert not dispatch.forward_kernel("sm80", 128, "causal", "bfloat16", True).blocks_slowest
+    with pytest.raises(ValueError, match="mask"):
+        dispatch.forward_kernel("sm80", 128, "local", "bfloat16")
+    forward = [c for c in dispatch.all_kernels("sm80") if c.source == "sm80/flash_fwd.cu"]
+    assert len(forward) == len(dispatch.HEAD_DIM_BUCKETS) * len(dispatch.ELEMENT_TYPES) * 4
+
+
+def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
+    strides = strides or tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    itemsize = 4 if dtype in ("float32", "int32") else 2
+    return interop.DeviceTensor(None, ptr, tuple(shape), strides, dtype, itemsize, 0)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """kernels.launch replaced by a recorder; new arrays are fake DeviceTensors."""
+    calls = []
+    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", "sm_90"))
+    monkeypatch.setattr(kernels, "launch", lambda choice, arch, device, grid, params, stream:
+                        calls.append((choice, grid, params[0])))
+    monkeypatch.setattr(interop, "stream_handle", lambda framework, device: 0)
+    monkeypatch.setattr(interop, "empty", lambda framework, like, shape, dtype=None, zeroed=False:
+                        _tensor(shape, dtype or like.dtype, ptr=2 << 20))
+    return calls
+
+
+def test_fixed_length_launch(launches):
+    q, k = _tensor((2, 300, 8, 128)), _tensor((2, 1000, 2, 128), ptr=3 << 20)
+    lse = _tensor((2, 8, 300), "float32", ptr=4 << 20)
+    window = api._kernel_window(True, (256, -1), 300, 1000)
+    api._launch_forward("cupy", q, k, k, q, lse, 0.1, window, 30.0, 2, 300)
+    (choice, grid, params), = launches
+    assert "false, true, true" in choice.name_expression and grid == (3, 8, 2)
+    assert (params["window_left"], params["window_right"]) == (256, 0)
+    assert params["cu_seqlens_q"] == 0 and params["seqlen_k"] == 1000 and params["kv_group"] == 4
+    assert (params["lse_batch_stride"], params["lse_head_stride"]) == (8 * 300, 300)
+    # The softmax sees tanh(s * 0.1 / 30) * 30: scale_log2 carries the cap, the tanh the scale.
+    assert params["scale_log2"] == pytest.approx(30 * math.log2(math.e))
+    assert params["softcap_exp2_scale"] == pytest.approx(2 * math.log2(math.e) * 0.1 / 30)
+
+
+def test_packed_launch(launches):
+    q, k = _tensor((700, 8, 64)), _tensor((900, 8, 64), ptr=3 << 20)
+    cu_q, cu_k = _tensor((4,), "int32", ptr=5 << 20), _tensor((4,), "int32", ptr=6 << 20)
+    tensors = {"q": q, "k": k, "v": k}
+    lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=500)
+    out, lse = varlen._forward_on_device("cupy", tensors, lengths, True, 0.125, (-1, -1), 0.0)
+    (choice, grid, params), = launches
+    assert lse.shape == (8, 700) and out.shape == q.shape
+    assert choice.blocks_slowest and grid == (8, 3, 4)  # heads, batch, ceil(500 / 128) query blocks
+    assert (params["cu_seqlens_q"], params["cu_seqlens_k"]) == (5 << 20, 6 << 20)
+    assert params["q_batch_stride"] == params["k_batch_stride"] == params["o_batch_stride"] == 0
+    assert (params["lse_batch_stride"], params["lse_head_stride"]) == (0, 700)
+    assert params["scale_log2"] == pytest.approx(0.125 * math.log2(math.e))

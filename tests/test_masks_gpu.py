@@ -1,0 +1,117 @@
+"""Sliding windows and softcap in the forward kernels against the float64 reference with
+DESIGN.md's rule, on the GPU; the backward's refusal of both until it has them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+
+
+# (dtype, head_dim, seqlen_q, seqlen_k, heads, heads_kv, causal, window)
+WINDOWS = [
+    ("bfloat16", 128, 1023, 1023, 4, 4, False, (100, -1)),   # left only
+    ("float16", 64, 1023, 1023, 4, 2, False, (-1, 77)),      # right only, GQA
+    ("bfloat16", 96, 1023, 1023, 4, 1, False, (130, 45)),    # both sides, MQA
+    ("float16", 192, 700, 1500, 4, 4, False, (64, 64)),      # seqlen_q < seqlen_k
+    ("bfloat16", 256, 1500, 700, 4, 2, False, (33, 0)),      # seqlen_q > seqlen_k: rows with no key
+    ("bfloat16", 128, 1023, 1023, 4, 4, True, (200, -1)),    # causal with a left window
+    ("float16", 128, 113, 1023, 4, 4, True, (17, 5)),        # causal overrides right
+    ("bfloat16", 64, 300, 100, 2, 2, True, (10, -1)),        # causal, the first 200 rows see nothing
+    ("bfloat16", 128, 257, 257, 2, 2, False, (0, 0)),        # the diagonal alone
+    ("float16", 128, 17, 17, 2, 2, False, (-1, 0)),          # the causal mask, run as causal
+    ("bfloat16", 128, 1, 4224, 2, 2, False, (100, -1)),      # one query
+    ("bfloat16", 128, 4224, 4224, 2, 2, True, (512, -1)),    # long: most key blocks skipped
+    ("bfloat16", 128, 4224, 4224, 2, 1, False, (1000, 1000)),
+    ("float16", 256, 129, 129, 2, 2, False, (5000, 5000)),   # wider than the sequence: plain kernel
+]
+
+
+@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-h{c[4]}.{c[5]}-"
+                                                      f"{'causal' if c[6] else 'full'}-w{c[7][0]}.{c[7][1]}")
+def test_window_matches_reference(case, rng):
+    from tests.gpu_reference import check_forward, random_bshd
+
+    dtype_name, head_dim, seqlen_q, seqlen_k, heads, heads_kv, causal, window = case
+    q = random_bshd((2, seqlen_q, heads, head_dim), dtype_name, rng)
+    k, v = (random_bshd((2, seqlen_k, heads_kv, head_dim), dtype_name, rng) for _ in range(2))
+    check_forward(q, k, v, causal, dtype_name, window=window)
+
+
+# (dtype, head_dim, seqlen_q, seqlen_k, causal, window, softcap, softmax_scale); scale 1 makes
+# the scores large enough for the cap to bend them.
+SOFTCAPS = [
+    ("bfloat16", 128, 1023, 1023, False, (-1, -1), 5.0, 1.0),
+    ("float16", 128, 1023, 1023, True, (-1, -1), 5.0, 1.0),
+    ("bfloat16", 64, 1500, 700, True, (-1, -1), 30.0, None),   # rows with no key
+    ("float16", 96, 113, 1023, False, (64, 16), 2.0, 0.5),
+    ("bfloat16", 192, 777, 777, True, (128, -1), 50.0, None),  # Gemma 2's local layers
+    ("float16", 256, 333, 333, False, (-1, -1), 1.0, None),
+    ("bfloat16", 64, 17, 4224, False, (-1, -1), 0.5, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", SOFTCAPS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-"
+                                                       f"{'causal' if c[4] else 'full'}-w{c[5][0]}.{c[5][1]}-cap{c[6]}")
+def test_softcap_matches_reference(case, rng):
+    from tests.gpu_reference import check_forward, random_bshd
+
+    dtype_name, head_dim, seqlen_q, seqlen_k, causal, window, softcap, scale = case
+    q = random_bshd((2, seqlen_q, 4, head_dim), dtype_name, rng)
+    k, v = (random_bshd((2, seqlen_k, 2, head_dim), dtype_name, rng) for _ in range(2))
+    check_forward(q, k, v, causal, dtype_name, scale=scale, window=window, softcap=softcap)
+
+
+def test_window_rows_without_keys_give_zero_and_minus_inf(rng):
+    """window (-1, 2) with seqlen_q 300 > seqlen_k 100: query i sees keys up to i - 198, so rows
+    0..197 see none."""
+    import cupy as cp
+
+    import cuflash
+    from tests.gpu_reference import random_bshd
+
+    q = random_bshd((1, 300, 2, 64), "bfloat16", rng)
+    k, v = (random_bshd((1, 100, 2, 64), "bfloat16", rng) for _ in range(2))
+    out, lse = cuflash.attention(q, k, v, window=(-1, 2), softcap=10.0, return_lse=True)
+    assert bool(cp.all(out[:, :198].view(cp.uint16) == 0))
+    assert bool(cp.all(cp.isneginf(lse[:, :, :198])))
+    assert bool(cp.all(cp.isfinite(lse[:, :, 198:])))
+
+
+@pytest.mark.parametrize("options", [{"window": (8, 0)}, {"softcap": 20.0}], ids=["window", "softcap"])
+def test_backward_refuses_window_and_softcap(options, rng):
+    import cuflash
+    from tests.gpu_reference import random_bshd
+
+    q, k, v = (random_bshd((1, 64, 2, 64), "float16", rng) for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    with pytest.raises(NotImplementedError, match=next(iter(options))):
+        cuflash.attention_backward(q, q, k, v, out, lse, **options)
+
+
+def test_flash_attn_func_window_and_softcap():
+    """flash-attn's entry point takes window_size and softcap in the forward; its backward raises
+    until the GPU backward has them."""
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+
+    from cuflash.torch import flash_attn_func
+    from tests import gpu_reference as ref
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 300, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen, requires_grad=True)
+               for _ in range(3))
+    out = flash_attn_func(q, k, v, causal=True, window_size=(64, 64), softcap=5.0)
+    q64, k64, v64 = (cp.from_dlpack(x.detach().double()) for x in (q, k, v))
+    options = {"causal": True, "window": (64, 64), "softcap": 5.0, "scale": 128 ** -0.5}
+    expected, _ = ref.attention(q64, k64, v64, **options)
+    lowp, _ = ref.attention(q64, k64, v64, lowp="bfloat16", **options)
+    ref.check_rule("out", cp.from_dlpack(out.detach().double()), expected, lowp, "bfloat16")
+    with pytest.raises(NotImplementedError, match="window"):
+        out.sum().backward()

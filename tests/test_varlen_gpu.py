@@ -1,0 +1,142 @@
+"""attention_varlen on the GPU: packed batches against the float64 reference of each sequence
+with DESIGN.md's rule (out and lse), the edge cases of issue 5, and the torch entry points."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
+
+
+def _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype_name, rng):
+    """Fresh packed q, k, v and device int32 cu_seqlens for these sequence lengths."""
+    import cupy as cp
+
+    from tests.gpu_reference import random_bshd
+
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32) for lengths in (lengths_q, lengths_k))
+    q = random_bshd((1, int(cu_q[-1]), heads, head_dim), dtype_name, rng)[0]
+    k, v = (random_bshd((1, int(cu_k[-1]), heads_kv, head_dim), dtype_name, rng)[0] for _ in range(2))
+    return q, k, v, cp.asarray(cu_q), cp.asarray(cu_k)
+
+
+def _check_varlen(lengths_q, lengths_k, rng, heads=4, heads_kv=2, head_dim=128, dtype_name="bfloat16",
+                  softmax_scale=None, **options):
+    """attention_varlen into a NaN-filled ``out`` from a poisoned pool, against the per-sequence
+    float64 reference; ``options`` go to attention_varlen (causal, window, softcap, max_seqlen_*,
+    validate)."""
+    import math
+
+    import cupy as cp
+
+    import cuflash
+    from tests import gpu_reference as ref
+
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype_name, rng)
+    ref.poison_pool()
+    out = cp.full(q.shape, cp.nan, dtype=q.dtype)
+    result, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, return_lse=True,
+                                           out=out, **options)
+    assert result is out and lse.shape == (heads, q.shape[0])
+    semantics = {"causal": False} | {name: options[name] for name in ("causal", "window", "softcap") if name in options}
+    scale = softmax_scale or 1 / math.sqrt(head_dim)
+    host_q, host_k = cu_q.get().tolist(), cu_k.get().tolist()
+    q64, k64, v64 = (ref.as_float64(x) for x in (q, k, v))
+    exact = ref.attention_varlen(q64, k64, v64, host_q, host_k, scale=scale, **semantics)
+    lowp = ref.attention_varlen(q64, k64, v64, host_q, host_k, scale=scale, lowp=dtype_name, **semantics)
+    ref.check_rule("out", out, exact[0], lowp[0], dtype_name)
+    ref.check_rule("lse", lse, exact[1], lowp[1], dtype_name)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_random_length_mix(causal, rng):
+    lengths = rng.integers(1, 600, size=7)
+    _check_varlen(lengths, lengths, rng, causal=causal)
+
+
+def test_different_q_and_k_lengths_gqa_window(rng):
+    _check_varlen(rng.integers(1, 400, size=6), rng.integers(1, 400, size=6), rng, heads=6, heads_kv=2,
+                  head_dim=64, dtype_name="float16", window=(32, 8))
+
+
+def test_zero_length_sequences(rng):
+    """Empty q, empty k (rows that see nothing: 0 and -inf) and both empty, inside the batch."""
+    import cupy as cp
+
+    lengths_q, lengths_k = [5, 0, 130, 7, 0, 64], [0, 9, 130, 300, 0, 1]
+    out, lse = _check_varlen(lengths_q, lengths_k, rng, causal=True)
+    assert bool(cp.all(out[:5].view(cp.uint16) == 0)) and bool(cp.all(cp.isneginf(lse[:, :5])))
+
+
+def test_max_seqlen_one(rng):
+    _check_varlen([1] * 37, [1] * 37, rng, causal=True, max_seqlen_q=1, max_seqlen_k=1)
+
+
+def test_fewer_tokens_than_sequences(rng):
+    _check_varlen([0, 0, 1, 0, 2, 0, 0, 0], [1, 0, 1, 2, 0, 0, 3, 0], rng, head_dim=64, dtype_name="float16")
+
+
+@pytest.mark.parametrize("options", [{"causal": True}, {"causal": True, "window": (256, -1), "softcap": 30.0}],
+                         ids=["causal", "window-softcap"])
+def test_one_long_and_many_short(options, rng):
+    lengths = [3000] + list(rng.integers(1, 40, size=60))
+    _check_varlen(lengths, lengths, rng, **options)
+
+
+@pytest.mark.parametrize("head_dim, dtype_name", [(32, "float16"), (96, "bfloat16"), (192, "float16"),
+                                                  (256, "bfloat16")])
+def test_head_dim_buckets(head_dim, dtype_name, rng):
+    lengths_q, lengths_k = rng.integers(1, 300, size=5), rng.integers(1, 300, size=5)
+    _check_varlen(lengths_q, lengths_k, rng, head_dim=head_dim, dtype_name=dtype_name, causal=bool(head_dim % 64))
+
+
+def test_given_max_seqlen_without_validation(rng):
+    lengths = [17, 250, 3, 129]
+    _check_varlen(lengths, lengths, rng, max_seqlen_q=250, max_seqlen_k=250, validate=False, softcap=4.0,
+                  softmax_scale=0.3)
+
+
+def test_strided_cu_seqlens_rejected_and_backward_refused(rng):
+    import cupy as cp
+
+    import cuflash
+
+    q, k, v, cu_q, cu_k = _packed([3, 4], [3, 4], 2, 2, 64, "float16", rng)
+    spread = cp.zeros(6, cp.int32)
+    spread[::2] = cu_q
+    with pytest.raises(ValueError, match="cu_seqlens_q: must be contiguous"):
+        cuflash.attention_varlen(q, k, v, spread[::2], cu_k)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    with pytest.raises(NotImplementedError, match="attention_varlen_backward"):
+        cuflash.attention_varlen_backward(q, q, k, v, out, lse, cu_q, cu_k)
+
+
+def test_torch_flash_attn_varlen_func():
+    """flash-attn's signature, torch in and out; the backward raises until it exists."""
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+
+    from cuflash.torch import flash_attn_varlen_func
+    from tests import gpu_reference as ref
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    cu = torch.tensor([0, 100, 100, 357, 360], device="cuda", dtype=torch.int32)
+    q, k, v = (torch.randn(360, 4, 64, device="cuda", dtype=torch.float16, generator=gen, requires_grad=True)
+               for _ in range(3))
+    out = flash_attn_varlen_func(q, k, v, cu, cu, 257, 257, causal=True, window_size=(50, -1))
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    host = cu.tolist()
+    q64, k64, v64 = (cp.from_dlpack(x.detach().double()) for x in (q, k, v))
+    options = {"causal": True, "window": (50, -1), "scale": 0.125}
+    expected, _ = ref.attention_varlen(q64, k64, v64, host, host, **options)
+    lowp, _ = ref.attention_varlen(q64, k64, v64, host, host, lowp="float16", **options)
+    ref.check_rule("out", cp.from_dlpack(out.detach().double()), expected, lowp, "float16")
+    with pytest.raises(NotImplementedError, match="attention_varlen_backward"):
+        out.sum().backward()
