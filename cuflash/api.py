@@ -112,17 +112,6 @@ def _resolve_softcap(softcap: Any) -> float:
     return value
 
 
-def _refuse_in_backward(window: tuple[int, int], softcap: float) -> None:
-    """Sliding windows and softcap exist in the CPU reference path and the GPU forward; the GPU
-    backward does not have them yet, and ignoring them would change results."""
-    if window != (-1, -1):
-        raise NotImplementedError("window: sliding windows are not in the GPU backward yet; NumPy inputs "
-                                  "run them on the CPU reference path")
-    if softcap:
-        raise NotImplementedError("softcap: not in the GPU backward yet; NumPy inputs run it on the CPU "
-                                  "reference path")
-
-
 def _kernel_window(causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
     """(left, right) as the kernels take them (common/mask.cuh): causal folded in as right = 0, and
     a side that bounds no row made -1 (left >= seqlen_k - 1, right >= seqlen_q - 1, with the
@@ -152,6 +141,65 @@ def _launch_forward(framework: str, qt, kt, vt, out_t, lse_t, scale: float, wind
     grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
     params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens)
     kernels.launch(choice, arch, qt.device, grid, params, interop.stream_handle(framework, qt.device))
+
+
+def _launch_backward(framework: str, qt, kt, vt, out_t, dout_t, lse_t, grads: dict, scale: float,
+                     window: tuple[int, int], softcap: float, deterministic: bool, batch: int, max_seqlen_q: int,
+                     max_seqlen_k: int, cu_seqlens=(None, None)) -> None:
+    """Launch the backward's three kernels over a fixed-length batch (BSHD tensors) or a packed
+    one (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), writing the 16-bit
+    gradients ``grads`` ("dq", "dk", "dv"); ``window`` from _kernel_window."""
+    _, rows_q, heads, head_dim = qt.shape
+    family, arch = _device_plan(qt.device)
+    preprocess, main, convert = dispatch.backward_kernels(family, head_dim, _mask_kind(window), qt.dtype,
+                                                          bool(softcap), deterministic)
+    n_blocks = -(-max_seqlen_k // main.tile.block_n)
+    if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
+        raise ValueError(f"k: sequences must be at most {_MAX_GRID_YZ * main.tile.block_n} keys long for the "
+                         f"backward at head_dim {head_dim}, got {max_seqlen_k}")
+    group = heads // kt.shape[2]
+    # Deterministic: as many CTAs per (batch, head) as fill the SMs in one wave (rounding up would
+    # leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s), each walking its share of
+    # the key blocks in order into its own fp32 dQ split (flash_bwd.cu); splits added in order.
+    splits = max(1, min(n_blocks, _multiprocessors(qt.device) // (batch * heads))) if deterministic else 1
+    delta = interop.empty(framework, qt, lse_t.shape, dtype="float32")
+    # Rows padded to the head-dim bucket so the kernel's reductions need no column checks
+    # (flash_bwd.cu); the rows of one head contiguous.
+    bucket = dispatch.head_dim_bucket(head_dim)
+    dq_accum = interop.empty(framework, qt, (splits, qt.shape[0], heads, rows_q, bucket), dtype="float32",
+                             zeroed=True)
+    dk_accum = dv_accum = None
+    if group > 1:
+        # Deterministic: one slice per query head, plainly stored, summed by the convert kernel.
+        shape = (*kt.shape[:2], heads if deterministic else kt.shape[2], head_dim)
+        dk_accum, dv_accum = (interop.empty(framework, qt, shape, dtype="float32", zeroed=not deterministic)
+                              for _ in range(2))
+
+    stream = interop.stream_handle(framework, qt.device)
+    params = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads["dk"], grads["dv"],
+                             dk_accum, dv_accum, scale, window, softcap, *cu_seqlens)
+    kernels.launch(preprocess, arch, qt.device, (-(-max_seqlen_q // 8), heads, batch), params, stream)
+    # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
+    if deterministic:
+        grid = (splits, heads, batch)
+    else:
+        grid = (heads, batch, n_blocks) if main.blocks_slowest else (n_blocks, heads, batch)
+    kernels.launch(main, arch, qt.device, grid, params, stream)
+    # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
+    # scale): dQ sums its splits and takes the softmax scale; deterministic GQA dK/dV sum the
+    # group's adjacent query-head slices (dK already scaled by the main kernel).
+    dq_strides = (heads * rows_q * bucket, bucket, rows_q * bucket)
+    converts = [(dq_accum, "dq", dq_strides, splits, math.prod(dq_accum.shape[1:]), scale)]
+    if group > 1:
+        slices = dk_accum.shape[2]  # heads_kv, or heads in deterministic mode
+        kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
+                      group * head_dim if deterministic else head_dim)
+        summands = (group, head_dim) if deterministic else (1, 0)
+        converts += [(src, name, kv_strides, *summands, 1.0) for src, name in ((dk_accum, "dk"), (dv_accum, "dv"))]
+    for src, name, src_strides, summands, summand_stride, factor in converts:
+        pairs = math.prod(grads[name].shape) // 2
+        kernels.launch(convert, arch, qt.device, (-(-pairs // 256), 1, 1),
+                       pack_convert_params(src, grads[name], src_strides, summands, summand_stride, factor), stream)
 
 
 def _framework(**arrays: Any) -> str:
@@ -331,8 +379,7 @@ def attention_backward(
     lse : array, float32 (batch, heads, seqlen_q), contiguous
         The forward's log-sum-exp (``attention(..., return_lse=True)``).
     causal, softmax_scale, window, softcap
-        As in the forward call (window and softcap: CPU reference path only for now; GPU inputs
-        raise NotImplementedError).
+        As in the forward call.
     deterministic : bool
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds whose
         order varies between runs, so results can differ in the last bits from run to run.
@@ -375,64 +422,14 @@ def attention_backward(
     window, softcap = _resolve_window(window), _resolve_softcap(softcap)
     if not on_device:
         return _backward_host(tensors, causal, scale, window, softcap)
-    _refuse_in_backward(window, softcap)
-
     dout_t, out_t, lse_t = tensors["dout"], tensors["out"], tensors["lse"]
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                  for t in (qt, kt, vt, dout_t, out_t))
     grads = {name: tensors.get(name) or interop.empty(framework, qt, shape)
              for name, shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape))}
-    deterministic = bool(deterministic)
-    family, arch = _device_plan(qt.device)
-    preprocess, main, convert = dispatch.backward_kernels(family, head_dim, bool(causal), qt.dtype, deterministic)
-    n_blocks = -(-kt.shape[1] // main.tile.block_n)
-    if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
-        raise ValueError(f"k: seqlen_k must be at most {_MAX_GRID_YZ * main.tile.block_n} for the backward "
-                         f"at head_dim {head_dim}, got {kt.shape[1]}")
-    group = heads // kt.shape[2]
-    # Deterministic: as many CTAs per (batch, head) as fill the SMs in one wave (rounding up would
-    # leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s), each walking its share of
-    # the key blocks in order into its own fp32 dQ split (flash_bwd.cu); splits added in order.
-    splits = max(1, min(n_blocks, _multiprocessors(qt.device) // (batch * heads))) if deterministic else 1
-    delta = interop.empty(framework, qt, (batch, heads, seqlen_q), dtype="float32")
-    # Padded to whole query blocks and to the head-dim bucket so the kernel's reductions need no
-    # bounds checks (flash_bwd.cu); rows of one head contiguous.
-    padded_rows = -(-seqlen_q // main.tile.block_m) * main.tile.block_m
-    bucket = dispatch.head_dim_bucket(head_dim)
-    dq_accum = interop.empty(framework, qt, (splits, batch, heads, padded_rows, bucket), dtype="float32",
-                             zeroed=True)
-    dk_accum = dv_accum = None
-    if group > 1:
-        # Deterministic: one slice per query head, plainly stored, summed by the convert kernel.
-        shape = (*kt.shape[:2], heads if deterministic else kt.shape[2], head_dim)
-        dk_accum, dv_accum = (interop.empty(framework, qt, shape, dtype="float32", zeroed=not deterministic)
-                              for _ in range(2))
-
-    stream = interop.stream_handle(framework, qt.device)
-    params = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads["dk"], grads["dv"],
-                             dk_accum, dv_accum, scale)
-    kernels.launch(preprocess, arch, qt.device, (-(-seqlen_q // 8), heads, batch), params, stream)
-    # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
-    if deterministic:
-        grid = (splits, heads, batch)
-    else:
-        grid = (heads, batch, n_blocks) if causal else (n_blocks, heads, batch)
-    kernels.launch(main, arch, qt.device, grid, params, stream)
-    # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
-    # scale): dQ sums its splits and takes the softmax scale; deterministic GQA dK/dV sum the
-    # group's adjacent query-head slices (dK already scaled by the main kernel).
-    dq_strides = (heads * padded_rows * bucket, bucket, padded_rows * bucket)
-    converts = [(dq_accum, "dq", dq_strides, splits, batch * heads * padded_rows * bucket, scale)]
-    if group > 1:
-        slices = dk_accum.shape[2]  # heads_kv, or heads in deterministic mode
-        kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
-                      group * head_dim if deterministic else head_dim)
-        summands = (group, head_dim) if deterministic else (1, 0)
-        converts += [(src, name, kv_strides, *summands, 1.0) for src, name in ((dk_accum, "dk"), (dv_accum, "dv"))]
-    for src, name, src_strides, summands, summand_stride, factor in converts:
-        pairs = math.prod(grads[name].shape) // 2
-        kernels.launch(convert, arch, qt.device, (-(-pairs // 256), 1, 1),
-                       pack_convert_params(src, grads[name], src_strides, summands, summand_stride, factor), stream)
+    _launch_backward(framework, qt, kt, vt, out_t, dout_t, lse_t, grads, scale,
+                     _kernel_window(bool(causal), window, seqlen_q, kt.shape[1]), softcap, bool(deterministic), batch,
+                     seqlen_q, kt.shape[1])
     return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
 
 

@@ -340,7 +340,7 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
             choices = ([dispatch.forward_kernel(family, head_dim, "causal" if causal else "none", dtype)]
                        if mode != "bwd" else [])
             if mode != "fwd":
-                choices.append(dispatch.backward_kernels(family, head_dim, causal, dtype)[1])
+                choices.append(dispatch.backward_kernels(family, head_dim, "causal" if causal else "none", dtype)[1])
             for choice in choices:
                 cold = kernels.compile_kernel(choice, arch, use_cache=False).seconds
                 kernels.compile_kernel(choice, arch)  # make sure the disk cache holds it

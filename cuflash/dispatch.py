@@ -163,23 +163,28 @@ SM80_BWD_TILES = {
 
 
 @functools.lru_cache(maxsize=None)
-def backward_kernels(family: str, head_dim: int, causal: bool, dtype_name: str, deterministic: bool = False,
-                     tile: Tile | None = None) -> tuple[KernelChoice, ...]:
-    """(preprocess, main, convert) kernels of the backward pass (``tile`` overrides the table, for
-    tuning)."""
+def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False,
+                     deterministic: bool = False, tile: Tile | None = None) -> tuple[KernelChoice, ...]:
+    """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
+    forward_kernel (softcap runs in the window kernel there too), ``tile`` overrides the table,
+    for tuning."""
     if family != "sm80":
         raise ValueError(f"family: no backward kernel for {family!r}")
+    if mask not in MASKS:
+        raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
     tile, elem = tile or SM80_BWD_TILES[bucket], ELEMENT_TYPES[dtype_name]
+    causal, window = mask == "causal" and not softcap, mask == "window" or softcap
     main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
-            f"{_cpp(causal)}, {_cpp(deterministic)}, {elem}>")
+            f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(deterministic)}, {elem}>")
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
     # buffers each of the rows' fp32 log-sum-exp and delta.
     smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
             + 4 * tile.block_m * 4)
     return (
         KernelChoice(family, "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", 256, 0),
-        KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile),
+        KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
+                     blocks_slowest=causal and not deterministic),
         KernelChoice(family, "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", 256, 0),
     )
 
@@ -193,8 +198,7 @@ def all_kernels(family: str) -> list[KernelChoice]:
                 for softcap in (False, True):
                     choice = forward_kernel(family, bucket, mask, dtype, softcap)
                     found.setdefault(choice.name_expression, choice)
-            for causal in (False, True):
-                for deterministic in (False, True):
-                    for choice in backward_kernels(family, bucket, causal, dtype, deterministic):
-                        found.setdefault(choice.name_expression, choice)
+                    for deterministic in (False, True):
+                        for choice in backward_kernels(family, bucket, mask, dtype, softcap, deterministic):
+                            found.setdefault(choice.name_expression, choice)
     return list(found.values())

@@ -23,6 +23,13 @@ FWD_PARAMS_SIZE = 200  # sizeof(FwdParams) in params.cuh
 _LOG2E = math.log2(math.e)
 
 
+def _softmax_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
+    """(scale_log2, softcap_exp2_scale): with a softcap the softmax sees tanh(s * scale / softcap)
+    scaled by softcap (softcap.cuh)."""
+    scale_log2 = (softcap or softmax_scale) * _LOG2E
+    return scale_log2, (2 * _LOG2E * softmax_scale / softcap if softcap else 0.0)
+
+
 def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None) -> np.ndarray:
     """One FwdParams struct for DeviceTensors q, k, v, out (BSHD) and lse.
@@ -38,9 +45,7 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
         cu_pointers, lse_strides = (0, 0), lse.strides[:2]
     else:
         cu_pointers, lse_strides = (cu_seqlens_q.ptr, cu_seqlens_k.ptr), (0, lse.strides[0])
-    # With a softcap the softmax sees tanh(s * scale / softcap) scaled by softcap (softcap.cuh).
-    scale_log2 = (softcap or softmax_scale) * _LOG2E
-    softcap_exp2_scale = 2 * _LOG2E * softmax_scale / softcap if softcap else 0.0
+    scale_log2, softcap_exp2_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
         [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers, *strides, *lse_strides,
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_exp2_scale)],
@@ -52,13 +57,15 @@ _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv"
 
 BWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dk", "dv",
-                                    "dk_accum", "dv_accum")]
-    + [(name, np.int64) for name in _BWD_STRIDES]
-    + [(name, np.int32) for name in ("batch", "heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits")]
-    + [("scale_log2", np.float32), ("scale", np.float32)],
+                                    "dk_accum", "dv_accum", "cu_seqlens_q", "cu_seqlens_k")]
+    + [(name, np.int64) for name in _BWD_STRIDES + ["lse_batch_stride", "lse_head_stride", "dq_split_stride",
+                                                   "dq_batch_stride", "dq_head_stride", "accum_batch_rows"]]
+    + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits",
+                                     "window_left", "window_right")]
+    + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_exp2_scale")],
     align=True,
 )
-BWD_PARAMS_SIZE = 304  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 376  # sizeof(BwdParams) in params.cuh
 
 CONVERT_PARAMS = np.dtype(
     [("src", np.uint64), ("dst", np.uint64)]
@@ -71,16 +78,25 @@ CONVERT_PARAMS = np.dtype(
 CONVERT_PARAMS_SIZE = 96  # sizeof(ConvertParams) in params.cuh
 
 
-def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum,
-                    softmax_scale: float) -> np.ndarray:
+def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, softmax_scale: float,
+                    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
+                    cu_seqlens_k=None) -> np.ndarray:
     """One BwdParams struct; every argument a DeviceTensor (dk_accum and dv_accum may be None).
-    dq_accum is (dq_splits, batch, heads, padded seqlen_q, head-dim bucket)."""
+    q, k, v, out, dout, dk, dv, lse, window, softcap and cu_seqlens as for pack_fwd_params; delta
+    shaped like lse; dq_accum (dq_splits, batch, heads, rows, head-dim bucket) contiguous, batch 1
+    for a packed batch."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
+    packed = cu_seqlens_q is not None
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
-                                                          dk_accum, dv_accum)]
+                                                          dk_accum, dv_accum, cu_seqlens_q, cu_seqlens_k)]
+    lse_strides = (0, lse.strides[0]) if packed else lse.strides[:2]
+    splits, dq_batch, dq_heads, dq_rows, bucket = dq_accum.shape
+    dq_strides = (dq_batch * dq_heads * dq_rows * bucket, dq_heads * dq_rows * bucket, dq_rows * bucket)
+    scale_log2, softcap_exp2_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
-        [(*pointers, *strides, q.shape[0], q.shape[2], q.shape[2] // k.shape[2], q.shape[1], k.shape[1],
-          q.shape[3], dq_accum.shape[0], softmax_scale * _LOG2E, softmax_scale)],
+        [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], q.shape[2],
+          q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], splits, *window, scale_log2, softmax_scale,
+          softcap_exp2_scale)],
         dtype=BWD_PARAMS,
     )
 

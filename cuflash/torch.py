@@ -117,8 +117,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """Differentiable :func:`cuflash.attention` on torch CUDA tensors (batch, seqlen, heads, head_dim).
 
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
-    when ``deterministic`` (see there for the cost). The GPU backward does not take ``window``
-    or ``softcap`` yet: with either, backward() raises NotImplementedError.
+    when ``deterministic`` (see there for the cost).
     """
     out, _ = _forward(q, k, v, bool(causal), *_options(q, softmax_scale, window, softcap), bool(deterministic))
     return out
@@ -132,8 +131,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     (total_tokens, heads, head_dim) with int32 ``cu_seqlens_*`` (batch + 1,).
 
     Omitted ``max_seqlen_*`` are read from the lengths (a device-to-host copy, and a graph break
-    under torch.compile). The GPU backward for packed batches does not exist yet: backward()
-    raises NotImplementedError.
+    under torch.compile). Gradients through :func:`cuflash.attention_varlen_backward`.
     """
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
@@ -160,8 +158,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     (batch, seqlen_k, heads_kv, head_dim); returns out (batch, seqlen_q, heads, head_dim).
 
     ``deterministic=True`` makes the backward bitwise reproducible. Raises NotImplementedError,
-    naming the argument, for dropout_p != 0, alibi_slopes and return_attn_probs=True; and from
-    backward() with a window_size other than (-1, -1) or softcap != 0 (not in the GPU backward yet).
+    naming the argument, for dropout_p != 0, alibi_slopes and return_attn_probs=True.
     """
     _refuse("flash_attn_func", dropout_p, alibi_slopes, return_attn_probs)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
@@ -173,8 +170,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k and v
     (total_k, heads_kv, head_dim), int32 cu_seqlens (batch + 1,); returns out (total_q, heads,
-    head_dim). Raises NotImplementedError as :func:`flash_attn_func` does, and from backward()
-    (the GPU backward for packed batches does not exist yet).
+    head_dim). Raises NotImplementedError as :func:`flash_attn_func` does.
     """
     _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,

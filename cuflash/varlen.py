@@ -4,8 +4,8 @@ cumulative sequence lengths, flash-attn's ``*_varlen`` layout.
 Sequence ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and key rows
 ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` and attends only to its own keys (causal and window
 alignment per sequence). Either length may be 0. NumPy inputs run the float64 reference on the
-CPU; GPU inputs run the forward kernel over all sequences in one launch. The GPU backward does not
-exist yet: it validates its arguments and raises NotImplementedError.
+CPU; GPU inputs run the forward kernel, and the backward's kernels, over all sequences in one
+launch each.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def _as_batch_of_one(x: Any) -> Any:
 @dataclass(frozen=True)
 class _Lengths:
     """The checked cumulative lengths: host copies (int64; None where a GPU array was not copied),
-    the DeviceTensors (None for NumPy), the batch size and max_seqlen_q (None if not known)."""
+    the DeviceTensors (None for NumPy), the batch size and the longest lengths (None if not
+    known)."""
 
     host_q: np.ndarray | None
     host_k: np.ndarray | None
@@ -38,6 +39,7 @@ class _Lengths:
     device_k: Any
     batch: int
     max_seqlen_q: int | None
+    max_seqlen_k: int | None = None
 
 
 def _lengths(name: str, cu: Any, on_device: bool, device: int | None, copy: bool) -> tuple[Any, Any, int]:
@@ -89,10 +91,10 @@ def _check_lengths(name: str, cu: np.ndarray | None, total: int, max_seqlen: Any
 
 
 def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                  validate: bool) -> tuple[str, dict, _Lengths]:
+                  validate: bool, need_max_k: bool = False) -> tuple[str, dict, _Lengths]:
     """Framework, validated tensors (packed, checked as a batch of one) and the lengths. GPU
-    lengths reach the host only to be validated or to find an omitted max_seqlen_q (the only one
-    the kernels need)."""
+    lengths reach the host only to be validated or to find an omitted max_seqlen_q (which every
+    kernel needs) or, with ``need_max_k`` (the backward), an omitted max_seqlen_k."""
     framework = api._framework(**arrays)
     on_device = framework != "numpy"
     tensors = {name: interop.describe(x, framework, name) if on_device else x for name, x in arrays.items()}
@@ -104,14 +106,25 @@ def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     api._check_qkv(qt, kt, vt, on_device=on_device)
     device = tensors["q"].device if on_device else None
     cu_q, cu_q_t, batch = _lengths("cu_seqlens_q", cu_seqlens_q, on_device, device, validate or max_seqlen_q is None)
-    cu_k, cu_k_t, batch_k = _lengths("cu_seqlens_k", cu_seqlens_k, on_device, device, validate)
+    cu_k, cu_k_t, batch_k = _lengths("cu_seqlens_k", cu_seqlens_k, on_device, device,
+                                     validate or (need_max_k and max_seqlen_k is None))
     if batch_k != batch:
         raise ValueError(f"cu_seqlens_k: {batch_k} sequences, but cu_seqlens_q has {batch}")
     _check_lengths("cu_seqlens_q", cu_q, tensors["q"].shape[0], max_seqlen_q, "max_seqlen_q", validate)
     _check_lengths("cu_seqlens_k", cu_k, tensors["k"].shape[0], max_seqlen_k, "max_seqlen_k", validate)
     if max_seqlen_q is None:  # cu_q was copied for it
         max_seqlen_q = int(np.diff(cu_q).max())
-    return framework, tensors, _Lengths(cu_q, cu_k, cu_q_t, cu_k_t, batch, max_seqlen_q)
+    if max_seqlen_k is None and cu_k is not None:
+        max_seqlen_k = int(np.diff(cu_k).max())
+    return framework, tensors, _Lengths(cu_q, cu_k, cu_q_t, cu_k_t, batch, max_seqlen_q, max_seqlen_k)
+
+
+def _check_grid(lengths: _Lengths) -> None:
+    """The sequences index grid.y or grid.z, and causal grids put the 128-row query blocks in grid.z."""
+    if lengths.batch > api._MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: at most {api._MAX_GRID_YZ} sequences, got {lengths.batch}")
+    if lengths.max_seqlen_q > api._MAX_GRID_YZ * 128:
+        raise ValueError(f"max_seqlen_q: must be at most {api._MAX_GRID_YZ * 128}, got {lengths.max_seqlen_q}")
 
 
 def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
@@ -122,15 +135,28 @@ def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal:
     total_q, heads, _ = qt.shape
     out_t = tensors.get("out") or interop.empty(framework, qt, qt.shape)
     lse_t = interop.empty(framework, qt, (heads, total_q), dtype="float32")
-    if lengths.batch > api._MAX_GRID_YZ:
-        raise ValueError(f"cu_seqlens_q: at most {api._MAX_GRID_YZ} sequences, got {lengths.batch}")
-    if lengths.max_seqlen_q > api._MAX_GRID_YZ * 128:  # causal grids put the 128-row query blocks in grid.z
-        raise ValueError(f"max_seqlen_q: must be at most {api._MAX_GRID_YZ * 128}, got {lengths.max_seqlen_q}")
+    _check_grid(lengths)
     # Windows normalised against the packed lengths, which bound every sequence's.
     kernel_window = api._kernel_window(causal, window, total_q, kt.shape[0])
     api._launch_forward(framework, *(_as_batch_of_one(t) for t in (qt, kt, vt, out_t)), lse_t, scale, kernel_window,
                         softcap, lengths.batch, int(lengths.max_seqlen_q), (lengths.device_q, lengths.device_k))
     return out_t, lse_t
+
+
+def _backward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
+                        window: tuple[int, int], softcap: float, deterministic: bool) -> dict:
+    """The backward's launches over the packed batch: {"dq", "dk", "dv"} packed DeviceTensors."""
+    qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
+                                 for t in (tensors[name] for name in ("q", "k", "v", "dout", "out")))
+    grads = {name: tensors.get(name) or interop.empty(framework, qt, like.shape)
+             for name, like in (("dq", qt), ("dk", kt), ("dv", kt))}
+    _check_grid(lengths)
+    kernel_window = api._kernel_window(causal, window, qt.shape[0], kt.shape[0])
+    api._launch_backward(framework, *(_as_batch_of_one(t) for t in (qt, kt, vt, out_t, dout_t)), tensors["lse"],
+                         {name: _as_batch_of_one(t) for name, t in grads.items()}, scale, kernel_window, softcap,
+                         deterministic, lengths.batch, int(lengths.max_seqlen_q), int(lengths.max_seqlen_k),
+                         (lengths.device_q, lengths.device_k))
+    return grads
 
 
 def attention_varlen(
@@ -162,7 +188,8 @@ def attention_varlen(
     max_seqlen_q, max_seqlen_k : int, optional
         The longest sequence. The GPU grid covers max_seqlen_q query rows per sequence: omitted,
         it is computed on the host (a device-to-host copy and synchronisation for GPU arrays).
-        max_seqlen_k is only checked.
+        The forward only checks max_seqlen_k; the backward's grid covers it (computed the same
+        way when omitted).
     causal, softmax_scale, window, softcap
         As for :func:`cuflash.attention`, per sequence.
     return_lse : bool
@@ -226,22 +253,21 @@ def attention_varlen_backward(
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, arguments as there and as for
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
     reference path is deterministic whatever ``deterministic`` says.
-
-    Raises NotImplementedError for GPU inputs (the varlen backward kernels do not exist yet).
     """
     given = {"dq": dq, "dk": dk, "dv": dv}
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     arrays |= {name: x for name, x in given.items() if x is not None}
     framework, tensors, lengths = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                validate)
+                                                validate, need_max_k=True)
     on_device = framework != "numpy"
     qt = tensors["q"]
     scale = api._resolve_scale(softmax_scale, qt.shape[2])
     window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
     api._check_backward_inputs(tensors, (qt.shape[1], qt.shape[0]), on_device)
     if on_device:
-        raise NotImplementedError("attention_varlen_backward: the GPU backward for variable-length batches is "
-                                  "not implemented yet; NumPy inputs run the CPU reference path")
+        grads = _backward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap,
+                                    bool(deterministic))
+        return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
     result = reference.attention_varlen_backward_reference(dout, q, k, v, lengths.host_q, lengths.host_k,
                                                            causal=bool(causal), softmax_scale=scale, window=window,
                                                            softcap=softcap)

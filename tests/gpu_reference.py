@@ -78,25 +78,34 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
     return out, lse
 
 
-def attention_backward(q, k, v, dout, *, causal: bool, scale: float, lowp: str | None = None):
+def attention_backward(q, k, v, dout, *, causal: bool, scale: float, lowp: str | None = None, window=(-1, -1),
+                       softcap: float = 0.0):
     """(dq, dk, dv) in float64; ``lowp`` rounds S, P, dP, dS and the gradients to float16/bfloat16,
-    as autograd through attention computed in that dtype would."""
+    as autograd through attention computed in that dtype would. Window and softcap as in
+    :func:`attention`; rows without keys get zero gradients."""
+    from cuflash.reference import allowed_keys
+
     group = q.shape[2] // k.shape[2]
     qh, kh, vh, doh = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
     kh, vh = (cp.repeat(x, group, axis=1) for x in (kh, vh))
     rnd = (lambda x: round_to(x, lowp)) if lowp else (lambda x: x)
     s = rnd(cp.matmul(qh, kh.transpose(0, 1, 3, 2)) * scale)
+    if softcap:
+        t = cp.tanh(s / softcap)
+        s = rnd(softcap * t)
     sq, sk = q.shape[1], k.shape[1]
-    if causal:
-        allowed = cp.arange(sk)[None, :] <= cp.arange(sq)[:, None] + (sk - sq)
-        s = cp.where(allowed, s, -cp.inf)
+    if causal or window != (-1, -1):
+        s = cp.where(cp.asarray(allowed_keys(sq, sk, causal=causal, window=window)), s, -cp.inf)
     m = s.max(axis=-1, keepdims=True)
     p = cp.exp(s - cp.where(cp.isneginf(m), 0.0, m))
     l = p.sum(axis=-1, keepdims=True)
     p = rnd(p / cp.where(l == 0, 1.0, l))
     dv = cp.matmul(p.transpose(0, 1, 3, 2), doh)
     dp = rnd(cp.matmul(doh, vh.transpose(0, 1, 3, 2)))
-    ds = rnd(p * (dp - (p * dp).sum(axis=-1, keepdims=True)))
+    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    if softcap:  # d(softcap * tanh(x / softcap)) / dx
+        ds = ds * (1 - t * t)
+    ds = rnd(ds)
     dq = cp.matmul(ds, kh) * scale
     dk = cp.matmul(ds.transpose(0, 1, 3, 2), qh) * scale
 
@@ -106,6 +115,18 @@ def attention_backward(q, k, v, dout, *, causal: bool, scale: float, lowp: str |
 
     dq, dk, dv = dq, per_kv_head(dk), per_kv_head(dv)
     return tuple(rnd(x).transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+def attention_varlen_backward(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, **options):
+    """Packed (total, h, d) inputs and host cu_seqlens: (dq, dk, dv) packed, in float64, each
+    sequence through :func:`attention_backward`; empty sequences get zero gradients."""
+    dq, dk, dv = cp.zeros(q.shape), cp.zeros(k.shape), cp.zeros(v.shape)
+    for i in range(len(cu_seqlens_q) - 1):
+        rows, keys = slice(cu_seqlens_q[i], cu_seqlens_q[i + 1]), slice(cu_seqlens_k[i], cu_seqlens_k[i + 1])
+        if rows.stop > rows.start and keys.stop > keys.start:
+            g = attention_backward(q[None, rows], k[None, keys], v[None, keys], dout[None, rows], **options)
+            dq[rows], dk[keys], dv[keys] = g[0][0], g[1][0], g[2][0]
+    return dq, dk, dv
 
 
 def check_rule(name: str, got, ref, lowp_ref, dtype_name: str) -> None:
@@ -145,6 +166,29 @@ def check_forward(q, k, v, causal, dtype_name, scale=None, window=(-1, -1), soft
     out_lowp, lse_lowp = attention(q64, k64, v64, scale=scale, lowp=dtype_name, **options)
     check_rule("out", out, out_ref, out_lowp, dtype_name)
     check_rule("lse", lse, lse_ref, lse_lowp, dtype_name)
+
+
+def check_backward(q, k, v, causal, dtype_name, rng, scale=None, window=(-1, -1), softcap=0.0,
+                   deterministic=False):
+    """cuflash.attention_backward on fixed-length CuPy inputs (a fresh random dout), into
+    NaN-filled gradients, against the float64 reference gradients with the DESIGN.md rule."""
+    import cuflash
+
+    options = {"causal": causal, "window": window, "softcap": softcap}
+    dout = random_bshd(q.shape, dtype_name, rng)
+    out, lse = cuflash.attention(q, k, v, softmax_scale=scale, return_lse=True, **options)
+    poison_pool()
+    dq = cp.full(q.shape, cp.nan, dtype=q.dtype)
+    dk, dv = (cp.full(k.shape, cp.nan, dtype=k.dtype) for _ in range(2))
+    result = cuflash.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, deterministic=deterministic,
+                                        dq=dq, dk=dk, dv=dv, **options)
+    assert result[0] is dq and result[1] is dk and result[2] is dv
+    scale = scale or 1 / math.sqrt(q.shape[3])
+    q64, k64, v64, do64 = (as_float64(x) for x in (q, k, v, dout))
+    exact = attention_backward(q64, k64, v64, do64, scale=scale, **options)
+    lowp = attention_backward(q64, k64, v64, do64, scale=scale, lowp=dtype_name, **options)
+    for name, got, e, lp in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, lowp):
+        check_rule(name, got, e, lp, dtype_name)
 
 
 def random_bshd(shape, dtype_name: str, rng: np.random.Generator):

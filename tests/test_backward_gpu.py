@@ -21,23 +21,9 @@ def rng(request):
 
 
 def _check_gradients(q, k, v, causal, dtype_name, rng):
-    import cupy as cp
+    from tests.gpu_reference import check_backward
 
-    import cuflash
-    from tests import gpu_reference as ref
-
-    dout = ref.random_bshd(q.shape, dtype_name, rng)
-    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-    dq = cp.full(q.shape, cp.nan, dtype=q.dtype)
-    dk, dv = (cp.full(k.shape, cp.nan, dtype=k.dtype) for _ in range(2))
-    result = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, dq=dq, dk=dk, dv=dv)
-    assert result[0] is dq and result[1] is dk and result[2] is dv
-    scale = 1 / math.sqrt(q.shape[3])
-    q64, k64, v64, do64 = (ref.as_float64(x) for x in (q, k, v, dout))
-    exact = ref.attention_backward(q64, k64, v64, do64, causal=causal, scale=scale)
-    lowp = ref.attention_backward(q64, k64, v64, do64, causal=causal, scale=scale, lowp=dtype_name)
-    for name, got, e, lp in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, lowp):
-        ref.check_rule(name, got, e, lp, dtype_name)
+    check_backward(q, k, v, causal, dtype_name, rng)
 
 
 @pytest.mark.parametrize("group", list(GROUPS))

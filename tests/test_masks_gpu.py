@@ -1,5 +1,5 @@
-"""Sliding windows and softcap in the forward kernels against the float64 reference with
-DESIGN.md's rule, on the GPU; the backward's refusal of both until it has them."""
+"""Sliding windows and softcap in the forward and backward kernels against the float64
+reference with DESIGN.md's rule, on the GPU."""
 
 from __future__ import annotations
 
@@ -84,20 +84,69 @@ def test_window_rows_without_keys_give_zero_and_minus_inf(rng):
     assert bool(cp.all(cp.isfinite(lse[:, :, 198:])))
 
 
-@pytest.mark.parametrize("options", [{"window": (8, 0)}, {"softcap": 20.0}], ids=["window", "softcap"])
-def test_backward_refuses_window_and_softcap(options, rng):
+@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-h{c[4]}.{c[5]}-"
+                                                      f"{'causal' if c[6] else 'full'}-w{c[7][0]}.{c[7][1]}")
+def test_window_backward_matches_reference(case, rng):
+    from tests.gpu_reference import check_backward, random_bshd
+
+    dtype_name, head_dim, seqlen_q, seqlen_k, heads, heads_kv, causal, window = case
+    q = random_bshd((2, seqlen_q, heads, head_dim), dtype_name, rng)
+    k, v = (random_bshd((2, seqlen_k, heads_kv, head_dim), dtype_name, rng) for _ in range(2))
+    check_backward(q, k, v, causal, dtype_name, rng, window=window)
+
+
+@pytest.mark.parametrize("case", SOFTCAPS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-"
+                                                       f"{'causal' if c[4] else 'full'}-w{c[5][0]}.{c[5][1]}-cap{c[6]}")
+def test_softcap_backward_matches_reference(case, rng):
+    from tests.gpu_reference import check_backward, random_bshd
+
+    dtype_name, head_dim, seqlen_q, seqlen_k, causal, window, softcap, scale = case
+    q = random_bshd((2, seqlen_q, 4, head_dim), dtype_name, rng)
+    k, v = (random_bshd((2, seqlen_k, 2, head_dim), dtype_name, rng) for _ in range(2))
+    check_backward(q, k, v, causal, dtype_name, rng, scale=scale, window=window, softcap=softcap)
+
+
+def test_deterministic_window_softcap_repeats_bitwise(rng):
+    """deterministic=True with a window and a softcap (GQA): within the rule, and bitwise equal over
+    10 runs."""
+    import cupy as cp
+
+    import cuflash
+    from tests.gpu_reference import check_backward, random_bshd
+
+    options = {"causal": True, "window": (300, -1), "softcap": 20.0}
+    q = random_bshd((2, 1100, 4, 128), "bfloat16", rng)
+    k, v = (random_bshd((2, 1100, 2, 128), "bfloat16", rng) for _ in range(2))
+    check_backward(q, k, v, options["causal"], "bfloat16", rng, window=options["window"],
+                   softcap=options["softcap"], deterministic=True)
+    dout = random_bshd(q.shape, "bfloat16", rng)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
+    first = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, **options)
+    for _ in range(9):
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, **options)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name
+
+
+def test_window_backward_rows_without_keys_give_zero_gradients(rng):
+    """Rows 0..197 see no key (window (-1, 2), seqlen_q 300 > seqlen_k 100): their dq is 0, and no
+    NaN reaches dk or dv from their lse = -inf."""
+    import cupy as cp
+
     import cuflash
     from tests.gpu_reference import random_bshd
 
-    q, k, v = (random_bshd((1, 64, 2, 64), "float16", rng) for _ in range(3))
-    out, lse = cuflash.attention(q, k, v, return_lse=True, **options)
-    with pytest.raises(NotImplementedError, match=next(iter(options))):
-        cuflash.attention_backward(q, q, k, v, out, lse, **options)
+    q, dout = (random_bshd((1, 300, 2, 64), "bfloat16", rng) for _ in range(2))
+    k, v = (random_bshd((1, 100, 2, 64), "bfloat16", rng) for _ in range(2))
+    out, lse = cuflash.attention(q, k, v, window=(-1, 2), softcap=10.0, return_lse=True)
+    dq, dk, dv = cuflash.attention_backward(dout, q, k, v, out, lse, window=(-1, 2), softcap=10.0)
+    assert bool(cp.all(dq[:, :198].view(cp.uint16) == 0))
+    for g in (dq, dk, dv):
+        assert not bool(cp.isnan(g.astype(cp.float32)).any())
 
 
 def test_flash_attn_func_window_and_softcap():
-    """flash-attn's entry point takes window_size and softcap in the forward; its backward raises
-    until the GPU backward has them."""
+    """flash-attn's entry point with window_size and softcap, forward and autograd backward."""
     torch = pytest.importorskip("torch")
     import cupy as cp
 
@@ -113,5 +162,10 @@ def test_flash_attn_func_window_and_softcap():
     expected, _ = ref.attention(q64, k64, v64, **options)
     lowp, _ = ref.attention(q64, k64, v64, lowp="bfloat16", **options)
     ref.check_rule("out", cp.from_dlpack(out.detach().double()), expected, lowp, "bfloat16")
-    with pytest.raises(NotImplementedError, match="window"):
-        out.sum().backward()
+    dout = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out.backward(dout)
+    do64 = cp.from_dlpack(dout.double())
+    exact = ref.attention_backward(q64, k64, v64, do64, **options)
+    lowp = ref.attention_backward(q64, k64, v64, do64, lowp="bfloat16", **options)
+    for name, x, e, lp in zip(("dq", "dk", "dv"), (q, k, v), exact, lowp):
+        ref.check_rule(name, cp.from_dlpack(x.grad.double()), e, lp, "bfloat16")

@@ -135,10 +135,12 @@ def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.fields["softcap_exp2_scale"][1] == 196
     # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
-    assert BWD_PARAMS.fields["q_batch_stride"][1] == 96 and BWD_PARAMS.fields["batch"][1] == 264
-    assert BWD_PARAMS.fields["scale"][1] == 296 and CONVERT_PARAMS.fields["batch"][1] == 72
-    assert CONVERT_PARAMS.fields["group"][1] == 88
-    assert CONVERT_PARAMS.fields["scale"][1] == 92 and BWD_PARAMS.fields["dq_splits"][1] == 288
+    assert BWD_PARAMS.fields["cu_seqlens_k"][1] == 104 and BWD_PARAMS.fields["q_batch_stride"][1] == 112
+    assert BWD_PARAMS.fields["accum_batch_rows"][1] == 320 and BWD_PARAMS.fields["heads"][1] == 328
+    assert BWD_PARAMS.fields["dq_splits"][1] == 348 and BWD_PARAMS.fields["window_right"][1] == 356
+    assert BWD_PARAMS.fields["scale"][1] == 364 and BWD_PARAMS.fields["softcap_exp2_scale"][1] == 368
+    assert CONVERT_PARAMS.fields["batch"][1] == 72 and CONVERT_PARAMS.fields["group"][1] == 88
+    assert CONVERT_PARAMS.fields["scale"][1] == 92
 
 
 def test_dispatch_families(monkeypatch):
@@ -233,11 +235,16 @@ def test_backward_deterministic_host_path():
 
 
 def test_backward_kernel_choices():
-    preprocess, main, convert = dispatch.backward_kernels("sm80", 128, True, "bfloat16")
-    assert main.name_expression == "cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, true, false, cuflash::bf16>"
+    preprocess, main, convert = dispatch.backward_kernels("sm80", 128, "causal", "bfloat16")
+    assert main.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, true, false, false, false, "
+                                    "cuflash::bf16>")
     assert main.smem_bytes == ((2 * 128 + 4 * 64) * 128 + 2 * 64 * 128) * 2 + 4 * 64 * 4
-    ordered = dispatch.backward_kernels("sm80", 100, False, "float16", deterministic=True)[1]
-    assert ordered.name_expression == "cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, false, true, cuflash::f16>"
+    ordered = dispatch.backward_kernels("sm80", 100, "none", "float16", deterministic=True)[1]
+    assert ordered.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, false, false, false, true, "
+                                       "cuflash::f16>")
+    capped = dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", softcap=True)[1]
+    assert capped.name_expression == ("cuflash::flash_bwd_sm80<64, 64, 128, 8, 2, false, true, true, false, "
+                                      "cuflash::bf16>")
     for bucket in dispatch.HEAD_DIM_BUCKETS:
-        assert dispatch.backward_kernels("sm80", bucket, False, "float16")[1].smem_bytes <= 227 * 1024
+        assert dispatch.backward_kernels("sm80", bucket, "none", "float16")[1].smem_bytes <= 227 * 1024
     assert preprocess.smem_bytes == convert.smem_bytes == 0

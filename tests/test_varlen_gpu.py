@@ -1,5 +1,6 @@
-"""attention_varlen on the GPU: packed batches against the float64 reference of each sequence
-with DESIGN.md's rule (out and lse), the edge cases of issue 5, and the torch entry points."""
+"""attention_varlen and attention_varlen_backward on the GPU: packed batches against the float64
+reference of each sequence with DESIGN.md's rule (out, lse, dq, dk, dv), the edge cases of
+issue 5, and the torch entry points."""
 
 from __future__ import annotations
 
@@ -28,9 +29,9 @@ def _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype_name, rng):
 
 def _check_varlen(lengths_q, lengths_k, rng, heads=4, heads_kv=2, head_dim=128, dtype_name="bfloat16",
                   softmax_scale=None, **options):
-    """attention_varlen into a NaN-filled ``out`` from a poisoned pool, against the per-sequence
-    float64 reference; ``options`` go to attention_varlen (causal, window, softcap, max_seqlen_*,
-    validate)."""
+    """attention_varlen into a NaN-filled ``out`` from a poisoned pool, then
+    attention_varlen_backward into NaN-filled gradients, against the per-sequence float64
+    reference; ``options`` go to both (causal, window, softcap, max_seqlen_*, validate)."""
     import math
 
     import cupy as cp
@@ -52,6 +53,19 @@ def _check_varlen(lengths_q, lengths_k, rng, heads=4, heads_kv=2, head_dim=128, 
     lowp = ref.attention_varlen(q64, k64, v64, host_q, host_k, scale=scale, lowp=dtype_name, **semantics)
     ref.check_rule("out", out, exact[0], lowp[0], dtype_name)
     ref.check_rule("lse", lse, exact[1], lowp[1], dtype_name)
+
+    dout = ref.random_bshd((1, *q.shape), dtype_name, rng)[0]
+    ref.poison_pool()
+    grads = [cp.full(x.shape, cp.nan, dtype=x.dtype) for x in (q, k, v)]
+    result = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, softmax_scale=softmax_scale,
+                                               dq=grads[0], dk=grads[1], dv=grads[2], **options)
+    assert all(r is g for r, g in zip(result, grads))
+    do64 = ref.as_float64(dout)
+    exact = ref.attention_varlen_backward(q64, k64, v64, do64, host_q, host_k, scale=scale, **semantics)
+    lowp = ref.attention_varlen_backward(q64, k64, v64, do64, host_q, host_k, scale=scale, lowp=dtype_name,
+                                         **semantics)
+    for name, got, e, lp in zip(("dq", "dk", "dv"), grads, exact, lowp):
+        ref.check_rule(name, got, e, lp, dtype_name)
     return out, lse
 
 
@@ -103,7 +117,7 @@ def test_given_max_seqlen_without_validation(rng):
                   softmax_scale=0.3)
 
 
-def test_strided_cu_seqlens_rejected_and_backward_refused(rng):
+def test_strided_cu_seqlens_rejected(rng):
     import cupy as cp
 
     import cuflash
@@ -114,12 +128,12 @@ def test_strided_cu_seqlens_rejected_and_backward_refused(rng):
     with pytest.raises(ValueError, match="cu_seqlens_q: must be contiguous"):
         cuflash.attention_varlen(q, k, v, spread[::2], cu_k)
     out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
-    with pytest.raises(NotImplementedError, match="attention_varlen_backward"):
-        cuflash.attention_varlen_backward(q, q, k, v, out, lse, cu_q, cu_k)
+    with pytest.raises(ValueError, match="cu_seqlens_k: must be contiguous"):
+        cuflash.attention_varlen_backward(q, q, k, v, out, lse, cu_q, spread[::2])
 
 
 def test_torch_flash_attn_varlen_func():
-    """flash-attn's signature, torch in and out; the backward raises until it exists."""
+    """flash-attn's signature, torch in and out, forward and autograd backward."""
     torch = pytest.importorskip("torch")
     import cupy as cp
 
@@ -138,5 +152,33 @@ def test_torch_flash_attn_varlen_func():
     expected, _ = ref.attention_varlen(q64, k64, v64, host, host, **options)
     lowp, _ = ref.attention_varlen(q64, k64, v64, host, host, lowp="float16", **options)
     ref.check_rule("out", cp.from_dlpack(out.detach().double()), expected, lowp, "float16")
-    with pytest.raises(NotImplementedError, match="attention_varlen_backward"):
-        out.sum().backward()
+    dout = torch.randn(out.shape, device="cuda", dtype=torch.float16, generator=gen)
+    out.backward(dout)
+    do64 = cp.from_dlpack(dout.double())
+    exact = ref.attention_varlen_backward(q64, k64, v64, do64, host, host, **options)
+    lowp = ref.attention_varlen_backward(q64, k64, v64, do64, host, host, lowp="float16", **options)
+    for name, x, e, lp in zip(("dq", "dk", "dv"), (q, k, v), exact, lowp):
+        ref.check_rule(name, cp.from_dlpack(x.grad.double()), e, lp, "float16")
+
+
+def test_deterministic_backward_repeats_bitwise(rng):
+    """deterministic=True over a packed batch (GQA, causal): within the rule (checked through
+    _check_varlen's default mode on the same lengths) and bitwise equal over 10 runs."""
+    import cupy as cp
+
+    import cuflash
+
+    lengths = [700, 0, 33, 1200, 5]
+    out, lse = _check_varlen(lengths, lengths, rng, causal=True)
+    q, k, v, cu_q, cu_k = _packed(lengths, lengths, 4, 2, 128, "bfloat16", rng)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    dout = cp.asarray(rng.standard_normal(q.shape, dtype=np.float32)).astype(q.dtype)
+    first = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True, deterministic=True)
+    default = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True)
+    for a, b in zip(first, default):  # the same sums in another order: equal to within rounding
+        assert float(cp.abs(a.astype(cp.float32) - b.astype(cp.float32)).max()) < 0.05
+    for _ in range(9):
+        again = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=True,
+                                                  deterministic=True)
+        for name, a, b in zip(("dq", "dk", "dv"), first, again):
+            assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name

@@ -1,36 +1,35 @@
-// The order in which a backward key block visits query blocks.
+// The order in which a backward key block visits the query blocks that see it.
 //
 // Every key block adds into the dQ rows of every query block it sees, with fp32 reductions. If
 // all key blocks of a head walked the query blocks in the same order, they would add into the
 // same rows at the same moment, and reductions to one address serialise in L2 (measured: 13-23%
-// of backward time). So non-causal key block n starts at query block n * m_blocks / n_blocks and
-// wraps around; causal key blocks already start at different query blocks (their first visible
-// one) and walk up from there.
+// of backward time). Without a mask every key block sees every query block, so key block n starts
+// at query block n * m_blocks / n_blocks and wraps around; under a causal mask or a window the
+// key blocks already start at different query blocks (their first visible one) and walk up.
 #pragma once
+#include "common/mask.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
 
-template <int BLOCK_M, int BLOCK_N, bool CAUSAL>
 struct BwdSchedule {
-  int m_blocks;
-  int n_blocks;
-  int diagonal_offset;  // seqlen_k - seqlen_q
+  int begin;  // the visited query blocks are [begin, end)
+  int end;
+  int start;  // the first one visited
 
-  // The first query block that sees any key of block n (causal rows r see keys <= r + offset).
-  __device__ __forceinline__ int first(int n) const {
-    return CAUSAL ? max(0, n * BLOCK_N - diagonal_offset) / BLOCK_M : 0;
+  // ROTATE: start at the rotated block (unmasked attention); the division is once per key block.
+  template <bool ROTATE>
+  __device__ __forceinline__ static BwdSchedule of(BlockRange blocks, int n_block, int n_blocks) {
+    const int count = blocks.end - blocks.begin;
+    const int offset = ROTATE ? static_cast<int>(static_cast<i64>(n_block) * count / n_blocks) : 0;
+    return {blocks.begin, blocks.end, blocks.begin + offset};
   }
-  __device__ __forceinline__ int steps(int n) const { return max(0, m_blocks - first(n)); }
 
-  // The query block key block n visits first; computed once per key block (a 64-bit division).
-  __device__ __forceinline__ int start(int n) const {
-    return CAUSAL ? first(n) : static_cast<int>(static_cast<i64>(n) * m_blocks / n_blocks);
-  }
-  // The query block visited at step i (0 <= i < steps(n)) by the key block that starts at `start`.
-  __device__ __forceinline__ int block_at(int start, int i) const {
+  __device__ __forceinline__ int steps() const { return end - begin; }
+  // The query block visited at step i (0 <= i < steps()).
+  __device__ __forceinline__ int block_at(int i) const {
     const int m = start + i;
-    return CAUSAL || m < m_blocks ? m : m - m_blocks;
+    return m < end ? m : m - (end - begin);
   }
 };
 

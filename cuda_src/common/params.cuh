@@ -35,22 +35,27 @@ struct FwdParams {
 static_assert(sizeof(FwdParams) == 200, "cuflash/params.py packs 200 bytes");
 
 // Backward pass: inputs of the forward, its output and LSE, the upstream gradient, fp32
-// accumulators and the gradients. Mirrored by BWD_PARAMS in cuflash/params.py.
+// accumulators and the gradients. Packed batches, windows and softcap as in FwdParams. Mirrored
+// by BWD_PARAMS in cuflash/params.py.
 struct BwdParams {
   const void* q;
   const void* k;
   const void* v;
   const void* o;
   const void* dout;
-  const float* lse;  // (batch, heads, seqlen_q), contiguous
-  float* delta;      // (batch, heads, seqlen_q): rowsum(dO * O), written by the preprocess
-  float* dq_accum;   // (dq_splits, batch, heads, m_blocks * BLOCK_M, head-dim bucket) fp32, zeroed,
-                     // accumulated unscaled with reductions; deterministic CTA s adds into split s only
+  const float* lse;  // as FwdParams::lse, with lse_batch_stride and lse_head_stride
+  float* delta;      // rowsum(dO * O), written by the preprocess; the layout of lse
+  float* dq_accum;   // fp32 rows of the head-dim bucket: (dq_splits, batch, heads, seqlen_q, bucket),
+                     // packed (dq_splits, 1, heads, total_q, bucket); zeroed, accumulated unscaled
+                     // with reductions; deterministic CTA s adds into split s only
   void* dk;          // (batch, seqlen_k, heads_kv, head_dim), written directly when kv_group == 1
   void* dv;
   float* dk_accum;   // fp32, when kv_group > 1: (batch, seqlen_k, heads_kv, head_dim) zeroed, or in
-                     // deterministic mode (batch, seqlen_k, heads, head_dim), one slice per query head
+                     // deterministic mode (batch, seqlen_k, heads, head_dim), one slice per query
+                     // head; row (batch * accum_batch_rows + k_begin + key)
   float* dv_accum;
+  const int* cu_seqlens_q;  // null for a fixed-length batch (common/seqlen.cuh)
+  const int* cu_seqlens_k;
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;
   i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -58,17 +63,22 @@ struct BwdParams {
   i64 do_batch_stride, do_row_stride, do_head_stride;
   i64 dk_batch_stride, dk_row_stride, dk_head_stride;
   i64 dv_batch_stride, dv_row_stride, dv_head_stride;
-  int batch;
+  i64 lse_batch_stride, lse_head_stride;
+  i64 dq_split_stride, dq_batch_stride, dq_head_stride;
+  i64 accum_batch_rows;  // seqlen_k, or 0 for a packed batch
   int heads;
   int kv_group;
-  int seqlen_q;
+  int seqlen_q;  // fixed-length batches only
   int seqlen_k;
   int head_dim;
   int dq_splits;  // 1, or in deterministic mode the CTAs per (batch, head), each with its own dQ
-  float scale_log2;
-  float scale;
+  int window_left;  // as FwdParams
+  int window_right;
+  float scale_log2;  // as FwdParams
+  float scale;       // softmax_scale, applied to dK here and to dQ by the convert kernel
+  float softcap_exp2_scale;
 };
-static_assert(sizeof(BwdParams) == 304, "cuflash/params.py packs 304 bytes");
+static_assert(sizeof(BwdParams) == 376, "cuflash/params.py packs 376 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
 // `scale` times the in-order sum of `group` source values (flash_bwd_convert_sm80).

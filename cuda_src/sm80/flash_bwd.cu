@@ -11,25 +11,30 @@
 #include "common/bwd_schedule.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/seqlen.cuh"
 #include "common/smem.cuh"
+#include "common/softcap.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
 
 template <class Elem>
 __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm80(const __grid_constant__ BwdParams p) {
-  const int row = blockIdx.x * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
-  if (row >= p.seqlen_q) return;
+  const Sequence seq = sequence_of(p, batch);
+  const int row = blockIdx.x * 8 + threadIdx.x / 32;
+  if (row >= seq.seqlen_q) return;
+  const i64 o_row = batch * p.o_batch_stride + (seq.q_begin + row) * p.o_row_stride;
+  const i64 do_row = batch * p.do_batch_stride + (seq.q_begin + row) * p.do_row_stride;
   // head_dim <= 256: 32 lanes x 8 elements cover a row in one 16-byte load each.
   float sum = 0.f;
   if (lane * 8 < p.head_dim) {
-    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.o) + batch * p.o_batch_stride +
-                                                    row * p.o_row_stride + head * p.o_head_stride + lane * 8);
-    const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.dout) + batch * p.do_batch_stride +
-                                                    row * p.do_row_stride + head * p.do_head_stride + lane * 8);
+    const uint4 o =
+        *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.o) + o_row + head * p.o_head_stride + lane * 8);
+    const uint4 d =
+        *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.dout) + do_row + head * p.do_head_stride + lane * 8);
     const u32 ow[4] = {o.x, o.y, o.z, o.w};
     const u32 dw[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
@@ -41,19 +46,22 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm80(const __grid_co
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) p.delta[(static_cast<i64>(batch) * p.heads + head) * p.seqlen_q + row] = sum;
+  if (lane == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin + row] = sum;
 }
 
 // P = exp2(S * scale * log2(e) - lse * log2(e)) recomputed from the forward's LSE, 0 where masked
 // (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
 // dS = P * (dP - delta), for one warp's S_MT x 16 rows by 32 keys; both to shared memory as
 // 16-bit pairs for the next three products. EDGE: some score of the block is masked.
+// With a softcap, s holds t = tanh(score * scale / softcap) (softcap.cuh), the softmax saw
+// softcap * t, and the chain rule through it multiplies dS by 1 - t^2 (the factor scale of
+// d(softcap * t) / d(score) is applied with dK's and dQ's).
 // `stores` holds this thread's P addresses (StoreAddress); dS sits one P tile further on.
-template <bool EDGE, int BLOCK_M, int BLOCK_N, class Elem, int S_MT, bool CAUSAL>
+template <bool EDGE, bool SOFTCAP, int BLOCK_M, int BLOCK_N, class Elem, int S_MT, bool CAUSAL, bool WINDOW>
 __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], const float (&dp)[S_MT][4][4],
                                                 const StoreAddress<BLOCK_N>& stores, const float* lse,
                                                 const float* delta, int first_local_row, int first_local_key, int m,
-                                                int first_key, const Mask<CAUSAL>& mask, const BwdParams& p) {
+                                                int first_key, const Mask<CAUSAL, WINDOW>& mask, const BwdParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr u32 kDsOffset = BLOCK_M * BLOCK_N * 2;
   const int lane = threadIdx.x % 32;
@@ -65,16 +73,20 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
       const int row = m * BLOCK_M + local_row;
       const float lse_log2 = lse[local_row] * kLog2e;
       const float row_delta = delta[local_row];
-      const int key_limit = EDGE ? (row < p.seqlen_q ? mask.key_limit(row) - first_key : 0) : 0;
+      // Rows past the sequence end are zero-filled with lse = delta = 0: harmless unmasked.
+      const int key_begin = EDGE && WINDOW ? mask.key_begin(row) - first_key : 0;
+      const int key_end = EDGE ? mask.key_end(row) - first_key : 0;
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int key = first_local_key + nt * 8 + (lane % 4) * 2;
         float pv[2], dsv[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          pv[e] = fast_exp2(fmaf(s[mt][nt][2 * h + e], p.scale_log2, -lse_log2));
-          if (EDGE && key + e >= key_limit) pv[e] = 0.f;
+          const float score = s[mt][nt][2 * h + e];
+          pv[e] = fast_exp2(fmaf(score, p.scale_log2, -lse_log2));
+          if (EDGE && (key + e >= key_end || (WINDOW && key + e < key_begin))) pv[e] = 0.f;
           dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - row_delta);
+          if (SOFTCAP) dsv[e] *= fmaf(-score, score, 1.f);
         }
         const u32 at = stores.at(mt * 16 + h * 8, nt);
         st_shared_u32(at, Elem::pack(pv[0], pv[1]));
@@ -93,8 +105,9 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
 //                               accumulators living in registers for the whole loop;
 //   dQ = dS K:                 warps as Q_ROW_WARPS (rows) x Q_D_WARPS (head_dim slices).
 // P and dS go through shared memory between the layouts.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, bool CAUSAL, bool DETERMINISTIC,
-          class Elem>
+// CAUSAL, WINDOW: the mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh).
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, bool CAUSAL, bool WINDOW, bool SOFTCAP,
+          bool DETERMINISTIC, class Elem>
 __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
   constexpr int THREADS = WARPS * 32;
   constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;
@@ -132,12 +145,15 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
   // ... one after the other and adds their dQ into its own fp32 split: one writer per buffer, in
   // program order, so the sums repeat bitwise with no ordering between CTAs. Interleaving the key
   // blocks gives every split the same share of causal work.
+  // A packed batch's grid covers its longest sequence; CTAs past a shorter one's end leave.
   const int head = CAUSAL && !DETERMINISTIC ? blockIdx.x : blockIdx.y;
   const int batch = CAUSAL && !DETERMINISTIC ? blockIdx.y : blockIdx.z;
-  const int n_blocks = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N;
+  const Sequence seq = sequence_of(p, batch);
+  const int n_blocks = (seq.seqlen_k + BLOCK_N - 1) / BLOCK_N;
   const int split = DETERMINISTIC ? blockIdx.x : 0;
   const int n_first = DETERMINISTIC || !CAUSAL ? blockIdx.x : blockIdx.z;
   const int n_stride = DETERMINISTIC ? p.dq_splits : n_blocks;
+  if (n_first >= n_blocks) return;
   const int kv_head = head / p.kv_group;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -145,25 +161,29 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
   const int rw = warp / KEY_WARPS;  // row slice of S and dP, head_dim slice of dK and dV
   const int qd = warp % Q_D_WARPS;  // head_dim slice of dQ
   const int qr = warp / Q_D_WARPS;  // row slice of dQ
-  const Mask<CAUSAL> mask{p.seqlen_k, p.seqlen_k - p.seqlen_q};
-  const BwdSchedule<BLOCK_M, BLOCK_N, CAUSAL> schedule{(p.seqlen_q + BLOCK_M - 1) / BLOCK_M, n_blocks,
-                                                       p.seqlen_k - p.seqlen_q};
+  const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
 
-  const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride;
-  const u16* dout = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride;
-  const i64 stats_offset = (static_cast<i64>(batch) * p.heads + head) * p.seqlen_q;
+  const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
+                 seq.q_begin * p.q_row_stride;
+  const u16* dout = static_cast<const u16*>(p.dout) + batch * p.do_batch_stride + head * p.do_head_stride +
+                    seq.q_begin * p.do_row_stride;
+  const u16* k = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                 seq.k_begin * p.k_row_stride;
+  const u16* v = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                 seq.k_begin * p.v_row_stride;
+  const i64 stats_offset = batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin;
   auto load_q_block = [&](int m, int buffer) {
     const int row = m * BLOCK_M;
     load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ + buffer * BLOCK_M * ROW_ELEMS, q + row * p.q_row_stride,
-                                                           p.q_row_stride, p.seqlen_q - row, p.head_dim);
+                                                           p.q_row_stride, seq.seqlen_q - row, p.head_dim);
     load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sdO + buffer * BLOCK_M * ROW_ELEMS,
                                                            dout + row * p.do_row_stride, p.do_row_stride,
-                                                           p.seqlen_q - row, p.head_dim);
+                                                           seq.seqlen_q - row, p.head_dim);
     static_assert(2 * BLOCK_M <= THREADS, "one thread per staged statistic");
     if (threadIdx.x < 2 * BLOCK_M) {
       const int r = threadIdx.x % BLOCK_M;
       const float* stats = (threadIdx.x < BLOCK_M ? p.lse : p.delta) + stats_offset;
-      const bool inside = row + r < p.seqlen_q;
+      const bool inside = row + r < seq.seqlen_q;
       cp_async_4((threadIdx.x < BLOCK_M ? sLse : sDelta) + buffer * BLOCK_M + r, inside ? stats + row + r : stats,
                  inside ? 4 : 0);
     }
@@ -187,27 +207,25 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
   // Stores of P and dS: rows of this warp's S tile, 32 keys from kw * 32, in the m16n8 layout.
   const int first_local_row = rw * (BLOCK_M / ROW_WARPS);
   const StoreAddress<BLOCK_N> p_stores(sP, first_local_row + lane / 4, kw * 32 + (lane % 4) * 2);
-  // This thread's dQ reduction target relative to the step's block of the (padded) fp32 buffer:
+  // This thread's dQ reduction target in a step's block of the fp32 buffer (rows of HEAD_DIM):
   // after the lane-pair swap the even lane owns row lane / 4, the odd lane row lane / 4 + 8.
-  const int dq_thread_offset =
-      (qr * Q_ROWS + (lane % 2) * 8 + lane / 4) * HEAD_DIM + qd * Q_COLS + (lane % 4 / 2) * 4;
-  const int seqlen_q_padded = schedule.m_blocks * BLOCK_M;
+  const int dq_thread_row = qr * Q_ROWS + (lane % 2) * 8 + lane / 4;
+  const int dq_thread_col = qd * Q_COLS + (lane % 4 / 2) * 4;
+  float* const dq_head = p.dq_accum + split * p.dq_split_stride + batch * p.dq_batch_stride +
+                         head * p.dq_head_stride + static_cast<i64>(seq.q_begin) * HEAD_DIM;
 
   for (int n_block = n_first; n_block < n_blocks; n_block += n_stride) {
     const int first_key = n_block * BLOCK_N;
-    const int steps = schedule.steps(n_block);
-    const int start = schedule.start(n_block);
+    const BwdSchedule schedule =
+        BwdSchedule::of<!CAUSAL && !WINDOW>(query_blocks<BLOCK_M, BLOCK_N>(mask, n_block), n_block, n_blocks);
+    const int steps = schedule.steps();
     // Every warp is done with the previous key block's K, V, Q and dS tiles.
     if (DETERMINISTIC) __syncthreads();
-    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-        sK, static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
-                first_key * p.k_row_stride,
-        p.k_row_stride, p.seqlen_k - first_key, p.head_dim);
-    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-        sV, static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
-                first_key * p.v_row_stride,
-        p.v_row_stride, p.seqlen_k - first_key, p.head_dim);
-    if (steps > 0) load_q_block(schedule.block_at(start, 0), 0);
+    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(sK, k + first_key * p.k_row_stride, p.k_row_stride,
+                                                           seq.seqlen_k - first_key, p.head_dim);
+    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(sV, v + first_key * p.v_row_stride, p.v_row_stride,
+                                                           seq.seqlen_k - first_key, p.head_dim);
+    if (steps > 0) load_q_block(schedule.block_at(0), 0);
     cp_async_commit();
 
     float dk[2][KV_NT][4], dv[2][KV_NT][4];
@@ -219,13 +237,13 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
         for (int e = 0; e < 4; ++e) dk[mt][nt][e] = dv[mt][nt][e] = 0.f;
 
     for (int step = 0; step < steps; ++step) {
-      const int m = schedule.block_at(start, step);
+      const int m = schedule.block_at(step);
       const u32 buffer_offset = (step % 2) * kQBufferBytes;
       // Q and dO of this step (and K, V on the first) have landed; every warp is done with the
       // previous step, so its Q/dO buffer, sP and sdS can be overwritten.
       cp_async_wait<0>();
       __syncthreads();
-      if (step + 1 < steps) load_q_block(schedule.block_at(start, step + 1), (step + 1) % 2);
+      if (step + 1 < steps) load_q_block(schedule.block_at(step + 1), (step + 1) % 2);
       cp_async_commit();
 
       // S = Q K^T and dP = dO V^T: S_MT x 16 rows by 32 keys per warp.
@@ -259,17 +277,18 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
         }
       }
 
-      // Only blocks at the sequence ends or on the causal diagonal pay for the mask.
-      const bool edge = (m + 1) * BLOCK_M > p.seqlen_q || first_key + BLOCK_N > p.seqlen_k ||
-                        (CAUSAL && first_key + BLOCK_N - 1 > m * BLOCK_M + p.seqlen_k - p.seqlen_q);
+      // Only blocks at the key sequence's end, on the causal diagonal or at a window's edges pay
+      // for the mask.
+      if (SOFTCAP) softcap_scores(s, p.softcap_exp2_scale);
+      const bool edge = needs_mask<BLOCK_M, BLOCK_N>(mask, m, n_block);
       const float* lse = sLse + (step % 2) * BLOCK_M;
       const float* delta = sDelta + (step % 2) * BLOCK_M;
       if (edge)
-        softmax_to_smem<true, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32, m,
-                                                      first_key, mask, p);
+        softmax_to_smem<true, SOFTCAP, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32,
+                                                               m, first_key, mask, p);
       else
-        softmax_to_smem<false, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32, m,
-                                                       first_key, mask, p);
+        softmax_to_smem<false, SOFTCAP, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32,
+                                                                m, first_key, mask, p);
       __syncthreads();
 
       // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
@@ -322,15 +341,14 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
       }
 
       // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode),
-      // unscaled (the convert kernel applies the softmax scale once per element). The buffer is
-      // padded to whole blocks of rows and to the head-dim bucket, where dS and K are zero, so the
-      // reductions need no bounds checks. Lanes l and l ^ 1 hold columns c..c+1 and c+2..c+3 of
-      // the same two rows: one swap gives the even lane four columns of the first row and the odd
-      // lane four of the second, one 16-byte reduction each.
+      // unscaled (the convert kernel applies the softmax scale once per element). The buffer's
+      // rows are padded to the head-dim bucket, where K is zero, so only rows past the sequence
+      // end (another sequence's, in a packed batch) are skipped. Lanes l and l ^ 1 hold columns
+      // c..c+1 and c+2..c+3 of the same two rows: one swap gives the even lane four columns of
+      // the first row and the odd lane four of the second, one 16-byte reduction each.
       const bool even = lane % 2 == 0;
-      float* const dq_block = p.dq_accum + ((static_cast<i64>(split) * p.batch + batch) * p.heads + head) *
-                                               seqlen_q_padded * HEAD_DIM +
-                              m * BLOCK_M * HEAD_DIM + dq_thread_offset;
+      const int dq_row = m * BLOCK_M + dq_thread_row;
+      float* const dq_block = dq_head + static_cast<i64>(dq_row) * HEAD_DIM + dq_thread_col;
 #pragma unroll
       for (int mt = 0; mt < Q_MT; ++mt) {
 #pragma unroll
@@ -339,6 +357,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
           const float send0 = even ? mine[2] : mine[0], send1 = even ? mine[3] : mine[1];
           const float got0 = __shfl_xor_sync(0xffffffffu, send0, 1), got1 = __shfl_xor_sync(0xffffffffu, send1, 1);
           float* const at = dq_block + mt * 16 * HEAD_DIM + nt * 8;
+          if (dq_row + mt * 16 >= seq.seqlen_q) continue;
           if (even)
             red_add_f32x4(at, mine[0], mine[1], got0, got1);
           else
@@ -356,7 +375,8 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int key = first_key + kw * 32 + mt * 16 + h * 8 + lane / 4;
-        if (key >= p.seqlen_k) continue;
+        if (key >= seq.seqlen_k) continue;
+        const i64 key_row = seq.k_begin + key;  // in dk, dv (batch strides apply) and the fp32 slices
 #pragma unroll
         for (int nt = 0; nt < KV_NT; ++nt) {
           const int col = rw * KV_COLS + nt * 8 + (lane % 4) * 2;
@@ -364,16 +384,16 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
           const float dk0 = dk[mt][nt][2 * h] * p.scale, dk1 = dk[mt][nt][2 * h + 1] * p.scale;
           const float dv0 = dv[mt][nt][2 * h], dv1 = dv[mt][nt][2 * h + 1];
           if (p.kv_group == 1) {
-            *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key * p.dk_row_stride +
+            *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key_row * p.dk_row_stride +
                                     kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
-            *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + key * p.dv_row_stride +
+            *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + key_row * p.dv_row_stride +
                                     kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
           } else if constexpr (DETERMINISTIC) {
-            const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * p.heads + head) * p.head_dim + col;
+            const i64 at = ((batch * p.accum_batch_rows + key_row) * p.heads + head) * p.head_dim + col;
             *reinterpret_cast<float2*>(p.dk_accum + at) = make_float2(dk0, dk1);
             *reinterpret_cast<float2*>(p.dv_accum + at) = make_float2(dv0, dv1);
           } else {
-            const i64 at = ((static_cast<i64>(batch) * p.seqlen_k + key) * (p.heads / p.kv_group) + kv_head) *
+            const i64 at = ((batch * p.accum_batch_rows + key_row) * (p.heads / p.kv_group) + kv_head) *
                                p.head_dim + col;
             red_add_f32x2(p.dk_accum + at, dk0, dk1);
             red_add_f32x2(p.dv_accum + at, dv0, dv1);
