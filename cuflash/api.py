@@ -158,10 +158,12 @@ def _launch_backward(framework: str, qt, kt, vt, out_t, dout_t, lse_t, grads: di
         raise ValueError(f"k: sequences must be at most {_MAX_GRID_YZ * main.tile.block_n} keys long for the "
                          f"backward at head_dim {head_dim}, got {max_seqlen_k}")
     group = heads // kt.shape[2]
-    # Deterministic: as many CTAs per (batch, head) as fill the SMs in one wave (rounding up would
-    # leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s), each walking its share of
-    # the key blocks in order into its own fp32 dQ split (flash_bwd.cu); splits added in order.
-    splits = max(1, min(n_blocks, _multiprocessors(qt.device) // (batch * heads))) if deterministic else 1
+    # Deterministic: as many CTAs per (batch, head) as fill the resident slots in one wave
+    # (rounding up would leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s), each
+    # walking its share of the key blocks in order into its own fp32 dQ split (flash_bwd.cu);
+    # splits added in order.
+    slots = _multiprocessors(qt.device) * main.tile.ctas_per_sm
+    splits = max(1, min(n_blocks, slots // (batch * heads))) if deterministic else 1
     delta = interop.empty(framework, qt, lse_t.shape, dtype="float32")
     # Rows padded to the head-dim bucket so the kernel's reductions need no column checks
     # (flash_bwd.cu); the rows of one head contiguous.
@@ -384,9 +386,9 @@ def attention_backward(
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds whose
         order varies between runs, so results can differ in the last bits from run to run.
         True: bitwise-identical gradients on every run. Each (batch, head) gets
-        max(1, SMs // (batch * heads)) CTAs (at most one per key block); each walks its key blocks in
-        a fixed order and sums dq into its own fp32 buffer, and the buffers are added in index
-        order; GQA/MQA dk, dv are stored per query head and summed in head order. No atomics race
+        max(1, resident CTA slots // (batch * heads)) CTAs (at most one per key block); each walks
+        its key blocks in a fixed order and sums dq into its own fp32 buffer, and the buffers are
+        added in index order; GQA/MQA dk, dv are stored per query head and summed in head order. No atomics race
         and no CTA waits for another. Costs: that many dq-sized fp32 buffers (one when
         batch * heads fills the GPU) and, under GQA/MQA, 2 x (batch, seqlen_k, heads, head_dim)
         fp32 instead of heads_kv; time, see the README's backward table.

@@ -91,7 +91,9 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
                                                           dk_accum, dv_accum, cu_seqlens_q, cu_seqlens_k)]
     lse_strides = (0, lse.strides[0]) if packed else lse.strides[:2]
     splits, dq_batch, dq_heads, dq_rows, bucket = dq_accum.shape
-    dq_strides = (dq_batch * dq_heads * dq_rows * bucket, dq_heads * dq_rows * bucket, dq_rows * bucket)
+    # A packed batch's sequences share the one (heads, total_q) block, offset by their first row.
+    dq_strides = (dq_batch * dq_heads * dq_rows * bucket, 0 if packed else dq_heads * dq_rows * bucket,
+                  dq_rows * bucket)
     scale_log2, softcap_exp2_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
         [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], q.shape[2],
