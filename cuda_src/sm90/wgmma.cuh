@@ -1,0 +1,208 @@
+// Warpgroup matrix multiply-accumulate (wgmma, sm_90a): shared-memory descriptors, the
+// asynchronous mma instructions with fp32 accumulators, their fences, and setmaxnreg.
+//
+// A warpgroup is 4 consecutive warps whose first warp index is a multiple of 4; all 128 threads
+// execute every wgmma instruction here together (".sync.aligned": converged, same operands for
+// the descriptors). wgmma.mma_async D = A * B^T (+ D) with M = 64, K = 16 per instruction, N
+// chosen by the instruction; A and B are K-major (A row m and B row n each hold consecutive k),
+// which is Q * K^T with both tiles stored row-major as loaded from BSHD tensors.
+//
+// Accumulator layout (fp32, N / 2 registers per thread), the mma.sync m16n8 C layout repeated:
+// thread t of the warpgroup (warp w = t / 32, lane l = t % 32) holds, for i < N / 8,
+//   d[4i + 0], d[4i + 1] = D[16w + l/4    ][8i + 2(l%4) + {0, 1}]
+//   d[4i + 2], d[4i + 3] = D[16w + l/4 + 8][8i + 2(l%4) + {0, 1}]
+// A from registers (the rs form) uses the same pattern for its 64 x 16 tile, two 16-bit values
+// per register: a[0] = A[16w + l/4][2(l%4) + {0,1}], a[1] = the same + 8 rows, a[2] = a[0]'s
+// row at k + 8, a[3] = + 8 rows and k + 8. So accumulator registers 8j..8j+7 of an m64nN result,
+// packed in pairs, are the A registers of its k-slice j: how P = softmax(S) feeds P * V.
+#pragma once
+#include "common/smem.cuh"
+#include "common/types.cuh"
+#include "sm90/mbarrier.cuh"
+
+namespace cuflash {
+namespace sm90 {
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format" of wgmma), 64 bits:
+//   bits  0-13  start address >> 4 (shared addresses are 18 bits and 16-byte aligned here)
+//   bits 16-29  leading-dimension byte offset (LBO) >> 4
+//   bits 32-45  stride-dimension byte offset (SBO) >> 4
+//   bits 49-51  matrix base offset
+//   bits 62-63  layout type: 0 no swizzle, 1 128-byte swizzle, 2 64-byte, 3 32-byte
+// The one layout used here, for both operands: K-major rows of 64 16-bit elements (128 bytes),
+// rows consecutive, swizzled as TMA's CU_TENSOR_MAP_SWIZZLE_128B stores a box whose inner
+// dimension is 128 bytes: 16-byte chunk c of row r sits at chunk c ^ (r % 8), in a tile that
+// starts on a 1024-byte boundary. The operand's core matrices are 8 rows x 16 bytes; then
+//   SBO = 1024 bytes: from one group of 8 rows (M or N) to the next, 8 rows x 128 bytes;
+//   LBO: the step between core matrices along K. One instruction's K extent (16 elements,
+//        32 bytes) lies inside one swizzled 128-byte row, where the swizzle mode fixes that
+//        step, so the hardware ignores the field for swizzled K-major operands; it is set to 1
+//        (16 bytes), the value CUTLASS's make_gmma_desc writes for this case;
+//   base offset 0: the tile is 1024-byte aligned (the period of the 128-byte swizzle), so the
+//        pattern's phase follows from the address bits alone;
+//   layout type 1.
+__device__ __forceinline__ u64 smem_desc_sw128(const void* tile) {
+  constexpr u64 kLbo = 16 >> 4;
+  constexpr u64 kSbo = 1024 >> 4;
+  constexpr u64 kSwizzle128 = 1;
+  return static_cast<u64>((smem_addr(tile) & 0x3FFFF) >> 4) | (kLbo << 16) | (kSbo << 32) | (kSwizzle128 << 62);
+}
+
+// The descriptor of the same tile `bytes` further along K (within one 128-byte row: bytes < 128,
+// a multiple of 16; a k16 step of 16-bit elements is 32 bytes). The hardware applies the swizzle
+// to the full computed address (address bits 4-6 XOR bits 7-9), so row r of a start address
+// moved by 32 k bytes is read from tile + 128 r + ((2k + j) ^ (r % 8)) * 16 for its chunks
+// j = 0, 1: where TMA put logical chunk 2k + j. The move stays below the 14-bit field's carry
+// because start addresses are below 256 KiB.
+__device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
+// Orders this warpgroup's register accesses before the wgmma.mma_async that follow: required
+// before the first mma of a batch whenever the accumulators or A registers were written by other
+// instructions (zeroing, rescaling, packing P), and harmless otherwise.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+// Closes the batch of mma_async issued since the last commit into one wgmma group.
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Waits until at most N committed groups are pending; only then may their accumulators (and their
+// A registers and shared operands) be read or reused.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accesses of accumulator registers across the asynchronous
+// region: from its point of view a wgmma asm statement reads and writes d at issue, but the
+// hardware writes d until wgmma_wait. Call on the accumulators around issue and after the wait.
+template <int R>
+__device__ __forceinline__ void fence_registers(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// setmaxnreg: moves registers between warpgroups of a warp-specialised kernel (a producer that
+// needs few gives them to consumers that need many). All warps of the warpgroup execute it; it
+// takes effect only in a kernel with a register cap at entry (__launch_bounds__(threads, 1)),
+// and the count is a multiple of 8 in [24, 256]: dec must not exceed, inc not go below, the
+// current count.
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(REGS % 8 == 0 && REGS >= 24 && REGS <= 256, "setmaxnreg: multiple of 8 in [24, 256]");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(REGS % 8 == 0 && REGS >= 24 && REGS <= 256, "setmaxnreg: multiple of 8 in [24, 256]");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+namespace detail {
+
+template <class Elem>
+struct WgmmaElem;
+template <>
+struct WgmmaElem<bf16> {
+  static constexpr bool kBf16 = true;
+};
+template <>
+struct WgmmaElem<f16> {
+  static constexpr bool kBf16 = false;
+};
+
+// Instruction text. The scale-d operand is a predicate: false makes D = A * B^T, ignoring the
+// old accumulators (the first k-step of a tile), true accumulates. imm-scale-a/b = 1 (no
+// negation); imm-trans-a/b = 0: both operands K-major (the rs form has no trans-a: registers
+// are always in the layout above).
+#define CUFLASH_WGMMA_SS(SHAPE, TYPE, D, DESC_A, DESC_B, SCALE_D)                                         \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
+  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", %" DESC_A ", %" DESC_B ", p, 1, 1, 0, 0;\n}\n"
+#define CUFLASH_WGMMA_RS(SHAPE, TYPE, D, A, DESC_B, SCALE_D)                                              \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
+  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", " A ", %" DESC_B ", p, 1, 1, 0;\n}\n"
+
+#define CUFLASH_D32                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUFLASH_D64                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "  \
+  "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
+  "%62, %63}"
+#define CUFLASH_ACC8(d, i)                                                                               \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),            \
+      "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CUFLASH_ACC32(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16), CUFLASH_ACC8(d, 24)
+#define CUFLASH_ACC64(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40), CUFLASH_ACC8(d, 48), CUFLASH_ACC8(d, 56)
+
+template <int N>
+struct Wgmma;
+
+template <>
+struct Wgmma<64> {
+  template <class Elem>
+  static __device__ __forceinline__ void ss(float (&d)[32], u64 desc_a, u64 desc_b, u32 scale_d) {
+    if constexpr (WgmmaElem<Elem>::kBf16)
+      asm volatile(CUFLASH_WGMMA_SS("m64n64k16", "bf16", CUFLASH_D32, "32", "33", "34")
+                   : CUFLASH_ACC32(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    else
+      asm volatile(CUFLASH_WGMMA_SS("m64n64k16", "f16", CUFLASH_D32, "32", "33", "34")
+                   : CUFLASH_ACC32(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+  template <class Elem>
+  static __device__ __forceinline__ void rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
+    if constexpr (WgmmaElem<Elem>::kBf16)
+      asm volatile(CUFLASH_WGMMA_RS("m64n64k16", "bf16", CUFLASH_D32, "{%32, %33, %34, %35}", "36", "37")
+                   : CUFLASH_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    else
+      asm volatile(CUFLASH_WGMMA_RS("m64n64k16", "f16", CUFLASH_D32, "{%32, %33, %34, %35}", "36", "37")
+                   : CUFLASH_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct Wgmma<128> {
+  template <class Elem>
+  static __device__ __forceinline__ void ss(float (&d)[64], u64 desc_a, u64 desc_b, u32 scale_d) {
+    if constexpr (WgmmaElem<Elem>::kBf16)
+      asm volatile(CUFLASH_WGMMA_SS("m64n128k16", "bf16", CUFLASH_D64, "64", "65", "66")
+                   : CUFLASH_ACC64(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+    else
+      asm volatile(CUFLASH_WGMMA_SS("m64n128k16", "f16", CUFLASH_D64, "64", "65", "66")
+                   : CUFLASH_ACC64(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+  template <class Elem>
+  static __device__ __forceinline__ void rs(float (&d)[64], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
+    if constexpr (WgmmaElem<Elem>::kBf16)
+      asm volatile(CUFLASH_WGMMA_RS("m64n128k16", "bf16", CUFLASH_D64, "{%64, %65, %66, %67}", "68", "69")
+                   : CUFLASH_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+    else
+      asm volatile(CUFLASH_WGMMA_RS("m64n128k16", "f16", CUFLASH_D64, "{%64, %65, %66, %67}", "68", "69")
+                   : CUFLASH_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+#undef CUFLASH_WGMMA_SS
+#undef CUFLASH_WGMMA_RS
+#undef CUFLASH_D32
+#undef CUFLASH_D64
+#undef CUFLASH_ACC8
+#undef CUFLASH_ACC32
+#undef CUFLASH_ACC64
+
+}  // namespace detail
+
+// d (+)= A * B^T for a 64 x 16 slice of A and an N x 16 slice of B, both read from shared memory
+// through descriptors (smem_desc_sw128, desc_advance); `accumulate` false overwrites d. Issue
+// between wgmma_fence and wgmma_commit; d is valid after the matching wgmma_wait.
+template <int N, class Elem>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool accumulate) {
+  detail::Wgmma<N>::template ss<Elem>(d, desc_a, desc_b, accumulate ? 1u : 0u);
+}
+
+// The same with A's 64 x 16 slice in registers (layout at the top of this file); the registers
+// must keep their values until the wgmma_wait that covers this instruction.
+template <int N, class Elem>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, bool accumulate) {
+  detail::Wgmma<N>::template rs<Elem>(d, a, desc_b, accumulate ? 1u : 0u);
+}
+
+}  // namespace sm90
+}  // namespace cuflash
