@@ -33,8 +33,6 @@ struct Mask {
     if (WINDOW && window_right >= 0) end = min(end, row + diagonal_offset + window_right + 1);
     return max(0, end);
   }
-  // The backward's name for key_end until it takes windows.
-  __device__ __forceinline__ int key_limit(int row) const { return key_end(row); }
 
   // The inverse, for kernels that walk key blocks: key `key` is seen by queries
   // [query_begin(key), query_end(key)), both in [0, seqlen_q).
