@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import sys
 import time
 import types
@@ -54,14 +55,18 @@ def _fake_cupy() -> types.ModuleType:
 
     class ndarray:  # noqa: N801 (CuPy's name)
         def __init__(self, shape, dtype, strides=None):
-            self.shape = tuple(shape)
-            self.dtype = np.dtype(dtype)
-            self.itemsize = self.dtype.itemsize
-            self.strides = strides or tuple(int(np.prod(self.shape[i + 1:])) * self.itemsize
-                                            for i in range(len(self.shape)))
-            self.data = MemoryPointer(int(np.prod(self.shape)) * self.itemsize)
-            self.device = Device(0)
+            self.shape = shape = tuple(shape)
+            self.dtype = dtype = dtypes.get(dtype) or np.dtype(dtype)
+            self.itemsize = itemsize = dtype.itemsize
+            self.strides = strides or (tuple(math.prod(shape[i + 1:]) * itemsize for i in range(len(shape)))
+                                       if len(shape) != 4 else  # the common case, as cheaply as CuPy does it
+                                       (shape[1] * shape[2] * shape[3] * itemsize, shape[2] * shape[3] * itemsize,
+                                        shape[3] * itemsize, itemsize))
+            self.data = MemoryPointer(math.prod(shape) * itemsize)
+            self.device = device
 
+    dtypes = {np.float16: np.dtype(np.float16), np.float32: np.dtype(np.float32), np.int32: np.dtype(np.int32)}
+    device = Device(0)
     ndarray.__module__ = "cupy._core.core"
     stream = types.SimpleNamespace(ptr=0)
     cuda.Device, cuda.runtime, cuda.driver = Device, runtime, driver
