@@ -5,12 +5,15 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from cuflash import dispatch, interop, kernels, reference
-from cuflash.params import pack_bwd_params, pack_convert_params, pack_fwd_params
+from cuflash.params import (BWD_POINTERS, CONVERT_POINTERS, FWD_POINTERS, ArgumentBuffer, pack_bwd_params,
+                            pack_convert_params, pack_fwd_params)
 
 __all__ = ["attention", "attention_backward"]
 
@@ -128,29 +131,117 @@ def _mask_kind(window: tuple[int, int]) -> str:
     return {(-1, -1): "none", (-1, 0): "causal"}.get(window, "window")
 
 
-def _launch_forward(framework: str, qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int], softcap: float,
-                    batch: int, max_seqlen_q: int, cu_seqlens=(None, None)) -> None:
-    """Launch the forward kernel over a fixed-length batch (q, k, v, out BSHD) or a packed one
-    (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors); ``window`` from
-    _kernel_window."""
-    family, arch = _device_plan(qt.device)
-    mask = _mask_kind(window)
-    choice = dispatch.forward_kernel(family, qt.shape[3], mask, qt.dtype, bool(softcap))
+# Launch plans. Everything a launch needs that follows from the tensors' layouts (shapes,
+# strides, dtypes, device) and the options -- the kernels, grids, scratch layout and the argument
+# structs but for their pointers -- is computed once per distinct call and kept in _PLANS; a
+# repeated call fills in the pointers and launches. For attention() and attention_backward() the
+# key is taken before validation, so a hit also skips the checks that call passed before: each
+# check reads only what the key holds (see _forward_key), and errors are never cached, so a bad
+# input always runs the full checks and raises as it would without the cache.
+
+
+@dataclass(frozen=True, eq=False)
+class _ForwardPlan:
+    device_plan: tuple[str, str]  # (family, arch) it was built for
+    kernel: kernels.Launch
+    argument: ArgumentBuffer  # FwdParams; pointers in FWD_POINTERS order
+
+
+@dataclass(frozen=True, eq=False)
+class _BackwardPlan:
+    device_plan: tuple[str, str]
+    preprocess: kernels.Launch
+    main: kernels.Launch
+    argument: ArgumentBuffer  # BwdParams, shared by preprocess and main; pointers in BWD_POINTERS order
+    # fp32 scratch carved from one allocation: offsets of delta, dq_accum, dk_accum and dv_accum
+    # (None without GQA), its size, and the length of its prefix to zero (the accumulators that
+    # are added to).
+    offsets: tuple[int, int, int | None, int | None]
+    scratch_bytes: int
+    zeroed_bytes: int
+    # (kernel, ConvertParams, source offset in the scratch, index of the gradient in (dq, dk, dv))
+    converts: tuple[tuple[kernels.Launch, ArgumentBuffer, int, int], ...]
+
+
+_PLANS: dict[tuple, _ForwardPlan | _BackwardPlan] = {}
+# Oldest-first eviction bounds the memory when shapes keep changing (a growing KV cache makes a
+# new key per step); 1024 plans are well under a megabyte.
+_PLANS_MAX = 1024
+_plans_lock = threading.Lock()
+
+
+def _cached_plan(key: tuple | None, device: int):
+    """The plan stored under ``key``, if it was built for the family and arch the device has now
+    (``_device_plan.cache_clear()`` and a new CUFLASH_FAMILY must not run a stale kernel)."""
+    plan = _PLANS.get(key)
+    return plan if plan is not None and plan.device_plan == _device_plan(device) else None
+
+
+def _remember(key: tuple | None, plan) -> None:
+    if key is None:
+        return
+    with _plans_lock:
+        if len(_PLANS) >= _PLANS_MAX and key not in _PLANS:
+            del _PLANS[next(iter(_PLANS))]
+        _PLANS[key] = plan
+
+
+# Option types whose values alone decide validation: a key holds a scalar only if its type is one
+# of these, because True == 1 and hash(True) == hash(1), yet softmax_scale=True or window=(True, 0)
+# must raise TypeError where 1 and (1, 0) pass. Other types run uncached (and work).
+_KEY_SCALARS = frozenset({int, float, type(None)})
+
+
+def _plain_window(window: Any) -> bool:
+    return type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int
+
+
+def _aligned_pointers(*tensors) -> bool:
+    """The pointers of ``tensors`` (DeviceTensors or None) on 16-byte boundaries; their strides'
+    alignment is part of a plan key."""
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.ptr
+    return bits % 16 == 0
+
+
+def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int], softcap: float, batch: int,
+                  max_seqlen_q: int, cu_seqlens=(None, None)) -> _ForwardPlan:
+    """The forward launch over a fixed-length batch (q, k, v, out BSHD) or a packed one
+    (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), for validated tensors;
+    ``window`` from _kernel_window. out and lse may be interop.contiguous records."""
+    family, arch = device_plan = _device_plan(qt.device)
+    choice = dispatch.forward_kernel(family, qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
     m_blocks = -(-max_seqlen_q // choice.tile.block_m)
     heads = qt.shape[2]
     grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
-    params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens)
-    kernels.launch(choice, arch, qt.device, grid, params, interop.stream_handle(framework, qt.device))
+    argument = ArgumentBuffer(pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens),
+                              FWD_POINTERS)
+    return _ForwardPlan(device_plan, kernels.prepare(choice, arch, qt.device, grid), argument)
 
 
-def _launch_backward(framework: str, qt, kt, vt, out_t, dout_t, lse_t, grads: dict, scale: float,
-                     window: tuple[int, int], softcap: float, deterministic: bool, batch: int, max_seqlen_q: int,
-                     max_seqlen_k: int, cu_seqlens=(None, None)) -> None:
-    """Launch the backward's three kernels over a fixed-length batch (BSHD tensors) or a packed
-    one (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), writing the 16-bit
-    gradients ``grads`` ("dq", "dk", "dv"); ``window`` from _kernel_window."""
+def _run_forward(plan: _ForwardPlan, stream: int, qt, kt, vt, out_ptr: int, lse_ptr: int,
+                 cu_seqlens=(None, None)) -> None:
+    """Launch ``plan`` (inside interop.on_device)."""
+    cu_q, cu_k = cu_seqlens
+    argument = plan.argument.fill(qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, cu_q.ptr if cu_q is not None else 0,
+                                  cu_k.ptr if cu_k is not None else 0)
+    kernels.launch(plan.kernel, stream, argument)
+
+
+_SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocation would
+
+
+def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, window: tuple[int, int],
+                   softcap: float, deterministic: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                   cu_seqlens=(None, None)) -> _BackwardPlan:
+    """The backward's three kernels over a fixed-length batch (BSHD tensors) or a packed one
+    (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), writing the 16-bit
+    gradients ``grads`` (dq, dk, dv: DeviceTensors or interop.contiguous records); ``window`` from
+    _kernel_window."""
     _, rows_q, heads, head_dim = qt.shape
-    family, arch = _device_plan(qt.device)
+    family, arch = device_plan = _device_plan(qt.device)
     preprocess, main, convert = dispatch.backward_kernels(family, head_dim, _mask_kind(window), qt.dtype,
                                                           bool(softcap), deterministic)
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
@@ -164,44 +255,73 @@ def _launch_backward(framework: str, qt, kt, vt, out_t, dout_t, lse_t, grads: di
     # splits added in order.
     slots = _multiprocessors(qt.device) * main.tile.ctas_per_sm
     splits = max(1, min(n_blocks, slots // (batch * heads))) if deterministic else 1
-    delta = interop.empty(framework, qt, lse_t.shape, dtype="float32")
-    # Rows padded to the head-dim bucket so the kernel's reductions need no column checks
-    # (flash_bwd.cu); the rows of one head contiguous.
+    # fp32 scratch, one allocation: dq_accum, [dk_accum, dv_accum,] delta. dq_accum rows are
+    # padded to the head-dim bucket so the kernel's reductions need no column checks
+    # (flash_bwd.cu), the rows of one head contiguous. GQA: deterministic keeps one dK/dV slice
+    # per query head, plainly stored and summed by the convert kernel; otherwise heads_kv slices
+    # added to atomically, so zeroed with dq_accum.
     bucket = dispatch.head_dim_bucket(head_dim)
-    dq_accum = interop.empty(framework, qt, (splits, qt.shape[0], heads, rows_q, bucket), dtype="float32",
-                             zeroed=True)
-    dk_accum = dv_accum = None
+    shapes = [(splits, qt.shape[0], heads, rows_q, bucket)]
     if group > 1:
-        # Deterministic: one slice per query head, plainly stored, summed by the convert kernel.
-        shape = (*kt.shape[:2], heads if deterministic else kt.shape[2], head_dim)
-        dk_accum, dv_accum = (interop.empty(framework, qt, shape, dtype="float32", zeroed=not deterministic)
-                              for _ in range(2))
+        shapes += [(*kt.shape[:2], heads if deterministic else kt.shape[2], head_dim)] * 2
+    shapes.append(lse_t.shape)  # delta
+    offsets, end = [], 0
+    for shape in shapes:
+        offsets.append(end)
+        end += -(-4 * math.prod(shape) // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    records = [interop.contiguous(shape, qt, "float32")._replace(ptr=offset) for shape, offset in zip(shapes, offsets)]
+    dq_accum, delta = records[0], records[-1]
+    dk_accum, dv_accum = records[1:3] if group > 1 else (None, None)
+    zeroed = offsets[3] if group > 1 and not deterministic else offsets[1]
 
-    stream = interop.stream_handle(framework, qt.device)
-    params = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads["dk"], grads["dv"],
-                             dk_accum, dv_accum, scale, window, softcap, *cu_seqlens)
-    kernels.launch(preprocess, arch, qt.device, (-(-max_seqlen_q // 8), heads, batch), params, stream)
+    argument = ArgumentBuffer(pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2],
+                                              dk_accum, dv_accum, scale, window, softcap, *cu_seqlens), BWD_POINTERS)
     # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
     if deterministic:
         grid = (splits, heads, batch)
     else:
         grid = (heads, batch, n_blocks) if main.blocks_slowest else (n_blocks, heads, batch)
-    kernels.launch(main, arch, qt.device, grid, params, stream)
     # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
     # scale): dQ sums its splits and takes the softmax scale; deterministic GQA dK/dV sum the
     # group's adjacent query-head slices (dK already scaled by the main kernel).
     dq_strides = (heads * rows_q * bucket, bucket, rows_q * bucket)
-    converts = [(dq_accum, "dq", dq_strides, splits, math.prod(dq_accum.shape[1:]), scale)]
+    converts = [(dq_accum, 0, dq_strides, splits, math.prod(dq_accum.shape[1:]), scale)]
     if group > 1:
         slices = dk_accum.shape[2]  # heads_kv, or heads in deterministic mode
         kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
                       group * head_dim if deterministic else head_dim)
         summands = (group, head_dim) if deterministic else (1, 0)
-        converts += [(src, name, kv_strides, *summands, 1.0) for src, name in ((dk_accum, "dk"), (dv_accum, "dv"))]
-    for src, name, src_strides, summands, summand_stride, factor in converts:
-        pairs = math.prod(grads[name].shape) // 2
-        kernels.launch(convert, arch, qt.device, (-(-pairs // 256), 1, 1),
-                       pack_convert_params(src, grads[name], src_strides, summands, summand_stride, factor), stream)
+        converts += [(src, index, kv_strides, *summands, 1.0) for src, index in ((dk_accum, 1), (dv_accum, 2))]
+    convert_launches = []
+    for src, index, src_strides, summands, summand_stride, factor in converts:
+        pairs = math.prod(grads[index].shape) // 2
+        convert_launches.append((
+            kernels.prepare(convert, arch, qt.device, (-(-pairs // 256), 1, 1)),
+            ArgumentBuffer(pack_convert_params(src, grads[index], src_strides, summands, summand_stride, factor),
+                           CONVERT_POINTERS),
+            src.ptr, index))
+    return _BackwardPlan(
+        device_plan, kernels.prepare(preprocess, arch, qt.device, (-(-max_seqlen_q // 8), heads, batch)),
+        kernels.prepare(main, arch, qt.device, grid), argument,
+        (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None),
+        end, zeroed, tuple(convert_launches))
+
+
+def _run_backward(plan: _BackwardPlan, framework: str, stream: int, qt, kt, vt, out_t, dout_t, lse_t,
+                  grad_ptrs: tuple[int, int, int], cu_seqlens=(None, None)) -> None:
+    """Allocate and zero the scratch, launch ``plan`` (inside interop.on_device)."""
+    owner, base = interop.scratch(framework, qt, plan.scratch_bytes)  # referenced until the launches are queued
+    interop.zero(base, plan.zeroed_bytes, stream)
+    delta, dq_accum, dk_accum, dv_accum = (base + offset if offset is not None else 0 for offset in plan.offsets)
+    cu_q, cu_k = cu_seqlens
+    argument = plan.argument.fill(qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum,
+                                  grad_ptrs[1], grad_ptrs[2], dk_accum, dv_accum,
+                                  cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0)
+    kernels.launch(plan.preprocess, stream, argument)
+    kernels.launch(plan.main, stream, argument)
+    for kernel, convert, src_offset, index in plan.converts:
+        kernels.launch(kernel, stream, convert.fill(base + src_offset, grad_ptrs[index]))
+    del owner
 
 
 def _framework(**arrays: Any) -> str:
@@ -321,21 +441,32 @@ def attention(
         return _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse, out)
 
     qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
-    _check_qkv(qt, kt, vt, on_device=True)
-    scale = _resolve_scale(softmax_scale, qt.shape[3])
-    batch, seqlen_q, heads, _ = qt.shape
-    if out is not None:
-        out_t = interop.describe(out, interop.framework_of(out, "out"), "out")
-        _check_out("out", out_t, qt.shape, qt, on_device=True)
-    else:
-        out_t = interop.empty(framework, qt, qt.shape)
-    lse_t = interop.empty(framework, qt, (batch, heads, seqlen_q), dtype="float32")
-    qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
-    _launch_forward(framework, qt, kt, vt, out_t, lse_t, scale, _kernel_window(bool(causal), window, seqlen_q,
-                    kt.shape[1]), softcap, batch, seqlen_q)
-    # For a DLPack producer other than torch, out_t.native is the CuPy array we allocated.
-    result = out if out is not None else out_t.native
-    return (result, lse_t.native) if return_lse else result
+    out_t = interop.describe(out, interop.framework_of(out, "out"), "out") if out is not None else None
+    batch, seqlen_q, heads = qt.shape[:3]
+    # Everything _check_qkv, _resolve_scale, _check_out and _forward_plan read, but pointers; the
+    # window and softcap are already resolved.
+    key = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
+            softcap) if type(causal) is bool and type(softmax_scale) in _KEY_SCALARS else None)
+    plan = _cached_plan(key, qt.device)
+    if plan is None or not _aligned_pointers(qt, kt, vt, out_t):
+        _check_qkv(qt, kt, vt, on_device=True)
+        scale = _resolve_scale(softmax_scale, qt.shape[3])
+        if out_t is not None:
+            _check_out("out", out_t, qt.shape, qt, on_device=True)
+        aligned = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
+        if not aligned:  # copied once; such a call is not cached
+            qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
+        plan = _forward_plan(qt, kt, vt, out_t or interop.contiguous(qt.shape, qt),
+                             interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale,
+                             _kernel_window(bool(causal), window, seqlen_q, kt.shape[1]), softcap, batch, seqlen_q)
+        if aligned:
+            _remember(key, plan)
+    with interop.on_device(qt.device):
+        stream = interop.stream_handle(framework, qt.device)
+        result, out_ptr = (out, out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
+        lse, lse_ptr = interop.allocate(framework, qt, (batch, heads, seqlen_q), "float32")
+        _run_forward(plan, stream, qt, kt, vt, out_ptr, lse_ptr)
+    return (result, lse) if return_lse else result
 
 
 def _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse, out):
@@ -412,27 +543,50 @@ def attention_backward(
     arrays |= {name: x for name, x in given.items() if x is not None}
     framework = _framework(**arrays)
     if framework == "numpy":
-        tensors = arrays
-    else:
-        tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
-    qt, kt, vt = tensors["q"], tensors["k"], tensors["v"]
-    on_device = framework != "numpy"
-    _check_qkv(qt, kt, vt, on_device=on_device)
+        return _backward_host_checked(arrays, causal, softmax_scale, window, softcap)
+    tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
+    qt, kt, vt, dout_t, out_t, lse_t = (tensors[name] for name in ("q", "k", "v", "dout", "out", "lse"))
+    given_t = tuple(tensors.get(name) for name in ("dq", "dk", "dv"))
+    batch, seqlen_q, heads = qt.shape[:3]
+    # Everything _check_qkv, _check_backward_inputs, the option checks and _backward_plan read,
+    # but pointers.
+    key = (("attention_backward", qt.layout, kt.layout, vt.layout, dout_t.layout, out_t.layout, lse_t.layout,
+            *(t and t.layout for t in given_t), causal, softmax_scale, window, softcap, deterministic)
+           if (type(causal) is bool and type(deterministic) is bool and type(softmax_scale) in _KEY_SCALARS
+               and _plain_window(window) and type(softcap) in _KEY_SCALARS) else None)
+    plan = _cached_plan(key, qt.device)
+    if plan is None or not _aligned_pointers(qt, kt, vt, dout_t, out_t, *given_t):
+        _check_qkv(qt, kt, vt, on_device=True)
+        scale = _resolve_scale(softmax_scale, qt.shape[3])
+        _check_backward_inputs(tensors, (batch, heads, seqlen_q), on_device=True)
+        window, softcap = _resolve_window(window), _resolve_softcap(softcap)
+        aligned = all(t.aligned_16 for t in (qt, kt, vt, dout_t, out_t))
+        if not aligned:  # copied once; such a call is not cached
+            qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
+                                         for t in (qt, kt, vt, dout_t, out_t))
+        grads = tuple(t or interop.contiguous(like.shape, qt) for t, like in zip(given_t, (qt, kt, kt)))
+        plan = _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads, scale,
+                              _kernel_window(bool(causal), window, seqlen_q, kt.shape[1]), softcap,
+                              bool(deterministic), batch, seqlen_q, kt.shape[1])
+        if aligned:
+            _remember(key, plan)
+    with interop.on_device(qt.device):
+        stream = interop.stream_handle(framework, qt.device)
+        results, ptrs = zip(*((given[name], t.ptr) if t is not None else interop.allocate(framework, qt, like.shape)
+                              for name, t, like in zip(("dq", "dk", "dv"), given_t, (qt, kt, kt))))
+        _run_backward(plan, framework, stream, qt, kt, vt, out_t, dout_t, lse_t, ptrs)
+    return results
+
+
+def _backward_host_checked(arrays: dict, causal, softmax_scale, window, softcap):
+    """attention_backward on NumPy arrays: the checks, then the float64 reference."""
+    qt, kt, vt = arrays["q"], arrays["k"], arrays["v"]
+    _check_qkv(qt, kt, vt, on_device=False)
     scale = _resolve_scale(softmax_scale, qt.shape[3])
-    batch, seqlen_q, heads, head_dim = qt.shape
-    _check_backward_inputs(tensors, (batch, heads, seqlen_q), on_device)
+    batch, seqlen_q, heads, _ = qt.shape
+    _check_backward_inputs(arrays, (batch, heads, seqlen_q), on_device=False)
     window, softcap = _resolve_window(window), _resolve_softcap(softcap)
-    if not on_device:
-        return _backward_host(tensors, causal, scale, window, softcap)
-    dout_t, out_t, lse_t = tensors["dout"], tensors["out"], tensors["lse"]
-    qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
-                                 for t in (qt, kt, vt, dout_t, out_t))
-    grads = {name: tensors.get(name) or interop.empty(framework, qt, shape)
-             for name, shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape))}
-    _launch_backward(framework, qt, kt, vt, out_t, dout_t, lse_t, grads, scale,
-                     _kernel_window(bool(causal), window, seqlen_q, kt.shape[1]), softcap, bool(deterministic), batch,
-                     seqlen_q, kt.shape[1])
-    return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
+    return _backward_host(arrays, causal, scale, window, softcap)
 
 
 def _check_backward_inputs(tensors: dict, lse_shape: tuple[int, ...], on_device: bool) -> None:

@@ -4,7 +4,8 @@ Compilation is lazy: the first call that needs an instantiation compiles that on
 compiled cubin is kept under ``CUFLASH_CACHE_DIR`` (default ``~/.cache/cuflash``) keyed by a hash
 of every file in cuda_src/ (CuPy's own cache key ignores ``#include``d headers), the target
 architecture, the options, the NVRTC version and the name expression; loaded modules are kept in
-memory per device.
+memory per device. A launch plan resolves its kernels to ``Launch`` records once; ``launch`` is
+then one driver call.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 from cuflash import nvrtc
 from cuflash.dispatch import KernelChoice
 
-__all__ = ["cache_dir", "compile_kernel", "get_function", "launch", "source_root", "sources_fingerprint"]
+__all__ = ["Launch", "cache_dir", "compile_kernel", "get_function", "launch", "prepare", "source_root",
+           "sources_fingerprint"]
 
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 
@@ -146,15 +148,33 @@ def get_function(choice: KernelChoice, arch: str, device_id: int):
     return function
 
 
-def launch(choice: KernelChoice, arch: str, device_id: int, grid: tuple[int, int, int],
-           params, stream: int) -> None:
-    """Launch ``choice`` with one by-value struct argument (a NumPy structured array)."""
-    import cupy
+@dataclass(frozen=True)
+class Launch:
+    """A loaded kernel and its launch configuration: everything cuLaunchKernel takes but the
+    stream and the argument."""
+
+    function: int  # CUfunction handle (its Module is kept alive by get_function's cache)
+    grid: tuple[int, int, int]
+    threads: int
+    smem_bytes: int
+
+
+def prepare(choice: KernelChoice, arch: str, device_id: int, grid: tuple[int, int, int]) -> Launch:
+    """``choice`` loaded on ``device_id`` (compiled first if need be), to run over ``grid``."""
+    return Launch(get_function(choice, arch, device_id).ptr, tuple(grid), choice.threads, choice.smem_bytes)
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
     from cupy.cuda import driver
 
-    function = get_function(choice, arch, device_id)
-    # cuLaunchKernel reads the argument through this pointer array before it returns.
-    argument = (ctypes.c_void_p * 1)(params.ctypes.data)
-    with cupy.cuda.Device(device_id):
-        driver.launchKernel(function.ptr, *grid, choice.threads, 1, 1, choice.smem_bytes, stream,
-                            ctypes.addressof(argument), 0)
+    return driver
+
+
+def launch(kernel: Launch, stream: int, argument) -> None:
+    """Launch ``kernel`` on ``stream`` with one by-value struct argument: ``argument`` a filled
+    params.ArgumentBuffer, whose first slot points at the struct (the ``kernelParams`` array).
+    The caller holds interop.on_device(the kernel's device): the launch goes to the current
+    context."""
+    _driver().launchKernel(kernel.function, *kernel.grid, kernel.threads, 1, 1, kernel.smem_bytes, stream,
+                           ctypes.addressof(argument), 0)

@@ -129,34 +129,62 @@ def _check_grid(lengths: _Lengths) -> None:
 
 def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
                        window: tuple[int, int], softcap: float) -> tuple:
-    """One forward launch over the packed batch: (out, lse) DeviceTensors."""
+    """One forward launch over the packed batch of validated tensors: (out, lse) in the caller's
+    framework."""
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
+    out_t = tensors.get("out")
     total_q, heads, _ = qt.shape
-    out_t = tensors.get("out") or interop.empty(framework, qt, qt.shape)
-    lse_t = interop.empty(framework, qt, (heads, total_q), dtype="float32")
     _check_grid(lengths)
     # Windows normalised against the packed lengths, which bound every sequence's.
     kernel_window = api._kernel_window(causal, window, total_q, kt.shape[0])
-    api._launch_forward(framework, *(_as_batch_of_one(t) for t in (qt, kt, vt, out_t)), lse_t, scale, kernel_window,
-                        softcap, lengths.batch, int(lengths.max_seqlen_q), (lengths.device_q, lengths.device_k))
-    return out_t, lse_t
+    max_seqlen_q = int(lengths.max_seqlen_q)
+    # The plan is cached, the checks above run every call (they read the lengths' values).
+    key = ("attention_varlen", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, scale, kernel_window,
+           softcap, lengths.batch, max_seqlen_q)
+    plan = api._cached_plan(key, qt.device)
+    if plan is None:
+        plan = api._forward_plan(*(_as_batch_of_one(t) for t in (qt, kt, vt, out_t or interop.contiguous(qt.shape, qt))),
+                                 interop.contiguous((heads, total_q), qt, "float32"), scale, kernel_window, softcap,
+                                 lengths.batch, max_seqlen_q, (lengths.device_q, lengths.device_k))
+        api._remember(key, plan)
+    with interop.on_device(qt.device):
+        stream = interop.stream_handle(framework, qt.device)
+        out, out_ptr = (out_t.native, out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
+        lse, lse_ptr = interop.allocate(framework, qt, (heads, total_q), "float32")
+        api._run_forward(plan, stream, qt, kt, vt, out_ptr, lse_ptr, (lengths.device_q, lengths.device_k))
+    return out, lse
 
 
 def _backward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
-                        window: tuple[int, int], softcap: float, deterministic: bool) -> dict:
-    """The backward's launches over the packed batch: {"dq", "dk", "dv"} packed DeviceTensors."""
+                        window: tuple[int, int], softcap: float, deterministic: bool) -> tuple:
+    """The backward's launches over the packed batch of validated tensors: (dq, dk, dv) in the
+    caller's framework (the arrays given where given)."""
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                  for t in (tensors[name] for name in ("q", "k", "v", "dout", "out")))
-    grads = {name: tensors.get(name) or interop.empty(framework, qt, like.shape)
-             for name, like in (("dq", qt), ("dk", kt), ("dv", kt))}
+    lse_t = tensors["lse"]
+    given_t = tuple(tensors.get(name) for name in ("dq", "dk", "dv"))
     _check_grid(lengths)
     kernel_window = api._kernel_window(causal, window, qt.shape[0], kt.shape[0])
-    api._launch_backward(framework, *(_as_batch_of_one(t) for t in (qt, kt, vt, out_t, dout_t)), tensors["lse"],
-                         {name: _as_batch_of_one(t) for name, t in grads.items()}, scale, kernel_window, softcap,
-                         deterministic, lengths.batch, int(lengths.max_seqlen_q), int(lengths.max_seqlen_k),
-                         (lengths.device_q, lengths.device_k))
-    return grads
+    max_seqlen_q, max_seqlen_k = int(lengths.max_seqlen_q), int(lengths.max_seqlen_k)
+    key = ("attention_varlen_backward", *(t.layout for t in (qt, kt, vt, dout_t, out_t, lse_t)),
+           *(t and t.layout for t in given_t), scale, kernel_window, softcap, deterministic, lengths.batch,
+           max_seqlen_q, max_seqlen_k)
+    plan = api._cached_plan(key, qt.device)
+    if plan is None:
+        grads = tuple(_as_batch_of_one(t or interop.contiguous(like.shape, qt))
+                      for t, like in zip(given_t, (qt, kt, kt)))
+        plan = api._backward_plan(*(_as_batch_of_one(t) for t in (qt, kt, vt, out_t, dout_t)), lse_t, grads, scale,
+                                  kernel_window, softcap, deterministic, lengths.batch, max_seqlen_q, max_seqlen_k,
+                                  (lengths.device_q, lengths.device_k))
+        api._remember(key, plan)
+    with interop.on_device(qt.device):
+        stream = interop.stream_handle(framework, qt.device)
+        results, ptrs = zip(*((t.native, t.ptr) if t is not None else interop.allocate(framework, qt, like.shape)
+                              for t, like in zip(given_t, (qt, kt, kt))))
+        api._run_backward(plan, framework, stream, qt, kt, vt, out_t, dout_t, lse_t, ptrs,
+                          (lengths.device_q, lengths.device_k))
+    return results
 
 
 def attention_varlen(
@@ -220,9 +248,9 @@ def attention_varlen(
     if out is not None:
         api._check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
     if framework != "numpy":
-        out_t, lse_t = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap)
-        result = out if out is not None else out_t.native
-        return (result, lse_t.native) if return_lse else result
+        result, lse = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap)
+        result = out if out is not None else result
+        return (result, lse) if return_lse else result
     result, lse = reference.attention_varlen_reference(q, k, v, lengths.host_q, lengths.host_k, causal=bool(causal), softmax_scale=scale,
                                                        window=window, softcap=softcap)
     return api._host_output(result, lse, q.dtype, out, return_lse)
@@ -267,7 +295,7 @@ def attention_varlen_backward(
     if on_device:
         grads = _backward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap,
                                     bool(deterministic))
-        return tuple(given[name] if given[name] is not None else grads[name].native for name in ("dq", "dk", "dv"))
+        return tuple(given[name] if given[name] is not None else grad for name, grad in zip(("dq", "dk", "dv"), grads))
     result = reference.attention_varlen_backward_reference(dout, q, k, v, lengths.host_q, lengths.host_k,
                                                            causal=bool(causal), softmax_scale=scale, window=window,
                                                            softcap=softcap)

@@ -1,16 +1,19 @@
 """The forward's host side without a GPU: window normalisation against the reference semantics,
 kernel choice per mask and softcap, and the grid and FwdParams a launch gets (kernels.launch
-captured), for fixed-length and packed batches."""
+captured), for fixed-length and packed batches. The launch-plan cache: tests/test_launch_plans.py."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from cuflash import api, dispatch, interop, kernels, varlen
+from cuflash.params import FWD_PARAMS, ArgumentBuffer
 from cuflash.reference import allowed_keys
 
 WINDOW_SIDES = (-1, 0, 1, 3, 6, 7, 8, 20)
@@ -61,14 +64,18 @@ def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
 
 @pytest.fixture
 def launches(monkeypatch):
-    """kernels.launch replaced by a recorder; new arrays are fake DeviceTensors."""
+    """kernels.launch replaced by a recorder of (kernel, FwdParams); new arrays are fake
+    DeviceTensors."""
     calls = []
     monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", "sm_90"))
-    monkeypatch.setattr(kernels, "launch", lambda choice, arch, device, grid, params, stream:
-                        calls.append((choice, grid, params[0])))
+    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(kernels, "get_function", lambda choice, arch, device: SimpleNamespace(ptr=id(choice)))
+    monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: calls.append(
+        (kernel, np.frombuffer(ArgumentBuffer.struct_bytes(argument), FWD_PARAMS)[0])))
+    monkeypatch.setattr(interop, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(interop, "stream_handle", lambda framework, device: 0)
-    monkeypatch.setattr(interop, "empty", lambda framework, like, shape, dtype=None, zeroed=False:
-                        _tensor(shape, dtype or like.dtype, ptr=2 << 20))
+    monkeypatch.setattr(interop, "allocate", lambda framework, like, shape, dtype=None:
+                        (_tensor(shape, dtype or like.dtype, ptr=2 << 20), 2 << 20))
     return calls
 
 
@@ -76,9 +83,12 @@ def test_fixed_length_launch(launches):
     q, k = _tensor((2, 300, 8, 128)), _tensor((2, 1000, 2, 128), ptr=3 << 20)
     lse = _tensor((2, 8, 300), "float32", ptr=4 << 20)
     window = api._kernel_window(True, (256, -1), 300, 1000)
-    api._launch_forward("cupy", q, k, k, q, lse, 0.1, window, 30.0, 2, 300)
-    (choice, grid, params), = launches
-    assert "false, true, true" in choice.name_expression and grid == (3, 8, 2)
+    plan = api._forward_plan(q, k, k, q, lse, 0.1, window, 30.0, 2, 300)
+    api._run_forward(plan, 0, q, k, k, q.ptr, lse.ptr)
+    (kernel, params), = launches
+    choice = dispatch.forward_kernel("sm80", 128, "window", "bfloat16", True)
+    assert kernel.function == id(choice) and kernel.grid == (3, 8, 2)
+    assert (params["q"], params["k"], params["o"], params["lse"]) == (1 << 20, 3 << 20, 1 << 20, 4 << 20)
     assert (params["window_left"], params["window_right"]) == (256, 0)
     assert params["cu_seqlens_q"] == 0 and params["seqlen_k"] == 1000 and params["kv_group"] == 4
     assert (params["lse_batch_stride"], params["lse_head_stride"]) == (8 * 300, 300)
@@ -93,9 +103,9 @@ def test_packed_launch(launches):
     tensors = {"q": q, "k": k, "v": k}
     lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=500)
     out, lse = varlen._forward_on_device("cupy", tensors, lengths, True, 0.125, (-1, -1), 0.0)
-    (choice, grid, params), = launches
+    (kernel, params), = launches
     assert lse.shape == (8, 700) and out.shape == q.shape
-    assert choice.blocks_slowest and grid == (8, 3, 4)  # heads, batch, ceil(500 / 128) query blocks
+    assert kernel.grid == (8, 3, 4)  # causal: heads, batch, ceil(500 / 128) query blocks
     assert (params["cu_seqlens_q"], params["cu_seqlens_k"]) == (5 << 20, 6 << 20)
     assert params["q_batch_stride"] == params["k_batch_stride"] == params["o_batch_stride"] == 0
     assert (params["lse_batch_stride"], params["lse_head_stride"]) == (0, 700)
