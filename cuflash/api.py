@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from cuflash import dispatch, interop, kernels, reference
-from cuflash.params import pack_bwd_params, pack_convert_params, pack_fwd_params
+from cuflash.params import pack_bwd_params, pack_convert_params, pack_fwd_params, pack_fwd_params_sm90, tma_ready
 
-__all__ = ["attention", "attention_backward"]
+__all__ = ["attention", "attention_backward", "explain"]
 
 _DEVICE_DTYPES = ("float16", "bfloat16")
 _HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -128,19 +128,33 @@ def _mask_kind(window: tuple[int, int]) -> str:
     return {(-1, -1): "none", (-1, 0): "causal"}.get(window, "window")
 
 
+def _forward_choice(family: str, qt, kt, vt, window: tuple[int, int], softcap: float) -> dispatch.KernelChoice:
+    """The forward kernel for these tensors on a device of ``family``: dispatch.forward_plan's, or
+    sm80's where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast
+    or reversed dimension; the sm80 kernel reads any strides)."""
+    choice = dispatch.forward_plan(family, qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
+    if choice.family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt)):
+        choice = dispatch.forward_kernel("sm80", qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
+    return choice
+
+
 def _launch_forward(framework: str, qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int], softcap: float,
                     batch: int, max_seqlen_q: int, cu_seqlens=(None, None)) -> None:
     """Launch the forward kernel over a fixed-length batch (q, k, v, out BSHD) or a packed one
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors); ``window`` from
     _kernel_window."""
-    family, arch = _device_plan(qt.device)
-    mask = _mask_kind(window)
-    choice = dispatch.forward_kernel(family, qt.shape[3], mask, qt.dtype, bool(softcap))
+    family, capability = _device_plan(qt.device)
+    choice = _forward_choice(family, qt, kt, vt, window, softcap)
     m_blocks = -(-max_seqlen_q // choice.tile.block_m)
     heads = qt.shape[2]
     grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
-    params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens)
-    kernels.launch(choice, arch, qt.device, grid, params, interop.stream_handle(framework, qt.device))
+    if choice.family == "sm90":
+        params = pack_fwd_params_sm90(qt, kt, vt, out_t, lse_t, choice.tile.block_m, choice.tile.block_n, scale,
+                                      window, softcap, *cu_seqlens)
+    else:
+        params = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens)
+    kernels.launch(choice, dispatch.compile_arch(choice.family, capability), qt.device, grid, params,
+                   interop.stream_handle(framework, qt.device))
 
 
 def _launch_backward(framework: str, qt, kt, vt, out_t, dout_t, lse_t, grads: dict, scale: float,
@@ -150,9 +164,10 @@ def _launch_backward(framework: str, qt, kt, vt, out_t, dout_t, lse_t, grads: di
     one (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), writing the 16-bit
     gradients ``grads`` ("dq", "dk", "dv"); ``window`` from _kernel_window."""
     _, rows_q, heads, head_dim = qt.shape
-    family, arch = _device_plan(qt.device)
-    preprocess, main, convert = dispatch.backward_kernels(family, head_dim, _mask_kind(window), qt.dtype,
-                                                          bool(softcap), deterministic)
+    _, capability = _device_plan(qt.device)
+    arch = dispatch.compile_arch(dispatch.BACKWARD_FAMILY, capability)
+    preprocess, main, convert = dispatch.backward_kernels(dispatch.BACKWARD_FAMILY, head_dim, _mask_kind(window),
+                                                          qt.dtype, bool(softcap), deterministic)
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
     if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
         raise ValueError(f"k: sequences must be at most {_MAX_GRID_YZ * main.tile.block_n} keys long for the "
@@ -245,12 +260,28 @@ def _multiprocessors(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_plan(device_id: int) -> tuple[str, str]:
+def _device_plan(device_id: int) -> tuple[str, tuple[int, int]]:
+    """(kernel family, compute capability) of a device; the family as CUFLASH_FAMILY was when
+    first asked (cache_clear() to re-read it)."""
     import cupy
 
     capability = divmod(int(cupy.cuda.Device(device_id).compute_capability), 10)  # "90" -> (9, 0)
-    family = dispatch.select_family(capability)
-    return family, dispatch.compile_arch(family, capability)
+    return dispatch.select_family(capability), capability
+
+
+def explain(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
+            softcap: float = 0.0) -> dispatch.KernelChoice:
+    """The forward kernel ``attention(q, k, v, causal=..., window=..., softcap=...)`` runs for
+    these GPU arrays on their device: its family (``sm90``, or ``sm80`` where the sm90 family has
+    no kernel for the case), instantiation name, threads, shared memory and tile. Launches nothing."""
+    framework = _framework(q=q, k=k, v=v)
+    if framework == "numpy":
+        raise TypeError("q: explain describes GPU kernels; NumPy arrays run the CPU reference")
+    qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
+    _check_qkv(qt, kt, vt, on_device=True)
+    qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
+    kernel_window = _kernel_window(bool(causal), _resolve_window(window), qt.shape[1], kt.shape[1])
+    return _forward_choice(_device_plan(qt.device)[0], qt, kt, vt, kernel_window, _resolve_softcap(softcap))
 
 
 def attention(

@@ -6,9 +6,12 @@ layout, and params.cuh static_asserts the same size.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
+
+from cuflash import tma
 
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 
@@ -51,6 +54,54 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_exp2_scale)],
         dtype=FWD_PARAMS,
     )
+
+
+# cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, then FwdParams.
+FWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
+                                   ("base", FWD_PARAMS)])
+FWD_PARAMS_SM90_SIZE = 640  # sizeof(FwdParamsSm90)
+_SM90_PADDING = bytes(FWD_PARAMS_SM90_SIZE - FWD_PARAMS_SM90.fields["base"][1] - FWD_PARAMS.itemsize)
+def tma_view(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, byte strides) of DeviceTensor ``t`` as a tensor map takes them: a dimension of
+    extent 1 (a packed batch's batch of one, MQA's one head) is never stepped along, and its
+    stride, which may be 0, becomes the dense one (the next inner dimension's stride times its
+    extent) so that it passes the driver's rules."""
+    strides = [s * t.itemsize for s in t.strides]
+    for i in range(len(strides) - 2, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = max(16, strides[i + 1] * t.shape[i + 1])
+    return tuple(t.shape), tuple(strides)
+
+
+def tma_ready(t) -> bool:
+    """Whether DeviceTensor ``t`` (BSHD, 16-byte aligned) can be described by a tensor map: every
+    stride stepped along positive (no broadcast or reversed dimension)."""
+    return all(s > 0 for s in tma_view(t)[1])
+
+
+def bshd_tensor_map(t, rows: int) -> bytes:
+    """Tensor map of a 16-byte-aligned BSHD DeviceTensor with boxes of ``rows`` rows of one head's
+    64-column panel (sm90/fwd_params.cuh)."""
+    return _tensor_map(t.ptr, *tma_view(t), t.dtype, rows)
+
+
+# A map depends only on these arguments, so one encoded for the same tensor before is reused: a
+# model calls attention on the same buffers again and again, and the checks, the driver call and
+# its ctypes arrays cost ~7 us per map.
+@functools.lru_cache(maxsize=256)
+def _tensor_map(address: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, rows: int) -> bytes:
+    return tma.encode_tiled(tma.tiled_map_args(address, shape, strides, dtype, (1, rows, 1, 64)))
+
+
+def pack_fwd_params_sm90(q, k, v, out, lse, block_m: int, block_n: int, softmax_scale: float,
+                         window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
+                         cu_seqlens_k=None) -> np.ndarray:
+    """One FwdParamsSm90 struct: tensor maps of q (boxes of ``block_m`` rows) and of k and v
+    (``block_n`` rows), then pack_fwd_params' struct for the same arguments. Joined as bytes,
+    which is cheaper than assigning the fields of a structured array one by one."""
+    base = pack_fwd_params(q, k, v, out, lse, softmax_scale, window, softcap, cu_seqlens_q, cu_seqlens_k)
+    maps = (bshd_tensor_map(q, block_m), bshd_tensor_map(k, block_n), bshd_tensor_map(v, block_n))
+    return np.frombuffer(b"".join((*maps, base.tobytes(), _SM90_PADDING)), dtype=FWD_PARAMS_SM90)
 
 
 _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv") for s in ("batch", "row", "head")]

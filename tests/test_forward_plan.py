@@ -63,7 +63,7 @@ def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
 def launches(monkeypatch):
     """kernels.launch replaced by a recorder; new arrays are fake DeviceTensors."""
     calls = []
-    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", "sm_90"))
+    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", (9, 0)))
     monkeypatch.setattr(kernels, "launch", lambda choice, arch, device, grid, params, stream:
                         calls.append((choice, grid, params[0])))
     monkeypatch.setattr(interop, "stream_handle", lambda framework, device: 0)
