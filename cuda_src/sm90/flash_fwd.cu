@@ -59,13 +59,71 @@ __device__ __forceinline__ float (&flat(float (&x)[1][NT][4]))[NT * 4] {
   return reinterpret_cast<float(&)[NT * 4]>(x);
 }
 
+// Stage and phase of a walk around a ring of STAGES mbarrier-guarded stages: a full barrier of
+// stage s completes once per lap, so its waiters wait for parity `phase`.
+template <int STAGES>
+struct RingPosition {
+  int stage = 0;
+  u32 phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// S = Q K^T for one warpgroup's 64 rows: K-major operands, 4 k16 steps per 64-column panel, the
+// first overwriting s. Issues only; the caller fences, commits and waits.
+template <class Smem, int BLOCK_N, class Elem, int NT>
+__device__ __forceinline__ void issue_qk(float (&s)[1][NT][4], u64 q_desc, u64 k_desc) {
+#pragma unroll
+  for (int panel = 0; panel < Smem::PANELS; ++panel)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      wgmma_ss<BLOCK_N, Elem>(flat(s), desc_advance(q_desc, panel * Smem::Q_PANEL + 32 * k),
+                              desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k), panel > 0 || k > 0);
+}
+
+// O += P V: P from registers, V (keys x head_dim, row-major) MN-major for this product, a k16
+// step 16 key rows (2048 bytes). Issues only.
+template <class Smem, int HEAD_DIM, class Elem, int DT, int KSLICES>
+__device__ __forceinline__ void issue_pv(float (&o)[1][DT][4], const u32 (&p)[KSLICES][4], u64 v_desc) {
+#pragma unroll
+  for (int j = 0; j < KSLICES; ++j) wgmma_rs<HEAD_DIM, Elem, true>(flat(o), p[j], desc_advance(v_desc, 2048 * j), true);
+}
+
+// Scores of key block n to unnormalised probabilities: softcap, the mask where the block needs
+// it (this warp's 16 rows start at warp_row), and the online softmax's running max and sum;
+// `correction` is what o must be multiplied by once no P V product writes it any more.
+template <int BLOCK_N, bool SOFTCAP, bool CAUSAL, bool WINDOW, int NT>
+__device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<CAUSAL, WINDOW>& mask,
+                                              OnlineSoftmax<1>& softmax, const FwdParams& a, int m64_block, int n,
+                                              int warp_row, float (&correction)[1][2]) {
+  if (SOFTCAP) softcap_scores(s, a.softcap_exp2_scale);
+  if (needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n)) mask.apply(s, warp_row, n * BLOCK_N);
+  softmax.probabilities(s, a.scale_log2, correction);
+}
+
+// P in 16 bits: accumulator registers 8j..8j+7 of S are the A registers of P V's k-slice j.
+template <class Elem, int NT>
+__device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[NT / 2][4]) {
+#pragma unroll
+  for (int j = 0; j < NT / 2; ++j) {
+    p[j][0] = Elem::pack(s[0][2 * j][0], s[0][2 * j][1]);
+    p[j][1] = Elem::pack(s[0][2 * j][2], s[0][2 * j][3]);
+    p[j][2] = Elem::pack(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
+    p[j][3] = Elem::pack(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
+  }
+}
+
 // HEAD_DIM: the head-dim bucket (64 or 128; the real head_dim may be smaller, TMA zero-fills the
 // rest). BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the mask
 // (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
 __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
   using Smem = FwdSmem<HEAD_DIM, BLOCK_N, STAGES>;
-  constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S
+  constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S (and NT / 2 k-slices of P V)
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of O
   const FwdParams& a = p.base;
 
@@ -122,28 +180,24 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
       tma_load(smem + panel * Smem::Q_PANEL, &p.q, &q_full, 64 * panel, head, seq.q_begin + first_row, map_batch);
 
     // Key blocks from the last to the first, as the consumers take them (see there).
-    int stage = 0;
-    u32 phase = 0;
-    for (int n = n_range.end - 1; n >= n_range.begin; --n) {
+    RingPosition<STAGES> pos;
+    for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
       const int key_row = seq.k_begin + n * BLOCK_N;
+      const u32 offset = pos.stage * Smem::KV_BYTES;
       // Wait for the consumers to release this stage's previous tile (a fresh barrier's parity-1
-      // phase counts as complete, so the first round does not wait), announce the bytes, copy.
-      mbarrier_wait(&k_empty[stage], phase ^ 1);
-      mbarrier_arrive_expect_tx(&k_full[stage], Smem::KV_BYTES);
+      // phase counts as complete, so the first lap does not wait), announce the bytes, copy.
+      mbarrier_wait(&k_empty[pos.stage], pos.phase ^ 1);
+      mbarrier_arrive_expect_tx(&k_full[pos.stage], Smem::KV_BYTES);
 #pragma unroll
       for (int panel = 0; panel < Smem::PANELS; ++panel)
-        tma_load(smem + Smem::K + stage * Smem::KV_BYTES + panel * Smem::KV_PANEL, &p.k, &k_full[stage], 64 * panel,
-                 kv_head, key_row, map_batch);
-      mbarrier_wait(&v_empty[stage], phase ^ 1);
-      mbarrier_arrive_expect_tx(&v_full[stage], Smem::KV_BYTES);
+        tma_load(smem + Smem::K + offset + panel * Smem::KV_PANEL, &p.k, &k_full[pos.stage], 64 * panel, kv_head,
+                 key_row, map_batch);
+      mbarrier_wait(&v_empty[pos.stage], pos.phase ^ 1);
+      mbarrier_arrive_expect_tx(&v_full[pos.stage], Smem::KV_BYTES);
 #pragma unroll
       for (int panel = 0; panel < Smem::PANELS; ++panel)
-        tma_load(smem + Smem::V + stage * Smem::KV_BYTES + panel * Smem::KV_PANEL, &p.v, &v_full[stage], 64 * panel,
-                 kv_head, key_row, map_batch);
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
+        tma_load(smem + Smem::V + offset + panel * Smem::KV_PANEL, &p.v, &v_full[pos.stage], 64 * panel, kv_head,
+                 key_row, map_batch);
     }
   } else {
     // Consumer warpgroups: warps 4-7 and 8-11, warpgroup-aligned as wgmma requires.
@@ -167,64 +221,73 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
       // This warpgroup's 64 rows of each Q panel: an A operand starting 64 rows (8 swizzle
       // periods) into the panel.
       const u64 q_desc = smem_desc_sw128(smem + wg_row * 128);
-      int stage = 0;
-      u32 phase = 0;
+      const int warp_row = first_row + wg_row + warp * 16;
+      const int m64_block = 2 * m_block + consumer;  // this warpgroup's rows as a 64-row block
+      float s[1][NT][4];
+      u32 pv_a[NT / 2][4];
+      float correction[1][2];
+      RingPosition<STAGES> k_pos, v_pos;
       // Key blocks from the last to the first: the blocks that need masking (the diagonal and
       // the sequence end) come first, a window's left edge last.
-      for (int n = n_range.end - 1; n >= n_range.begin; --n) {
-        float s[1][NT][4];
-        mbarrier_wait(&k_full[stage], phase);
-        const u64 k_desc = smem_desc_sw128(smem + Smem::K + stage * Smem::KV_BYTES);
-        // S = Q K^T: K-major operands, 4 k16 steps per 64-column panel; the first overwrites s.
-        wgmma_fence();  // s was last read by the softmax's ordinary instructions
-#pragma unroll
-        for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            wgmma_ss<BLOCK_N, Elem>(flat(s), desc_advance(q_desc, panel * Smem::Q_PANEL + 32 * k),
-                                    desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k), panel > 0 || k > 0);
+      int n = n_range.end - 1;
+
+      // The first block: S, then P (o is still zero, so its correction is moot).
+      mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
+      __syncwarp();  // reconverge after the spin: wgmma is .aligned
+      wgmma_fence();
+      issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
+      wgmma_commit();
+      fence_registers(flat(s));
+      wgmma_wait<0>();
+      fence_registers(flat(s));
+      // The tensor cores are done with this K stage: one arrival per warp hands it back.
+      if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
+      probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
+      pack_p<Elem>(s, pv_a);
+      k_pos.advance();
+
+      // Each step issues S of block n and then P V of block n + 1 (FlashAttention-3's
+      // intra-warpgroup overlap): the softmax of block n runs while the tensor cores still
+      // multiply P V, and the rescale of o waits for that product.
+      for (--n; n >= n_range.begin; --n) {
+        mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
+        mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+        __syncwarp();
+        wgmma_fence();  // s was read by the softmax, o rescaled and pv_a packed by ordinary instructions
+        issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
+        wgmma_commit();
+        issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
+                                                                    Smem::KV_PANEL));
         wgmma_commit();
         fence_registers(flat(s));
-        wgmma_wait<0>();
+        fence_registers(flat(o));
+        fence_registers(pv_a);
+        wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
         fence_registers(flat(s));
-        // The tensor cores are done with K[stage]: one arrival per warp hands it back.
-        if (lane == 0) mbarrier_arrive(&k_empty[stage]);
-
-        if (SOFTCAP) softcap_scores(s, a.softcap_exp2_scale);
-        if (needs_mask<kConsumerRows, BLOCK_N>(mask, 2 * m_block + consumer, n))
-          mask.apply(s, first_row + wg_row + warp * 16, n * BLOCK_N);
-        softmax.update(s, o, a.scale_log2);
-
-        // P in 16 bits: accumulator registers 8j..8j+7 are the A registers of k-slice j.
-        u32 pa[BLOCK_N / 16][4];
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 16; ++j) {
-          pa[j][0] = Elem::pack(s[0][2 * j][0], s[0][2 * j][1]);
-          pa[j][1] = Elem::pack(s[0][2 * j][2], s[0][2 * j][3]);
-          pa[j][2] = Elem::pack(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
-          pa[j][3] = Elem::pack(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
-        }
-
-        // O += P V: V (keys x head_dim, row-major) is MN-major for this product; a k16 step is
-        // 16 key rows, 2048 bytes.
-        mbarrier_wait(&v_full[stage], phase);
-        const u64 v_desc = smem_desc_sw128_mn(smem + Smem::V + stage * Smem::KV_BYTES, Smem::KV_PANEL);
+        if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
+        probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
+        wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
         fence_registers(flat(o));
-        wgmma_fence();  // o was rescaled and pa written by ordinary instructions
-#pragma unroll
-        for (int j = 0; j < BLOCK_N / 16; ++j)
-          wgmma_rs<HEAD_DIM, Elem, true>(flat(o), pa[j], desc_advance(v_desc, 2048 * j), true);
-        wgmma_commit();
-        fence_registers(flat(o));
-        wgmma_wait<0>();
-        fence_registers(flat(o));
-        if (lane == 0) mbarrier_arrive(&v_empty[stage]);
-
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
+        fence_registers(pv_a);
+        if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
+        softmax.rescale(o, correction);
+        pack_p<Elem>(s, pv_a);
+        k_pos.advance();
+        v_pos.advance();
       }
+
+      // P V of the last block.
+      mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+      __syncwarp();
+      wgmma_fence();
+      issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
+                                                                  Smem::KV_PANEL));
+      wgmma_commit();
+      fence_registers(flat(o));
+      fence_registers(pv_a);
+      wgmma_wait<0>();
+      fence_registers(flat(o));
+      if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
     }
 
     float lse[1][2];

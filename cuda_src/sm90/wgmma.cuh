@@ -95,6 +95,15 @@ __device__ __forceinline__ void fence_registers(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// The same for register A operands (k-slices of 4 registers): the hardware reads them until the
+// wgmma_wait, so a fence there keeps them live, and unchanged, up to that point.
+template <int K>
+__device__ __forceinline__ void fence_registers(u32 (&a)[K][4]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[k][j])::"memory");
+}
 
 // setmaxnreg: moves registers between warpgroups of a warp-specialised kernel (a producer that
 // needs few gives them to consumers that need many). All warps of the warpgroup execute it; it
