@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-from cuflash.api import attention, attention_backward
+from cuflash.api import attention, attention_backward, explain
 from cuflash.varlen import attention_varlen, attention_varlen_backward
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "explain", "__version__"]

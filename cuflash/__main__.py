@@ -22,10 +22,12 @@ from cuflash import dispatch, kernels, nvrtc, reference
 
 
 def compile_check(arch: str) -> int:
-    """Compile every instantiation (forward and backward) for ``arch``; return the number of failures."""
+    """Compile every instantiation (forward and backward) for ``arch``, the sm90 family's too for
+    sm_90a; return the number of failures."""
     print(f"NVRTC {'.'.join(map(str, nvrtc.version()))}, target {arch}, sources {kernels.source_root()}")
     failures = 0
-    for choice in dispatch.all_kernels("sm80"):
+    families = ("sm80", "sm90") if arch == "sm_90a" else ("sm80",)
+    for choice in (c for family in families for c in dispatch.all_kernels(family)):
         try:
             compiled = kernels.compile_kernel(choice, arch, use_cache=False)
         except nvrtc.CompileError as error:
@@ -33,7 +35,7 @@ def compile_check(arch: str) -> int:
             print(f"FAILED {choice.name_expression}\n{error}")
             continue
         r = compiled.resources()
-        print(f"{choice.name_expression:<64} {r['registers']:>3} registers, "
+        print(f"{choice.name_expression:<72} {r['registers']:>3} registers, "
               f"{r['spill_stores']:>3} B spill stores, {r['spill_loads']:>3} B spill loads, "
               f"{compiled.seconds:5.2f} s")
     print(f"{'all compiled' if not failures else f'{failures} failed'}")
@@ -70,9 +72,10 @@ def gpu_report() -> None:
 
     device = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(device.id)
-    family, arch = _device_plan(device.id)
+    family, capability = _device_plan(device.id)
     print(f"device {device.id}: {props['name'].decode()}, compute capability "
-          f"{device.compute_capability[:-1]}.{device.compute_capability[-1]}, family {family} ({arch}), "
+          f"{device.compute_capability[:-1]}.{device.compute_capability[-1]}, family {family} "
+          f"({dispatch.compile_arch(family, capability)}; backward {dispatch.BACKWARD_FAMILY}), "
           f"NVRTC {'.'.join(map(str, nvrtc.version()))}, cache {kernels.cache_dir()}")
 
     rng = np.random.default_rng()
@@ -85,7 +88,8 @@ def gpu_report() -> None:
     expected, _ = reference.attention_reference(*(x.astype(np.float64) for x in host), causal=True)
     lowp, _ = reference.attention_reference(*host, causal=True, dtype=bf16)
     ok, err, bound = reference.max_error_bound(cp.asnumpy(out).astype(np.float64), expected, lowp.astype(np.float64))
-    print(f"self-check (bf16, causal, d=128, 300x300): max error {err:.2e}, bound {bound:.2e}: "
+    kernel = cuflash.explain(*(cp.asarray(x) for x in host), causal=True).name_expression
+    print(f"self-check (bf16, causal, d=128, 300x300) with {kernel}: max error {err:.2e}, bound {bound:.2e}: "
           f"{'ok' if ok else 'FAILED'}; first call incl. compile/load {first_call:.2f} s")
     if not ok:
         sys.exit(1)
@@ -138,7 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     bench.add_argument("--mode", choices=bench_module.MODES, default="fwd",
                        help="what one timed call does: forward, backward (forward run untimed) or both")
-    bench.add_argument("--family", choices=["auto", "sm80"], default="auto", help="cuflash kernel family")
+    bench.add_argument("--family", choices=["auto", *dispatch.FAMILIES], default="auto",
+                       help="cuflash kernel family (sm90 runs sm80's forward for head dims it has no kernel for, "
+                            "and sm80's backward; the compilation notes name each kernel)")
     bench.add_argument("--impls", nargs="+", choices=bench_module.IMPLEMENTATIONS,
                        default=list(bench_module.IMPLEMENTATIONS), help="what to time (peers that are not installed are skipped)")
     bench.add_argument("--repeats", type=int, default=10, help="timed samples per case (median reported)")

@@ -13,9 +13,9 @@ import numpy as np
 
 from cuflash import dispatch, interop, kernels, reference
 from cuflash.params import (BWD_POINTERS, CONVERT_POINTERS, FWD_POINTERS, ArgumentBuffer, pack_bwd_params,
-                            pack_convert_params, pack_fwd_params)
+                            pack_convert_params, pack_fwd_params, sm90_forward_argument, tma_ready)
 
-__all__ = ["attention", "attention_backward"]
+__all__ = ["attention", "attention_backward", "explain"]
 
 _DEVICE_DTYPES = ("float16", "bfloat16")
 _HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -142,14 +142,14 @@ def _mask_kind(window: tuple[int, int]) -> str:
 
 @dataclass(frozen=True, eq=False)
 class _ForwardPlan:
-    device_plan: tuple[str, str]  # (family, arch) it was built for
+    device_plan: tuple[str, tuple[int, int]]  # (family, compute capability) it was built for
     kernel: kernels.Launch
-    argument: ArgumentBuffer  # FwdParams; pointers in FWD_POINTERS order
+    argument: ArgumentBuffer  # FwdParams, or FwdParamsSm90 (maps encoded per fill); pointers in FWD_POINTERS order
 
 
 @dataclass(frozen=True, eq=False)
 class _BackwardPlan:
-    device_plan: tuple[str, str]
+    device_plan: tuple[str, tuple[int, int]]
     preprocess: kernels.Launch
     main: kernels.Launch
     argument: ArgumentBuffer  # BwdParams, shared by preprocess and main; pointers in BWD_POINTERS order
@@ -206,18 +206,32 @@ def _aligned_pointers(*tensors) -> bool:
     return bits % 16 == 0
 
 
+def _forward_choice(family: str, qt, kt, vt, window: tuple[int, int], softcap: float) -> dispatch.KernelChoice:
+    """The forward kernel for these tensors on a device of ``family``: dispatch.forward_plan's, or
+    sm80's where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast
+    or reversed dimension; the sm80 kernel reads any strides)."""
+    choice = dispatch.forward_plan(family, qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
+    if choice.family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt)):
+        choice = dispatch.forward_kernel("sm80", qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
+    return choice
+
+
 def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int], softcap: float, batch: int,
                   max_seqlen_q: int, cu_seqlens=(None, None)) -> _ForwardPlan:
     """The forward launch over a fixed-length batch (q, k, v, out BSHD) or a packed one
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), for validated tensors;
     ``window`` from _kernel_window. out and lse may be interop.contiguous records."""
-    family, arch = device_plan = _device_plan(qt.device)
-    choice = dispatch.forward_kernel(family, qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
+    family, capability = device_plan = _device_plan(qt.device)
+    choice = _forward_choice(family, qt, kt, vt, window, softcap)
     m_blocks = -(-max_seqlen_q // choice.tile.block_m)
     heads = qt.shape[2]
     grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
-    argument = ArgumentBuffer(pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens),
-                              FWD_POINTERS)
+    packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens)
+    if choice.family == "sm90":
+        argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n)
+    else:
+        argument = ArgumentBuffer(packed, FWD_POINTERS)
+    arch = dispatch.compile_arch(choice.family, capability)
     return _ForwardPlan(device_plan, kernels.prepare(choice, arch, qt.device, grid), argument)
 
 
@@ -241,9 +255,10 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     gradients ``grads`` (dq, dk, dv: DeviceTensors or interop.contiguous records); ``window`` from
     _kernel_window."""
     _, rows_q, heads, head_dim = qt.shape
-    family, arch = device_plan = _device_plan(qt.device)
-    preprocess, main, convert = dispatch.backward_kernels(family, head_dim, _mask_kind(window), qt.dtype,
-                                                          bool(softcap), deterministic)
+    device_plan = (_, capability) = _device_plan(qt.device)
+    arch = dispatch.compile_arch(dispatch.BACKWARD_FAMILY, capability)
+    preprocess, main, convert = dispatch.backward_kernels(dispatch.BACKWARD_FAMILY, head_dim, _mask_kind(window),
+                                                          qt.dtype, bool(softcap), deterministic)
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
     if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
         raise ValueError(f"k: sequences must be at most {_MAX_GRID_YZ * main.tile.block_n} keys long for the "
@@ -365,12 +380,28 @@ def _multiprocessors(device_id: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _device_plan(device_id: int) -> tuple[str, str]:
+def _device_plan(device_id: int) -> tuple[str, tuple[int, int]]:
+    """(kernel family, compute capability) of a device; the family as CUFLASH_FAMILY was when
+    first asked (cache_clear() to re-read it)."""
     import cupy
 
     capability = divmod(int(cupy.cuda.Device(device_id).compute_capability), 10)  # "90" -> (9, 0)
-    family = dispatch.select_family(capability)
-    return family, dispatch.compile_arch(family, capability)
+    return dispatch.select_family(capability), capability
+
+
+def explain(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
+            softcap: float = 0.0) -> dispatch.KernelChoice:
+    """The forward kernel ``attention(q, k, v, causal=..., window=..., softcap=...)`` runs for
+    these GPU arrays on their device: its family (``sm90``, or ``sm80`` where the sm90 family has
+    no kernel for the case), instantiation name, threads, shared memory and tile. Launches nothing."""
+    framework = _framework(q=q, k=k, v=v)
+    if framework == "numpy":
+        raise TypeError("q: explain describes GPU kernels; NumPy arrays run the CPU reference")
+    qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
+    _check_qkv(qt, kt, vt, on_device=True)
+    qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
+    kernel_window = _kernel_window(bool(causal), _resolve_window(window), qt.shape[1], kt.shape[1])
+    return _forward_choice(_device_plan(qt.device)[0], qt, kt, vt, kernel_window, _resolve_softcap(softcap))
 
 
 def attention(

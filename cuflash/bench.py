@@ -219,7 +219,10 @@ def environment() -> dict:
            "CuPy": cp.__version__, "Python": platform.python_version()}
     from cuflash import __version__, nvrtc
 
+    from cuflash.api import _device_plan
+
     env["cuflash"] = __version__
+    env["cuflash family"] = _device_plan(cp.cuda.Device().id)[0]
     env["NVRTC"] = ".".join(map(str, nvrtc.version()))
     try:
         import torch
@@ -333,15 +336,17 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
     from cuflash import dispatch, kernels
     from cuflash.api import _device_plan
 
-    family, arch = _device_plan(cp.cuda.Device().id)
+    family, capability = _device_plan(cp.cuda.Device().id)
     rows = []
     for head_dim in head_dims:
         for causal in causals:
-            choices = ([dispatch.forward_kernel(family, head_dim, "causal" if causal else "none", dtype)]
-                       if mode != "bwd" else [])
+            mask = "causal" if causal else "none"
+            # forward_plan names the kernel that ran: sm90's, or sm80's where sm90 has none.
+            choices = [dispatch.forward_plan(family, head_dim, mask, dtype)] if mode != "bwd" else []
             if mode != "fwd":
-                choices.append(dispatch.backward_kernels(family, head_dim, "causal" if causal else "none", dtype)[1])
+                choices.append(dispatch.backward_kernels(dispatch.BACKWARD_FAMILY, head_dim, mask, dtype)[1])
             for choice in choices:
+                arch = dispatch.compile_arch(choice.family, capability)
                 cold = kernels.compile_kernel(choice, arch, use_cache=False).seconds
                 kernels.compile_kernel(choice, arch)  # make sure the disk cache holds it
                 start = time.perf_counter()

@@ -1,8 +1,10 @@
 """Device -> kernel family, head_dim -> bucket, and the one table of tile sizes.
 
 Like vLLM's choice between FlashAttention versions, the family follows the compute capability:
-8.x runs ``sm80``; 9.x will run ``sm90`` once that family exists and runs ``sm80`` until then;
-anything older than 8.0 is refused. ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice.
+9.x runs ``sm90``, other devices from 8.0 up run ``sm80``; anything older than 8.0 is refused.
+``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
+some head-dim buckets only; ``forward_plan`` sends the others to the sm80 forward, and the
+``KernelChoice`` it returns names the family that runs. The backward is sm80's on every device.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
 """
@@ -14,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 __all__ = [
+    "BACKWARD_FAMILY",
     "FAMILIES",
     "HEAD_DIM_BUCKETS",
     "MASKS",
@@ -22,16 +25,18 @@ __all__ = [
     "all_kernels",
     "backward_kernels",
     "forward_kernel",
+    "forward_plan",
     "head_dim_bucket",
     "select_family",
 ]
 
-FAMILIES = ("sm80",)  # "sm90" joins when its kernels exist
+FAMILIES = ("sm80", "sm90")
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 ELEMENT_TYPES = {"float16": "cuflash::f16", "bfloat16": "cuflash::bf16"}
 # Forward masks (cuda_src/common/mask.cuh): every key, the causal diagonal, or a window whose
 # bounds are run-time arguments (causal folded in as right = 0), which serves any mask.
 MASKS = ("none", "causal", "window")
+BACKWARD_FAMILY = "sm80"  # the one family with backward kernels, on every device
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,7 @@ class Tile:
     block_n: int  # keys per main-loop step
     warps: int
     ctas_per_sm: int = 1  # the register budget the compiler gets: 65536 / (ctas_per_sm * warps * 32)
+    stages: int = 1  # sm90: depth of the TMA ring of K and V tiles
 
 
 # sm80 forward tiles per head-dim bucket. Each warp owns block_m / warps query rows; 32 rows
@@ -55,6 +61,18 @@ SM80_FWD_TILES = {
     128: Tile(128, 64, 4),
     192: Tile(128, 64, 8),
     256: Tile(128, 64, 8),
+}
+
+
+# sm90 forward tiles (cuda_src/sm90/flash_fwd.cu): 128 query rows per CTA, 64 per consumer
+# warpgroup (one wgmma M each), 12 warps (a producer warpgroup and two consumers). 128 keys per
+# step: S is then 64 fp32 registers per consumer thread and O 32 (d64) or 64 (d128), far inside
+# the 240 that setmaxnreg gives the consumers, and each barrier wait covers 2 x 64 x 128 x d x 2
+# FLOP per warpgroup. The ring is as deep as shared memory allows (227 KB, one CTA per SM).
+# Buckets without an entry run the sm80 forward (forward_plan).
+SM90_FWD_TILES = {
+    64: Tile(128, 128, 12, stages=4),  # Q 16 KB + 4 x (K 16 KB + V 16 KB) = 144 KB
+    128: Tile(128, 128, 12, stages=2),  # Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
 }
 
 
@@ -88,8 +106,8 @@ def select_family(capability: tuple[int, int], override: str | None = None) -> s
     """Kernel family for a device of compute capability ``capability`` (major, minor).
 
     ``override`` (default: the ``CUFLASH_FAMILY`` environment variable) is ``sm80``, ``sm90`` or
-    ``auto``. Raises ``RuntimeError`` for devices below 8.0 and ``ValueError`` for an unknown or
-    unavailable override.
+    ``auto``. Raises ``RuntimeError`` for devices below 8.0 and ``ValueError`` for an unknown
+    override or sm90 on a device that is not 9.x.
     """
     choice = (override if override is not None else os.environ.get("CUFLASH_FAMILY", "auto")).lower()
     if capability < (8, 0):
@@ -98,11 +116,9 @@ def select_family(capability: tuple[int, int], override: str | None = None) -> s
             f"has {capability[0]}.{capability[1]}"
         )
     if choice == "auto":
-        return "sm90" if capability[0] == 9 and "sm90" in FAMILIES else "sm80"
-    if choice not in ("sm80", "sm90"):
-        raise ValueError(f"CUFLASH_FAMILY: expected sm80, sm90 or auto, got {choice!r}")
+        return "sm90" if capability[0] == 9 else "sm80"
     if choice not in FAMILIES:
-        raise ValueError(f"CUFLASH_FAMILY: the {choice} family is not available in this version")
+        raise ValueError(f"CUFLASH_FAMILY: expected sm80, sm90 or auto, got {choice!r}")
     if choice == "sm90" and capability[0] != 9:
         raise ValueError(f"CUFLASH_FAMILY: sm90 kernels need compute capability 9.x, not {capability}")
     return choice
@@ -122,27 +138,45 @@ def _cpp(flag: bool) -> str:
 def forward_kernel(
     family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None
 ) -> KernelChoice:
-    """The forward kernel that serves these code-shaping switches: ``mask`` one of MASKS,
-    ``softcap`` whether scores are capped (``tile`` overrides the table, for tuning).
+    """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
+    MASKS, ``softcap`` whether scores are capped (``tile`` overrides the table, for tuning).
+    Raises ``ValueError`` where the family has no such kernel (forward_plan falls back instead).
 
     Softcap runs every mask in the window kernel, from the run-time bounds: one instantiation
     instead of three, and the tanh per score costs more than the bound checks. Its causal case
     loses the longest-first grid order of the causal kernel (flash_fwd.cu).
     """
-    if family != "sm80":
-        raise ValueError(f"family: no forward kernel for {family!r}")
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
-    tile = tile or SM80_FWD_TILES[bucket]
     causal, window = mask == "causal" and not softcap, mask == "window" or softcap
-    expr = (
-        f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, "
-        f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}>"
-    )
+    flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}"
+    if family == "sm90":
+        if tile is None and bucket not in SM90_FWD_TILES:
+            raise ValueError(f"head_dim: the sm90 forward serves the head-dim buckets {tuple(SM90_FWD_TILES)}, "
+                             f"not {bucket}")
+        tile = tile or SM90_FWD_TILES[bucket]
+        expr = f"cuflash::sm90::flash_fwd_sm90<{bucket}, {tile.block_n}, {tile.stages}, {flags}>"
+        # Q and the K and V stages, plus 1 KiB to align the window to the 128-byte swizzle's
+        # 1024-byte period.
+        smem = (tile.block_m + 2 * tile.stages * tile.block_n) * bucket * 2 + 1024
+        return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
+    tile = tile or SM80_FWD_TILES[bucket]
+    expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {flags}>"
     # Q tile plus one K and one V tile.
     smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
+
+
+def forward_plan(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False) -> KernelChoice:
+    """The forward kernel a call runs on a device of ``family``: that family's, or sm80's where
+    the sm90 family has no kernel for the head-dim bucket. ``KernelChoice.family`` and its name
+    say which ran."""
+    if family == "sm90" and head_dim_bucket(head_dim) not in SM90_FWD_TILES:
+        family = "sm80"
+    return forward_kernel(family, head_dim, mask, dtype_name, softcap)
 
 
 # sm80 backward, per head-dim bucket: BLOCK_N keys per CTA, BLOCK_M query rows per step, 8 warps
@@ -167,7 +201,7 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
                      deterministic: bool = False, tile: Tile | None = None) -> tuple[KernelChoice, ...]:
     """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
     forward_kernel (softcap runs in the window kernel there too), ``tile`` overrides the table,
-    for tuning."""
+    for tuning. Only the sm80 family has backward kernels; sm90 devices run them (BACKWARD_FAMILY)."""
     if family != "sm80":
         raise ValueError(f"family: no backward kernel for {family!r}")
     if mask not in MASKS:
@@ -190,14 +224,18 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
 
 
 def all_kernels(family: str) -> list[KernelChoice]:
-    """Every instantiation of a family (forward and backward), for the ahead-of-time compile check."""
+    """Every instantiation of a family, for the ahead-of-time compile check: sm80's forward and
+    backward kernels, or sm90's forward kernels (its devices run sm80's for the rest)."""
     found: dict[str, KernelChoice] = {}
-    for bucket in HEAD_DIM_BUCKETS:
+    buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
+    for bucket in buckets:
         for dtype in ELEMENT_TYPES:
             for mask in MASKS:
                 for softcap in (False, True):
                     choice = forward_kernel(family, bucket, mask, dtype, softcap)
                     found.setdefault(choice.name_expression, choice)
+                    if family != BACKWARD_FAMILY:
+                        continue
                     for deterministic in (False, True):
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, deterministic):
                             found.setdefault(choice.name_expression, choice)

@@ -10,10 +10,13 @@ part that changes between calls with the same shapes (~0.5 us).
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import struct
 
 import numpy as np
+
+from cuflash import tma
 
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 
@@ -57,6 +60,51 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_exp2_scale)],
         dtype=FWD_PARAMS,
     )
+
+
+# cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, then FwdParams.
+FWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
+                                   ("base", FWD_PARAMS)])
+FWD_PARAMS_SM90_SIZE = 640  # sizeof(FwdParamsSm90)
+
+
+def tma_view(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, byte strides) of DeviceTensor ``t`` as a tensor map takes them: a dimension of
+    extent 1 (a packed batch's batch of one, MQA's one head) is never stepped along, and its
+    stride, which may be 0, becomes the dense one (the next inner dimension's stride times its
+    extent) so that it passes the driver's rules."""
+    strides = [s * t.itemsize for s in t.strides]
+    for i in range(len(strides) - 2, -1, -1):
+        if t.shape[i] == 1:
+            strides[i] = max(16, strides[i + 1] * t.shape[i + 1])
+    return tuple(t.shape), tuple(strides)
+
+
+def tma_ready(t) -> bool:
+    """Whether DeviceTensor ``t`` (BSHD, 16-byte aligned) can be described by a tensor map: every
+    stride stepped along positive (no broadcast or reversed dimension)."""
+    return all(s > 0 for s in tma_view(t)[1])
+
+
+# A map depends only on these arguments, so one encoded for the same tensor before is reused: a
+# model calls attention on the same buffers again and again, and the checks, the driver call and
+# its ctypes arrays cost ~7 us per map.
+@functools.lru_cache(maxsize=256)
+def _tensor_map(address: int, shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, rows: int) -> bytes:
+    return tma.encode_tiled(tma.tiled_map_args(address, shape, strides, dtype, (1, rows, 1, 64)))
+
+
+def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: int) -> ArgumentBuffer:
+    """The FwdParamsSm90 argument for repeated launches: tensor maps of q (boxes of ``block_m``
+    rows of one head's 64-column panel, sm90/fwd_params.cuh) and of k and v (``block_n`` rows),
+    then ``packed``, pack_fwd_params' struct for the same call. The maps hold the addresses, so
+    each fill encodes them again (cached per address)."""
+    struct = np.zeros(1, FWD_PARAMS_SM90)
+    struct["base"] = packed
+    maps = tuple((name, index, functools.partial(_tensor_map, shape=shape, strides=strides, dtype=t.dtype, rows=rows))
+                 for index, (name, t, rows) in enumerate((("q", q, block_m), ("k", k, block_n), ("v", v, block_n)))
+                 for shape, strides in (tma_view(t),))
+    return ArgumentBuffer(struct, FWD_POINTERS, within="base", tensor_maps=maps)
 
 
 _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv") for s in ("batch", "row", "head")]
@@ -130,20 +178,31 @@ class ArgumentBuffer:
     returns, which has copied the argument by then.
     """
 
-    def __init__(self, packed: np.ndarray, pointers: tuple[str, ...]):
-        fields = packed.dtype.fields
-        # The pointers are the struct's first fields, contiguous from offset 0.
+    def __init__(self, packed: np.ndarray, pointers: tuple[str, ...], within: str | None = None, tensor_maps=()):
+        """``within``: the field of ``packed`` whose leading fields are the pointers (FwdParamsSm90's
+        "base", after its tensor maps), None for ``packed`` itself. ``tensor_maps``: (field, index
+        into ``pointers`` of the address it describes, encode(address) -> its 128 bytes) for each
+        tensor map of the struct; every fill encodes them for its own addresses."""
+        layout, offset = packed.dtype.fields[within][:2] if within else (packed.dtype, 0)
+        fields = layout.fields
+        # The pointers are the first fields of ``layout``, contiguous from its start.
         assert all(fields[name][0] == np.uint64 and fields[name][1] == 8 * i for i, name in enumerate(pointers))
         assert packed.dtype.itemsize % 8 == 0 and packed.shape == (1,)
         self._buffer_type = ctypes.c_uint64 * (1 + packed.dtype.itemsize // 8)  # 8-byte aligned
         self._template = bytes(8) + packed.tobytes()
-        self._pack = struct.Struct(f"<{1 + len(pointers)}Q").pack_into
+        self._pack_pointers = struct.Struct(f"<{len(pointers)}Q").pack_into
+        self._pointer_offset = 8 + offset
+        self._maps = tuple((8 + packed.dtype.fields[name][1], index, encode) for name, index, encode in tensor_maps)
         self.pointers = len(pointers)
 
     def fill(self, *pointers: int):
         """A filled argument buffer; pass ``ctypes.addressof`` of it as ``kernelParams``."""
         buffer = self._buffer_type.from_buffer_copy(self._template)
-        self._pack(buffer, 0, ctypes.addressof(buffer) + 8, *pointers)
+        address = ctypes.addressof(buffer)
+        buffer[0] = address + 8
+        self._pack_pointers(buffer, self._pointer_offset, *pointers)
+        for offset, index, encode in self._maps:
+            ctypes.memmove(address + offset, encode(pointers[index]), tma.TENSOR_MAP_BYTES)
         return buffer
 
     @staticmethod

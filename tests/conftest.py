@@ -29,3 +29,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(params=["sm80", "sm90"])
+def family(request, monkeypatch):
+    """Runs a GPU forward test once per kernel family the device can run (CUFLASH_FAMILY set, the
+    cached device plan re-read); sm90 needs compute capability 9.x. Under sm90, head dims without
+    an sm90 kernel run sm80's forward (dispatch.forward_plan), as they do for users."""
+    import cupy
+
+    from cuflash import api, dispatch
+
+    capability = divmod(int(cupy.cuda.Device().compute_capability), 10)
+    try:
+        dispatch.select_family(capability, request.param)
+    except ValueError as error:
+        pytest.skip(str(error))
+    monkeypatch.setenv("CUFLASH_FAMILY", request.param)
+    api._device_plan.cache_clear()
+    yield request.param
+    api._device_plan.cache_clear()

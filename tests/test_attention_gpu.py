@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+# Every test here runs the forward, once per kernel family the device has (conftest.family).
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
 
 HEAD_DIMS = [32, 64, 80, 96, 128, 160, 192, 256]
 SEQLENS = [(1, 1), (17, 17), (113, 113), (1023, 1023), (4224, 4224), (113, 1023), (1023, 113),

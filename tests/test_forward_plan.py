@@ -67,7 +67,7 @@ def launches(monkeypatch):
     """kernels.launch replaced by a recorder of (kernel, FwdParams); new arrays are fake
     DeviceTensors."""
     calls = []
-    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", "sm_90"))
+    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", (9, 0)))
     monkeypatch.setattr(api, "_PLANS", {})
     monkeypatch.setattr(kernels, "get_function", lambda choice, arch, device: SimpleNamespace(ptr=id(choice)))
     monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: calls.append(

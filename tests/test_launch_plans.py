@@ -63,7 +63,7 @@ def gpu(monkeypatch):
 
     state.reset = reset
     monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", "sm_90"))
+    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", (9, 0)))
     monkeypatch.setattr(api, "_multiprocessors", lambda device: 132)
     monkeypatch.setattr(api, "_forward_plan", counted(api._forward_plan))
     monkeypatch.setattr(api, "_backward_plan", counted(api._backward_plan))
@@ -246,12 +246,12 @@ def test_misaligned_inputs_are_copied_and_not_cached(gpu):
 def test_a_new_device_plan_rebuilds(gpu, monkeypatch):
     q = FakeCupyArray((1, 64, 2, 64))
     cuflash.attention(q, q, q)
-    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", "sm_80"))  # e.g. after cache_clear()
+    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", (8, 0)))  # e.g. after cache_clear()
     launches, _ = _run(gpu, lambda: cuflash.attention(q, q, q))
     assert gpu.builds == ["_forward_plan"] * 2
     name = dispatch.forward_kernel("sm80", 64, "none", "float16").name_expression
     assert launches[0][0].function == hash((name, "sm_80", 0))  # the kernel compiled for the new arch
-    assert api._PLANS[next(iter(api._PLANS))].device_plan == ("sm80", "sm_80")
+    assert api._PLANS[next(iter(api._PLANS))].device_plan == ("sm80", (8, 0))
 
 
 def test_cache_is_bounded(gpu, monkeypatch):

@@ -33,6 +33,7 @@ WINDOWS = [
 ]
 
 
+@pytest.mark.usefixtures("family")  # forward: once per kernel family (conftest.family)
 @pytest.mark.parametrize("case", WINDOWS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-h{c[4]}.{c[5]}-"
                                                       f"{'causal' if c[6] else 'full'}-w{c[7][0]}.{c[7][1]}")
 def test_window_matches_reference(case, rng):
@@ -57,6 +58,7 @@ SOFTCAPS = [
 ]
 
 
+@pytest.mark.usefixtures("family")  # forward: once per kernel family (conftest.family)
 @pytest.mark.parametrize("case", SOFTCAPS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-"
                                                        f"{'causal' if c[4] else 'full'}-w{c[5][0]}.{c[5][1]}-cap{c[6]}")
 def test_softcap_matches_reference(case, rng):
@@ -68,6 +70,7 @@ def test_softcap_matches_reference(case, rng):
     check_forward(q, k, v, causal, dtype_name, scale=scale, window=window, softcap=softcap)
 
 
+@pytest.mark.usefixtures("family")  # forward: once per kernel family (conftest.family)
 def test_window_rows_without_keys_give_zero_and_minus_inf(rng):
     """window (-1, 2) with seqlen_q 300 > seqlen_k 100: query i sees keys up to i - 198, so rows
     0..197 see none."""

@@ -147,15 +147,16 @@ def test_dispatch_families(monkeypatch):
     monkeypatch.delenv("CUFLASH_FAMILY", raising=False)
     assert dispatch.select_family((8, 0)) == "sm80"
     assert dispatch.select_family((8, 9)) == "sm80"
-    assert dispatch.select_family((9, 0)) == "sm80"  # until the sm90 family exists
+    assert dispatch.select_family((9, 0)) == "sm90"
     assert dispatch.select_family((12, 0)) == "sm80"
     with pytest.raises(RuntimeError, match="8.0 or newer"):
         dispatch.select_family((7, 5))
     monkeypatch.setenv("CUFLASH_FAMILY", "sm80")
     assert dispatch.select_family((9, 0)) == "sm80"
     monkeypatch.setenv("CUFLASH_FAMILY", "sm90")
-    with pytest.raises(ValueError, match="not available"):
-        dispatch.select_family((9, 0))
+    assert dispatch.select_family((9, 0)) == "sm90"
+    with pytest.raises(ValueError, match="9.x"):
+        dispatch.select_family((8, 0))
     monkeypatch.setenv("CUFLASH_FAMILY", "fast")
     with pytest.raises(ValueError, match="CUFLASH_FAMILY"):
         dispatch.select_family((9, 0))

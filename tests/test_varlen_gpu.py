@@ -7,7 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.gpu
+# The checks run the forward (and the backward on its output) once per kernel family the device has
+# (conftest.family).
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
 
 
 @pytest.fixture

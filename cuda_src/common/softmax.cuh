@@ -28,6 +28,16 @@ struct OnlineSoftmax {
   template <int NT, int DT>
   __device__ __forceinline__ void update(float (&s)[MT][NT][4], float (&o)[MT][DT][4],
                                          float scale_log2) {
+    float correction[MT][2];
+    probabilities(s, scale_log2, correction);
+    rescale(o, correction);
+  }
+
+  // update's first half: the probabilities, the running max and sum, and per row the factor the
+  // accumulator must take (rescale). Apart so that a kernel whose P V product is still writing o
+  // asynchronously (sm90) computes the next block's probabilities meanwhile.
+  template <int NT>
+  __device__ __forceinline__ void probabilities(float (&s)[MT][NT][4], float scale_log2, float (&correction)[MT][2]) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -43,7 +53,7 @@ struct OnlineSoftmax {
         // A row with no visible key yet keeps max = -inf; subtracting 0 instead keeps
         // exp2(-inf - (-inf)) = NaN out and leaves p = 0.
         const float max_scaled = block_max == kNegInf ? 0.f : block_max * scale_log2;
-        const float correction = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
+        correction[mt][h] = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
         row_max[mt][h] = block_max;
         float sum = 0.f;
 #pragma unroll
@@ -56,11 +66,22 @@ struct OnlineSoftmax {
             sum += p;
           }
         }
-        row_sum[mt][h] = row_sum[mt][h] * correction + sum;
+        row_sum[mt][h] = row_sum[mt][h] * correction[mt][h] + sum;
+      }
+    }
+  }
+
+  // update's second half: o times its rows' correction.
+  template <int DT>
+  __device__ __forceinline__ void rescale(float (&o)[MT][DT][4], const float (&correction)[MT][2]) const {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
-          o[mt][dt][2 * h] *= correction;
-          o[mt][dt][2 * h + 1] *= correction;
+          o[mt][dt][2 * h] *= correction[mt][h];
+          o[mt][dt][2 * h + 1] *= correction[mt][h];
         }
       }
     }

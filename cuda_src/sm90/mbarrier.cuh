@@ -80,5 +80,13 @@ __device__ __forceinline__ void mbarrier_wait(u64* bar, u32 parity) {
   }
 }
 
+// Named CTA barrier (bar.sync with an id and a thread count): a barrier among a subset of warps,
+// such as one warpgroup. Id 0 is __syncthreads'; the count is a multiple of 32. It waits until
+// `threads` threads have arrived at `id` and orders their shared-memory accesses as
+// __syncthreads does.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace sm90
 }  // namespace cuflash

@@ -48,13 +48,31 @@ __device__ __forceinline__ u64 smem_desc_sw128(const void* tile) {
   return static_cast<u64>((smem_addr(tile) & 0x3FFFF) >> 4) | (kLbo << 16) | (kSbo << 32) | (kSwizzle128 << 62);
 }
 
-// The descriptor of the same tile `bytes` further along K (within one 128-byte row: bytes < 128,
-// a multiple of 16; a k16 step of 16-bit elements is 32 bytes). The hardware applies the swizzle
-// to the full computed address (address bits 4-6 XOR bits 7-9), so row r of a start address
-// moved by 32 k bytes is read from tile + 128 r + ((2k + j) ^ (r % 8)) * 16 for its chunks
-// j = 0, 1: where TMA put logical chunk 2k + j. The move stays below the 14-bit field's carry
-// because start addresses are below 256 KiB.
+// The descriptor of the same tile `bytes` further along K. K-major (smem_desc_sw128): within one
+// 128-byte row, bytes < 128 and a multiple of 16 (a k16 step of 16-bit elements is 32 bytes). The
+// hardware applies the swizzle to the full computed address (address bits 4-6 XOR bits 7-9), so
+// row r of a start address moved by 32 k bytes is read from tile + 128 r + ((2k + j) ^ (r % 8)) * 16
+// for its chunks j = 0, 1: where TMA put logical chunk 2k + j. MN-major (smem_desc_sw128_mn): a
+// k16 step is 16 rows of 128 bytes, 2048 bytes, two whole swizzle periods, so the pattern's phase
+// is unchanged. The move stays below the 14-bit field's carry because start addresses are below
+// 256 KiB.
 __device__ __forceinline__ u64 desc_advance(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
+
+// Descriptor of an MN-major B operand: the tile is stored with N contiguous, as V (keys x head_dim,
+// row-major as TMA loads it from BSHD) is for O += P V, whose K is the keys. TMA's 128-byte swizzle
+// cuts such a tile into panels of 64 N-columns, each `panel_bytes` long: row k of a panel (128
+// bytes, 64 N-values) at 128 k, 16-byte chunk c at chunk c ^ (k % 8), as for K-major tiles. In the
+// MN-major canonical layout (PTX "shared memory matrix layout", CUTLASS's
+// ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)) in 16-byte units) the two offsets swap roles:
+//   LBO = panel_bytes: from one 64-wide group of N to the next (only read when N > 64);
+//   SBO = 1024 bytes: from one group of 8 K-rows to the next (8 rows x 128 bytes);
+// and the instruction must say the operand is transposed (imm-trans-b = 1, wgmma_rs<..., true>).
+__device__ __forceinline__ u64 smem_desc_sw128_mn(const void* tile, u32 panel_bytes) {
+  constexpr u64 kSbo = 1024 >> 4;
+  constexpr u64 kSwizzle128 = 1;
+  return static_cast<u64>((smem_addr(tile) & 0x3FFFF) >> 4) | (static_cast<u64>(panel_bytes >> 4) << 16) |
+         (kSbo << 32) | (kSwizzle128 << 62);
+}
 
 // Orders this warpgroup's register accesses before the wgmma.mma_async that follow: required
 // before the first mma of a batch whenever the accumulators or A registers were written by other
@@ -76,6 +94,15 @@ template <int R>
 __device__ __forceinline__ void fence_registers(float (&d)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// The same for register A operands (k-slices of 4 registers): the hardware reads them until the
+// wgmma_wait, so a fence there keeps them live, and unchanged, up to that point.
+template <int K>
+__device__ __forceinline__ void fence_registers(u32 (&a)[K][4]) {
+#pragma unroll
+  for (int k = 0; k < K; ++k)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[k][j])::"memory");
 }
 
 // setmaxnreg: moves registers between warpgroups of a warp-specialised kernel (a producer that
@@ -109,14 +136,15 @@ struct WgmmaElem<f16> {
 
 // Instruction text. The scale-d operand is a predicate: false makes D = A * B^T, ignoring the
 // old accumulators (the first k-step of a tile), true accumulates. imm-scale-a/b = 1 (no
-// negation); imm-trans-a/b = 0: both operands K-major (the rs form has no trans-a: registers
-// are always in the layout above).
+// negation); the ss form has imm-trans-a/b = 0: both operands K-major. The rs form has no trans-a
+// (registers are always in the layout above) and takes imm-trans-b as an "n" operand: 0 for a
+// K-major B, 1 for an MN-major one (smem_desc_sw128_mn).
 #define CUFLASH_WGMMA_SS(SHAPE, TYPE, D, DESC_A, DESC_B, SCALE_D)                                         \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", %" DESC_A ", %" DESC_B ", p, 1, 1, 0, 0;\n}\n"
-#define CUFLASH_WGMMA_RS(SHAPE, TYPE, D, A, DESC_B, SCALE_D)                                              \
+#define CUFLASH_WGMMA_RS(SHAPE, TYPE, D, A, DESC_B, SCALE_D, TRANS_B)                                     \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
-  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", " A ", %" DESC_B ", p, 1, 1, 0;\n}\n"
+  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", " A ", %" DESC_B ", p, 1, 1, %" TRANS_B ";\n}\n"
 
 #define CUFLASH_D32                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
@@ -146,14 +174,16 @@ struct Wgmma<64> {
       asm volatile(CUFLASH_WGMMA_SS("m64n64k16", "f16", CUFLASH_D32, "32", "33", "34")
                    : CUFLASH_ACC32(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
-  template <class Elem>
+  template <class Elem, bool TRANS_B>
   static __device__ __forceinline__ void rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
     if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_RS("m64n64k16", "bf16", CUFLASH_D32, "{%32, %33, %34, %35}", "36", "37")
-                   : CUFLASH_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+      asm volatile(CUFLASH_WGMMA_RS("m64n64k16", "bf16", CUFLASH_D32, "{%32, %33, %34, %35}", "36", "37", "38")
+                   : CUFLASH_ACC32(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
     else
-      asm volatile(CUFLASH_WGMMA_RS("m64n64k16", "f16", CUFLASH_D32, "{%32, %33, %34, %35}", "36", "37")
-                   : CUFLASH_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+      asm volatile(CUFLASH_WGMMA_RS("m64n64k16", "f16", CUFLASH_D32, "{%32, %33, %34, %35}", "36", "37", "38")
+                   : CUFLASH_ACC32(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
   }
 };
 
@@ -168,14 +198,16 @@ struct Wgmma<128> {
       asm volatile(CUFLASH_WGMMA_SS("m64n128k16", "f16", CUFLASH_D64, "64", "65", "66")
                    : CUFLASH_ACC64(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
-  template <class Elem>
+  template <class Elem, bool TRANS_B>
   static __device__ __forceinline__ void rs(float (&d)[64], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
     if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_RS("m64n128k16", "bf16", CUFLASH_D64, "{%64, %65, %66, %67}", "68", "69")
-                   : CUFLASH_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+      asm volatile(CUFLASH_WGMMA_RS("m64n128k16", "bf16", CUFLASH_D64, "{%64, %65, %66, %67}", "68", "69", "70")
+                   : CUFLASH_ACC64(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
     else
-      asm volatile(CUFLASH_WGMMA_RS("m64n128k16", "f16", CUFLASH_D64, "{%64, %65, %66, %67}", "68", "69")
-                   : CUFLASH_ACC64(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+      asm volatile(CUFLASH_WGMMA_RS("m64n128k16", "f16", CUFLASH_D64, "{%64, %65, %66, %67}", "68", "69", "70")
+                   : CUFLASH_ACC64(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
   }
 };
 
@@ -198,10 +230,11 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc
 }
 
 // The same with A's 64 x 16 slice in registers (layout at the top of this file); the registers
-// must keep their values until the wgmma_wait that covers this instruction.
-template <int N, class Elem>
+// must keep their values until the wgmma_wait that covers this instruction. B_MN_MAJOR: B's
+// descriptor is smem_desc_sw128_mn's (a 16 x N slice stored N-contiguous) instead of K-major.
+template <int N, class Elem, bool B_MN_MAJOR = false>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, bool accumulate) {
-  detail::Wgmma<N>::template rs<Elem>(d, a, desc_b, accumulate ? 1u : 0u);
+  detail::Wgmma<N>::template rs<Elem, B_MN_MAJOR>(d, a, desc_b, accumulate ? 1u : 0u);
 }
 
 }  // namespace sm90

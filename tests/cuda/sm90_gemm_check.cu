@@ -3,7 +3,8 @@
 // multiplied by wgmma. Test-only (tests/test_sm90_blocks.py compiles it with cuda_src/ on the
 // include path); nothing in the library includes it.
 //
-// A is 64 x K and B is N x K, both K-major 16-bit; C is 64 x N fp32, row-major. Warpgroup 0 is
+// A is 64 x K and B is N x K, both K-major 16-bit (or, B_MN_MAJOR, B is K x N row-major: the
+// layout V has in O += P V); C is 64 x N fp32, row-major. Warpgroup 0 is
 // the producer (one thread issues the copies), warpgroup 1 the consumer (all 128 threads run the
 // wgmma). Every stage also goes back out through a TMA store into `a_copy`, so the test sees
 // the swizzled load and store round-trip bit for bit.
@@ -22,7 +23,8 @@ using sm90::u64;
 // Mirrored by the NumPy dtype built with cuflash.tma.param_dtype in the test.
 struct GemmCheckParams {
   TensorMap a;       // A: 2-D (K, 64) or, HIGH_RANK, 3-D (K, 64, batches): box (64, 64[, 1])
-  TensorMap b;       // B: 2-D (K, N) or, HIGH_RANK, 4-D BSHD-like (K, heads, N, batches): box (64[, 1], N[, 1])
+  TensorMap b;       // B: 2-D (K, N) or, HIGH_RANK, 4-D BSHD-like (K, heads, N, batches): box (64[, 1], N[, 1]);
+                     // B_MN_MAJOR: 2-D (N, K), box (64, 64): one 64-column panel of 64 K rows
   TensorMap a_copy;  // where each A stage is stored back: the layout of `a`
   float* c;          // 64 x N fp32, row-major
   int* status;       // 0, or the code of the first wait that timed out (see wait_or_flag)
@@ -56,13 +58,17 @@ __device__ __forceinline__ bool wait_or_flag(u64* bar, u32 parity, int* status, 
 // N: 64 or 128. A_IN_REGISTERS: A fragments loaded from the swizzled tile into registers
 // (the rs form, as P * V will run) instead of read by descriptor. HIGH_RANK: 3-D and 4-D maps
 // instead of 2-D. SETMAXNREG: producer and consumer move registers as a warp-specialised kernel
-// does. Elem: bf16 or f16.
-template <int N, bool A_IN_REGISTERS, bool HIGH_RANK, bool SETMAXNREG, class Elem>
+// does. B_MN_MAJOR (with A_IN_REGISTERS, 2-D maps): B stored N-contiguous in N / 64 panels of 64 K
+// rows, read through smem_desc_sw128_mn with imm-trans-b, as the sm90 forward reads V. Elem: bf16
+// or f16.
+template <int N, bool A_IN_REGISTERS, bool HIGH_RANK, bool SETMAXNREG, bool B_MN_MAJOR, class Elem>
 __global__ void __launch_bounds__(kThreads, 1) gemm_check(const __grid_constant__ GemmCheckParams p) {
   constexpr u32 A_BYTES = kM * kBlockK * 2;
   constexpr u32 B_BYTES = N * kBlockK * 2;
   constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
+  constexpr u32 B_PANEL = kBlockK * 128;  // B_MN_MAJOR: 64 K rows of one 64-column panel
   static_assert(A_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0, "tiles stay 1024-byte aligned");
+  static_assert(!B_MN_MAJOR || (A_IN_REGISTERS && !HIGH_RANK), "MN-major B: rs form, 2-D maps");
 
   __shared__ u64 full[kStages];   // TMA bytes of a stage have landed (1 arrival + transactions)
   __shared__ u64 empty[kStages];  // the consumers are done with a stage (128 arrivals)
@@ -103,6 +109,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_check(const __grid_constant_
         if constexpr (HIGH_RANK) {
           sm90::tma_load(sa, &p.a, &full[s], kb * kBlockK, 0, p.a_batch);
           sm90::tma_load(sb, &p.b, &full[s], kb * kBlockK, p.b_head, 0, p.b_batch);
+        } else if constexpr (B_MN_MAJOR) {
+          sm90::tma_load(sa, &p.a, &full[s], kb * kBlockK, 0);
+#pragma unroll
+          for (int panel = 0; panel < N / 64; ++panel)
+            sm90::tma_load(sb + panel * B_PANEL, &p.b, &full[s], 64 * panel, kb * kBlockK);
         } else {
           sm90::tma_load(sa, &p.a, &full[s], kb * kBlockK, 0);
           sm90::tma_load(sb, &p.b, &full[s], kb * kBlockK, 0);
@@ -161,9 +172,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_check(const __grid_constant_
           }
         sm90::fence_registers(acc);
         sm90::wgmma_fence();  // the A registers were just written by ordinary loads
+        if constexpr (B_MN_MAJOR) {
+          // A k16 step of an MN-major B is 16 K rows: 2048 bytes on from the panel's start.
+          const u64 desc_b_mn = sm90::smem_desc_sw128_mn(sb, B_PANEL);
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-          sm90::wgmma_rs<N, Elem>(acc, a[k], sm90::desc_advance(desc_b, 32 * k), kb > 0 || k > 0);
+          for (int k = 0; k < 4; ++k)
+            sm90::wgmma_rs<N, Elem, true>(acc, a[k], sm90::desc_advance(desc_b_mn, 2048 * k), kb > 0 || k > 0);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            sm90::wgmma_rs<N, Elem>(acc, a[k], sm90::desc_advance(desc_b, 32 * k), kb > 0 || k > 0);
+        }
         sm90::wgmma_commit();
         sm90::fence_registers(acc);
         sm90::wgmma_wait<0>();

@@ -1,0 +1,330 @@
+// FlashAttention-3-style forward for Hopper (sm_90a): one CTA per (128-row query block, head,
+// batch) of three warpgroups. Warpgroup 0 is the producer: one thread loads Q once and streams K
+// and V tiles by TMA into a ring of STAGES shared-memory stages, each guarded by a full and an
+// empty mbarrier. Warpgroups 1 and 2 are consumers, each owning 64 query rows: S = Q K^T by wgmma
+// from shared memory, the online softmax in registers (common/softmax.cuh, masks from
+// common/mask.cuh), P converted to 16 bits in registers, and O += P V by wgmma with P as the
+// register operand. Only O and the LSE reach global memory.
+#include "common/mask.cuh"
+#include "common/seqlen.cuh"
+#include "common/softcap.cuh"
+#include "common/softmax.cuh"
+#include "common/types.cuh"
+#include "sm90/fwd_params.cuh"
+#include "sm90/mbarrier.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace cuflash {
+namespace sm90 {
+
+constexpr int kFwdThreads = 384;  // producer + two consumer warpgroups
+constexpr int kBlockM = 128;      // query rows per CTA: 64 per consumer warpgroup, one wgmma M each
+constexpr int kConsumerRows = 64;
+// Registers per thread after setmaxnreg. The CTA starts with 65536 / 384 = 168 per thread (the
+// launch bounds' cap, which ptxas allocates in full for a setmaxnreg kernel); the producer's
+// (168 - 24) x 128 freed registers are exactly the consumers' (240 - 168) x 2 x 128 extra ones,
+// so neither increase waits for registers that never come.
+constexpr int kProducerRegisters = 24;
+constexpr int kConsumerRegisters = 240;
+constexpr int kEpilogueBarrier = 1;  // named barrier ids 1 and 2: one per consumer warpgroup
+
+// Shared memory of one CTA, in bytes from a 1024-byte-aligned base: Q, then the K stages, then the
+// V stages. A tile of HEAD_DIM columns is HEAD_DIM / 64 panels of 64 columns (one 128-byte
+// swizzle row each, one TMA box each), every panel and tile a multiple of 1024 bytes so each
+// starts on a swizzle period, as TMA and the wgmma descriptors assume.
+template <int HEAD_DIM, int BLOCK_N, int STAGES>
+struct FwdSmem {
+  static constexpr int PANELS = HEAD_DIM / 64;
+  static constexpr u32 Q_PANEL = kBlockM * 128;
+  static constexpr u32 KV_PANEL = BLOCK_N * 128;
+  static constexpr u32 Q_BYTES = PANELS * Q_PANEL;
+  static constexpr u32 KV_BYTES = PANELS * KV_PANEL;
+  static constexpr u32 K = Q_BYTES;
+  static constexpr u32 V = K + STAGES * KV_BYTES;
+  static constexpr u32 BYTES = V + STAGES * KV_BYTES;
+  static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0, "whole panels and swizzle periods");
+};
+
+// Byte offset of 16-bit element (row, col) in a tile of panels `panel_bytes` apart, 128-byte
+// swizzled as TMA stores it: 16-byte chunk c of a row at chunk c ^ (row % 8).
+__device__ __forceinline__ u32 swizzled_offset(int row, int col, u32 panel_bytes) {
+  return (col / 64) * panel_bytes + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
+// The m64nN accumulator of a warpgroup seen as the m16n8 layout the common headers take (one
+// 16-row tile per warp, N / 8 column tiles): the register order is the same (sm90/wgmma.cuh).
+template <int NT>
+__device__ __forceinline__ float (&flat(float (&x)[1][NT][4]))[NT * 4] {
+  return reinterpret_cast<float(&)[NT * 4]>(x);
+}
+
+// Stage and phase of a walk around a ring of STAGES mbarrier-guarded stages: a full barrier of
+// stage s completes once per lap, so its waiters wait for parity `phase`.
+template <int STAGES>
+struct RingPosition {
+  int stage = 0;
+  u32 phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// S = Q K^T for one warpgroup's 64 rows: K-major operands, 4 k16 steps per 64-column panel, the
+// first overwriting s. Issues only; the caller fences, commits and waits.
+template <class Smem, int BLOCK_N, class Elem, int NT>
+__device__ __forceinline__ void issue_qk(float (&s)[1][NT][4], u64 q_desc, u64 k_desc) {
+#pragma unroll
+  for (int panel = 0; panel < Smem::PANELS; ++panel)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      wgmma_ss<BLOCK_N, Elem>(flat(s), desc_advance(q_desc, panel * Smem::Q_PANEL + 32 * k),
+                              desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k), panel > 0 || k > 0);
+}
+
+// O += P V: P from registers, V (keys x head_dim, row-major) MN-major for this product, a k16
+// step 16 key rows (2048 bytes). Issues only.
+template <class Smem, int HEAD_DIM, class Elem, int DT, int KSLICES>
+__device__ __forceinline__ void issue_pv(float (&o)[1][DT][4], const u32 (&p)[KSLICES][4], u64 v_desc) {
+#pragma unroll
+  for (int j = 0; j < KSLICES; ++j) wgmma_rs<HEAD_DIM, Elem, true>(flat(o), p[j], desc_advance(v_desc, 2048 * j), true);
+}
+
+// Scores of key block n to unnormalised probabilities: softcap, the mask where the block needs
+// it (this warp's 16 rows start at warp_row), and the online softmax's running max and sum;
+// `correction` is what o must be multiplied by once no P V product writes it any more.
+template <int BLOCK_N, bool SOFTCAP, bool CAUSAL, bool WINDOW, int NT>
+__device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<CAUSAL, WINDOW>& mask,
+                                              OnlineSoftmax<1>& softmax, const FwdParams& a, int m64_block, int n,
+                                              int warp_row, float (&correction)[1][2]) {
+  if (SOFTCAP) softcap_scores(s, a.softcap_exp2_scale);
+  if (needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n)) mask.apply(s, warp_row, n * BLOCK_N);
+  softmax.probabilities(s, a.scale_log2, correction);
+}
+
+// P in 16 bits: accumulator registers 8j..8j+7 of S are the A registers of P V's k-slice j.
+template <class Elem, int NT>
+__device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[NT / 2][4]) {
+#pragma unroll
+  for (int j = 0; j < NT / 2; ++j) {
+    p[j][0] = Elem::pack(s[0][2 * j][0], s[0][2 * j][1]);
+    p[j][1] = Elem::pack(s[0][2 * j][2], s[0][2 * j][3]);
+    p[j][2] = Elem::pack(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
+    p[j][3] = Elem::pack(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
+  }
+}
+
+// HEAD_DIM: the head-dim bucket (64 or 128; the real head_dim may be smaller, TMA zero-fills the
+// rest). BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the mask
+// (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
+template <int HEAD_DIM, int BLOCK_N, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
+__global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
+  using Smem = FwdSmem<HEAD_DIM, BLOCK_N, STAGES>;
+  constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S (and NT / 2 k-slices of P V)
+  constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of O
+  const FwdParams& a = p.base;
+
+  // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
+  // one arrival per consumer warp once its warpgroup's wgmma have read the stage.
+  __shared__ u64 q_full;
+  __shared__ u64 k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
+  // The dynamic window's alignment is not promised; the host adds 1 KiB of slack to round up.
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+
+  // Grid order as the sm80 kernel's: causal query blocks slowest and reversed, so the longest
+  // blocks of every head start first; a packed batch's CTAs past a shorter sequence leave at once.
+  const int m_block = CAUSAL ? gridDim.z - 1 - blockIdx.z : blockIdx.x;
+  const int head = CAUSAL ? blockIdx.x : blockIdx.y;
+  const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
+  const Sequence seq = sequence_of(a, batch);
+  const int first_row = m_block * kBlockM;
+  if (first_row >= seq.seqlen_q) return;
+  const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
+  const BlockRange n_range = key_blocks<kBlockM, BLOCK_N>(mask, m_block);
+  const bool any_keys = n_range.begin < n_range.end;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(&q_full, 1);
+#pragma unroll
+    for (int s = 0; s < STAGES; ++s) {
+      mbarrier_init(&k_full[s], 1);
+      mbarrier_init(&v_full[s], 1);
+      mbarrier_init(&k_empty[s], 2 * 4);
+      mbarrier_init(&v_empty[s], 2 * 4);
+    }
+    mbarrier_init_fence();
+  }
+  // Publishes the initialised barriers before anyone arrives or waits; the last CTA-wide barrier.
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    // Producer warpgroup. Only thread 0 issues copies; the rest give their registers away and leave.
+    setmaxnreg_dec<kProducerRegisters>();
+    if (threadIdx.x != 0 || !any_keys) return;
+    prefetch_tensor_map(&p.q);
+    prefetch_tensor_map(&p.k);
+    prefetch_tensor_map(&p.v);
+    // A packed batch's maps have one batch of all rows; its sequences are row offsets.
+    const int map_batch = a.cu_seqlens_q == nullptr ? batch : 0;
+    const int kv_head = head / a.kv_group;
+    // Rows past the tensor's end arrive as zeros (TMA's out-of-bounds fill); rows past a packed
+    // sequence's end arrive from the next sequence and are never used (query rows: not stored;
+    // key rows: masked to -inf, so P is 0 there).
+    mbarrier_arrive_expect_tx(&q_full, Smem::Q_BYTES);
+#pragma unroll
+    for (int panel = 0; panel < Smem::PANELS; ++panel)
+      tma_load(smem + panel * Smem::Q_PANEL, &p.q, &q_full, 64 * panel, head, seq.q_begin + first_row, map_batch);
+
+    // Key blocks from the last to the first, as the consumers take them (see there).
+    RingPosition<STAGES> pos;
+    for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
+      const int key_row = seq.k_begin + n * BLOCK_N;
+      const u32 offset = pos.stage * Smem::KV_BYTES;
+      // Wait for the consumers to release this stage's previous tile (a fresh barrier's parity-1
+      // phase counts as complete, so the first lap does not wait), announce the bytes, copy.
+      mbarrier_wait(&k_empty[pos.stage], pos.phase ^ 1);
+      mbarrier_arrive_expect_tx(&k_full[pos.stage], Smem::KV_BYTES);
+#pragma unroll
+      for (int panel = 0; panel < Smem::PANELS; ++panel)
+        tma_load(smem + Smem::K + offset + panel * Smem::KV_PANEL, &p.k, &k_full[pos.stage], 64 * panel, kv_head,
+                 key_row, map_batch);
+      mbarrier_wait(&v_empty[pos.stage], pos.phase ^ 1);
+      mbarrier_arrive_expect_tx(&v_full[pos.stage], Smem::KV_BYTES);
+#pragma unroll
+      for (int panel = 0; panel < Smem::PANELS; ++panel)
+        tma_load(smem + Smem::V + offset + panel * Smem::KV_PANEL, &p.v, &v_full[pos.stage], 64 * panel, kv_head,
+                 key_row, map_batch);
+    }
+  } else {
+    // Consumer warpgroups: warps 4-7 and 8-11, warpgroup-aligned as wgmma requires.
+    setmaxnreg_inc<kConsumerRegisters>();
+    const int consumer = threadIdx.x / 128 - 1;
+    const int t = threadIdx.x % 128;
+    const int warp = t / 32;
+    const int lane = t % 32;
+    const int wg_row = consumer * kConsumerRows;  // this warpgroup's first row inside the block
+
+    float o[1][DT][4];
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
+    OnlineSoftmax<1> softmax;
+    softmax.init();
+
+    if (any_keys) {
+      mbarrier_wait(&q_full, 0);
+      // This warpgroup's 64 rows of each Q panel: an A operand starting 64 rows (8 swizzle
+      // periods) into the panel.
+      const u64 q_desc = smem_desc_sw128(smem + wg_row * 128);
+      const int warp_row = first_row + wg_row + warp * 16;
+      const int m64_block = 2 * m_block + consumer;  // this warpgroup's rows as a 64-row block
+      float s[1][NT][4];
+      u32 pv_a[NT / 2][4];
+      float correction[1][2];
+      RingPosition<STAGES> k_pos, v_pos;
+      // Key blocks from the last to the first: the blocks that need masking (the diagonal and
+      // the sequence end) come first, a window's left edge last.
+      int n = n_range.end - 1;
+
+      // The first block: S, then P (o is still zero, so its correction is moot).
+      mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
+      __syncwarp();  // reconverge after the spin: wgmma is .aligned
+      wgmma_fence();
+      issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
+      wgmma_commit();
+      fence_registers(flat(s));
+      wgmma_wait<0>();
+      fence_registers(flat(s));
+      // The tensor cores are done with this K stage: one arrival per warp hands it back.
+      if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
+      probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
+      pack_p<Elem>(s, pv_a);
+      k_pos.advance();
+
+      // Each step issues S of block n and then P V of block n + 1 (FlashAttention-3's
+      // intra-warpgroup overlap): the softmax of block n runs while the tensor cores still
+      // multiply P V, and the rescale of o waits for that product.
+      for (--n; n >= n_range.begin; --n) {
+        mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
+        mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+        __syncwarp();
+        wgmma_fence();  // s was read by the softmax, o rescaled and pv_a packed by ordinary instructions
+        issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
+        wgmma_commit();
+        issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
+                                                                    Smem::KV_PANEL));
+        wgmma_commit();
+        fence_registers(flat(s));
+        fence_registers(flat(o));
+        fence_registers(pv_a);
+        wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
+        fence_registers(flat(s));
+        if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
+        probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
+        wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
+        fence_registers(flat(o));
+        fence_registers(pv_a);
+        if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
+        softmax.rescale(o, correction);
+        pack_p<Elem>(s, pv_a);
+        k_pos.advance();
+        v_pos.advance();
+      }
+
+      // P V of the last block.
+      mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+      __syncwarp();
+      wgmma_fence();
+      issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
+                                                                  Smem::KV_PANEL));
+      wgmma_commit();
+      fence_registers(flat(o));
+      fence_registers(pv_a);
+      wgmma_wait<0>();
+      fence_registers(flat(o));
+      if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
+    }
+
+    float lse[1][2];
+    softmax.finalize(o, a.scale_log2, lse);
+
+    // Epilogue: stage O in this warpgroup's own rows of the Q tile (its last wgmma has read them,
+    // and no copy writes there again), then write whole 16-byte chunks of the rows that exist.
+    // Ordinary stores, not a TMA store: a packed sequence's last block must not write the next
+    // sequence's rows.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = wg_row + warp * 16 + h * 8 + lane / 4;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+        *reinterpret_cast<u32*>(smem + swizzled_offset(row, dt * 8 + (lane % 4) * 2, Smem::Q_PANEL)) =
+            Elem::pack(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
+      const int global_row = first_row + row;
+      if (lane % 4 == 0 && global_row < seq.seqlen_q)
+        a.lse[batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin + global_row] = lse[0][h];
+    }
+    // The warpgroup's rows are written by all four of its warps and read across them.
+    named_barrier_sync(kEpilogueBarrier + consumer, 128);
+
+    u16* const out = static_cast<u16*>(a.o) + batch * a.o_batch_stride + head * a.o_head_stride +
+                     seq.q_begin * a.o_row_stride;
+    constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+#pragma unroll
+    for (int i = t; i < kConsumerRows * CHUNKS_PER_ROW; i += 128) {
+      const int row = wg_row + i / CHUNKS_PER_ROW;
+      const int col = (i % CHUNKS_PER_ROW) * 8;
+      const int global_row = first_row + row;
+      if (global_row < seq.seqlen_q && col < a.head_dim)
+        *reinterpret_cast<uint4*>(out + global_row * a.o_row_stride + col) =
+            *reinterpret_cast<const uint4*>(smem + swizzled_offset(row, col, Smem::Q_PANEL));
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace cuflash
