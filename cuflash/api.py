@@ -207,10 +207,10 @@ def _aligned_pointers(*tensors) -> bool:
 
 
 def _forward_choice(family: str, qt, kt, vt, window: tuple[int, int], softcap: float) -> dispatch.KernelChoice:
-    """The forward kernel for these tensors on a device of ``family``: dispatch.forward_plan's, or
-    sm80's where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast
-    or reversed dimension; the sm80 kernel reads any strides)."""
-    choice = dispatch.forward_plan(family, qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
+    """The forward kernel for these tensors on a device of ``family``: that family's, or sm80's
+    where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast or
+    reversed dimension; the sm80 kernel reads any strides)."""
+    choice = dispatch.forward_kernel(family, qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
     if choice.family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt)):
         choice = dispatch.forward_kernel("sm80", qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
     return choice
@@ -392,8 +392,9 @@ def _device_plan(device_id: int) -> tuple[str, tuple[int, int]]:
 def explain(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
             softcap: float = 0.0) -> dispatch.KernelChoice:
     """The forward kernel ``attention(q, k, v, causal=..., window=..., softcap=...)`` runs for
-    these GPU arrays on their device: its family (``sm90``, or ``sm80`` where the sm90 family has
-    no kernel for the case), instantiation name, threads, shared memory and tile. Launches nothing."""
+    these GPU arrays on their device: its family (``sm90``, or ``sm80`` where no tensor map can
+    describe a tensor's strides), instantiation name, threads, shared memory and tile. Launches
+    nothing."""
     framework = _framework(q=q, k=k, v=v)
     if framework == "numpy":
         raise TypeError("q: explain describes GPU kernels; NumPy arrays run the CPU reference")

@@ -341,8 +341,7 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
     for head_dim in head_dims:
         for causal in causals:
             mask = "causal" if causal else "none"
-            # forward_plan names the kernel that ran: sm90's, or sm80's where sm90 has none.
-            choices = [dispatch.forward_plan(family, head_dim, mask, dtype)] if mode != "bwd" else []
+            choices = [dispatch.forward_kernel(family, head_dim, mask, dtype)] if mode != "bwd" else []
             if mode != "fwd":
                 choices.append(dispatch.backward_kernels(dispatch.BACKWARD_FAMILY, head_dim, mask, dtype)[1])
             for choice in choices:

@@ -3,8 +3,9 @@
 Like vLLM's choice between FlashAttention versions, the family follows the compute capability:
 9.x runs ``sm90``, other devices from 8.0 up run ``sm80``; anything older than 8.0 is refused.
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
-some head-dim buckets only; ``forward_plan`` sends the others to the sm80 forward, and the
-``KernelChoice`` it returns names the family that runs. The backward is sm80's on every device.
+every head-dim bucket (api._forward_choice still runs sm80's for tensors that no tensor map can
+describe, and the ``KernelChoice`` names the family that runs). The backward is sm80's on every
+device.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
 """
@@ -25,7 +26,6 @@ __all__ = [
     "all_kernels",
     "backward_kernels",
     "forward_kernel",
-    "forward_plan",
     "head_dim_bucket",
     "select_family",
 ]
@@ -64,15 +64,18 @@ SM80_FWD_TILES = {
 }
 
 
-# sm90 forward tiles (cuda_src/sm90/flash_fwd.cu): 128 query rows per CTA, 64 per consumer
-# warpgroup (one wgmma M each), 12 warps (a producer warpgroup and two consumers). 128 keys per
-# step: S is then 64 fp32 registers per consumer thread and O 32 (d64) or 64 (d128), far inside
-# the 240 that setmaxnreg gives the consumers, and each barrier wait covers 2 x 64 x 128 x d x 2
-# FLOP per warpgroup. The ring is as deep as shared memory allows (227 KB, one CTA per SM).
-# Buckets without an entry run the sm80 forward (forward_plan).
+# sm90 forward tiles (cuda_src/sm90/flash_fwd.cu), per kernel head dim (a bucket rounded up to
+# whole 64-column panels: 96 runs the 128 kernel, TMA zero-filling the missing columns): 128 query
+# rows per CTA, 64 per consumer warpgroup (one wgmma M each), 12 warps (a producer warpgroup and
+# two consumers). 128 keys per step where they fit: S is then 64 fp32 registers per consumer
+# thread and O 32 (d64) or 64 (d128), far inside the 240 that setmaxnreg gives the consumers.
+# d192 and d256 take 64 keys: O is 96 / 128 registers, and two stages of 128-key K and V tiles
+# would not fit next to Q in 227 KB. The ring is as deep as shared memory allows.
 SM90_FWD_TILES = {
     64: Tile(128, 128, 12, stages=4),  # Q 16 KB + 4 x (K 16 KB + V 16 KB) = 144 KB
     128: Tile(128, 128, 12, stages=2),  # Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
+    192: Tile(128, 64, 12, stages=3),  # Q 48 KB + 3 x (K 24 KB + V 24 KB) = 192 KB
+    256: Tile(128, 64, 12, stages=2),  # Q 64 KB + 2 x (K 32 KB + V 32 KB) = 192 KB
 }
 
 
@@ -140,7 +143,6 @@ def forward_kernel(
 ) -> KernelChoice:
     """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
     MASKS, ``softcap`` whether scores are capped (``tile`` overrides the table, for tuning).
-    Raises ``ValueError`` where the family has no such kernel (forward_plan falls back instead).
 
     Softcap runs every mask in the window kernel, from the run-time bounds: one instantiation
     instead of three, and the tanh per score costs more than the bound checks. Its causal case
@@ -154,29 +156,18 @@ def forward_kernel(
     causal, window = mask == "causal" and not softcap, mask == "window" or softcap
     flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}"
     if family == "sm90":
-        if tile is None and bucket not in SM90_FWD_TILES:
-            raise ValueError(f"head_dim: the sm90 forward serves the head-dim buckets {tuple(SM90_FWD_TILES)}, "
-                             f"not {bucket}")
-        tile = tile or SM90_FWD_TILES[bucket]
-        expr = f"cuflash::sm90::flash_fwd_sm90<{bucket}, {tile.block_n}, {tile.stages}, {flags}>"
+        kernel_dim = _row_elems(bucket)
+        tile = tile or SM90_FWD_TILES[kernel_dim]
+        expr = f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {tile.block_n}, {tile.stages}, {flags}>"
         # Q and the K and V stages, plus 1 KiB to align the window to the 128-byte swizzle's
         # 1024-byte period.
-        smem = (tile.block_m + 2 * tile.stages * tile.block_n) * bucket * 2 + 1024
+        smem = (tile.block_m + 2 * tile.stages * tile.block_n) * kernel_dim * 2 + 1024
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
     expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {flags}>"
     # Q tile plus one K and one V tile.
     smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
-
-
-def forward_plan(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False) -> KernelChoice:
-    """The forward kernel a call runs on a device of ``family``: that family's, or sm80's where
-    the sm90 family has no kernel for the head-dim bucket. ``KernelChoice.family`` and its name
-    say which ran."""
-    if family == "sm90" and head_dim_bucket(head_dim) not in SM90_FWD_TILES:
-        family = "sm80"
-    return forward_kernel(family, head_dim, mask, dtype_name, softcap)
 
 
 # sm80 backward, per head-dim bucket: BLOCK_N keys per CTA, BLOCK_M query rows per step, 8 warps

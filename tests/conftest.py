@@ -34,8 +34,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=["sm80", "sm90"])
 def family(request, monkeypatch):
     """Runs a GPU forward test once per kernel family the device can run (CUFLASH_FAMILY set, the
-    cached device plan re-read); sm90 needs compute capability 9.x. Under sm90, head dims without
-    an sm90 kernel run sm80's forward (dispatch.forward_plan), as they do for users."""
+    cached device plan re-read); sm90 needs compute capability 9.x."""
     import cupy
 
     from cuflash import api, dispatch

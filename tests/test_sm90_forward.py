@@ -42,26 +42,21 @@ def test_sm90_param_struct_layout():
 
 
 def test_sm90_dispatch():
-    for bucket, stages in ((64, 4), (128, 2)):
-        choice = dispatch.forward_plan("sm90", bucket, "causal", "bfloat16")
+    for bucket, block_n, stages in ((64, 128, 4), (128, 128, 2), (192, 64, 3), (256, 64, 2)):
+        choice = dispatch.forward_kernel("sm90", bucket, "causal", "bfloat16")
         assert choice.family == "sm90" and choice.source == "sm90/flash_fwd.cu" and choice.threads == 384
-        assert choice.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{bucket}, 128, {stages}, true, false, false, "
-                                          f"cuflash::bf16>")
+        assert choice.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{bucket}, {block_n}, {stages}, true, false, "
+                                          f"false, cuflash::bf16>")
         assert choice.blocks_slowest and choice.tile.block_m == 128
-        assert choice.smem_bytes == (128 + 2 * stages * 128) * bucket * 2 + 1024
-    assert dispatch.forward_plan("sm90", 40, "none", "float16").name_expression.startswith(
-        "cuflash::sm90::flash_fwd_sm90<64, ")
+        assert choice.smem_bytes == (128 + 2 * stages * block_n) * bucket * 2 + 1024 <= 227 * 1024
+    # Head dims run the kernel of the next whole 64-column panel; TMA zero-fills the rest.
+    kernel = lambda head_dim: dispatch.forward_kernel("sm90", head_dim, "none", "float16").name_expression  # noqa: E731
+    assert [kernel(d).split("<")[1].split(",")[0] for d in (8, 40, 64, 72, 96, 128, 136, 192, 200, 256)] == \
+        ["64", "64", "64", "128", "128", "128", "192", "192", "256", "256"]
     # Softcap serves every mask from the window kernel, as in sm80.
-    assert dispatch.forward_plan("sm90", 128, "causal", "float16", True).name_expression.endswith(
+    assert dispatch.forward_kernel("sm90", 128, "causal", "float16", True).name_expression.endswith(
         "false, true, true, cuflash::f16>")
-    # Buckets without an sm90 kernel run sm80's forward, and the choice says so.
-    for head_dim in (80, 96, 160, 192, 256):
-        choice = dispatch.forward_plan("sm90", head_dim, "none", "bfloat16")
-        assert choice.family == "sm80" and choice.name_expression.startswith("cuflash::flash_fwd_sm80<")
-        with pytest.raises(ValueError, match="sm90 forward serves"):
-            dispatch.forward_kernel("sm90", head_dim, "none", "bfloat16")
-    assert dispatch.forward_plan("sm80", 128, "none", "bfloat16").family == "sm80"
-    assert len(SM90_FORWARD) == 2 * 2 * 4  # buckets x dtypes x (none, causal, window, softcap)
+    assert len(SM90_FORWARD) == 4 * 2 * 4  # kernel head dims x dtypes x (none, causal, window, softcap)
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     with pytest.raises(ValueError, match="backward"):
         dispatch.backward_kernels("sm90", 128, "none", "bfloat16")
@@ -177,17 +172,18 @@ def test_sm90_packed_launch(sm90_launches):
     assert p["base"]["cu_seqlens_q"] == 5 << 20 and p["base"]["q_batch_stride"] == 0
 
 
-def test_sm90_falls_back_where_it_has_no_kernel(sm90_launches):
+def test_sm90_falls_back_where_no_tensor_map_fits(sm90_launches):
     calls, encoded = sm90_launches
     lse = _tensor((2, 4, 300), "float32", ptr=6 << 20)
-    # head_dim 256: no sm90 kernel.
-    q = _tensor((2, 300, 4, 256))
-    _forward(q, q, q, q, lse, 0.1, (-1, -1), 0.0, 2, 300)
     # K broadcast over heads (stride 0): no tensor map can describe it.
     q, k = _tensor((2, 300, 4, 128)), _tensor((2, 300, 4, 128), strides=(300 * 128, 128, 0, 1))
     _forward(q, k, k, q, lse, 0.1, (-1, -1), 0.0, 2, 300)
-    assert [(c[0].family, c[1]) for c in calls] == [("sm80", "sm_90"), ("sm80", "sm_90")]
+    assert [(c[0].family, c[1]) for c in calls] == [("sm80", "sm_90")]
     assert "sm80" in calls[0][0].name_expression and not encoded
+    # Every head-dim bucket has an sm90 kernel.
+    q = _tensor((2, 300, 4, 96))
+    _forward(q, q, q, q, lse, 0.1, (-1, -1), 0.0, 2, 300)
+    assert calls[-1][0].name_expression.startswith("cuflash::sm90::flash_fwd_sm90<128, ")
 
 
 def test_sm90_device_runs_sm80_backward(monkeypatch):

@@ -27,7 +27,27 @@ constexpr int kConsumerRows = 64;
 // so neither increase waits for registers that never come.
 constexpr int kProducerRegisters = 24;
 constexpr int kConsumerRegisters = 240;
-constexpr int kEpilogueBarrier = 1;  // named barrier ids 1 and 2: one per consumer warpgroup
+constexpr int kEpilogueBarrier = 1;   // named barrier ids 1 and 2: one per consumer warpgroup
+constexpr int kSchedulerBarrier = 3;  // ids 3 and 4: consumer c's turn to issue wgmma (PingPong)
+
+// FlashAttention-3's ping-pong: the two consumer warpgroups take turns issuing their wgmma, so the
+// tensor cores run one warpgroup's Q K^T and P V while the other computes its softmax, instead of
+// both warpgroups' softmax falling into the same gap. A turn is a named barrier of both
+// warpgroups: the owner waits on its own (bar.sync, 128 threads), the other warpgroup's arrival
+// (bar.arrive, 128 threads) completes it. Both warpgroups take the same number of turns (they walk
+// the same key blocks); consumer 1 opens with an arrival that gives consumer 0 the first turn and
+// leaves out its last one, so no arrival is left pending at exit.
+struct PingPong {
+  int me;
+  __device__ __forceinline__ void open() const {
+    if (me == 1) named_barrier_arrive(kSchedulerBarrier, 256);
+  }
+  __device__ __forceinline__ void wait_turn() const { named_barrier_sync(kSchedulerBarrier + me, 256); }
+  __device__ __forceinline__ void pass_turn() const { named_barrier_arrive(kSchedulerBarrier + 1 - me, 256); }
+  __device__ __forceinline__ void pass_last_turn() const {
+    if (me == 0) pass_turn();
+  }
+};
 
 // Shared memory of one CTA, in bytes from a 1024-byte-aligned base: Q, then the K stages, then the
 // V stages. A tile of HEAD_DIM columns is HEAD_DIM / 64 panels of 64 columns (one 128-byte
@@ -43,7 +63,8 @@ struct FwdSmem {
   static constexpr u32 K = Q_BYTES;
   static constexpr u32 V = K + STAGES * KV_BYTES;
   static constexpr u32 BYTES = V + STAGES * KV_BYTES;
-  static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 64 == 0, "whole panels and swizzle periods");
+  // Whole 64-column panels; K and V tiles of whole swizzle periods (8 rows) and k16 steps of P V.
+  static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0, "whole panels, swizzle periods and k16 steps");
 };
 
 // Byte offset of 16-bit element (row, col) in a tile of panels `panel_bytes` apart, 128-byte
@@ -117,8 +138,8 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[NT /
   }
 }
 
-// HEAD_DIM: the head-dim bucket (64 or 128; the real head_dim may be smaller, TMA zero-fills the
-// rest). BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the mask
+// HEAD_DIM: 64, 128, 192 or 256, whole 64-column panels (the real head_dim may be smaller: TMA
+// zero-fills the rest, and the epilogue stores only real columns). BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the mask
 // (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
 template <int HEAD_DIM, int BLOCK_N, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
 __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
@@ -231,12 +252,17 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
       // the sequence end) come first, a window's left edge last.
       int n = n_range.end - 1;
 
+      const PingPong turns{consumer};
+      turns.open();
+
       // The first block: S, then P (o is still zero, so its correction is moot).
       mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
       __syncwarp();  // reconverge after the spin: wgmma is .aligned
+      turns.wait_turn();
       wgmma_fence();
       issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
       wgmma_commit();
+      turns.pass_turn();
       fence_registers(flat(s));
       wgmma_wait<0>();
       fence_registers(flat(s));
@@ -253,12 +279,14 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
         mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
         mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
         __syncwarp();
+        turns.wait_turn();
         wgmma_fence();  // s was read by the softmax, o rescaled and pv_a packed by ordinary instructions
         issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
         wgmma_commit();
         issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
                                                                     Smem::KV_PANEL));
         wgmma_commit();
+        turns.pass_turn();
         fence_registers(flat(s));
         fence_registers(flat(o));
         fence_registers(pv_a);
@@ -279,10 +307,12 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
       // P V of the last block.
       mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
       __syncwarp();
+      turns.wait_turn();
       wgmma_fence();
       issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
                                                                   Smem::KV_PANEL));
       wgmma_commit();
+      turns.pass_last_turn();
       fence_registers(flat(o));
       fence_registers(pv_a);
       wgmma_wait<0>();

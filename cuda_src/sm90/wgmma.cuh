@@ -154,11 +154,28 @@ struct WgmmaElem<f16> {
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "  \
   "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
   "%62, %63}"
+#define CUFLASH_D96                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "  \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "  \
+  "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95}"
+#define CUFLASH_D128                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "  \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "  \
+  "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, "  \
+  "%100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "  \
+  "%120, %121, %122, %123, %124, %125, %126, %127}"
 #define CUFLASH_ACC8(d, i)                                                                               \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),            \
       "+f"(d[i + 6]), "+f"(d[i + 7])
 #define CUFLASH_ACC32(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16), CUFLASH_ACC8(d, 24)
 #define CUFLASH_ACC64(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40), CUFLASH_ACC8(d, 48), CUFLASH_ACC8(d, 56)
+#define CUFLASH_ACC32_AT(d, i) CUFLASH_ACC8(d, i), CUFLASH_ACC8(d, i + 8), CUFLASH_ACC8(d, i + 16), CUFLASH_ACC8(d, i + 24)
+#define CUFLASH_ACC96(d) CUFLASH_ACC64(d), CUFLASH_ACC32_AT(d, 64)
+#define CUFLASH_ACC128(d) CUFLASH_ACC64(d), CUFLASH_ACC32_AT(d, 64), CUFLASH_ACC32_AT(d, 96)
 
 template <int N>
 struct Wgmma;
@@ -211,13 +228,52 @@ struct Wgmma<128> {
   }
 };
 
+// N = 192 and 256 serve only P V, whose N is the head dim (Q K^T's N is the key block, 64 or 128),
+// so they have only the register-A form.
+template <>
+struct Wgmma<192> {
+  template <class Elem, bool TRANS_B>
+  static __device__ __forceinline__ void rs(float (&d)[96], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
+    if constexpr (WgmmaElem<Elem>::kBf16)
+      asm volatile(CUFLASH_WGMMA_RS("m64n192k16", "bf16", CUFLASH_D96, "{%96, %97, %98, %99}", "100", "101", "102")
+                   : CUFLASH_ACC96(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
+    else
+      asm volatile(CUFLASH_WGMMA_RS("m64n192k16", "f16", CUFLASH_D96, "{%96, %97, %98, %99}", "100", "101", "102")
+                   : CUFLASH_ACC96(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
+  }
+};
+
+template <>
+struct Wgmma<256> {
+  template <class Elem, bool TRANS_B>
+  static __device__ __forceinline__ void rs(float (&d)[128], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
+    if constexpr (WgmmaElem<Elem>::kBf16)
+      asm volatile(CUFLASH_WGMMA_RS("m64n256k16", "bf16", CUFLASH_D128, "{%128, %129, %130, %131}", "132", "133",
+                                    "134")
+                   : CUFLASH_ACC128(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
+    else
+      asm volatile(CUFLASH_WGMMA_RS("m64n256k16", "f16", CUFLASH_D128, "{%128, %129, %130, %131}", "132", "133",
+                                    "134")
+                   : CUFLASH_ACC128(d)
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
+  }
+};
+
 #undef CUFLASH_WGMMA_SS
 #undef CUFLASH_WGMMA_RS
 #undef CUFLASH_D32
 #undef CUFLASH_D64
+#undef CUFLASH_D96
+#undef CUFLASH_D128
 #undef CUFLASH_ACC8
 #undef CUFLASH_ACC32
 #undef CUFLASH_ACC64
+#undef CUFLASH_ACC32_AT
+#undef CUFLASH_ACC96
+#undef CUFLASH_ACC128
 
 }  // namespace detail
 
