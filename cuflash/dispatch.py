@@ -69,14 +69,19 @@ SM80_FWD_TILES = {
 # rows per CTA, 64 per consumer warpgroup (one wgmma M each), 12 warps (a producer warpgroup and
 # two consumers). 128 keys per step where they fit: S is then 64 fp32 registers per consumer
 # thread and O 32 (d64) or 64 (d128), far inside the 240 that setmaxnreg gives the consumers.
+# d64 runs three consumers (192 rows, 16 warps, 160 registers each): its softmax costs about as
+# much as its two products, so a third warpgroup keeps the tensor cores fed while two compute it.
 # d192 and d256 take 64 keys: O is 96 / 128 registers, and two stages of 128-key K and V tiles
 # would not fit next to Q in 227 KB. The ring is as deep as shared memory allows.
 SM90_FWD_TILES = {
-    64: Tile(128, 128, 12, stages=4),  # Q 16 KB + 4 x (K 16 KB + V 16 KB) = 144 KB
+    64: Tile(192, 128, 16, stages=4),  # Q 24 KB + 4 x (K 16 KB + V 16 KB) = 152 KB
     128: Tile(128, 128, 12, stages=2),  # Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
     192: Tile(128, 64, 12, stages=3),  # Q 48 KB + 3 x (K 24 KB + V 24 KB) = 192 KB
     256: Tile(128, 64, 12, stages=2),  # Q 64 KB + 2 x (K 32 KB + V 32 KB) = 192 KB
 }
+# Softcap's tanh temporaries push three d64 consumers past their 160 registers (48 B of spills in
+# ptxas -v); with softcap, d64 keeps two consumers.
+SM90_SOFTCAP_TILES = {64: Tile(128, 128, 12, stages=4)}
 
 
 @dataclass(frozen=True)
@@ -157,8 +162,10 @@ def forward_kernel(
     flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
-        tile = tile or SM90_FWD_TILES[kernel_dim]
-        expr = f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {tile.block_n}, {tile.stages}, {flags}>"
+        tile = tile or (softcap and SM90_SOFTCAP_TILES.get(kernel_dim)) or SM90_FWD_TILES[kernel_dim]
+        consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
+        assert tile.warps == 4 * (consumers + 1)
+        expr = f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {flags}>"
         # Q and the K and V stages, plus 1 KiB to align the window to the 128-byte swizzle's
         # 1024-byte period.
         smem = (tile.block_m + 2 * tile.stages * tile.block_n) * kernel_dim * 2 + 1024

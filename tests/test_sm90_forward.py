@@ -26,9 +26,11 @@ def test_sm90_forward_compiles_without_spills(choice):
     assert compiled.cubin[:4] == b"\x7fELF"
     # No ptxas warning: a serialised wgmma pipeline (C7510...) or an ignored setmaxnreg (C7508).
     assert "warning" not in compiled.log.lower(), compiled.log
-    # 168 registers at entry is the launch bounds' 65536 / 384, which the setmaxnreg split
-    # (producer 24, consumers 240) assumes; no stack frame and no spills in any region.
-    assert compiled.resources() == {"registers": 168, "spill_stores": 0, "spill_loads": 0, "stack_frame": 0}
+    # The registers at entry are the launch bounds' 65536 / threads (168 for 384 threads, 128 for
+    # 512), which the setmaxnreg split (producer 24, consumers 240 or 160) assumes; no stack frame
+    # and no spills in any region.
+    assert compiled.resources() == {"registers": 65536 // choice.threads // 8 * 8, "spill_stores": 0, "spill_loads": 0,
+                                    "stack_frame": 0}
     static_smem = int(re.search(r"(\d+) bytes smem", compiled.log).group(1))
     assert choice.smem_bytes + static_smem <= 227 * 1024
 
@@ -42,20 +44,24 @@ def test_sm90_param_struct_layout():
 
 
 def test_sm90_dispatch():
-    for bucket, block_n, stages in ((64, 128, 4), (128, 128, 2), (192, 64, 3), (256, 64, 2)):
+    for bucket, consumers, block_n, stages in ((64, 3, 128, 4), (128, 2, 128, 2), (192, 2, 64, 3), (256, 2, 64, 2)):
         choice = dispatch.forward_kernel("sm90", bucket, "causal", "bfloat16")
-        assert choice.family == "sm90" and choice.source == "sm90/flash_fwd.cu" and choice.threads == 384
-        assert choice.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{bucket}, {block_n}, {stages}, true, false, "
-                                          f"false, cuflash::bf16>")
-        assert choice.blocks_slowest and choice.tile.block_m == 128
-        assert choice.smem_bytes == (128 + 2 * stages * block_n) * bucket * 2 + 1024 <= 227 * 1024
+        block_m = 64 * consumers
+        assert choice.family == "sm90" and choice.source == "sm90/flash_fwd.cu"
+        assert choice.threads == 128 * (consumers + 1) and choice.tile.block_m == block_m
+        assert choice.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{bucket}, {consumers}, {block_n}, {stages}, "
+                                          f"true, false, false, cuflash::bf16>")
+        assert choice.blocks_slowest
+        assert choice.smem_bytes == (block_m + 2 * stages * block_n) * bucket * 2 + 1024 <= 227 * 1024
     # Head dims run the kernel of the next whole 64-column panel; TMA zero-fills the rest.
     kernel = lambda head_dim: dispatch.forward_kernel("sm90", head_dim, "none", "float16").name_expression  # noqa: E731
     assert [kernel(d).split("<")[1].split(",")[0] for d in (8, 40, 64, 72, 96, 128, 136, 192, 200, 256)] == \
         ["64", "64", "64", "128", "128", "128", "192", "192", "256", "256"]
-    # Softcap serves every mask from the window kernel, as in sm80.
+    # Softcap serves every mask from the window kernel, as in sm80; at d64 with two consumers.
     assert dispatch.forward_kernel("sm90", 128, "causal", "float16", True).name_expression.endswith(
         "false, true, true, cuflash::f16>")
+    assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16", True).name_expression == (
+        "cuflash::sm90::flash_fwd_sm90<64, 2, 128, 4, false, true, true, cuflash::bf16>")
     assert len(SM90_FORWARD) == 4 * 2 * 4  # kernel head dims x dtypes x (none, causal, window, softcap)
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     with pytest.raises(ValueError, match="backward"):
@@ -166,7 +172,8 @@ def test_sm90_packed_launch(sm90_launches):
     varlen._forward_on_device("cupy", {"q": q, "k": k, "v": k}, lengths, False, 0.125, (-1, -1), 0.0)
     (choice, arch, grid, struct), = calls
     p = np.frombuffer(struct, FWD_PARAMS_SM90)[0]
-    assert choice.family == "sm90" and grid == (4, 8, 3)  # query blocks, heads, sequences
+    assert choice.family == "sm90" and grid == (3, 8, 3)  # ceil(500 / 192) query blocks, heads, sequences
+    assert encoded[0].box_dim == (64, 1, 192, 1) and encoded[1].box_dim == (64, 1, 128, 1)  # Q: three consumers
     # The packed tensor is one batch of all rows; sequences are row offsets from cu_seqlens.
     assert encoded[0].global_dim == (64, 8, 700, 1) and encoded[0].global_strides == (128, 8 * 128, 700 * 8 * 128)
     assert p["base"]["cu_seqlens_q"] == 5 << 20 and p["base"]["q_batch_stride"] == 0

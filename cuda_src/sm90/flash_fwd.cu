@@ -1,7 +1,7 @@
-// FlashAttention-3-style forward for Hopper (sm_90a): one CTA per (128-row query block, head,
-// batch) of three warpgroups. Warpgroup 0 is the producer: one thread loads Q once and streams K
-// and V tiles by TMA into a ring of STAGES shared-memory stages, each guarded by a full and an
-// empty mbarrier. Warpgroups 1 and 2 are consumers, each owning 64 query rows: S = Q K^T by wgmma
+// FlashAttention-3-style forward for Hopper (sm_90a): one CTA per (query block, head, batch) of a
+// producer and CONSUMERS (2 or 3) consumer warpgroups. Warpgroup 0 is the producer: one thread
+// loads Q once and streams K and V tiles by TMA into a ring of STAGES shared-memory stages, each
+// guarded by a full and an empty mbarrier. The consumers each own 64 query rows: S = Q K^T by wgmma
 // from shared memory, the online softmax in registers (common/softmax.cuh, masks from
 // common/mask.cuh), P converted to 16 bits in registers, and O += P V by wgmma with P as the
 // register operand. Only O and the LSE reach global memory.
@@ -18,34 +18,45 @@
 namespace cuflash {
 namespace sm90 {
 
-constexpr int kFwdThreads = 384;  // producer + two consumer warpgroups
-constexpr int kBlockM = 128;      // query rows per CTA: 64 per consumer warpgroup, one wgmma M each
-constexpr int kConsumerRows = 64;
-// Registers per thread after setmaxnreg. The CTA starts with 65536 / 384 = 168 per thread (the
-// launch bounds' cap, which ptxas allocates in full for a setmaxnreg kernel); the producer's
-// (168 - 24) x 128 freed registers are exactly the consumers' (240 - 168) x 2 x 128 extra ones,
-// so neither increase waits for registers that never come.
-constexpr int kProducerRegisters = 24;
-constexpr int kConsumerRegisters = 240;
-constexpr int kEpilogueBarrier = 1;   // named barrier ids 1 and 2: one per consumer warpgroup
-constexpr int kSchedulerBarrier = 3;  // ids 3 and 4: consumer c's turn to issue wgmma (PingPong)
+constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
+constexpr int kEpilogueBarrier = 1;   // named barrier ids 1..CONSUMERS: one per consumer warpgroup
+constexpr int kSchedulerBarrier = 4;  // ids 4..3 + CONSUMERS: consumer c's turn to issue wgmma (PingPong)
 
-// FlashAttention-3's ping-pong: the two consumer warpgroups take turns issuing their wgmma, so the
-// tensor cores run one warpgroup's Q K^T and P V while the other computes its softmax, instead of
-// both warpgroups' softmax falling into the same gap. A turn is a named barrier of both
-// warpgroups: the owner waits on its own (bar.sync, 128 threads), the other warpgroup's arrival
-// (bar.arrive, 128 threads) completes it. Both warpgroups take the same number of turns (they walk
-// the same key blocks); consumer 1 opens with an arrival that gives consumer 0 the first turn and
-// leaves out its last one, so no arrival is left pending at exit.
+// The CTA's warpgroups: the producer, then CONSUMERS consumers of 64 query rows each.
+template <int CONSUMERS>
+struct Warpgroups {
+  static_assert(CONSUMERS == 2 || CONSUMERS == 3, "named barrier ids above are laid out for at most 3");
+  static constexpr int THREADS = 128 * (1 + CONSUMERS);
+  static constexpr int BLOCK_M = kConsumerRows * CONSUMERS;
+  // Registers per thread after setmaxnreg. The CTA starts with 65536 / THREADS per thread (the
+  // launch bounds' cap, which ptxas allocates in full for a setmaxnreg kernel: 168 with two
+  // consumers, 128 with three); the producer keeps 24, and the consumers share what it frees,
+  // rounded down to setmaxnreg's multiple of 8 (240 and 160), so no increase waits for registers
+  // that never come.
+  static constexpr int PRODUCER_REGISTERS = 24;
+  static constexpr int CONSUMER_REGISTERS =
+      (65536 / THREADS + (65536 / THREADS - PRODUCER_REGISTERS) / CONSUMERS) / 8 * 8;
+};
+
+// FlashAttention-3's ping-pong: the consumer warpgroups take turns, round robin, issuing their
+// wgmma, so the tensor cores run one warpgroup's Q K^T and P V while the others compute their
+// softmax, instead of every warpgroup's softmax falling into the same gap. A turn is a named
+// barrier of two warpgroups: the owner waits on its own (bar.sync, 128 threads), the previous
+// warpgroup's arrival (bar.arrive, 128 threads) completes it. All take the same number of turns
+// (they walk the same key blocks); the last consumer opens with an arrival that gives consumer 0
+// the first turn and leaves out its own last pass, so no arrival is left pending at exit.
+template <int CONSUMERS>
 struct PingPong {
   int me;
   __device__ __forceinline__ void open() const {
-    if (me == 1) named_barrier_arrive(kSchedulerBarrier, 256);
+    if (me == CONSUMERS - 1) named_barrier_arrive(kSchedulerBarrier, 256);
   }
   __device__ __forceinline__ void wait_turn() const { named_barrier_sync(kSchedulerBarrier + me, 256); }
-  __device__ __forceinline__ void pass_turn() const { named_barrier_arrive(kSchedulerBarrier + 1 - me, 256); }
+  __device__ __forceinline__ void pass_turn() const {
+    named_barrier_arrive(kSchedulerBarrier + (me + 1) % CONSUMERS, 256);
+  }
   __device__ __forceinline__ void pass_last_turn() const {
-    if (me == 0) pass_turn();
+    if (me != CONSUMERS - 1) pass_turn();
   }
 };
 
@@ -53,10 +64,10 @@ struct PingPong {
 // V stages. A tile of HEAD_DIM columns is HEAD_DIM / 64 panels of 64 columns (one 128-byte
 // swizzle row each, one TMA box each), every panel and tile a multiple of 1024 bytes so each
 // starts on a swizzle period, as TMA and the wgmma descriptors assume.
-template <int HEAD_DIM, int BLOCK_N, int STAGES>
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
 struct FwdSmem {
   static constexpr int PANELS = HEAD_DIM / 64;
-  static constexpr u32 Q_PANEL = kBlockM * 128;
+  static constexpr u32 Q_PANEL = BLOCK_M * 128;
   static constexpr u32 KV_PANEL = BLOCK_N * 128;
   static constexpr u32 Q_BYTES = PANELS * Q_PANEL;
   static constexpr u32 KV_BYTES = PANELS * KV_PANEL;
@@ -139,11 +150,15 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[NT /
 }
 
 // HEAD_DIM: 64, 128, 192 or 256, whole 64-column panels (the real head_dim may be smaller: TMA
-// zero-fills the rest, and the epilogue stores only real columns). BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the mask
+// zero-fills the rest, and the epilogue stores only real columns). CONSUMERS: consumer
+// warpgroups, 64 query rows each. BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the mask
 // (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
-template <int HEAD_DIM, int BLOCK_N, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
-__global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
-  using Smem = FwdSmem<HEAD_DIM, BLOCK_N, STAGES>;
+template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
+__global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
+    flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
+  using Groups = Warpgroups<CONSUMERS>;
+  constexpr int kBlockM = Groups::BLOCK_M;
+  using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES>;
   constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S (and NT / 2 k-slices of P V)
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of O
   const FwdParams& a = p.base;
@@ -174,8 +189,8 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&k_full[s], 1);
       mbarrier_init(&v_full[s], 1);
-      mbarrier_init(&k_empty[s], 2 * 4);
-      mbarrier_init(&v_empty[s], 2 * 4);
+      mbarrier_init(&k_empty[s], CONSUMERS * 4);
+      mbarrier_init(&v_empty[s], CONSUMERS * 4);
     }
     mbarrier_init_fence();
   }
@@ -184,7 +199,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
 
   if (threadIdx.x < 128) {
     // Producer warpgroup. Only thread 0 issues copies; the rest give their registers away and leave.
-    setmaxnreg_dec<kProducerRegisters>();
+    setmaxnreg_dec<Groups::PRODUCER_REGISTERS>();
     if (threadIdx.x != 0 || !any_keys) return;
     prefetch_tensor_map(&p.q);
     prefetch_tensor_map(&p.k);
@@ -221,8 +236,8 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
                  key_row, map_batch);
     }
   } else {
-    // Consumer warpgroups: warps 4-7 and 8-11, warpgroup-aligned as wgmma requires.
-    setmaxnreg_inc<kConsumerRegisters>();
+    // Consumer warpgroups: warps 4-7, 8-11 (and 12-15), warpgroup-aligned as wgmma requires.
+    setmaxnreg_inc<Groups::CONSUMER_REGISTERS>();
     const int consumer = threadIdx.x / 128 - 1;
     const int t = threadIdx.x % 128;
     const int warp = t / 32;
@@ -243,7 +258,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
       // periods) into the panel.
       const u64 q_desc = smem_desc_sw128(smem + wg_row * 128);
       const int warp_row = first_row + wg_row + warp * 16;
-      const int m64_block = 2 * m_block + consumer;  // this warpgroup's rows as a 64-row block
+      const int m64_block = CONSUMERS * m_block + consumer;  // this warpgroup's rows as a 64-row block
       float s[1][NT][4];
       u32 pv_a[NT / 2][4];
       float correction[1][2];
@@ -252,7 +267,7 @@ __global__ void __launch_bounds__(kFwdThreads, 1) flash_fwd_sm90(const __grid_co
       // the sequence end) come first, a window's left edge last.
       int n = n_range.end - 1;
 
-      const PingPong turns{consumer};
+      const PingPong<CONSUMERS> turns{consumer};
       turns.open();
 
       // The first block: S, then P (o is still zero, so its correction is moot).
