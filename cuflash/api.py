@@ -225,11 +225,17 @@ def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int
     choice = _forward_choice(family, qt, kt, vt, window, softcap)
     m_blocks = -(-max_seqlen_q // choice.tile.block_m)
     heads = qt.shape[2]
-    grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
     packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens)
     if choice.family == "sm90":
-        argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n)
+        # Persistent: one CTA per SM (the tile's shared memory allows no second) walks the tiles.
+        tiles = m_blocks * heads * batch
+        if tiles >= 2**31:
+            raise ValueError(f"q: {tiles} query tiles exceed the sm90 forward's int32 tile index")
+        grid = (max(1, min(tiles, _multiprocessors(qt.device))), 1, 1)  # a packed batch may have no rows
+        argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n,
+                                         (m_blocks, heads, batch))
     else:
+        grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
         argument = ArgumentBuffer(packed, FWD_POINTERS)
     arch = dispatch.compile_arch(choice.family, capability)
     return _ForwardPlan(device_plan, kernels.prepare(choice, arch, qt.device, grid), argument)

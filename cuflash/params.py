@@ -62,9 +62,10 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
     )
 
 
-# cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, then FwdParams.
+# cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, FwdParams, the persistent grid's tiles.
 FWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
-                                   ("base", FWD_PARAMS)])
+                                   ("base", FWD_PARAMS), ("m_blocks", np.int32), ("heads", np.int32),
+                                   ("batches", np.int32), ("tiles", np.int32)])
 FWD_PARAMS_SM90_SIZE = 640  # sizeof(FwdParamsSm90)
 
 
@@ -94,13 +95,18 @@ def _tensor_map(address: int, shape: tuple[int, ...], strides: tuple[int, ...], 
     return tma.encode_tiled(tma.tiled_map_args(address, shape, strides, dtype, (1, rows, 1, 64)))
 
 
-def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: int) -> ArgumentBuffer:
+def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: int,
+                          tiles: tuple[int, int, int]) -> ArgumentBuffer:
     """The FwdParamsSm90 argument for repeated launches: tensor maps of q (boxes of ``block_m``
     rows of one head's 64-column panel, sm90/fwd_params.cuh) and of k and v (``block_n`` rows),
-    then ``packed``, pack_fwd_params' struct for the same call. The maps hold the addresses, so
-    each fill encodes them again (cached per address)."""
+    then ``packed``, pack_fwd_params' struct for the same call, then ``tiles`` (query blocks,
+    heads, batches). The maps hold the addresses, so each fill encodes them again (cached per
+    address)."""
     struct = np.zeros(1, FWD_PARAMS_SM90)
     struct["base"] = packed
+    m_blocks, heads, batches = tiles
+    struct["m_blocks"], struct["heads"], struct["batches"] = tiles
+    struct["tiles"] = m_blocks * heads * batches
     maps = tuple((name, index, functools.partial(_tensor_map, shape=shape, strides=strides, dtype=t.dtype, rows=rows))
                  for index, (name, t, rows) in enumerate((("q", q, block_m), ("k", k, block_n), ("v", v, block_n)))
                  for shape, strides in (tma_view(t),))

@@ -149,10 +149,32 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[NT /
   }
 }
 
+// The tile (query block, head, batch) with linear index `tile`, in the order the CTAs take them.
+// Causal: query blocks slowest and reversed, so the longest blocks of every head come first and
+// the round robin over persistent CTAs hands out the longest work first. Otherwise query blocks
+// fastest: CTAs that run together share a head's K and V in L2.
+struct TileCoord {
+  int m_block, head, batch;
+};
+template <bool CAUSAL>
+__device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile) {
+  if (CAUSAL) {
+    const int per_block = p.heads * p.batches;
+    return {p.m_blocks - 1 - tile / per_block, tile % p.heads, (tile % per_block) / p.heads};
+  }
+  return {tile % p.m_blocks, (tile / p.m_blocks) % p.heads, tile / (p.m_blocks * p.heads)};
+}
+
 // HEAD_DIM: 64, 128, 192 or 256, whole 64-column panels (the real head_dim may be smaller: TMA
 // zero-fills the rest, and the epilogue stores only real columns). CONSUMERS: consumer
-// warpgroups, 64 query rows each. BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the mask
-// (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
+// warpgroups, 64 query rows each. BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the
+// mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
+//
+// Persistent: a grid of at most one CTA per SM walks the tiles round robin (tile_coord). The
+// producer runs ahead across tiles: the next tile's K and V stream into the ring while the
+// consumers finish this one, and the next Q waits only for the consumers' epilogue, which stages
+// O in Q's buffer (q_empty). Every role walks the same tiles and key blocks, so the ring positions
+// and barrier phases agree without any other exchange.
 template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
 __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
@@ -164,27 +186,17 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
   const FwdParams& a = p.base;
 
   // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
-  // one arrival per consumer warp once its warpgroup's wgmma have read the stage.
-  __shared__ u64 q_full;
+  // one arrival per consumer warp once its warpgroup is done with the buffer (for K and V: its
+  // wgmma have read the stage; for Q: its epilogue has read O back out of Q's buffer).
+  __shared__ u64 q_full, q_empty;
   __shared__ u64 k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
   // The dynamic window's alignment is not promised; the host adds 1 KiB of slack to round up.
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-  // Grid order as the sm80 kernel's: causal query blocks slowest and reversed, so the longest
-  // blocks of every head start first; a packed batch's CTAs past a shorter sequence leave at once.
-  const int m_block = CAUSAL ? gridDim.z - 1 - blockIdx.z : blockIdx.x;
-  const int head = CAUSAL ? blockIdx.x : blockIdx.y;
-  const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
-  const Sequence seq = sequence_of(a, batch);
-  const int first_row = m_block * kBlockM;
-  if (first_row >= seq.seqlen_q) return;
-  const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
-  const BlockRange n_range = key_blocks<kBlockM, BLOCK_N>(mask, m_block);
-  const bool any_keys = n_range.begin < n_range.end;
-
   if (threadIdx.x == 0) {
     mbarrier_init(&q_full, 1);
+    mbarrier_init(&q_empty, CONSUMERS * 4);
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&k_full[s], 1);
@@ -200,40 +212,53 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
   if (threadIdx.x < 128) {
     // Producer warpgroup. Only thread 0 issues copies; the rest give their registers away and leave.
     setmaxnreg_dec<Groups::PRODUCER_REGISTERS>();
-    if (threadIdx.x != 0 || !any_keys) return;
+    if (threadIdx.x != 0) return;
     prefetch_tensor_map(&p.q);
     prefetch_tensor_map(&p.k);
     prefetch_tensor_map(&p.v);
-    // A packed batch's maps have one batch of all rows; its sequences are row offsets.
-    const int map_batch = a.cu_seqlens_q == nullptr ? batch : 0;
-    const int kv_head = head / a.kv_group;
-    // Rows past the tensor's end arrive as zeros (TMA's out-of-bounds fill); rows past a packed
-    // sequence's end arrive from the next sequence and are never used (query rows: not stored;
-    // key rows: masked to -inf, so P is 0 there).
-    mbarrier_arrive_expect_tx(&q_full, Smem::Q_BYTES);
-#pragma unroll
-    for (int panel = 0; panel < Smem::PANELS; ++panel)
-      tma_load(smem + panel * Smem::Q_PANEL, &p.q, &q_full, 64 * panel, head, seq.q_begin + first_row, map_batch);
-
-    // Key blocks from the last to the first, as the consumers take them (see there).
     RingPosition<STAGES> pos;
-    for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
-      const int key_row = seq.k_begin + n * BLOCK_N;
-      const u32 offset = pos.stage * Smem::KV_BYTES;
-      // Wait for the consumers to release this stage's previous tile (a fresh barrier's parity-1
-      // phase counts as complete, so the first lap does not wait), announce the bytes, copy.
-      mbarrier_wait(&k_empty[pos.stage], pos.phase ^ 1);
-      mbarrier_arrive_expect_tx(&k_full[pos.stage], Smem::KV_BYTES);
+    int tiles_done = 0;  // tiles with rows, each ending in an epilogue that hands Q's buffer back
+    for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+      const TileCoord c = tile_coord<CAUSAL>(p, tile);
+      const Sequence seq = sequence_of(a, c.batch);
+      const int first_row = c.m_block * kBlockM;
+      if (first_row >= seq.seqlen_q) continue;  // past a packed sequence's end: no rows
+      const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
+      const BlockRange n_range = key_blocks<kBlockM, BLOCK_N>(mask, c.m_block);
+      // Q's buffer is free once every consumer warp has finished the previous tile's epilogue (a
+      // fresh barrier's parity-1 phase counts as complete, so the first tile does not wait).
+      mbarrier_wait(&q_empty, (tiles_done++ & 1) ^ 1);
+      if (n_range.begin >= n_range.end) continue;  // no keys: the consumers write zeros, nothing to load
+      // A packed batch's maps have one batch of all rows; its sequences are row offsets.
+      const int map_batch = a.cu_seqlens_q == nullptr ? c.batch : 0;
+      const int kv_head = c.head / a.kv_group;
+      // Rows past the tensor's end arrive as zeros (TMA's out-of-bounds fill); rows past a packed
+      // sequence's end arrive from the next sequence and are never used (query rows: not stored;
+      // key rows: masked to -inf, so P is 0 there).
+      mbarrier_arrive_expect_tx(&q_full, Smem::Q_BYTES);
 #pragma unroll
       for (int panel = 0; panel < Smem::PANELS; ++panel)
-        tma_load(smem + Smem::K + offset + panel * Smem::KV_PANEL, &p.k, &k_full[pos.stage], 64 * panel, kv_head,
-                 key_row, map_batch);
-      mbarrier_wait(&v_empty[pos.stage], pos.phase ^ 1);
-      mbarrier_arrive_expect_tx(&v_full[pos.stage], Smem::KV_BYTES);
+        tma_load(smem + panel * Smem::Q_PANEL, &p.q, &q_full, 64 * panel, c.head, seq.q_begin + first_row, map_batch);
+
+      // Key blocks from the last to the first, as the consumers take them (see there).
+      for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
+        const int key_row = seq.k_begin + n * BLOCK_N;
+        const u32 offset = pos.stage * Smem::KV_BYTES;
+        // Wait for the consumers to release this stage's previous tile (the first lap does not
+        // wait, as above), announce the bytes, copy.
+        mbarrier_wait(&k_empty[pos.stage], pos.phase ^ 1);
+        mbarrier_arrive_expect_tx(&k_full[pos.stage], Smem::KV_BYTES);
 #pragma unroll
-      for (int panel = 0; panel < Smem::PANELS; ++panel)
-        tma_load(smem + Smem::V + offset + panel * Smem::KV_PANEL, &p.v, &v_full[pos.stage], 64 * panel, kv_head,
-                 key_row, map_batch);
+        for (int panel = 0; panel < Smem::PANELS; ++panel)
+          tma_load(smem + Smem::K + offset + panel * Smem::KV_PANEL, &p.k, &k_full[pos.stage], 64 * panel, kv_head,
+                   key_row, map_batch);
+        mbarrier_wait(&v_empty[pos.stage], pos.phase ^ 1);
+        mbarrier_arrive_expect_tx(&v_full[pos.stage], Smem::KV_BYTES);
+#pragma unroll
+        for (int panel = 0; panel < Smem::PANELS; ++panel)
+          tma_load(smem + Smem::V + offset + panel * Smem::KV_PANEL, &p.v, &v_full[pos.stage], 64 * panel, kv_head,
+                   key_row, map_batch);
+      }
     }
   } else {
     // Consumer warpgroups: warps 4-7, 8-11 (and 12-15), warpgroup-aligned as wgmma requires.
@@ -243,130 +268,143 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     const int warp = t / 32;
     const int lane = t % 32;
     const int wg_row = consumer * kConsumerRows;  // this warpgroup's first row inside the block
+    // This warpgroup's 64 rows of each Q panel: an A operand starting 64 rows (8 swizzle periods)
+    // into the panel.
+    const u64 q_desc = smem_desc_sw128(smem + wg_row * 128);
+    const PingPong<CONSUMERS> turns{consumer};
+    RingPosition<STAGES> k_pos, v_pos;
+    int q_loads = 0;
 
-    float o[1][DT][4];
+    for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+      const TileCoord c = tile_coord<CAUSAL>(p, tile);
+      const Sequence seq = sequence_of(a, c.batch);
+      const int first_row = c.m_block * kBlockM;
+      if (first_row >= seq.seqlen_q) continue;
+      const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
+      const BlockRange n_range = key_blocks<kBlockM, BLOCK_N>(mask, c.m_block);
+
+      float o[1][DT][4];
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
+      for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
-    OnlineSoftmax<1> softmax;
-    softmax.init();
+        for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
+      OnlineSoftmax<1> softmax;
+      softmax.init();
+      if (n_range.begin < n_range.end) {
+        mbarrier_wait(&q_full, q_loads++ & 1);
+        const int warp_row = first_row + wg_row + warp * 16;
+        const int m64_block = CONSUMERS * c.m_block + consumer;  // this warpgroup's rows as a 64-row block
+        float s[1][NT][4];
+        u32 pv_a[NT / 2][4];
+        float correction[1][2];
+        // Key blocks from the last to the first: the blocks that need masking (the diagonal and
+        // the sequence end) come first, a window's left edge last.
+        int n = n_range.end - 1;
+        turns.open();
 
-    if (any_keys) {
-      mbarrier_wait(&q_full, 0);
-      // This warpgroup's 64 rows of each Q panel: an A operand starting 64 rows (8 swizzle
-      // periods) into the panel.
-      const u64 q_desc = smem_desc_sw128(smem + wg_row * 128);
-      const int warp_row = first_row + wg_row + warp * 16;
-      const int m64_block = CONSUMERS * m_block + consumer;  // this warpgroup's rows as a 64-row block
-      float s[1][NT][4];
-      u32 pv_a[NT / 2][4];
-      float correction[1][2];
-      RingPosition<STAGES> k_pos, v_pos;
-      // Key blocks from the last to the first: the blocks that need masking (the diagonal and
-      // the sequence end) come first, a window's left edge last.
-      int n = n_range.end - 1;
-
-      const PingPong<CONSUMERS> turns{consumer};
-      turns.open();
-
-      // The first block: S, then P (o is still zero, so its correction is moot).
-      mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
-      __syncwarp();  // reconverge after the spin: wgmma is .aligned
-      turns.wait_turn();
-      wgmma_fence();
-      issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
-      wgmma_commit();
-      turns.pass_turn();
-      fence_registers(flat(s));
-      wgmma_wait<0>();
-      fence_registers(flat(s));
-      // The tensor cores are done with this K stage: one arrival per warp hands it back.
-      if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-      probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
-      pack_p<Elem>(s, pv_a);
-      k_pos.advance();
-
-      // Each step issues S of block n and then P V of block n + 1 (FlashAttention-3's
-      // intra-warpgroup overlap): the softmax of block n runs while the tensor cores still
-      // multiply P V, and the rescale of o waits for that product.
-      for (--n; n >= n_range.begin; --n) {
+        // The first block: S, then P (o is still zero, so its correction is moot).
         mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
-        mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
-        __syncwarp();
+        __syncwarp();  // reconverge after the spin: wgmma is .aligned
         turns.wait_turn();
-        wgmma_fence();  // s was read by the softmax, o rescaled and pv_a packed by ordinary instructions
+        wgmma_fence();
         issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
-        wgmma_commit();
-        issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
-                                                                    Smem::KV_PANEL));
         wgmma_commit();
         turns.pass_turn();
         fence_registers(flat(s));
-        fence_registers(flat(o));
-        fence_registers(pv_a);
-        wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
+        wgmma_wait<0>();
         fence_registers(flat(s));
+        // The tensor cores are done with this K stage: one arrival per warp hands it back.
         if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
         probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
-        wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
-        fence_registers(flat(o));
-        fence_registers(pv_a);
-        if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
-        softmax.rescale(o, correction);
         pack_p<Elem>(s, pv_a);
         k_pos.advance();
+
+        // Each step issues S of block n and then P V of block n + 1 (FlashAttention-3's
+        // intra-warpgroup overlap): the softmax of block n runs while the tensor cores still
+        // multiply P V, and the rescale of o waits for that product.
+        for (--n; n >= n_range.begin; --n) {
+          mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
+          mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+          __syncwarp();
+          turns.wait_turn();
+          wgmma_fence();  // s was read by the softmax, o rescaled and pv_a packed by ordinary instructions
+          issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
+          wgmma_commit();
+          issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
+                                                                      Smem::KV_PANEL));
+          wgmma_commit();
+          turns.pass_turn();
+          fence_registers(flat(s));
+          fence_registers(flat(o));
+          fence_registers(pv_a);
+          wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
+          fence_registers(flat(s));
+          if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
+          probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
+          wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
+          fence_registers(flat(o));
+          fence_registers(pv_a);
+          if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
+          softmax.rescale(o, correction);
+          pack_p<Elem>(s, pv_a);
+          k_pos.advance();
+          v_pos.advance();
+        }
+
+        // P V of the last block.
+        mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+        __syncwarp();
+        turns.wait_turn();
+        wgmma_fence();
+        issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
+                                                                    Smem::KV_PANEL));
+        wgmma_commit();
+        turns.pass_last_turn();
+        fence_registers(flat(o));
+        fence_registers(pv_a);
+        wgmma_wait<0>();
+        fence_registers(flat(o));
+        if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
         v_pos.advance();
       }
 
-      // P V of the last block.
-      mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+      float lse[1][2];
+      softmax.finalize(o, a.scale_log2, lse);
+
+      // Epilogue: stage O in this warpgroup's own rows of the Q tile (its last wgmma has read
+      // them), then write whole 16-byte chunks of the rows that exist. Ordinary stores, not a TMA
+      // store: a packed sequence's last block must not write the next sequence's rows.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = wg_row + warp * 16 + h * 8 + lane / 4;
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+          *reinterpret_cast<u32*>(smem + swizzled_offset(row, dt * 8 + (lane % 4) * 2, Smem::Q_PANEL)) =
+              Elem::pack(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
+        const int global_row = first_row + row;
+        if (lane % 4 == 0 && global_row < seq.seqlen_q)
+          a.lse[c.batch * a.lse_batch_stride + c.head * a.lse_head_stride + seq.q_begin + global_row] = lse[0][h];
+      }
+      // The warpgroup's rows are written by all four of its warps and read across them.
+      named_barrier_sync(kEpilogueBarrier + consumer, 128);
+
+      u16* const out = static_cast<u16*>(a.o) + c.batch * a.o_batch_stride + c.head * a.o_head_stride +
+                       seq.q_begin * a.o_row_stride;
+      constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+#pragma unroll
+      for (int i = t; i < kConsumerRows * CHUNKS_PER_ROW; i += 128) {
+        const int row = wg_row + i / CHUNKS_PER_ROW;
+        const int col = (i % CHUNKS_PER_ROW) * 8;
+        const int global_row = first_row + row;
+        if (global_row < seq.seqlen_q && col < a.head_dim)
+          *reinterpret_cast<uint4*>(out + global_row * a.o_row_stride + col) =
+              *reinterpret_cast<const uint4*>(smem + swizzled_offset(row, col, Smem::Q_PANEL));
+      }
+      // Hand Q's buffer back: the next tile's Q copy (async proxy) overwrites what these threads
+      // wrote and read here (generic proxy), so each fences its accesses before its warp arrives.
+      fence_proxy_async_shared();
       __syncwarp();
-      turns.wait_turn();
-      wgmma_fence();
-      issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
-                                                                  Smem::KV_PANEL));
-      wgmma_commit();
-      turns.pass_last_turn();
-      fence_registers(flat(o));
-      fence_registers(pv_a);
-      wgmma_wait<0>();
-      fence_registers(flat(o));
-      if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
-    }
-
-    float lse[1][2];
-    softmax.finalize(o, a.scale_log2, lse);
-
-    // Epilogue: stage O in this warpgroup's own rows of the Q tile (its last wgmma has read them,
-    // and no copy writes there again), then write whole 16-byte chunks of the rows that exist.
-    // Ordinary stores, not a TMA store: a packed sequence's last block must not write the next
-    // sequence's rows.
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = wg_row + warp * 16 + h * 8 + lane / 4;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-        *reinterpret_cast<u32*>(smem + swizzled_offset(row, dt * 8 + (lane % 4) * 2, Smem::Q_PANEL)) =
-            Elem::pack(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
-      const int global_row = first_row + row;
-      if (lane % 4 == 0 && global_row < seq.seqlen_q)
-        a.lse[batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin + global_row] = lse[0][h];
-    }
-    // The warpgroup's rows are written by all four of its warps and read across them.
-    named_barrier_sync(kEpilogueBarrier + consumer, 128);
-
-    u16* const out = static_cast<u16*>(a.o) + batch * a.o_batch_stride + head * a.o_head_stride +
-                     seq.q_begin * a.o_row_stride;
-    constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
-#pragma unroll
-    for (int i = t; i < kConsumerRows * CHUNKS_PER_ROW; i += 128) {
-      const int row = wg_row + i / CHUNKS_PER_ROW;
-      const int col = (i % CHUNKS_PER_ROW) * 8;
-      const int global_row = first_row + row;
-      if (global_row < seq.seqlen_q && col < a.head_dim)
-        *reinterpret_cast<uint4*>(out + global_row * a.o_row_stride + col) =
-            *reinterpret_cast<const uint4*>(smem + swizzled_offset(row, col, Smem::Q_PANEL));
+      if (lane == 0) mbarrier_arrive(&q_empty);
     }
   }
 }

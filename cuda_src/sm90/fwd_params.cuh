@@ -1,7 +1,7 @@
 // Run-time arguments of the sm90 forward kernel: the three tensor maps TMA loads Q, K and V
 // through, then the sm80 FwdParams for everything else (output and LSE pointers and strides,
 // packed-batch offsets, lengths, mask and softmax constants), so both families read one set of
-// fields. Mirrored by FWD_PARAMS_SM90 in cuflash/params.py (cuflash.tma.param_dtype lays the
+// fields, then the tile counts of the persistent grid. Mirrored by FWD_PARAMS_SM90 in cuflash/params.py (cuflash.tma.param_dtype lays the
 // 64-byte-aligned maps out).
 #pragma once
 #include "common/params.cuh"
@@ -18,6 +18,11 @@ struct FwdParamsSm90 {
   TensorMap k;
   TensorMap v;
   FwdParams base;
+  // The persistent grid's tiles (flash_fwd.cu, tile_coord): tiles = m_blocks * heads * batches.
+  int m_blocks;
+  int heads;
+  int batches;
+  int tiles;
 };
 static_assert(sizeof(FwdParamsSm90) == 640 && alignof(FwdParamsSm90) == 64, "cuflash/params.py packs 640 bytes");
 
