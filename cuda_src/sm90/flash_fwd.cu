@@ -170,11 +170,13 @@ __device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile
 // warpgroups, 64 query rows each. BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the
 // mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
 //
-// Persistent: a grid of at most one CTA per SM walks the tiles round robin (tile_coord). The
-// producer runs ahead across tiles: the next tile's K and V stream into the ring while the
-// consumers finish this one, and the next Q waits only for the consumers' epilogue, which stages
-// O in Q's buffer (q_empty). Every role walks the same tiles and key blocks, so the ring positions
-// and barrier phases agree without any other exchange.
+// Persistent: the CTAs walk the tiles round robin (tile_coord); the host sizes the grid
+// (api._sm90_ctas: one CTA per SM for equal tiles, one per tile where a mask makes them unequal
+// and the hardware's block scheduler balances them better). The producer runs ahead across
+// tiles: the next tile's K and V stream into the ring while the consumers finish this one, and
+// the next Q waits only for the consumers' epilogue, which stages O in Q's buffer (q_empty).
+// Every role walks the same tiles and key blocks, so the ring positions and barrier phases agree
+// without any other exchange.
 template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
 __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
@@ -400,6 +402,9 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
           *reinterpret_cast<uint4*>(out + global_row * a.o_row_stride + col) =
               *reinterpret_cast<const uint4*>(smem + swizzled_offset(row, col, Smem::Q_PANEL));
       }
+      // The next tile's epilogue writes these rows again, and a tile without keys does so without
+      // waiting for a Q copy (q_full), so the whole warpgroup must have read them first.
+      named_barrier_sync(kEpilogueBarrier + consumer, 128);
       // Hand Q's buffer back: the next tile's Q copy (async proxy) overwrites what these threads
       // wrote and read here (generic proxy), so each fences its accesses before its warp arrives.
       fence_proxy_async_shared();
