@@ -95,6 +95,10 @@ def _resolve_scale(softmax_scale: Any, head_dim: int) -> float:
 
 def _resolve_window(window: Any) -> tuple[int, int]:
     """``(left, right)``: two integers >= -1 (-1 unbounded)."""
+    # Plain int pairs skip the numbers.Integral checks (ABC instance checks, ~1 us each per call).
+    if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int:
+        if window[0] >= -1 and window[1] >= -1:
+            return window
     if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
         raise TypeError(f"window: expected a pair (left, right) of integers, got {window!r}")
     for side in window:
@@ -107,6 +111,8 @@ def _resolve_window(window: Any) -> tuple[int, int]:
 
 
 def _resolve_softcap(softcap: Any) -> float:
+    if type(softcap) is float and 0.0 <= softcap < math.inf:  # the common case, without ABC checks
+        return softcap
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap: expected a real number, got {type(softcap).__name__}")
     value = float(softcap)
@@ -206,23 +212,33 @@ def _aligned_pointers(*tensors) -> bool:
     return bits % 16 == 0
 
 
-def _forward_choice(family: str, qt, kt, vt, window: tuple[int, int], softcap: float) -> dispatch.KernelChoice:
+def _forward_choice(family: str, qt, kt, vt, window: tuple[int, int], softcap: float,
+                    max_seqlen_q: int) -> dispatch.KernelChoice:
     """The forward kernel for these tensors on a device of ``family``: that family's, or sm80's
     where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast or
     reversed dimension; the sm80 kernel reads any strides)."""
-    choice = dispatch.forward_kernel(family, qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
+    short = max_seqlen_q <= dispatch.SM90_SHORT_ROWS
+    choice = dispatch.forward_kernel(family, qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap), short=short)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt)):
         choice = dispatch.forward_kernel("sm80", qt.shape[3], _mask_kind(window), qt.dtype, bool(softcap))
     return choice
 
 
-def _sm90_ctas(masked: bool, tiles: int, device: int) -> int:
-    """CTAs of the sm90 forward's grid over ``tiles`` tiles. Without a mask, persistent: one CTA
-    per SM (the tile's shared memory allows no second) walks the equal tiles round robin. Masked
-    tiles differ in length, which a static round robin cannot balance: there one CTA per tile,
-    longest first, lets the hardware's block scheduler balance them (measured 5-9% faster at
-    4k-16k causal; benchmarks/NOTES.md)."""
-    return tiles if masked else min(tiles, _multiprocessors(device))
+# Keys per sequence up to which masked tiles run persistent too (see _sm90_ctas).
+_PERSISTENT_MASKED_KEYS = 1024
+
+
+def _sm90_ctas(masked: bool, max_seqlen_k: int, tiles: int, device: int) -> int:
+    """CTAs of the sm90 forward's grid over ``tiles`` tiles. Persistent, one CTA per SM (the
+    tile's shared memory allows no second) walking the tiles round robin: without a mask, where
+    the tiles are equal, and with one over sequences of at most _PERSISTENT_MASKED_KEYS keys,
+    where the tiles are short and hiding each one's prologue and epilogue pays most (causal 1k:
+    +3% at d128, +11% at d64). Longer masked tiles differ in length more than a static round
+    robin can balance: one CTA per tile, longest first, lets the hardware's block scheduler
+    balance them (measured 5-9% faster at 4k-16k causal; benchmarks/NOTES.md, sm90 v4)."""
+    if masked and max_seqlen_k > _PERSISTENT_MASKED_KEYS:
+        return tiles
+    return min(tiles, _multiprocessors(device))
 
 
 def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int], softcap: float, batch: int,
@@ -231,7 +247,7 @@ def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), for validated tensors;
     ``window`` from _kernel_window. out and lse may be interop.contiguous records."""
     family, capability = device_plan = _device_plan(qt.device)
-    choice = _forward_choice(family, qt, kt, vt, window, softcap)
+    choice = _forward_choice(family, qt, kt, vt, window, softcap, max_seqlen_q)
     m_blocks = -(-max_seqlen_q // choice.tile.block_m)
     heads = qt.shape[2]
     packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, window, softcap, *cu_seqlens)
@@ -240,7 +256,9 @@ def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int
         if tiles >= 2**31:
             raise ValueError(f"q: {tiles} query tiles exceed the sm90 forward's int32 tile index")
         masked = _mask_kind(window) != "none" or bool(softcap)
-        grid = (max(1, _sm90_ctas(masked, tiles, qt.device)), 1, 1)  # a packed batch may have no rows
+        # A packed batch's longest sequence is not known here: its total bounds it. A packed batch
+        # may have no rows at all: still one CTA.
+        grid = (max(1, _sm90_ctas(masked, kt.shape[1], tiles, qt.device)), 1, 1)
         argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n,
                                          (m_blocks, heads, batch))
     else:
@@ -356,6 +374,11 @@ def _run_backward(plan: _BackwardPlan, framework: str, stream: int, qt, kt, vt, 
 
 def _framework(**arrays: Any) -> str:
     """The framework of q; every array must be on the same side (NumPy vs device) as q."""
+    q = arrays["q"]
+    kind, cls = interop.framework_of(q, "q"), type(q)
+    # Arrays of q's own type are on q's side, except torch tensors, whose type holds CPU and CUDA.
+    if kind != "torch" and all(type(x) is cls for x in arrays.values()):
+        return kind
     found = {name: interop.framework_of(x, name) for name, x in arrays.items()}
     q_side = found["q"] == "numpy"
     for name, framework in found.items():
@@ -417,7 +440,8 @@ def explain(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, 
     _check_qkv(qt, kt, vt, on_device=True)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
     kernel_window = _kernel_window(bool(causal), _resolve_window(window), qt.shape[1], kt.shape[1])
-    return _forward_choice(_device_plan(qt.device)[0], qt, kt, vt, kernel_window, _resolve_softcap(softcap))
+    return _forward_choice(_device_plan(qt.device)[0], qt, kt, vt, kernel_window, _resolve_softcap(softcap),
+                           qt.shape[1])
 
 
 def attention(

@@ -79,9 +79,13 @@ SM90_FWD_TILES = {
     192: Tile(128, 64, 12, stages=3),  # Q 48 KB + 3 x (K 24 KB + V 24 KB) = 192 KB
     256: Tile(128, 64, 12, stages=2),  # Q 64 KB + 2 x (K 32 KB + V 32 KB) = 192 KB
 }
-# Softcap's tanh temporaries push three d64 consumers past their 160 registers (48 B of spills in
-# ptxas -v); with softcap, d64 keeps two consumers.
-SM90_SOFTCAP_TILES = {64: Tile(128, 128, 12, stages=4)}
+# d64 with two consumers (128-row tiles) where a third does not pay: with softcap, whose tanh
+# temporaries push three consumers past their 160 registers (48 B of spills in ptxas -v), and for
+# causal masks over short sequences (``short``: at most SM90_SHORT_ROWS query rows), where the
+# 192-row tiles waste more on the diagonal than the third warpgroup gains (benchmarks/NOTES.md,
+# sm90 v5).
+SM90_NARROW_TILES = {64: Tile(128, 128, 12, stages=4)}
+SM90_SHORT_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -144,10 +148,12 @@ def _cpp(flag: bool) -> str:
 
 @functools.lru_cache(maxsize=None)
 def forward_kernel(
-    family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None
+    family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None,
+    short: bool = False,
 ) -> KernelChoice:
     """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
-    MASKS, ``softcap`` whether scores are capped (``tile`` overrides the table, for tuning).
+    MASKS, ``softcap`` whether scores are capped (``tile`` overrides the table, for tuning),
+    ``short`` whether the sequences have at most SM90_SHORT_ROWS query rows (sm90's tile choice).
 
     Softcap runs every mask in the window kernel, from the run-time bounds: one instantiation
     instead of three, and the tanh per score costs more than the bound checks. Its causal case
@@ -162,7 +168,8 @@ def forward_kernel(
     flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
-        tile = tile or (softcap and SM90_SOFTCAP_TILES.get(kernel_dim)) or SM90_FWD_TILES[kernel_dim]
+        narrow = softcap or (causal and short)
+        tile = tile or (narrow and SM90_NARROW_TILES.get(kernel_dim)) or SM90_FWD_TILES[kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
         assert tile.warps == 4 * (consumers + 1)
         expr = f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {flags}>"

@@ -69,7 +69,8 @@ def launches(monkeypatch):
     calls = []
     monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", (9, 0)))
     monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(kernels, "get_function", lambda choice, arch, device: SimpleNamespace(ptr=id(choice)))
+    monkeypatch.setattr(kernels, "get_function",
+                        lambda choice, arch, device: SimpleNamespace(ptr=hash(choice.name_expression)))
     monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: calls.append(
         (kernel, np.frombuffer(ArgumentBuffer.struct_bytes(argument), FWD_PARAMS)[0])))
     monkeypatch.setattr(interop, "on_device", lambda device: contextlib.nullcontext())
@@ -87,7 +88,7 @@ def test_fixed_length_launch(launches):
     api._run_forward(plan, 0, q, k, k, q.ptr, lse.ptr)
     (kernel, params), = launches
     choice = dispatch.forward_kernel("sm80", 128, "window", "bfloat16", True)
-    assert kernel.function == id(choice) and kernel.grid == (3, 8, 2)
+    assert kernel.function == hash(choice.name_expression) and kernel.grid == (3, 8, 2)
     assert (params["q"], params["k"], params["o"], params["lse"]) == (1 << 20, 3 << 20, 1 << 20, 4 << 20)
     assert (params["window_left"], params["window_right"]) == (256, 0)
     assert params["cu_seqlens_q"] == 0 and params["seqlen_k"] == 1000 and params["kv_group"] == 4

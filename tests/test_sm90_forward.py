@@ -94,6 +94,11 @@ def test_sm90_dispatch():
         "false, true, true, cuflash::f16>")
     assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16", True).name_expression == (
         "cuflash::sm90::flash_fwd_sm90<64, 2, 128, 4, false, true, true, cuflash::bf16>")
+    # Causal d64 over short sequences: two consumers; other masks and head dims keep their tiles.
+    assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16", short=True).tile.block_m == 128
+    assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16").tile.block_m == 192
+    assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16", short=True).tile.block_m == 192
+    assert dispatch.forward_kernel("sm90", 128, "causal", "bfloat16", short=True).tile.block_m == 128
     assert len(SM90_FORWARD) == 4 * 2 * 4  # kernel head dims x dtypes x (none, causal, window, softcap)
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     with pytest.raises(ValueError, match="backward"):
@@ -190,9 +195,13 @@ def test_sm90_grid_is_persistent_without_a_mask(sm90_launches):
     for window, softcap in (((-1, -1), 0.0), ((-1, 0), 0.0), ((100, 100), 0.0), ((-1, -1), 5.0)):
         _forward(q, q, q, q, lse, 0.1, window, softcap, 4, 4096)
     # 32 query blocks x 16 heads x 4 batches = 2048 tiles: 132 CTAs (one per SM) walk them without
-    # a mask; a mask or softcap makes tiles unequal, and each gets its own CTA.
+    # a mask; a mask or softcap over 4096 keys makes tiles unequal, and each gets its own CTA.
     assert [c[2] for c in calls] == [(132, 1, 1), (2048, 1, 1), (2048, 1, 1), (2048, 1, 1)]
     assert all(np.frombuffer(c[3], FWD_PARAMS_SM90)[0]["tiles"] == 2048 for c in calls)
+    # Over 1024 keys the masked tiles are short enough to run persistent as well.
+    q, lse = _tensor((16, 1024, 16, 128)), _tensor((16, 16, 1024), "float32", ptr=6 << 20)
+    _forward(q, q, q, q, lse, 0.1, (-1, 0), 0.0, 16, 1024)
+    assert calls[-1][2] == (132, 1, 1)
 
 
 def test_sm90_plan_reencodes_maps_for_new_addresses(sm90_launches):
@@ -256,8 +265,8 @@ def test_tensor_maps_are_encoded_once_per_tensor(monkeypatch):
     params._tensor_map.cache_clear()
     view = params.tma_view(_tensor((2, 300, 8, 128)))
     for _ in range(3):
-        assert params._tensor_map(1 << 20, *view, "bfloat16", 128) == bytes(128)
-    params._tensor_map(9 << 20, *view, "bfloat16", 128)
+        assert params._tensor_map(*view, "bfloat16", 128, 1 << 20) == bytes(128)
+    params._tensor_map(*view, "bfloat16", 128, 9 << 20)
     assert len(encoded) == 2
     params._tensor_map.cache_clear()
 

@@ -1,8 +1,8 @@
 """The sm90 forward's persistent grid on the GPU: a grid of a few CTAs, each walking many tiles
 (its K/V ring, Q buffer and ping-pong turns carried from tile to tile), gives bitwise the out and
 lse of one CTA per tile, and passes the float64 reference. The other GPU tests mostly have fewer
-tiles than SMs, so one CTA per tile; here the CTA count is forced down, for masked kernels too
-(which users run at one CTA per tile, api._sm90_ctas)."""
+tiles than SMs, so one CTA per tile; here the CTA count is forced down, for masked kernels over
+long sequences too (which users run at one CTA per tile, api._sm90_ctas)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def sm90(monkeypatch):
     def run(ctas, call):
         # Every mask, not only the unmasked grids that run persistent for users: the kernel's loop
         # over tiles is one code path.
-        monkeypatch.setattr(api, "_sm90_ctas", lambda masked, tiles, device: min(tiles, ctas))
+        monkeypatch.setattr(api, "_sm90_ctas", lambda masked, max_seqlen_k, tiles, device: min(tiles, ctas))
         monkeypatch.setattr(api, "_PLANS", {})
         result = call()
         cupy.cuda.Device().synchronize()
