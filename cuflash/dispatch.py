@@ -85,7 +85,7 @@ SM90_FWD_TILES = {
 # 192-row tiles waste more on the diagonal than the third warpgroup gains (benchmarks/NOTES.md,
 # sm90 v5).
 SM90_NARROW_TILES = {64: Tile(128, 128, 12, stages=4)}
-SM90_SHORT_ROWS = 2048
+SM90_SHORT_ROWS = 1024
 
 
 @dataclass(frozen=True)
