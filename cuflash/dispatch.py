@@ -237,8 +237,9 @@ def all_kernels(family: str) -> list[KernelChoice]:
         for dtype in ELEMENT_TYPES:
             for mask in MASKS:
                 for softcap in (False, True):
-                    choice = forward_kernel(family, bucket, mask, dtype, softcap)
-                    found.setdefault(choice.name_expression, choice)
+                    for short in (False, True):  # sm90 picks some tiles by length
+                        choice = forward_kernel(family, bucket, mask, dtype, softcap, short=short)
+                        found.setdefault(choice.name_expression, choice)
                     if family != BACKWARD_FAMILY:
                         continue
                     for deterministic in (False, True):

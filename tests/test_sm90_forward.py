@@ -99,7 +99,8 @@ def test_sm90_dispatch():
     assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16").tile.block_m == 192
     assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16", short=True).tile.block_m == 192
     assert dispatch.forward_kernel("sm90", 128, "causal", "bfloat16", short=True).tile.block_m == 128
-    assert len(SM90_FORWARD) == 4 * 2 * 4  # kernel head dims x dtypes x (none, causal, window, softcap)
+    # Kernel head dims x dtypes x (none, causal, window, softcap), and d64's two-consumer causal.
+    assert len(SM90_FORWARD) == 4 * 2 * 4 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     with pytest.raises(ValueError, match="backward"):
         dispatch.backward_kernels("sm90", 128, "none", "bfloat16")
