@@ -128,7 +128,8 @@ def test_torch_training_step_matches_sdpa(causal):
         assert err <= bound, (name, err, bound)
 
 
-def test_torch_compile_fullgraph_forward_and_backward():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])  # inductor: torch.compile's default
+def test_torch_compile_fullgraph_forward_and_backward(backend):
     torch = pytest.importorskip("torch")
     import cuflash.torch as cft
 
@@ -143,7 +144,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
 
     block = Block()
     x = torch.randn(2, 100, 128, device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(block, fullgraph=True, backend=backend)
     loss = compiled(x)
     loss.backward()
     compiled_grad = block.proj.weight.grad.clone()
