@@ -5,7 +5,7 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
 every head-dim bucket (api._forward_choice still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). Its backward main kernel serves
-head dims up to 128 without a window or softcap in default mode (backward_family); sm80's
+head dims up to 128 without softcap in default mode (backward_family); sm80's
 preprocess and convert kernels run around it, and sm80's main kernel everywhere else.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
@@ -202,8 +202,8 @@ SM80_BWD_TILES = {
 
 # sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per head-dim bucket: 128 keys per CTA
 # (64 per consumer warpgroup), 64 query rows per step, 12 warps; K, V, the Q/dO ring and two dS
-# tiles in shared memory. It serves head dims up to 128 without a window or softcap, in default
-# (not deterministic) mode; the rest runs sm80's main kernel (backward_family).
+# tiles in shared memory. It serves head dims up to 128 without softcap, in default (not
+# deterministic) mode; the rest runs sm80's main kernel (backward_family).
 SM90_BWD_TILES = {
     64: Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 = 128 KB
     128: Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 = 160 KB
@@ -212,8 +212,7 @@ SM90_BWD_TILES = {
 
 def backward_family(family: str, head_dim: int, mask: str, softcap: bool, deterministic: bool) -> str:
     """The family whose main backward kernel serves these switches on a device of ``family``."""
-    if (family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES and mask in ("none", "causal")
-            and not softcap and not deterministic):
+    if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES and not softcap and not deterministic:
         return "sm90"
     return "sm80"
 
@@ -240,7 +239,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
             raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}, mask {mask!r}, "
                              f"softcap {softcap}, deterministic {deterministic}")
         tile = tile or SM90_BWD_TILES[bucket]
-        main = f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, {elem}>"
+        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, "
+                f"{_cpp(mask == 'window')}, {elem}>")
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
         # 64 queries), plus 1 KiB to align the window to the swizzle's 1024-byte period.
         smem = ((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2 + 1024

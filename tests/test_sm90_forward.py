@@ -38,7 +38,7 @@ def _cuobjdump() -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
-@pytest.mark.parametrize("choice", SM90_KERNELS, ids=lambda c: c.name_expression.split("::")[-1].rstrip(">"))
+@pytest.mark.parametrize("choice", SM90_KERNELS, ids=lambda c: c.name_expression.removeprefix("cuflash::sm90::"))
 def test_sm90_kernels_compile_without_spills_in_the_main_loop(choice, tmp_path):
     compiled = kernels.compile_kernel(choice, "sm_90a", use_cache=False)
     assert compiled.cubin[:4] == b"\x7fELF"
@@ -104,18 +104,19 @@ def test_sm90_dispatch():
     # Kernel head dims x dtypes x (none, causal, window, softcap), and d64's two-consumer causal.
     assert len(SM90_FORWARD) == 4 * 2 * 4 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
-    # The sm90 backward main kernel: head dims up to 128, no window or softcap, default mode.
+    # The sm90 backward main kernel: head dims up to 128, no softcap, default mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
-    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, cuflash::f16>" and main.threads == 384
+    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, cuflash::f16>"
+    assert main.threads == 384 and not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
     assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 1024 <= 227 * 1024
-    for switches in ((192, "none", False, False), (64, "window", False, False), (64, "none", True, False),
+    for switches in ((192, "none", False, False), (64, "window", True, False), (64, "none", True, False),
                      (64, "causal", False, True)):
         assert dispatch.backward_family("sm90", *switches) == "sm80"
         with pytest.raises(ValueError, match="no sm90 backward"):
             dispatch.backward_kernels("sm90", switches[0], switches[1], "bfloat16", switches[2], switches[3])
     assert dispatch.backward_family("sm80", 64, "none", False, False) == "sm80"
-    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 2 * 2  # dims x masks x dtypes
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2  # dims x masks x dtypes
 
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
@@ -263,7 +264,7 @@ def test_sm90_falls_back_where_no_tensor_map_fits(sm90_launches):
 
 def test_sm90_backward_plan(monkeypatch):
     """On an sm90 device: sm80's preprocess and convert (sm_90) around sm90's main kernel (sm_90a)
-    with its BwdParamsSm90 (maps of q, k, v, dout, then the BwdParams the helpers take); a window
+    with its BwdParamsSm90 (maps of q, k, v, dout, then the BwdParams the helpers take); softcap
     runs sm80's main kernel and no sm90 argument."""
     _launcher(monkeypatch, "sm90")
     monkeypatch.setattr(tma, "encode_tiled", lambda args: args.address.to_bytes(8, "little") + bytes(120))
@@ -288,8 +289,8 @@ def test_sm90_backward_plan(monkeypatch):
     assert [bytes(main[name])[:8] for name in ("q", "k", "v", "dout")] == [
         (a).to_bytes(8, "little") for a in (1 << 20, 3 << 20, 3 << 20, 1 << 20)]
     loaded.clear()
-    window = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (10, 0), 0.0, False, 2, 300, 300)
-    assert window.main_argument is None and loaded[window.main.function - 1][0].family == "sm80"
+    softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (10, 0), 5.0, False, 2, 300, 300)
+    assert softcap.main_argument is None and loaded[softcap.main.function - 1][0].family == "sm80"
     params._tensor_map.cache_clear()
 
 

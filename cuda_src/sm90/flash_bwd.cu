@@ -81,9 +81,10 @@ __device__ __forceinline__ void bwd_pack(const float (&x)[1][8][4], u32 (&a)[4][
 }
 
 // HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
-// STAGES: depth of the Q/dO ring. CAUSAL: the causal mask (common/mask.cuh); windows and softcap
+// STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
+// blocks see only the query blocks its range reaches); softcap
 // run sm80's backward. Elem: f16 or bf16.
-template <int HEAD_DIM, int STAGES, bool CAUSAL, class Elem>
+template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
   using Smem = BwdSmem<HEAD_DIM, STAGES>;
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of dK and dV
@@ -106,7 +107,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
   const Sequence seq = sequence_of(a, batch);
   if (n_block * kBwdBlockN >= seq.seqlen_k) return;
-  const Mask<CAUSAL, false> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q};
+  const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
   const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
   const int kv_head = head / a.kv_group;
 
