@@ -97,9 +97,8 @@ def _resolve_scale(softmax_scale: Any, head_dim: int) -> float:
 def _resolve_window(window: Any) -> tuple[int, int]:
     """``(left, right)``: two integers >= -1 (-1 unbounded)."""
     # Plain int pairs skip the numbers.Integral checks (ABC instance checks, ~1 us each per call).
-    if type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int:
-        if window[0] >= -1 and window[1] >= -1:
-            return window
+    if _plain_window(window) and window[0] >= -1 and window[1] >= -1:
+        return window
     if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
         raise TypeError(f"window: expected a pair (left, right) of integers, got {window!r}")
     for side in window:

@@ -33,16 +33,29 @@ WINDOWS = [
 ]
 
 
-@pytest.mark.usefixtures("family")  # forward: once per kernel family (conftest.family)
-@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-h{c[4]}.{c[5]}-"
-                                                      f"{'causal' if c[6] else 'full'}-w{c[7][0]}.{c[7][1]}")
-def test_window_matches_reference(case, rng):
-    from tests.gpu_reference import check_forward, random_bshd
-
+def _window_id(case) -> str:
     dtype_name, head_dim, seqlen_q, seqlen_k, heads, heads_kv, causal, window = case
+    return (f"{dtype_name[0]}{head_dim}-{seqlen_q}x{seqlen_k}-h{heads}.{heads_kv}-{'causal' if causal else 'full'}-"
+            f"w{window[0]}.{window[1]}")
+
+
+def _window_inputs(case, rng):
+    """Fresh q, k, v for a WINDOWS case."""
+    from tests.gpu_reference import random_bshd
+
+    dtype_name, head_dim, seqlen_q, seqlen_k, heads, heads_kv, _, _ = case
     q = random_bshd((2, seqlen_q, heads, head_dim), dtype_name, rng)
     k, v = (random_bshd((2, seqlen_k, heads_kv, head_dim), dtype_name, rng) for _ in range(2))
-    check_forward(q, k, v, causal, dtype_name, window=window)
+    return q, k, v
+
+
+@pytest.mark.usefixtures("family")  # forward: once per kernel family (conftest.family)
+@pytest.mark.parametrize("case", WINDOWS, ids=_window_id)
+def test_window_matches_reference(case, rng):
+    from tests.gpu_reference import check_forward
+
+    dtype_name, causal, window = case[0], case[6], case[7]
+    check_forward(*_window_inputs(case, rng), causal, dtype_name, window=window)
 
 
 # (dtype, head_dim, seqlen_q, seqlen_k, causal, window, softcap, softmax_scale); scale 1 makes
@@ -58,16 +71,29 @@ SOFTCAPS = [
 ]
 
 
-@pytest.mark.usefixtures("family")  # forward: once per kernel family (conftest.family)
-@pytest.mark.parametrize("case", SOFTCAPS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-"
-                                                       f"{'causal' if c[4] else 'full'}-w{c[5][0]}.{c[5][1]}-cap{c[6]}")
-def test_softcap_matches_reference(case, rng):
-    from tests.gpu_reference import check_forward, random_bshd
+def _softcap_id(case) -> str:
+    dtype_name, head_dim, seqlen_q, seqlen_k, causal, window, softcap, _ = case
+    return (f"{dtype_name[0]}{head_dim}-{seqlen_q}x{seqlen_k}-{'causal' if causal else 'full'}-"
+            f"w{window[0]}.{window[1]}-cap{softcap}")
 
-    dtype_name, head_dim, seqlen_q, seqlen_k, causal, window, softcap, scale = case
+
+def _softcap_inputs(case, rng):
+    """Fresh q (4 heads), k and v (2 heads) for a SOFTCAPS case."""
+    from tests.gpu_reference import random_bshd
+
+    dtype_name, head_dim, seqlen_q, seqlen_k = case[:4]
     q = random_bshd((2, seqlen_q, 4, head_dim), dtype_name, rng)
     k, v = (random_bshd((2, seqlen_k, 2, head_dim), dtype_name, rng) for _ in range(2))
-    check_forward(q, k, v, causal, dtype_name, scale=scale, window=window, softcap=softcap)
+    return q, k, v
+
+
+@pytest.mark.usefixtures("family")  # forward: once per kernel family (conftest.family)
+@pytest.mark.parametrize("case", SOFTCAPS, ids=_softcap_id)
+def test_softcap_matches_reference(case, rng):
+    from tests.gpu_reference import check_forward
+
+    dtype_name, _, _, _, causal, window, softcap, scale = case
+    check_forward(*_softcap_inputs(case, rng), causal, dtype_name, scale=scale, window=window, softcap=softcap)
 
 
 @pytest.mark.usefixtures("family")  # forward: once per kernel family (conftest.family)
@@ -88,26 +114,21 @@ def test_window_rows_without_keys_give_zero_and_minus_inf(rng):
 
 
 @pytest.mark.usefixtures("family")  # the sm90 backward serves windows; sm80's runs elsewhere
-@pytest.mark.parametrize("case", WINDOWS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-h{c[4]}.{c[5]}-"
-                                                      f"{'causal' if c[6] else 'full'}-w{c[7][0]}.{c[7][1]}")
+@pytest.mark.parametrize("case", WINDOWS, ids=_window_id)
 def test_window_backward_matches_reference(case, rng):
-    from tests.gpu_reference import check_backward, random_bshd
+    from tests.gpu_reference import check_backward
 
-    dtype_name, head_dim, seqlen_q, seqlen_k, heads, heads_kv, causal, window = case
-    q = random_bshd((2, seqlen_q, heads, head_dim), dtype_name, rng)
-    k, v = (random_bshd((2, seqlen_k, heads_kv, head_dim), dtype_name, rng) for _ in range(2))
-    check_backward(q, k, v, causal, dtype_name, rng, window=window)
+    dtype_name, causal, window = case[0], case[6], case[7]
+    check_backward(*_window_inputs(case, rng), causal, dtype_name, rng, window=window)
 
 
-@pytest.mark.parametrize("case", SOFTCAPS, ids=lambda c: f"{c[0][0]}{c[1]}-{c[2]}x{c[3]}-"
-                                                       f"{'causal' if c[4] else 'full'}-w{c[5][0]}.{c[5][1]}-cap{c[6]}")
+@pytest.mark.parametrize("case", SOFTCAPS, ids=_softcap_id)
 def test_softcap_backward_matches_reference(case, rng):
-    from tests.gpu_reference import check_backward, random_bshd
+    from tests.gpu_reference import check_backward
 
-    dtype_name, head_dim, seqlen_q, seqlen_k, causal, window, softcap, scale = case
-    q = random_bshd((2, seqlen_q, 4, head_dim), dtype_name, rng)
-    k, v = (random_bshd((2, seqlen_k, 2, head_dim), dtype_name, rng) for _ in range(2))
-    check_backward(q, k, v, causal, dtype_name, rng, scale=scale, window=window, softcap=softcap)
+    dtype_name, _, _, _, causal, window, softcap, scale = case
+    check_backward(*_softcap_inputs(case, rng), causal, dtype_name, rng, scale=scale, window=window,
+                   softcap=softcap)
 
 
 def test_deterministic_window_softcap_repeats_bitwise(rng):

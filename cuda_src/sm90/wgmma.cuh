@@ -185,117 +185,83 @@ struct WgmmaElem<f16> {
 #define CUFLASH_ACC96(d) CUFLASH_ACC64(d), CUFLASH_ACC32_AT(d, 64)
 #define CUFLASH_ACC128(d) CUFLASH_ACC64(d), CUFLASH_ACC32_AT(d, 64), CUFLASH_ACC32_AT(d, 96)
 
+// An instruction shape's two members: ss (both operands by descriptor) and rs (A from
+// registers), each one asm per element type. REGS = N / 2 accumulators take operands %0 ..
+// %REGS-1 (D, ACC); the operands after them are numbered by the caller.
+#define CUFLASH_WGMMA_SS_MEMBER(REGS, SHAPE, D, ACC, DESC_A, DESC_B, SCALE_D)                            \
+  template <class Elem>                                                                                 \
+  static __device__ __forceinline__ void ss(float (&d)[REGS], u64 desc_a, u64 desc_b, u32 scale_d) {     \
+    if constexpr (WgmmaElem<Elem>::kBf16)                                                               \
+      asm volatile(CUFLASH_WGMMA_SS(SHAPE, "bf16", D, DESC_A, DESC_B, SCALE_D)                          \
+                   : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                  \
+    else                                                                                                \
+      asm volatile(CUFLASH_WGMMA_SS(SHAPE, "f16", D, DESC_A, DESC_B, SCALE_D)                           \
+                   : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                  \
+  }
+#define CUFLASH_WGMMA_RS_MEMBER(REGS, SHAPE, D, ACC, A, DESC_B, SCALE_D, TRANS)                          \
+  template <class Elem, bool TRANS_B>                                                                   \
+  static __device__ __forceinline__ void rs(float (&d)[REGS], const u32 (&a)[4], u64 desc_b, u32 scale_d) { \
+    if constexpr (WgmmaElem<Elem>::kBf16)                                                               \
+      asm volatile(CUFLASH_WGMMA_RS(SHAPE, "bf16", D, A, DESC_B, SCALE_D, TRANS)                        \
+                   : ACC(d)                                                                             \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d),             \
+                     "n"(TRANS_B ? 1 : 0));                                                            \
+    else                                                                                                \
+      asm volatile(CUFLASH_WGMMA_RS(SHAPE, "f16", D, A, DESC_B, SCALE_D, TRANS)                         \
+                   : ACC(d)                                                                             \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d),             \
+                     "n"(TRANS_B ? 1 : 0));                                                            \
+  }
+
+// The ss form with either operand MN-major (imm-trans-a and imm-trans-b as "n" operands).
+#define CUFLASH_WGMMA_SS_T_MEMBER(REGS, SHAPE, D, ACC, DESC_A, DESC_B, SCALE_D, TRANS_A, TRANS_B)        \
+  template <class Elem, bool TA, bool TB>                                                               \
+  static __device__ __forceinline__ void ss_t(float (&d)[REGS], u64 desc_a, u64 desc_b, u32 scale_d) {   \
+    if constexpr (WgmmaElem<Elem>::kBf16)                                                               \
+      asm volatile(CUFLASH_WGMMA_SS_T(SHAPE, "bf16", D, DESC_A, DESC_B, SCALE_D, TRANS_A, TRANS_B)       \
+                   : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA ? 1 : 0), "n"(TB ? 1 : 0)); \
+    else                                                                                                \
+      asm volatile(CUFLASH_WGMMA_SS_T(SHAPE, "f16", D, DESC_A, DESC_B, SCALE_D, TRANS_A, TRANS_B)        \
+                   : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA ? 1 : 0), "n"(TB ? 1 : 0)); \
+  }
+
 template <int N>
 struct Wgmma;
 
 template <>
 struct Wgmma<32> {
-  template <class Elem, bool TRANS_A, bool TRANS_B>
-  static __device__ __forceinline__ void ss_t(float (&d)[16], u64 desc_a, u64 desc_b, u32 scale_d) {
-    if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_SS_T("m64n32k16", "bf16", CUFLASH_D16, "16", "17", "18", "19", "20")
-                   : CUFLASH_ACC16(d)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A ? 1 : 0), "n"(TRANS_B ? 1 : 0));
-    else
-      asm volatile(CUFLASH_WGMMA_SS_T("m64n32k16", "f16", CUFLASH_D16, "16", "17", "18", "19", "20")
-                   : CUFLASH_ACC16(d)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A ? 1 : 0), "n"(TRANS_B ? 1 : 0));
-  }
+  CUFLASH_WGMMA_SS_T_MEMBER(16, "m64n32k16", CUFLASH_D16, CUFLASH_ACC16, "16", "17", "18", "19", "20")
 };
 
 template <>
 struct Wgmma<64> {
-  template <class Elem, bool TRANS_A, bool TRANS_B>
-  static __device__ __forceinline__ void ss_t(float (&d)[32], u64 desc_a, u64 desc_b, u32 scale_d) {
-    if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_SS_T("m64n64k16", "bf16", CUFLASH_D32, "32", "33", "34", "35", "36")
-                   : CUFLASH_ACC32(d)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A ? 1 : 0), "n"(TRANS_B ? 1 : 0));
-    else
-      asm volatile(CUFLASH_WGMMA_SS_T("m64n64k16", "f16", CUFLASH_D32, "32", "33", "34", "35", "36")
-                   : CUFLASH_ACC32(d)
-                   : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A ? 1 : 0), "n"(TRANS_B ? 1 : 0));
-  }
-  template <class Elem>
-  static __device__ __forceinline__ void ss(float (&d)[32], u64 desc_a, u64 desc_b, u32 scale_d) {
-    if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_SS("m64n64k16", "bf16", CUFLASH_D32, "32", "33", "34")
-                   : CUFLASH_ACC32(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    else
-      asm volatile(CUFLASH_WGMMA_SS("m64n64k16", "f16", CUFLASH_D32, "32", "33", "34")
-                   : CUFLASH_ACC32(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-  template <class Elem, bool TRANS_B>
-  static __device__ __forceinline__ void rs(float (&d)[32], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
-    if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_RS("m64n64k16", "bf16", CUFLASH_D32, "{%32, %33, %34, %35}", "36", "37", "38")
-                   : CUFLASH_ACC32(d)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
-    else
-      asm volatile(CUFLASH_WGMMA_RS("m64n64k16", "f16", CUFLASH_D32, "{%32, %33, %34, %35}", "36", "37", "38")
-                   : CUFLASH_ACC32(d)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
-  }
+  CUFLASH_WGMMA_SS_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "32", "33", "34")
+  CUFLASH_WGMMA_RS_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "{%32, %33, %34, %35}", "36", "37", "38")
+  CUFLASH_WGMMA_SS_T_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "32", "33", "34", "35", "36")
 };
 
 template <>
 struct Wgmma<128> {
-  template <class Elem>
-  static __device__ __forceinline__ void ss(float (&d)[64], u64 desc_a, u64 desc_b, u32 scale_d) {
-    if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_SS("m64n128k16", "bf16", CUFLASH_D64, "64", "65", "66")
-                   : CUFLASH_ACC64(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-    else
-      asm volatile(CUFLASH_WGMMA_SS("m64n128k16", "f16", CUFLASH_D64, "64", "65", "66")
-                   : CUFLASH_ACC64(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-  template <class Elem, bool TRANS_B>
-  static __device__ __forceinline__ void rs(float (&d)[64], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
-    if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_RS("m64n128k16", "bf16", CUFLASH_D64, "{%64, %65, %66, %67}", "68", "69", "70")
-                   : CUFLASH_ACC64(d)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
-    else
-      asm volatile(CUFLASH_WGMMA_RS("m64n128k16", "f16", CUFLASH_D64, "{%64, %65, %66, %67}", "68", "69", "70")
-                   : CUFLASH_ACC64(d)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
-  }
+  CUFLASH_WGMMA_SS_MEMBER(64, "m64n128k16", CUFLASH_D64, CUFLASH_ACC64, "64", "65", "66")
+  CUFLASH_WGMMA_RS_MEMBER(64, "m64n128k16", CUFLASH_D64, CUFLASH_ACC64, "{%64, %65, %66, %67}", "68", "69", "70")
 };
 
 // N = 192 and 256 serve only P V, whose N is the head dim (Q K^T's N is the key block, 64 or 128),
 // so they have only the register-A form.
 template <>
 struct Wgmma<192> {
-  template <class Elem, bool TRANS_B>
-  static __device__ __forceinline__ void rs(float (&d)[96], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
-    if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_RS("m64n192k16", "bf16", CUFLASH_D96, "{%96, %97, %98, %99}", "100", "101", "102")
-                   : CUFLASH_ACC96(d)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
-    else
-      asm volatile(CUFLASH_WGMMA_RS("m64n192k16", "f16", CUFLASH_D96, "{%96, %97, %98, %99}", "100", "101", "102")
-                   : CUFLASH_ACC96(d)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
-  }
+  CUFLASH_WGMMA_RS_MEMBER(96, "m64n192k16", CUFLASH_D96, CUFLASH_ACC96, "{%96, %97, %98, %99}", "100", "101", "102")
 };
 
 template <>
 struct Wgmma<256> {
-  template <class Elem, bool TRANS_B>
-  static __device__ __forceinline__ void rs(float (&d)[128], const u32 (&a)[4], u64 desc_b, u32 scale_d) {
-    if constexpr (WgmmaElem<Elem>::kBf16)
-      asm volatile(CUFLASH_WGMMA_RS("m64n256k16", "bf16", CUFLASH_D128, "{%128, %129, %130, %131}", "132", "133",
-                                    "134")
-                   : CUFLASH_ACC128(d)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
-    else
-      asm volatile(CUFLASH_WGMMA_RS("m64n256k16", "f16", CUFLASH_D128, "{%128, %129, %130, %131}", "132", "133",
-                                    "134")
-                   : CUFLASH_ACC128(d)
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d), "n"(TRANS_B ? 1 : 0));
-  }
+  CUFLASH_WGMMA_RS_MEMBER(128, "m64n256k16", CUFLASH_D128, CUFLASH_ACC128, "{%128, %129, %130, %131}", "132", "133",
+                          "134")
 };
 
+#undef CUFLASH_WGMMA_SS_MEMBER
+#undef CUFLASH_WGMMA_RS_MEMBER
+#undef CUFLASH_WGMMA_SS_T_MEMBER
 #undef CUFLASH_WGMMA_SS
 #undef CUFLASH_WGMMA_SS_T
 #undef CUFLASH_WGMMA_RS
