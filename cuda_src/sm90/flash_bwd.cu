@@ -14,6 +14,7 @@
 #include "common/types.cuh"
 #include "sm90/bwd_params.cuh"
 #include "sm90/mbarrier.cuh"
+#include "sm90/tiles.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -51,33 +52,9 @@ struct BwdSmem {
   static_assert(HEAD_DIM % 64 == 0, "whole 64-column panels");
 };
 
-// Byte offset of 16-bit element (row, col) of a 128-byte-swizzled tile of panels `panel_bytes`
-// apart, as TMA stores it and the wgmma descriptors read it.
-__device__ __forceinline__ u32 bwd_swizzled(int row, int col, u32 panel_bytes) {
-  return (col / 64) * panel_bytes + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
-}
-
-template <int NT>
-__device__ __forceinline__ float (&bwd_flat(float (&x)[1][NT][4]))[NT * 4] {
-  return reinterpret_cast<float(&)[NT * 4]>(x);
-}
-
 // Adds (a, b) to the two adjacent fp32 values at `address` (8-byte aligned) in global memory.
 __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(address), "f"(a), "f"(b) : "memory");
-}
-
-// Accumulator registers 8j..8j+7 of an m64n64 result, packed to 16 bits in pairs, are the A
-// registers of its k-slice j (sm90/wgmma.cuh): P^T and dS^T feed dV and dK this way.
-template <class Elem>
-__device__ __forceinline__ void bwd_pack(const float (&x)[1][8][4], u32 (&a)[4][4]) {
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    a[j][0] = Elem::pack(x[0][2 * j][0], x[0][2 * j][1]);
-    a[j][1] = Elem::pack(x[0][2 * j][2], x[0][2 * j][3]);
-    a[j][2] = Elem::pack(x[0][2 * j + 1][0], x[0][2 * j + 1][1]);
-    a[j][3] = Elem::pack(x[0][2 * j + 1][2], x[0][2 * j + 1][3]);
-  }
 }
 
 // HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
@@ -139,23 +116,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       tma_load(smem + Smem::K + panel * Smem::KV_PANEL, &p.k, &kv_full, 64 * panel, kv_head, key_row, map_batch);
       tma_load(smem + Smem::V + panel * Smem::KV_PANEL, &p.v, &kv_full, 64 * panel, kv_head, key_row, map_batch);
     }
-    int stage = 0;
-    u32 phase = 0;
-    for (int m = m_range.begin; m < m_range.end; ++m) {
+    RingPosition<STAGES> pos;
+    for (int m = m_range.begin; m < m_range.end; ++m, pos.advance()) {
       // Rows past the tensor arrive as zeros, rows past a packed sequence from the next one:
       // their lse is taken as +inf below, so P and dS are 0 there.
       const int row = seq.q_begin + m * kBwdBlockM;
-      mbarrier_wait(&qd_empty[stage], phase ^ 1);
-      mbarrier_arrive_expect_tx(&qd_full[stage], 2 * Smem::QD_BYTES);
+      mbarrier_wait(&qd_empty[pos.stage], pos.phase ^ 1);
+      mbarrier_arrive_expect_tx(&qd_full[pos.stage], 2 * Smem::QD_BYTES);
 #pragma unroll
       for (int panel = 0; panel < Smem::PANELS; ++panel) {
-        const u32 offset = stage * Smem::QD_BYTES + panel * Smem::QD_PANEL;
-        tma_load(smem + Smem::Q + offset, &p.q, &qd_full[stage], 64 * panel, head, row, map_batch);
-        tma_load(smem + Smem::DO + offset, &p.dout, &qd_full[stage], 64 * panel, head, row, map_batch);
-      }
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
+        const u32 offset = pos.stage * Smem::QD_BYTES + panel * Smem::QD_PANEL;
+        tma_load(smem + Smem::Q + offset, &p.q, &qd_full[pos.stage], 64 * panel, head, row, map_batch);
+        tma_load(smem + Smem::DO + offset, &p.dout, &qd_full[pos.stage], 64 * panel, head, row, map_batch);
       }
     }
     return;
@@ -193,10 +165,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       query_end[h] = key < seq.seqlen_k ? mask.query_end(key) : query_begin[h];
     }
     mbarrier_wait(&kv_full, 0);
-    int stage = 0;
-    u32 phase = 0;
-    for (int m = m_range.begin; m < m_range.end; ++m) {
-      const u32 qd_offset = stage * Smem::QD_BYTES;
+    RingPosition<STAGES> pos;
+    for (int m = m_range.begin; m < m_range.end; ++m, pos.advance()) {
+      const u32 qd_offset = pos.stage * Smem::QD_BYTES;
       unsigned char* const ds_tile = smem + Smem::DS + (m % 2) * Smem::DS_BYTES;
       float s[1][8][4], dp[1][8][4];
       // Stage this block's statistics (the other parity's buffer may still be read by slower warps
@@ -212,7 +183,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         step_delta[t] = query < seq.seqlen_q ? delta[query] : 0.f;
       }
       named_barrier_sync(kStatsBarrier + consumer, 128);
-      mbarrier_wait(&qd_full[stage], phase);
+      mbarrier_wait(&qd_full[pos.stage], pos.phase);
       __syncwarp();  // reconverge after the spin: wgmma is .aligned
       wgmma_fence();
       // S^T = K Q^T and dP^T = V dO^T: K-major operands, 4 k16 steps per 64-column panel.
@@ -220,7 +191,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       for (int panel = 0; panel < Smem::PANELS; ++panel)
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          wgmma_ss<64, Elem>(bwd_flat(s), desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k),
+          wgmma_ss<64, Elem>(flat(s), desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k),
                              desc_advance(smem_desc_sw128(smem + Smem::Q + qd_offset), panel * Smem::QD_PANEL + 32 * k),
                              panel > 0 || k > 0);
       wgmma_commit();
@@ -228,14 +199,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       for (int panel = 0; panel < Smem::PANELS; ++panel)
 #pragma unroll
         for (int k = 0; k < 4; ++k)
-          wgmma_ss<64, Elem>(bwd_flat(dp), desc_advance(v_desc, panel * Smem::KV_PANEL + 32 * k),
+          wgmma_ss<64, Elem>(flat(dp), desc_advance(v_desc, panel * Smem::KV_PANEL + 32 * k),
                              desc_advance(smem_desc_sw128(smem + Smem::DO + qd_offset), panel * Smem::QD_PANEL + 32 * k),
                              panel > 0 || k > 0);
       wgmma_commit();
-      fence_registers(bwd_flat(s));
-      fence_registers(bwd_flat(dp));
+      fence_registers(flat(s));
+      fence_registers(flat(dp));
       wgmma_wait<1>();
-      fence_registers(bwd_flat(s));
+      fence_registers(flat(s));
 
       // P^T: columns are queries 8 nt + 2 (lane % 4) + e of the block.
       const int query_base = m * kBwdBlockM + 2 * (lane % 4);
@@ -253,7 +224,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           }
         }
       wgmma_wait<0>();
-      fence_registers(bwd_flat(dp));
+      fence_registers(flat(dp));
       // dS^T = P^T (dP^T - delta), in place of dP^T.
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
@@ -264,21 +235,21 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           for (int h = 0; h < 2; ++h) dp[0][nt][2 * h + e] = s[0][nt][2 * h + e] * (dp[0][nt][2 * h + e] - row_delta);
         }
       u32 p_a[4][4], ds_a[4][4];
-      bwd_pack<Elem>(s, p_a);
-      bwd_pack<Elem>(dp, ds_a);
+      pack_a<Elem>(s, p_a);
+      pack_a<Elem>(dp, ds_a);
 
       // dV += P^T dO and dK += dS^T Q: K = the 64 queries (4 k16 steps of 16 rows, 2048 bytes),
       // N = the head dim, dO and Q read MN-major as stored.
       wgmma_fence();
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        wgmma_rs<HEAD_DIM, Elem, true>(bwd_flat(dv), p_a[j],
+        wgmma_rs<HEAD_DIM, Elem, true>(flat(dv), p_a[j],
                                        desc_advance(smem_desc_sw128_mn(smem + Smem::DO + qd_offset, Smem::QD_PANEL),
                                                     2048 * j),
                                        true);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        wgmma_rs<HEAD_DIM, Elem, true>(bwd_flat(dk), ds_a[j],
+        wgmma_rs<HEAD_DIM, Elem, true>(flat(dk), ds_a[j],
                                        desc_advance(smem_desc_sw128_mn(smem + Smem::Q + qd_offset, Smem::QD_PANEL),
                                                     2048 * j),
                                        true);
@@ -292,7 +263,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = group_row + warp * 16 + h * 8 + lane / 4;
-          *reinterpret_cast<u32*>(ds_tile + bwd_swizzled(row, 8 * nt + 2 * (lane % 4), Smem::DS_BYTES)) =
+          *reinterpret_cast<u32*>(ds_tile + swizzled_offset(row, 8 * nt + 2 * (lane % 4), Smem::DS_BYTES)) =
               ds_a[nt / 2][(nt % 2) * 2 + h];
         }
       // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
@@ -300,13 +271,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       named_barrier_sync(kDsBarrier, 256);
       // dV and dK first: their A registers (P, dS) die here, which leaves room for dQ's
       // accumulator (at head_dim 128, issuing dQ beside them spilled 144 bytes).
-      fence_registers(bwd_flat(dk));
-      fence_registers(bwd_flat(dv));
+      fence_registers(flat(dk));
+      fence_registers(flat(dv));
       wgmma_wait<0>();
-      fence_registers(bwd_flat(dk));
-      fence_registers(bwd_flat(dv));
+      fence_registers(flat(dk));
+      fence_registers(flat(dv));
       // Every product of this step that reads Q and dO is done: one arrival per warp frees the stage.
-      if (lane == 0) mbarrier_arrive(&qd_empty[stage]);
+      if (lane == 0) mbarrier_arrive(&qd_empty[pos.stage]);
 
       // dQ = dS K: M = the 64 queries, K = the 128 keys (8 k16 steps of 16 rows), N = 64 columns
       // of the head dim per warpgroup (panel `consumer` of K; at head_dim 64 only consumer 0).
@@ -317,15 +288,15 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 #pragma unroll
         for (int j = 0; j < kBwdBlockN / 16; ++j)
           wgmma_ss_t<64, Elem, true, true>(
-              bwd_flat(dq_part), desc_advance(smem_desc_sw128_mn(ds_tile, Smem::DS_BYTES), 2048 * j),
+              flat(dq_part), desc_advance(smem_desc_sw128_mn(ds_tile, Smem::DS_BYTES), 2048 * j),
               desc_advance(smem_desc_sw128_mn(smem + Smem::K + consumer * Smem::KV_PANEL, Smem::KV_PANEL), 2048 * j),
               j > 0);
         wgmma_commit();
-        fence_registers(bwd_flat(dq_part));
+        fence_registers(flat(dq_part));
         wgmma_wait<0>();
       }
       if (computes_dq) {
-        fence_registers(bwd_flat(dq_part));
+        fence_registers(flat(dq_part));
         // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -336,10 +307,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           for (int nt = 0; nt < 8; ++nt)
             reduce_add_pair(row + 8 * nt, dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
         }
-      }
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
       }
     }
   }
