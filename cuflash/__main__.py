@@ -75,7 +75,7 @@ def gpu_report() -> None:
     family, capability = _device_plan(device.id)
     print(f"device {device.id}: {props['name'].decode()}, compute capability "
           f"{device.compute_capability[:-1]}.{device.compute_capability[-1]}, family {family} "
-          f"({dispatch.compile_arch(family, capability)}; backward {dispatch.BACKWARD_FAMILY}), "
+          f"({dispatch.compile_arch(family, capability)}), "
           f"NVRTC {'.'.join(map(str, nvrtc.version()))}, cache {kernels.cache_dir()}")
 
     rng = np.random.default_rng()

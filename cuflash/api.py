@@ -13,7 +13,8 @@ import numpy as np
 
 from cuflash import dispatch, interop, kernels, reference
 from cuflash.params import (BWD_POINTERS, CONVERT_POINTERS, FWD_POINTERS, ArgumentBuffer, pack_bwd_params,
-                            pack_convert_params, pack_fwd_params, sm90_forward_argument, tma_ready)
+                            pack_convert_params, pack_fwd_params, sm90_backward_argument, sm90_forward_argument,
+                            tma_ready)
 
 __all__ = ["attention", "attention_backward", "explain"]
 
@@ -158,6 +159,7 @@ class _BackwardPlan:
     preprocess: kernels.Launch
     main: kernels.Launch
     argument: ArgumentBuffer  # BwdParams, shared by preprocess and main; pointers in BWD_POINTERS order
+    main_argument: ArgumentBuffer | None  # an sm90 main kernel's BwdParamsSm90 (same pointers), else None
     # fp32 scratch carved from one allocation: offsets of delta, dq_accum, dk_accum and dv_accum
     # (None without GQA), its size, and the length of its prefix to zero (the accumulators that
     # are added to).
@@ -287,10 +289,15 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     gradients ``grads`` (dq, dk, dv: DeviceTensors or interop.contiguous records); ``window`` from
     _kernel_window."""
     _, rows_q, heads, head_dim = qt.shape
-    device_plan = (_, capability) = _device_plan(qt.device)
-    arch = dispatch.compile_arch(dispatch.BACKWARD_FAMILY, capability)
-    preprocess, main, convert = dispatch.backward_kernels(dispatch.BACKWARD_FAMILY, head_dim, _mask_kind(window),
-                                                          qt.dtype, bool(softcap), deterministic)
+    device_plan = (family, capability) = _device_plan(qt.device)
+    mask = _mask_kind(window)
+    # sm90's main kernel where it serves the switches and tensor maps can describe the tensors.
+    main_family = dispatch.backward_family(family, head_dim, mask, bool(softcap), deterministic)
+    if main_family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt, dout_t)):
+        main_family = "sm80"
+    preprocess, main, convert = dispatch.backward_kernels(main_family, head_dim, mask, qt.dtype, bool(softcap),
+                                                          deterministic)
+    arch = dispatch.compile_arch("sm80", capability)  # the preprocess and convert kernels
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
     if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
         raise ValueError(f"k: sequences must be at most {_MAX_GRID_YZ * main.tile.block_n} keys long for the "
@@ -321,8 +328,11 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     dk_accum, dv_accum = records[1:3] if group > 1 else (None, None)
     zeroed = offsets[3] if group > 1 and not deterministic else offsets[1]
 
-    argument = ArgumentBuffer(pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2],
-                                              dk_accum, dv_accum, scale, window, softcap, *cu_seqlens), BWD_POINTERS)
+    packed = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2], dk_accum,
+                             dv_accum, scale, window, softcap, *cu_seqlens)
+    argument = ArgumentBuffer(packed, BWD_POINTERS)
+    main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.block_m, main.tile.block_n)
+                     if main.family == "sm90" else None)
     # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
     if deterministic:
         grid = (splits, heads, batch)
@@ -349,7 +359,7 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
             src.ptr, index))
     return _BackwardPlan(
         device_plan, kernels.prepare(preprocess, arch, qt.device, (-(-max_seqlen_q // 8), heads, batch)),
-        kernels.prepare(main, arch, qt.device, grid), argument,
+        kernels.prepare(main, dispatch.compile_arch(main.family, capability), qt.device, grid), argument, main_argument,
         (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None),
         end, zeroed, tuple(convert_launches))
 
@@ -361,11 +371,11 @@ def _run_backward(plan: _BackwardPlan, framework: str, stream: int, qt, kt, vt, 
     interop.zero(base, plan.zeroed_bytes, stream)
     delta, dq_accum, dk_accum, dv_accum = (base + offset if offset is not None else 0 for offset in plan.offsets)
     cu_q, cu_k = cu_seqlens
-    argument = plan.argument.fill(qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum,
-                                  grad_ptrs[1], grad_ptrs[2], dk_accum, dv_accum,
-                                  cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0)
+    pointers = (qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum, grad_ptrs[1], grad_ptrs[2],
+                dk_accum, dv_accum, cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0)
+    argument = plan.argument.fill(*pointers)
     kernels.launch(plan.preprocess, stream, argument)
-    kernels.launch(plan.main, stream, argument)
+    kernels.launch(plan.main, stream, argument if plan.main_argument is None else plan.main_argument.fill(*pointers))
     for kernel, convert, src_offset, index in plan.converts:
         kernels.launch(kernel, stream, convert.fill(base + src_offset, grad_ptrs[index]))
     del owner

@@ -343,7 +343,8 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
             mask = "causal" if causal else "none"
             choices = [dispatch.forward_kernel(family, head_dim, mask, dtype)] if mode != "bwd" else []
             if mode != "fwd":
-                choices.append(dispatch.backward_kernels(dispatch.BACKWARD_FAMILY, head_dim, mask, dtype)[1])
+                backward = dispatch.backward_family(family, head_dim, mask, False, False)
+                choices.append(dispatch.backward_kernels(backward, head_dim, mask, dtype)[1])
             for choice in choices:
                 arch = dispatch.compile_arch(choice.family, capability)
                 cold = kernels.compile_kernel(choice, arch, use_cache=False).seconds

@@ -4,8 +4,9 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 9.x runs ``sm90``, other devices from 8.0 up run ``sm80``; anything older than 8.0 is refused.
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
 every head-dim bucket (api._forward_choice still runs sm80's for tensors that no tensor map can
-describe, and the ``KernelChoice`` names the family that runs). The backward is sm80's on every
-device.
+describe, and the ``KernelChoice`` names the family that runs). Its backward main kernel serves
+head dims up to 128 without softcap in default mode (backward_family); sm80's
+preprocess and convert kernels run around it, and sm80's main kernel everywhere else.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
 """
@@ -17,7 +18,6 @@ import os
 from dataclasses import dataclass
 
 __all__ = [
-    "BACKWARD_FAMILY",
     "FAMILIES",
     "HEAD_DIM_BUCKETS",
     "MASKS",
@@ -36,7 +36,6 @@ ELEMENT_TYPES = {"float16": "cuflash::f16", "bfloat16": "cuflash::bf16"}
 # Forward masks (cuda_src/common/mask.cuh): every key, the causal diagonal, or a window whose
 # bounds are run-time arguments (causal folded in as right = 0), which serves any mask.
 MASKS = ("none", "causal", "window")
-BACKWARD_FAMILY = "sm80"  # the one family with backward kernels, on every device
 
 
 @dataclass(frozen=True)
@@ -201,18 +200,54 @@ SM80_BWD_TILES = {
 }
 
 
+# sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per head-dim bucket: 128 keys per CTA
+# (64 per consumer warpgroup), 64 query rows per step, 12 warps; K, V, the Q/dO ring and two dS
+# tiles in shared memory. It serves head dims up to 128 without softcap, in default (not
+# deterministic) mode; the rest runs sm80's main kernel (backward_family).
+SM90_BWD_TILES = {
+    64: Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 = 128 KB
+    128: Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 = 160 KB
+}
+
+
+def backward_family(family: str, head_dim: int, mask: str, softcap: bool, deterministic: bool) -> str:
+    """The family whose main backward kernel serves these switches on a device of ``family``."""
+    if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES and not softcap and not deterministic:
+        return "sm90"
+    return "sm80"
+
+
 @functools.lru_cache(maxsize=None)
 def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False,
                      deterministic: bool = False, tile: Tile | None = None) -> tuple[KernelChoice, ...]:
     """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
     forward_kernel (softcap runs in the window kernel there too), ``tile`` overrides the table,
-    for tuning. Only the sm80 family has backward kernels; sm90 devices run them (BACKWARD_FAMILY)."""
-    if family != "sm80":
-        raise ValueError(f"family: no backward kernel for {family!r}")
+    for tuning. The sm90 family has its own main kernel where backward_family says so, between
+    sm80's preprocess and convert kernels; otherwise the family raises ValueError."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
-    tile, elem = tile or SM80_BWD_TILES[bucket], ELEMENT_TYPES[dtype_name]
+    elem = ELEMENT_TYPES[dtype_name]
+    helpers = (
+        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", 256, 0),
+        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", 256, 0),
+    )
+    if family == "sm90":
+        if backward_family(family, head_dim, mask, softcap, deterministic) != "sm90":
+            raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}, mask {mask!r}, "
+                             f"softcap {softcap}, deterministic {deterministic}")
+        tile = tile or SM90_BWD_TILES[bucket]
+        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, "
+                f"{_cpp(mask == 'window')}, {elem}>")
+        # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
+        # 64 queries), plus 1 KiB to align the window to the swizzle's 1024-byte period.
+        smem = ((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2 + 1024
+        main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
+                                   blocks_slowest=mask == "causal")
+        return helpers[0], main_choice, helpers[1]
+    tile = tile or SM80_BWD_TILES[bucket]
     causal, window = mask == "causal" and not softcap, mask == "window" or softcap
     main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
             f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(deterministic)}, {elem}>")
@@ -220,12 +255,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     # buffers each of the rows' fp32 log-sum-exp and delta.
     smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
             + 4 * tile.block_m * 4)
-    return (
-        KernelChoice(family, "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", 256, 0),
-        KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
-                     blocks_slowest=causal and not deterministic),
-        KernelChoice(family, "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", 256, 0),
-    )
+    return (helpers[0], KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
+                                     blocks_slowest=causal and not deterministic), helpers[1])
 
 
 def all_kernels(family: str) -> list[KernelChoice]:
@@ -240,9 +271,10 @@ def all_kernels(family: str) -> list[KernelChoice]:
                     for short in (False, True):  # sm90 picks some tiles by length
                         choice = forward_kernel(family, bucket, mask, dtype, softcap, short=short)
                         found.setdefault(choice.name_expression, choice)
-                    if family != BACKWARD_FAMILY:
-                        continue
                     for deterministic in (False, True):
+                        if backward_family(family, bucket, mask, softcap, deterministic) != family:
+                            continue
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, deterministic):
-                            found.setdefault(choice.name_expression, choice)
+                            if choice.family == family:
+                                found.setdefault(choice.name_expression, choice)
     return list(found.values())

@@ -115,6 +115,18 @@ def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: in
     return ArgumentBuffer(struct, FWD_POINTERS, within="base", tensor_maps=maps)
 
 
+def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, block_m: int, block_n: int) -> ArgumentBuffer:
+    """The BwdParamsSm90 argument for repeated launches: tensor maps of q and dout (boxes of
+    ``block_m`` rows) and of k and v (``block_n`` rows), then ``packed``, pack_bwd_params' struct
+    for the same call; the maps are encoded again per fill (cached per address)."""
+    struct = np.zeros(1, BWD_PARAMS_SM90)
+    struct["base"] = packed
+    maps = tuple((name, BWD_POINTERS.index(name), functools.partial(_tensor_map, shape, strides, t.dtype, rows))
+                 for name, t, rows in (("q", q, block_m), ("k", k, block_n), ("v", v, block_n), ("dout", dout, block_m))
+                 for shape, strides in (tma_view(t),))
+    return ArgumentBuffer(struct, BWD_POINTERS, within="base", tensor_maps=maps)
+
+
 _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv") for s in ("batch", "row", "head")]
 
 BWD_POINTERS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dk", "dv", "dk_accum", "dv_accum",
@@ -129,6 +141,10 @@ BWD_PARAMS = np.dtype(
     align=True,
 )
 BWD_PARAMS_SIZE = 376  # sizeof(BwdParams) in params.cuh
+# cuda_src/sm90/bwd_params.cuh: the tensor maps of q, k, v and dout, then BwdParams.
+BWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
+                                   ("dout", tma.TENSOR_MAP), ("base", BWD_PARAMS)])
+BWD_PARAMS_SM90_SIZE = 896  # sizeof(BwdParamsSm90)
 
 CONVERT_POINTERS = ("src", "dst")
 CONVERT_PARAMS = np.dtype(

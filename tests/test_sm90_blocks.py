@@ -24,33 +24,37 @@ SOURCE = Path(__file__).resolve().parent / "cuda" / "sm90_gemm_check.cu"
 M, BLOCK_K, STAGES, THREADS = 64, 64, 2, 256
 ELEMS = {"bfloat16": "cuflash::bf16", "float16": "cuflash::f16"}
 
-# (dtype, N, A from registers, 3-D/4-D maps, setmaxnreg, B MN-major, K). Simplest first: with -x
-# the first failure is the most telling one.
+# (dtype, N, A from registers, 3-D/4-D maps, setmaxnreg, B MN-major, A MN-major, K). Simplest
+# first: with -x the first failure is the most telling one.
 CASES = [
-    (dtype, n, a_regs, False, False, False, 256)
+    (dtype, n, a_regs, False, False, False, False, 256)
     for a_regs in (False, True) for dtype in ("bfloat16", "float16") for n in (64, 128)
 ] + [
-    ("bfloat16", 128, False, True, False, False, 256),  # A through a 3-D map, B through a 4-D BSHD-like map
-    ("float16", 64, True, True, False, False, 256),
-    ("bfloat16", 128, False, False, True, False, 256),  # producer / consumer register split
-    ("bfloat16", 64, True, True, True, False, 256),
-    ("bfloat16", 128, True, False, False, False, 1024),  # 16 k-blocks: each stage's barriers cycle 8 times
-    ("float16", 64, False, False, False, False, 64),  # a single k-block
+    ("bfloat16", 128, False, True, False, False, False, 256),  # A through a 3-D map, B through a 4-D BSHD-like map
+    ("float16", 64, True, True, False, False, False, 256),
+    ("bfloat16", 128, False, False, True, False, False, 256),  # producer / consumer register split
+    ("bfloat16", 64, True, True, True, False, False, 256),
+    ("bfloat16", 128, True, False, False, False, False, 1024),  # 16 k-blocks: each stage's barriers cycle 8 times
+    ("float16", 64, False, False, False, False, False, 64),  # a single k-block
     # B stored K x N (N contiguous), read MN-major with imm-trans-b: how the sm90 forward reads V.
-    ("bfloat16", 64, True, False, False, True, 256),
-    ("float16", 128, True, False, False, True, 256),
-    ("bfloat16", 128, True, False, True, True, 1024),
+    ("bfloat16", 64, True, False, False, True, False, 256),
+    ("float16", 128, True, False, False, True, False, 256),
+    ("bfloat16", 128, True, False, True, True, False, 1024),
+    # A stored K x M too, read MN-major with imm-trans-a: how the sm90 backward reads dS for dQ.
+    ("bfloat16", 64, False, False, False, True, True, 256),
+    ("float16", 64, False, False, True, True, True, 1024),
 ]
 
 
 def case_id(case) -> str:
-    dtype, n, a_regs, high_rank, setmaxnreg, b_mn, k = case
+    dtype, n, a_regs, high_rank, setmaxnreg, b_mn, a_mn, k = case
     return (f"{'bf16' if dtype == 'bfloat16' else 'f16'}-n{n}-{'rs' if a_regs else 'ss'}-"
-            f"{'4d' if high_rank else '2d'}{'-maxnreg' if setmaxnreg else ''}{'-bmn' if b_mn else ''}-k{k}")
+            f"{'4d' if high_rank else '2d'}{'-maxnreg' if setmaxnreg else ''}{'-bmn' if b_mn else ''}"
+            f"{'-amn' if a_mn else ''}-k{k}")
 
 
-def name_expression(dtype, n, a_regs, high_rank, setmaxnreg, b_mn) -> str:
-    flags = ", ".join("true" if f else "false" for f in (a_regs, high_rank, setmaxnreg, b_mn))
+def name_expression(dtype, n, a_regs, high_rank, setmaxnreg, b_mn, a_mn) -> str:
+    flags = ", ".join("true" if f else "false" for f in (a_regs, high_rank, setmaxnreg, b_mn, a_mn))
     return f"cuflash::sm90_check::gemm_check<{n}, {flags}, {ELEMS[dtype]}>"
 
 
@@ -63,7 +67,7 @@ def smem_bytes(n: int) -> int:
 def compiled() -> nvrtc.CompiledProgram:
     """Every instantiation the cases use, in one NVRTC program, with cuflash's options (the
     include root cuda_src/, -std=c++17, the ptxas report) for sm_90a."""
-    expressions = sorted({name_expression(*case[:6]) for case in CASES})
+    expressions = sorted({name_expression(*case[:7]) for case in CASES})
     return nvrtc.compile_program(SOURCE.read_text(), SOURCE.name, kernels._options("sm_90a"), expressions)
 
 
@@ -81,7 +85,7 @@ GEMM_CHECK_PARAMS = tma.param_dtype(
 def test_smoke_kernel_compiles_for_sm90a():
     program = compiled()
     assert program.cubin[:4] == b"\x7fELF"
-    assert len(program.lowered_names) == len({name_expression(*case[:6]) for case in CASES})
+    assert len(program.lowered_names) == len({name_expression(*case[:7]) for case in CASES})
     # No ptxas warning: a serialised wgmma pipeline or an ignored setmaxnreg (C7508) says so here.
     assert "warning" not in program.log.lower(), program.log
     # Every instantiation fits 256 threads on one SM (setmaxnreg ones report the consumers' 232),
@@ -176,7 +180,7 @@ def test_gemm_check_matches_float64(hopper, case):
 
     from tests.gpu_reference import as_float64
 
-    dtype, n, a_regs, high_rank, setmaxnreg, b_mn, k = case
+    dtype, n, a_regs, high_rank, setmaxnreg, b_mn, a_mn, k = case
     rng = np.random.default_rng(abs(hash(case_id(case))) % 2**32)
     if high_rank:
         # A is slice a_batch of (2, 64, K); B is (batch, :, head) of a (2, N, 3, K) BSHD tensor.
@@ -185,11 +189,13 @@ def test_gemm_check_matches_float64(hopper, case):
         a, b = a_full[a_batch], b_full[b_batch, :, b_head]
         a_box, b_box = (1, M, BLOCK_K), (1, n, 1, BLOCK_K)
     elif b_mn:
-        # B is K x N row-major; the product is A B, so b (N x K as below) is its transpose.
+        # B is K x N row-major; the product is A B, so b (N x K as below) is its transpose. With
+        # a_mn, A is stored K x M as well, so a (M x K) is its transpose.
         a_batch = b_batch = b_head = 0
-        a_full, b_full = _random((M, k), dtype, rng), _random((k, n), dtype, rng)
-        a, b = a_full, b_full.T
-        a_box, b_box = (M, BLOCK_K), (BLOCK_K, 64)
+        a_full = _random((k, M), dtype, rng) if a_mn else _random((M, k), dtype, rng)
+        b_full = _random((k, n), dtype, rng)
+        a, b = (a_full.T if a_mn else a_full), b_full.T
+        a_box, b_box = ((BLOCK_K, M) if a_mn else (M, BLOCK_K)), (BLOCK_K, 64)
     else:
         a_batch = b_batch = b_head = 0
         a_full, b_full = _random((M, k), dtype, rng), _random((n, k), dtype, rng)
@@ -211,7 +217,7 @@ def test_gemm_check_matches_float64(hopper, case):
     params["a_batch"], params["b_batch"], params["b_head"] = a_batch, b_batch, b_head
 
     module, lowered = hopper
-    function = module.get_function(lowered[name_expression(dtype, n, a_regs, high_rank, setmaxnreg, b_mn)])
+    function = module.get_function(lowered[name_expression(dtype, n, a_regs, high_rank, setmaxnreg, b_mn, a_mn)])
     driver.funcSetAttribute(function.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(n))
     argument = (ctypes.c_void_p * 1)(params.ctypes.data)
     stream = cp.cuda.get_current_stream()
@@ -223,8 +229,8 @@ def test_gemm_check_matches_float64(hopper, case):
     assert code == 0, (f"a wait timed out: {'producer on empty' if code < 200 else 'consumer on full'}"
                        f" barrier at k-block {code % 100}")
     # TMA load then TMA store, both 128-byte swizzled: the A tile comes back bit for bit.
-    copied = a_copy[a_batch] if high_rank else a_copy
-    wrong = cp.asnumpy(copied.view(cp.uint16) != a.view(cp.uint16))
+    copied, stored = (a_copy[a_batch], a_full[a_batch]) if high_rank else (a_copy, a_full)
+    wrong = cp.asnumpy(copied.view(cp.uint16) != stored.view(cp.uint16))
     assert not wrong.any(), f"a_copy differs at {wrong.sum()} elements, first (row, k) {np.argwhere(wrong)[0]}"
 
     # Products of 16-bit floats are exact in fp32, so the only error is fp32 accumulation over K

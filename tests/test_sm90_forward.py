@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 from cuflash import api, dispatch, interop, kernels, params, tma, varlen
-from cuflash.params import FWD_PARAMS, FWD_PARAMS_SM90, FWD_PARAMS_SM90_SIZE, FWD_POINTERS, ArgumentBuffer
+from cuflash.params import (BWD_PARAMS, BWD_PARAMS_SM90, BWD_PARAMS_SM90_SIZE, FWD_PARAMS, FWD_PARAMS_SM90,
+                            FWD_PARAMS_SM90_SIZE, FWD_POINTERS, ArgumentBuffer)
 
-SM90_FORWARD = dispatch.all_kernels("sm90")
+SM90_KERNELS = dispatch.all_kernels("sm90")
+SM90_FORWARD = [c for c in SM90_KERNELS if c.source == "sm90/flash_fwd.cu"]
 
 
 def _cuobjdump() -> str | None:
@@ -36,8 +38,8 @@ def _cuobjdump() -> str | None:
     return str(candidate) if candidate.exists() else None
 
 
-@pytest.mark.parametrize("choice", SM90_FORWARD, ids=lambda c: c.name_expression.split("<")[1].rstrip(">"))
-def test_sm90_forward_compiles_without_spills_in_the_main_loop(choice, tmp_path):
+@pytest.mark.parametrize("choice", SM90_KERNELS, ids=lambda c: c.name_expression.removeprefix("cuflash::sm90::"))
+def test_sm90_kernels_compile_without_spills_in_the_main_loop(choice, tmp_path):
     compiled = kernels.compile_kernel(choice, "sm_90a", use_cache=False)
     assert compiled.cubin[:4] == b"\x7fELF"
     # No ptxas warning: a serialised wgmma pipeline (C7510...) or an ignored setmaxnreg (C7508).
@@ -102,8 +104,19 @@ def test_sm90_dispatch():
     # Kernel head dims x dtypes x (none, causal, window, softcap), and d64's two-consumer causal.
     assert len(SM90_FORWARD) == 4 * 2 * 4 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
-    with pytest.raises(ValueError, match="backward"):
-        dispatch.backward_kernels("sm90", 128, "none", "bfloat16")
+    # The sm90 backward main kernel: head dims up to 128, no softcap, default mode.
+    preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
+    assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
+    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, cuflash::f16>"
+    assert main.threads == 384 and not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
+    assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 1024 <= 227 * 1024
+    for switches in ((192, "none", False, False), (64, "window", True, False), (64, "none", True, False),
+                     (64, "causal", False, True)):
+        assert dispatch.backward_family("sm90", *switches) == "sm80"
+        with pytest.raises(ValueError, match="no sm90 backward"):
+            dispatch.backward_kernels("sm90", switches[0], switches[1], "bfloat16", switches[2], switches[3])
+    assert dispatch.backward_family("sm80", 64, "none", False, False) == "sm80"
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2  # dims x masks x dtypes
 
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
@@ -249,15 +262,44 @@ def test_sm90_falls_back_where_no_tensor_map_fits(sm90_launches):
     assert calls[-1][0].name_expression.startswith("cuflash::sm90::flash_fwd_sm90<128, ")
 
 
-def test_sm90_device_runs_sm80_backward(monkeypatch):
+def test_sm90_backward_plan(monkeypatch):
+    """On an sm90 device: sm80's preprocess and convert (sm_90) around sm90's main kernel (sm_90a)
+    with its BwdParamsSm90 (maps of q, k, v, dout, then the BwdParams the helpers take); softcap
+    runs sm80's main kernel and no sm90 argument."""
     _launcher(monkeypatch, "sm90")
+    monkeypatch.setattr(tma, "encode_tiled", lambda args: args.address.to_bytes(8, "little") + bytes(120))
+    params._tensor_map.cache_clear()
     loaded = []
     monkeypatch.setattr(kernels, "get_function", lambda choice, arch, device: loaded.append((choice, arch))
                         or SimpleNamespace(ptr=len(loaded)))
-    q, lse = _tensor((2, 300, 4, 128)), _tensor((2, 4, 300), "float32", ptr=6 << 20)
-    plan = api._backward_plan(q, q, q, q, q, lse, (q, q, q), 0.1, (-1, 0), 0.0, False, 2, 300, 300)
+    q, k = _tensor((2, 300, 4, 128)), _tensor((2, 300, 2, 128), ptr=3 << 20)
+    lse = _tensor((2, 4, 300), "float32", ptr=6 << 20)
+    plan = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (-1, 0), 0.0, False, 2, 300, 300)
     assert plan.device_plan == ("sm90", (9, 0))
-    assert len(loaded) == 3 and all(c.family == "sm80" and arch == "sm_90" for c, arch in loaded)
+    main_choice, main_arch = loaded[plan.main.function - 1]
+    assert main_choice.family == "sm90" and main_arch == "sm_90a"
+    # The preprocess and the converts of dQ, dK and dV (GQA): sm80's, built for the device.
+    assert sorted((c.family, arch) for c, arch in loaded) == [("sm80", "sm_90")] * 4 + [("sm90", "sm_90a")]
+    assert plan.main.grid == (4, 2, 3)  # causal: heads, batch, ceil(300 / 128) key blocks
+    pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 0, 0)
+    main = np.frombuffer(ArgumentBuffer.struct_bytes(plan.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
+    shared = ArgumentBuffer.struct_bytes(plan.argument.fill(*pointers))
+    base = np.frombuffer(shared, BWD_PARAMS)[0]
+    assert all(main["base"][name] == base[name] for name in BWD_PARAMS.names) and base["kv_group"] == 2
+    assert [bytes(main[name])[:8] for name in ("q", "k", "v", "dout")] == [
+        (a).to_bytes(8, "little") for a in (1 << 20, 3 << 20, 3 << 20, 1 << 20)]
+    loaded.clear()
+    softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (10, 0), 5.0, False, 2, 300, 300)
+    assert softcap.main_argument is None and loaded[softcap.main.function - 1][0].family == "sm80"
+    params._tensor_map.cache_clear()
+
+
+def test_sm90_backward_param_struct_layout():
+    # bwd_params.cuh static_asserts 896 bytes and alignment 64: four 128-byte maps, then BwdParams.
+    fields = BWD_PARAMS_SM90.fields
+    assert BWD_PARAMS_SM90.itemsize == BWD_PARAMS_SM90_SIZE == 896
+    assert [fields[name][1] for name in ("q", "k", "v", "dout", "base")] == [0, 128, 256, 384, 512]
+    assert fields["base"][0] == BWD_PARAMS and BWD_PARAMS.itemsize == 376
 
 
 def test_tensor_maps_are_encoded_once_per_tensor(monkeypatch):

@@ -47,6 +47,13 @@ struct Mask {
     return max(0, min(seqlen_q(), key - diagonal_offset + window_left + 1));
   }
 
+  // Whether `key` falls outside [begin, end), all three relative to one block's first key as the
+  // kernels keep them: only a window bounds keys from below. The one test every kernel's masking
+  // shares (apply here; the backward's P, which must become 0 rather than -inf).
+  __device__ __forceinline__ static bool outside(int key, int begin, int end) {
+    return key >= end || (WINDOW && key < begin);
+  }
+
   // Scores of one warp in the m16n8 accumulator layout: thread `lane` holds rows lane/4 and
   // lane/4 + 8 of each 16-row tile, columns 2*(lane%4) and 2*(lane%4)+1 of each 8-column tile.
   // Masked scores become -inf.
@@ -65,7 +72,7 @@ struct Mask {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int key = nt * 8 + (lane % 4) * 2 + e;
-            if (key >= end || (WINDOW && key < begin)) s[mt][nt][half * 2 + e] = kNegInf;
+            if (outside(key, begin, end)) s[mt][nt][half * 2 + e] = kNegInf;
           }
         }
       }

@@ -84,7 +84,8 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
         for (int e = 0; e < 2; ++e) {
           const float score = s[mt][nt][2 * h + e];
           pv[e] = fast_exp2(fmaf(score, p.scale_log2, -lse_log2));
-          if (EDGE && (key + e >= key_end || (WINDOW && key + e < key_begin))) pv[e] = 0.f;
+          // Masked: 0, not exp2(-inf - lse), which is NaN for a row without keys (lse = -inf).
+          if (EDGE && Mask<CAUSAL, WINDOW>::outside(key + e, key_begin, key_end)) pv[e] = 0.f;
           dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - row_delta);
           if (SOFTCAP) dsv[e] *= fmaf(-score, score, 1.f);
         }

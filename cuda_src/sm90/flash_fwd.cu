@@ -12,6 +12,7 @@
 #include "common/types.cuh"
 #include "sm90/fwd_params.cuh"
 #include "sm90/mbarrier.cuh"
+#include "sm90/tiles.cuh"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
 
@@ -78,33 +79,6 @@ struct FwdSmem {
   static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0, "whole panels, swizzle periods and k16 steps");
 };
 
-// Byte offset of 16-bit element (row, col) in a tile of panels `panel_bytes` apart, 128-byte
-// swizzled as TMA stores it: 16-byte chunk c of a row at chunk c ^ (row % 8).
-__device__ __forceinline__ u32 swizzled_offset(int row, int col, u32 panel_bytes) {
-  return (col / 64) * panel_bytes + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
-}
-
-// The m64nN accumulator of a warpgroup seen as the m16n8 layout the common headers take (one
-// 16-row tile per warp, N / 8 column tiles): the register order is the same (sm90/wgmma.cuh).
-template <int NT>
-__device__ __forceinline__ float (&flat(float (&x)[1][NT][4]))[NT * 4] {
-  return reinterpret_cast<float(&)[NT * 4]>(x);
-}
-
-// Stage and phase of a walk around a ring of STAGES mbarrier-guarded stages: a full barrier of
-// stage s completes once per lap, so its waiters wait for parity `phase`.
-template <int STAGES>
-struct RingPosition {
-  int stage = 0;
-  u32 phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-};
-
 // S = Q K^T for one warpgroup's 64 rows: K-major operands, 4 k16 steps per 64-column panel, the
 // first overwriting s. Issues only; the caller fences, commits and waits.
 template <class Smem, int BLOCK_N, class Elem, int NT>
@@ -135,18 +109,6 @@ __device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<C
   if (SOFTCAP) softcap_scores(s, a.softcap_exp2_scale);
   if (needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n)) mask.apply(s, warp_row, n * BLOCK_N);
   softmax.probabilities(s, a.scale_log2, correction);
-}
-
-// P in 16 bits: accumulator registers 8j..8j+7 of S are the A registers of P V's k-slice j.
-template <class Elem, int NT>
-__device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[NT / 2][4]) {
-#pragma unroll
-  for (int j = 0; j < NT / 2; ++j) {
-    p[j][0] = Elem::pack(s[0][2 * j][0], s[0][2 * j][1]);
-    p[j][1] = Elem::pack(s[0][2 * j][2], s[0][2 * j][3]);
-    p[j][2] = Elem::pack(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
-    p[j][3] = Elem::pack(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
-  }
 }
 
 // The tile (query block, head, batch) with linear index `tile`, in the order the CTAs take them.
@@ -318,7 +280,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         // The tensor cores are done with this K stage: one arrival per warp hands it back.
         if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
         probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
-        pack_p<Elem>(s, pv_a);
+        pack_a<Elem>(s, pv_a);
         k_pos.advance();
 
         // Each step issues S of block n and then P V of block n + 1 (FlashAttention-3's
@@ -348,7 +310,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
           fence_registers(pv_a);
           if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
           softmax.rescale(o, correction);
-          pack_p<Elem>(s, pv_a);
+          pack_a<Elem>(s, pv_a);
           k_pos.advance();
           v_pos.advance();
         }

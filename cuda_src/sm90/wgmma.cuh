@@ -142,10 +142,17 @@ struct WgmmaElem<f16> {
 #define CUFLASH_WGMMA_SS(SHAPE, TYPE, D, DESC_A, DESC_B, SCALE_D)                                         \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", %" DESC_A ", %" DESC_B ", p, 1, 1, 0, 0;\n}\n"
+// The ss form with imm-trans-a and imm-trans-b as "n" operands, for MN-major operands
+// (smem_desc_sw128_mn) on either side: dQ = dS K in the backward reads dS and K as stored.
+#define CUFLASH_WGMMA_SS_T(SHAPE, TYPE, D, DESC_A, DESC_B, SCALE_D, TRANS_A, TRANS_B)                     \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
+  "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", %" DESC_A ", %" DESC_B ", p, 1, 1, %" TRANS_A \
+  ", %" TRANS_B ";\n}\n"
 #define CUFLASH_WGMMA_RS(SHAPE, TYPE, D, A, DESC_B, SCALE_D, TRANS_B)                                     \
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", " A ", %" DESC_B ", p, 1, 1, %" TRANS_B ";\n}\n"
 
+#define CUFLASH_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUFLASH_D32                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -171,6 +178,7 @@ struct WgmmaElem<f16> {
 #define CUFLASH_ACC8(d, i)                                                                               \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),            \
       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CUFLASH_ACC16(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8)
 #define CUFLASH_ACC32(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16), CUFLASH_ACC8(d, 24)
 #define CUFLASH_ACC64(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40), CUFLASH_ACC8(d, 48), CUFLASH_ACC8(d, 56)
 #define CUFLASH_ACC32_AT(d, i) CUFLASH_ACC8(d, i), CUFLASH_ACC8(d, i + 8), CUFLASH_ACC8(d, i + 16), CUFLASH_ACC8(d, i + 24)
@@ -205,13 +213,31 @@ struct WgmmaElem<f16> {
                      "n"(TRANS_B ? 1 : 0));                                                            \
   }
 
+// The ss form with either operand MN-major (imm-trans-a and imm-trans-b as "n" operands).
+#define CUFLASH_WGMMA_SS_T_MEMBER(REGS, SHAPE, D, ACC, DESC_A, DESC_B, SCALE_D, TRANS_A, TRANS_B)        \
+  template <class Elem, bool TA, bool TB>                                                               \
+  static __device__ __forceinline__ void ss_t(float (&d)[REGS], u64 desc_a, u64 desc_b, u32 scale_d) {   \
+    if constexpr (WgmmaElem<Elem>::kBf16)                                                               \
+      asm volatile(CUFLASH_WGMMA_SS_T(SHAPE, "bf16", D, DESC_A, DESC_B, SCALE_D, TRANS_A, TRANS_B)       \
+                   : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA ? 1 : 0), "n"(TB ? 1 : 0)); \
+    else                                                                                                \
+      asm volatile(CUFLASH_WGMMA_SS_T(SHAPE, "f16", D, DESC_A, DESC_B, SCALE_D, TRANS_A, TRANS_B)        \
+                   : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA ? 1 : 0), "n"(TB ? 1 : 0)); \
+  }
+
 template <int N>
 struct Wgmma;
+
+template <>
+struct Wgmma<32> {
+  CUFLASH_WGMMA_SS_T_MEMBER(16, "m64n32k16", CUFLASH_D16, CUFLASH_ACC16, "16", "17", "18", "19", "20")
+};
 
 template <>
 struct Wgmma<64> {
   CUFLASH_WGMMA_SS_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "32", "33", "34")
   CUFLASH_WGMMA_RS_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "{%32, %33, %34, %35}", "36", "37", "38")
+  CUFLASH_WGMMA_SS_T_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "32", "33", "34", "35", "36")
 };
 
 template <>
@@ -235,13 +261,17 @@ struct Wgmma<256> {
 
 #undef CUFLASH_WGMMA_SS_MEMBER
 #undef CUFLASH_WGMMA_RS_MEMBER
+#undef CUFLASH_WGMMA_SS_T_MEMBER
 #undef CUFLASH_WGMMA_SS
+#undef CUFLASH_WGMMA_SS_T
 #undef CUFLASH_WGMMA_RS
+#undef CUFLASH_D16
 #undef CUFLASH_D32
 #undef CUFLASH_D64
 #undef CUFLASH_D96
 #undef CUFLASH_D128
 #undef CUFLASH_ACC8
+#undef CUFLASH_ACC16
 #undef CUFLASH_ACC32
 #undef CUFLASH_ACC64
 #undef CUFLASH_ACC32_AT
@@ -256,6 +286,14 @@ struct Wgmma<256> {
 template <int N, class Elem>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool accumulate) {
   detail::Wgmma<N>::template ss<Elem>(d, desc_a, desc_b, accumulate ? 1u : 0u);
+}
+
+// The ss form with either operand MN-major (smem_desc_sw128_mn's descriptor, the instruction's
+// transpose flag set): TRANS_A for an A stored M-contiguous, TRANS_B for a B stored N-contiguous.
+// N = 32 or 64.
+template <int N, class Elem, bool TRANS_A, bool TRANS_B>
+__device__ __forceinline__ void wgmma_ss_t(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool accumulate) {
+  detail::Wgmma<N>::template ss_t<Elem, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate ? 1u : 0u);
 }
 
 // The same with A's 64 x 16 slice in registers (layout at the top of this file); the registers

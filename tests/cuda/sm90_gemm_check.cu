@@ -4,7 +4,8 @@
 // include path); nothing in the library includes it.
 //
 // A is 64 x K and B is N x K, both K-major 16-bit (or, B_MN_MAJOR, B is K x N row-major: the
-// layout V has in O += P V); C is 64 x N fp32, row-major. Warpgroup 0 is
+// layout V has in O += P V; A_MN_MAJOR, A is K x 64 row-major too: dS in the backward's
+// dQ = dS K); C is 64 x N fp32, row-major. Warpgroup 0 is
 // the producer (one thread issues the copies), warpgroup 1 the consumer (all 128 threads run the
 // wgmma). Every stage also goes back out through a TMA store into `a_copy`, so the test sees
 // the swizzled load and store round-trip bit for bit.
@@ -22,7 +23,8 @@ using sm90::u64;
 
 // Mirrored by the NumPy dtype built with cuflash.tma.param_dtype in the test.
 struct GemmCheckParams {
-  TensorMap a;       // A: 2-D (K, 64) or, HIGH_RANK, 3-D (K, 64, batches): box (64, 64[, 1])
+  TensorMap a;       // A: 2-D (K, 64) or, HIGH_RANK, 3-D (K, 64, batches): box (64, 64[, 1]);
+                     // A_MN_MAJOR: 2-D (64, K), box (64, 64)
   TensorMap b;       // B: 2-D (K, N) or, HIGH_RANK, 4-D BSHD-like (K, heads, N, batches): box (64[, 1], N[, 1]);
                      // B_MN_MAJOR: 2-D (N, K), box (64, 64): one 64-column panel of 64 K rows
   TensorMap a_copy;  // where each A stage is stored back: the layout of `a`
@@ -59,16 +61,18 @@ __device__ __forceinline__ bool wait_or_flag(u64* bar, u32 parity, int* status, 
 // (the rs form, as P * V will run) instead of read by descriptor. HIGH_RANK: 3-D and 4-D maps
 // instead of 2-D. SETMAXNREG: producer and consumer move registers as a warp-specialised kernel
 // does. B_MN_MAJOR (with A_IN_REGISTERS, 2-D maps): B stored N-contiguous in N / 64 panels of 64 K
-// rows, read through smem_desc_sw128_mn with imm-trans-b, as the sm90 forward reads V. Elem: bf16
-// or f16.
-template <int N, bool A_IN_REGISTERS, bool HIGH_RANK, bool SETMAXNREG, bool B_MN_MAJOR, class Elem>
+// rows, read through smem_desc_sw128_mn with imm-trans-b, as the sm90 forward reads V. A_MN_MAJOR
+// (with B_MN_MAJOR, the ss form, N = 64): A stored M-contiguous as 64 K rows of 64 M values, read
+// through smem_desc_sw128_mn with imm-trans-a, as the sm90 backward reads dS. Elem: bf16 or f16.
+template <int N, bool A_IN_REGISTERS, bool HIGH_RANK, bool SETMAXNREG, bool B_MN_MAJOR, bool A_MN_MAJOR, class Elem>
 __global__ void __launch_bounds__(kThreads, 1) gemm_check(const __grid_constant__ GemmCheckParams p) {
   constexpr u32 A_BYTES = kM * kBlockK * 2;
   constexpr u32 B_BYTES = N * kBlockK * 2;
   constexpr u32 STAGE_BYTES = A_BYTES + B_BYTES;
   constexpr u32 B_PANEL = kBlockK * 128;  // B_MN_MAJOR: 64 K rows of one 64-column panel
   static_assert(A_BYTES % 1024 == 0 && STAGE_BYTES % 1024 == 0, "tiles stay 1024-byte aligned");
-  static_assert(!B_MN_MAJOR || (A_IN_REGISTERS && !HIGH_RANK), "MN-major B: rs form, 2-D maps");
+  static_assert(!B_MN_MAJOR || !HIGH_RANK, "MN-major B: 2-D maps");
+  static_assert(!A_MN_MAJOR || (B_MN_MAJOR && !A_IN_REGISTERS && N == 64), "MN-major A: ss form with MN-major B");
 
   __shared__ u64 full[kStages];   // TMA bytes of a stage have landed (1 arrival + transactions)
   __shared__ u64 empty[kStages];  // the consumers are done with a stage (128 arrivals)
@@ -110,7 +114,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_check(const __grid_constant_
           sm90::tma_load(sa, &p.a, &full[s], kb * kBlockK, 0, p.a_batch);
           sm90::tma_load(sb, &p.b, &full[s], kb * kBlockK, p.b_head, 0, p.b_batch);
         } else if constexpr (B_MN_MAJOR) {
-          sm90::tma_load(sa, &p.a, &full[s], kb * kBlockK, 0);
+          if constexpr (A_MN_MAJOR)
+            sm90::tma_load(sa, &p.a, &full[s], 0, kb * kBlockK);
+          else
+            sm90::tma_load(sa, &p.a, &full[s], kb * kBlockK, 0);
 #pragma unroll
           for (int panel = 0; panel < N / 64; ++panel)
             sm90::tma_load(sb + panel * B_PANEL, &p.b, &full[s], 64 * panel, kb * kBlockK);
@@ -147,6 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_check(const __grid_constant_
         // the full-barrier wait above is all the ordering it needs.
         if constexpr (HIGH_RANK)
           sm90::tma_store(&p.a_copy, sa, kb * kBlockK, 0, p.a_batch);
+        else if constexpr (A_MN_MAJOR)
+          sm90::tma_store(&p.a_copy, sa, 0, kb * kBlockK);
         else
           sm90::tma_store(&p.a_copy, sa, kb * kBlockK, 0);
         sm90::tma_store_commit();
@@ -190,10 +199,20 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_check(const __grid_constant_
       } else {
         sm90::fence_registers(acc);
         sm90::wgmma_fence();  // the accumulators were zeroed by ordinary moves
+        if constexpr (A_MN_MAJOR) {
+          // Both operands MN-major: a k16 step is 16 K rows, 2048 bytes, of either tile.
+          const u64 desc_a_mn = sm90::smem_desc_sw128_mn(sa, A_BYTES);
+          const u64 desc_b_mn = sm90::smem_desc_sw128_mn(sb, B_PANEL);
 #pragma unroll
-        for (int k = 0; k < 4; ++k)
-          sm90::wgmma_ss<N, Elem>(acc, sm90::desc_advance(desc_a, 32 * k), sm90::desc_advance(desc_b, 32 * k),
-                                  kb > 0 || k > 0);
+          for (int k = 0; k < 4; ++k)
+            sm90::wgmma_ss_t<N, Elem, true, true>(acc, sm90::desc_advance(desc_a_mn, 2048 * k),
+                                                   sm90::desc_advance(desc_b_mn, 2048 * k), kb > 0 || k > 0);
+        } else {
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            sm90::wgmma_ss<N, Elem>(acc, sm90::desc_advance(desc_a, 32 * k), sm90::desc_advance(desc_b, 32 * k),
+                                    kb > 0 || k > 0);
+        }
         sm90::wgmma_commit();
         sm90::fence_registers(acc);
         sm90::wgmma_wait<0>();  // the tensor cores have read the stage

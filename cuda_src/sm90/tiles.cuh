@@ -1,0 +1,52 @@
+// Register and shared-memory tile helpers the sm90 kernels share: the 128-byte swizzle as TMA
+// stores it, the wgmma accumulator seen as the common headers' m16n8 layout, accumulators packed
+// into register-A operands, and the position in an mbarrier-guarded ring.
+#pragma once
+#include "common/types.cuh"
+
+namespace cuflash {
+namespace sm90 {
+
+// Byte offset of 16-bit element (row, col) in a tile of panels `panel_bytes` apart, 128-byte
+// swizzled as TMA stores it: 16-byte chunk c of a row at chunk c ^ (row % 8).
+__device__ __forceinline__ u32 swizzled_offset(int row, int col, u32 panel_bytes) {
+  return (col / 64) * panel_bytes + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
+// The m64nN accumulator of a warpgroup seen as the m16n8 layout the common headers take (one
+// 16-row tile per warp, N / 8 column tiles): the register order is the same (sm90/wgmma.cuh).
+template <int NT>
+__device__ __forceinline__ float (&flat(float (&x)[1][NT][4]))[NT * 4] {
+  return reinterpret_cast<float(&)[NT * 4]>(x);
+}
+
+// Stage and phase of a walk around a ring of STAGES mbarrier-guarded stages: a full barrier of
+// stage s completes once per lap, so its waiters wait for parity `phase`.
+template <int STAGES>
+struct RingPosition {
+  int stage = 0;
+  u32 phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// An accumulator in 16 bits as register-A operands: registers 8j..8j+7 of an m64nN result, packed
+// in pairs, are the A registers of its k-slice j (sm90/wgmma.cuh). The forward's P = softmax(S)
+// feeds P V this way, the backward's P^T and dS^T feed dV and dK.
+template <class Elem, int NT>
+__device__ __forceinline__ void pack_a(const float (&s)[1][NT][4], u32 (&p)[NT / 2][4]) {
+#pragma unroll
+  for (int j = 0; j < NT / 2; ++j) {
+    p[j][0] = Elem::pack(s[0][2 * j][0], s[0][2 * j][1]);
+    p[j][1] = Elem::pack(s[0][2 * j][2], s[0][2 * j][3]);
+    p[j][2] = Elem::pack(s[0][2 * j + 1][0], s[0][2 * j + 1][1]);
+    p[j][3] = Elem::pack(s[0][2 * j + 1][2], s[0][2 * j + 1][3]);
+  }
+}
+
+}  // namespace sm90
+}  // namespace cuflash
