@@ -202,8 +202,8 @@ SM80_BWD_TILES = {
 
 # sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per head-dim bucket: 128 keys per CTA
 # (64 per consumer warpgroup), 64 query rows per step, 12 warps; K, V, the Q/dO ring and two dS
-# tiles in shared memory. It serves head dims up to 128 without softcap, in default (not
-# deterministic) mode; the rest runs sm80's main kernel (backward_family).
+# tiles in shared memory. It serves head dims up to 128 without softcap, in either mode; the rest
+# runs sm80's main kernel (backward_family).
 SM90_BWD_TILES = {
     64: Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 = 128 KB
     128: Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 = 160 KB
@@ -212,7 +212,7 @@ SM90_BWD_TILES = {
 
 def backward_family(family: str, head_dim: int, mask: str, softcap: bool, deterministic: bool) -> str:
     """The family whose main backward kernel serves these switches on a device of ``family``."""
-    if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES and not softcap and not deterministic:
+    if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES and not softcap:
         return "sm90"
     return "sm80"
 
@@ -240,12 +240,12 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
                              f"softcap {softcap}, deterministic {deterministic}")
         tile = tile or SM90_BWD_TILES[bucket]
         main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, "
-                f"{_cpp(mask == 'window')}, {elem}>")
+                f"{_cpp(mask == 'window')}, {_cpp(deterministic)}, {elem}>")
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
         # 64 queries), plus 1 KiB to align the window to the swizzle's 1024-byte period.
         smem = ((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2 + 1024
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
-                                   blocks_slowest=mask == "causal")
+                                   blocks_slowest=mask == "causal" and not deterministic)
         return helpers[0], main_choice, helpers[1]
     tile = tile or SM80_BWD_TILES[bucket]
     causal, window = mask == "causal" and not softcap, mask == "window" or softcap

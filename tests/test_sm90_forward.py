@@ -104,19 +104,23 @@ def test_sm90_dispatch():
     # Kernel head dims x dtypes x (none, causal, window, softcap), and d64's two-consumer causal.
     assert len(SM90_FORWARD) == 4 * 2 * 4 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
-    # The sm90 backward main kernel: head dims up to 128, no softcap, default mode.
+    # The sm90 backward main kernel: head dims up to 128, no softcap, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
-    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, cuflash::f16>"
-    assert main.threads == 384 and not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
+    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, false, cuflash::f16>"
+    assert main.threads == 384 and main.blocks_slowest
+    assert not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
+    ordered = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", deterministic=True)[1]
+    assert ordered.name_expression.endswith("true, false, true, cuflash::bf16>") and not ordered.blocks_slowest
     assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 1024 <= 227 * 1024
     for switches in ((192, "none", False, False), (64, "window", True, False), (64, "none", True, False),
-                     (64, "causal", False, True)):
+                     (256, "causal", False, True)):
         assert dispatch.backward_family("sm90", *switches) == "sm80"
         with pytest.raises(ValueError, match="no sm90 backward"):
             dispatch.backward_kernels("sm90", switches[0], switches[1], "bfloat16", switches[2], switches[3])
     assert dispatch.backward_family("sm80", 64, "none", False, False) == "sm80"
-    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2  # dims x masks x dtypes
+    # dims x masks x dtypes x modes
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2 * 2
 
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):

@@ -9,6 +9,9 @@
 //   dV += P^T dO and dK += dS^T Q   (register-A wgmma, Q and dO read MN-major as stored),
 //   dQ += dS K   (dS through shared memory, both operands MN-major; fp32 reductions to global).
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
+// Deterministic mode: grid (dq_splits, heads, batch); CTA s walks key blocks s, s + dq_splits, ...
+// (K and V reloaded per block) and adds dQ into its own fp32 split, each element from one thread
+// in program order, so the sums repeat bitwise (the convert kernel adds the splits in order).
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/types.cuh"
@@ -59,9 +62,9 @@ __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b
 
 // HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
-// blocks see only the query blocks its range reaches); softcap
-// run sm80's backward. Elem: f16 or bf16.
-template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, class Elem>
+// blocks see only the query blocks its range reaches); softcap runs sm80's backward.
+// DETERMINISTIC: see above. Elem: f16 or bf16.
+template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, bool DETERMINISTIC, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
   using Smem = BwdSmem<HEAD_DIM, STAGES>;
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of dK and dV
@@ -72,24 +75,27 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   // past the sequence or without keys) and delta, staged so that the softmax reads shared memory
   // rather than holding 32 hoisted global loads in registers.
   __shared__ float stats_lse[2][2][kBwdBlockM], stats_delta[2][2][kBwdBlockM];
-  __shared__ u64 kv_full;
+  __shared__ u64 kv_full, kv_empty;
   __shared__ u64 qd_full[STAGES], qd_empty[STAGES];
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-  // As sm80's backward: causal key blocks slowest in the grid, the first (seeing the most
-  // queries) dispatched first; a packed batch's CTAs past a shorter sequence leave at once.
-  const int n_block = CAUSAL ? blockIdx.z : blockIdx.x;
-  const int head = CAUSAL ? blockIdx.x : blockIdx.y;
-  const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
+  // As sm80's backward: in default mode one key block per CTA, causal key blocks slowest in the
+  // grid, the first (seeing the most queries) dispatched first; deterministic CTAs walk theirs
+  // (above). A packed batch's CTAs past a shorter sequence leave at once.
+  const int head = CAUSAL && !DETERMINISTIC ? blockIdx.x : blockIdx.y;
+  const int batch = CAUSAL && !DETERMINISTIC ? blockIdx.y : blockIdx.z;
   const Sequence seq = sequence_of(a, batch);
-  if (n_block * kBwdBlockN >= seq.seqlen_k) return;
+  const int n_blocks = (seq.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;
+  const int n_first = DETERMINISTIC || !CAUSAL ? blockIdx.x : blockIdx.z;
+  const int n_stride = DETERMINISTIC ? a.dq_splits : n_blocks;
+  if (n_first >= n_blocks) return;
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
-  const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
   const int kv_head = head / a.kv_group;
 
   if (threadIdx.x == 0) {
     mbarrier_init(&kv_full, 1);
+    mbarrier_init(&kv_empty, 2 * 4);  // one arrival per consumer warp
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&qd_full[s], 1);
@@ -103,236 +109,260 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   if (threadIdx.x < 128) {
     // Producer warpgroup: thread 0 issues every copy; the rest give their registers away.
     setmaxnreg_dec<kBwdProducerRegisters>();
-    if (threadIdx.x != 0 || m_range.begin >= m_range.end) return;
+    if (threadIdx.x != 0) return;
     prefetch_tensor_map(&p.q);
     prefetch_tensor_map(&p.k);
     prefetch_tensor_map(&p.v);
     prefetch_tensor_map(&p.dout);
     const int map_batch = a.cu_seqlens_q == nullptr ? batch : 0;
-    mbarrier_arrive_expect_tx(&kv_full, 2 * Smem::KV_BYTES);
-#pragma unroll
-    for (int panel = 0; panel < Smem::PANELS; ++panel) {
-      const int key_row = seq.k_begin + n_block * kBwdBlockN;
-      tma_load(smem + Smem::K + panel * Smem::KV_PANEL, &p.k, &kv_full, 64 * panel, kv_head, key_row, map_batch);
-      tma_load(smem + Smem::V + panel * Smem::KV_PANEL, &p.v, &kv_full, 64 * panel, kv_head, key_row, map_batch);
-    }
     RingPosition<STAGES> pos;
-    for (int m = m_range.begin; m < m_range.end; ++m, pos.advance()) {
-      // Rows past the tensor arrive as zeros, rows past a packed sequence from the next one:
-      // their lse is taken as +inf below, so P and dS are 0 there.
-      const int row = seq.q_begin + m * kBwdBlockM;
-      mbarrier_wait(&qd_empty[pos.stage], pos.phase ^ 1);
-      mbarrier_arrive_expect_tx(&qd_full[pos.stage], 2 * Smem::QD_BYTES);
+    int blocks_loaded = 0;
+    for (int n_block = n_first; n_block < n_blocks; n_block += n_stride) {
+      const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
+      if (m_range.begin >= m_range.end) continue;
+      // K and V are overwritten once every consumer warp is done with the previous block's.
+      if (blocks_loaded > 0) mbarrier_wait(&kv_empty, (blocks_loaded - 1) & 1);
+      ++blocks_loaded;
+      mbarrier_arrive_expect_tx(&kv_full, 2 * Smem::KV_BYTES);
 #pragma unroll
       for (int panel = 0; panel < Smem::PANELS; ++panel) {
-        const u32 offset = pos.stage * Smem::QD_BYTES + panel * Smem::QD_PANEL;
-        tma_load(smem + Smem::Q + offset, &p.q, &qd_full[pos.stage], 64 * panel, head, row, map_batch);
-        tma_load(smem + Smem::DO + offset, &p.dout, &qd_full[pos.stage], 64 * panel, head, row, map_batch);
+        const int key_row = seq.k_begin + n_block * kBwdBlockN;
+        tma_load(smem + Smem::K + panel * Smem::KV_PANEL, &p.k, &kv_full, 64 * panel, kv_head, key_row, map_batch);
+        tma_load(smem + Smem::V + panel * Smem::KV_PANEL, &p.v, &kv_full, 64 * panel, kv_head, key_row, map_batch);
+      }
+      for (int m = m_range.begin; m < m_range.end; ++m, pos.advance()) {
+        // Rows past the tensor arrive as zeros, rows past a packed sequence from the next one:
+        // their lse is taken as +inf below, so P and dS are 0 there.
+        const int row = seq.q_begin + m * kBwdBlockM;
+        mbarrier_wait(&qd_empty[pos.stage], pos.phase ^ 1);
+        mbarrier_arrive_expect_tx(&qd_full[pos.stage], 2 * Smem::QD_BYTES);
+#pragma unroll
+        for (int panel = 0; panel < Smem::PANELS; ++panel) {
+          const u32 offset = pos.stage * Smem::QD_BYTES + panel * Smem::QD_PANEL;
+          tma_load(smem + Smem::Q + offset, &p.q, &qd_full[pos.stage], 64 * panel, head, row, map_batch);
+          tma_load(smem + Smem::DO + offset, &p.dout, &qd_full[pos.stage], 64 * panel, head, row, map_batch);
+        }
       }
     }
     return;
   }
 
-  // Consumer warpgroups 1 and 2: keys consumer * 64 .. + 63 of the block.
+  // Consumer warpgroups 1 and 2: keys consumer * 64 .. + 63 of each block.
   setmaxnreg_inc<kBwdConsumerRegisters>();
   const int consumer = threadIdx.x / 128 - 1;
   const int t = threadIdx.x % 128;
   const int warp = t / 32;
   const int lane = t % 32;
   const int group_row = consumer * kBwdKeysPerGroup;  // this warpgroup's first key inside the block
-  // The two keys of this thread's accumulator rows, inside the sequence.
-  const int key0 = n_block * kBwdBlockN + group_row + warp * 16 + lane / 4;
+  const u64 k_desc = smem_desc_sw128(smem + Smem::K + group_row * 128);
+  const u64 v_desc = smem_desc_sw128(smem + Smem::V + group_row * 128);
+  const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
+  const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
+  const int split = DETERMINISTIC ? blockIdx.x : 0;
+  float* const dq = a.dq_accum + split * a.dq_split_stride + batch * a.dq_batch_stride + head * a.dq_head_stride;
+  RingPosition<STAGES> pos;
+  int blocks_loaded = 0;
+  int step = 0;  // over the CTA's whole walk: the parity of the dS and statistics buffers
 
-  float dk[1][DT][4], dv[1][DT][4];
+  for (int n_block = n_first; n_block < n_blocks; n_block += n_stride) {
+    const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
+    // The two keys of this thread's accumulator rows, inside the sequence.
+    const int key0 = n_block * kBwdBlockN + group_row + warp * 16 + lane / 4;
+    float dk[1][DT][4], dv[1][DT][4];
 #pragma unroll
-  for (int dt = 0; dt < DT; ++dt)
+    for (int dt = 0; dt < DT; ++dt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk[0][dt][e] = dv[0][dt][e] = 0.f;
+      for (int e = 0; e < 4; ++e) dk[0][dt][e] = dv[0][dt][e] = 0.f;
 
-  if (m_range.begin < m_range.end) {
-    const u64 k_desc = smem_desc_sw128(smem + Smem::K + group_row * 128);
-    const u64 v_desc = smem_desc_sw128(smem + Smem::V + group_row * 128);
-    const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
-    const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
-    float* const dq = a.dq_accum + batch * a.dq_batch_stride + head * a.dq_head_stride;
-    // The query range each of this thread's two keys is seen by (mask.query_begin/end); none for
-    // a key past the sequence (its row of K holds zeros or the next sequence's key).
-    int query_begin[2], query_end[2];
+    if (m_range.begin < m_range.end) {
+      // The query range each of this thread's two keys is seen by (mask.query_begin/end); none
+      // for a key past the sequence (its row of K holds zeros or the next sequence's key).
+      int query_begin[2], query_end[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = key0 + 8 * h;
+        query_begin[h] = mask.query_begin(key);
+        query_end[h] = key < seq.seqlen_k ? mask.query_end(key) : query_begin[h];
+      }
+      mbarrier_wait(&kv_full, blocks_loaded & 1);
+      ++blocks_loaded;
+      for (int m = m_range.begin; m < m_range.end; ++m, pos.advance(), ++step) {
+        const u32 qd_offset = pos.stage * Smem::QD_BYTES;
+        unsigned char* const ds_tile = smem + Smem::DS + (step % 2) * Smem::DS_BYTES;
+        float s[1][8][4], dp[1][8][4];
+        // Stage this block's statistics (the other parity's buffer may still be read by slower
+        // warps of the warpgroup; this one was last read two steps ago, before the previous barrier).
+        float* const step_lse = stats_lse[consumer][step % 2];
+        float* const step_delta = stats_delta[consumer][step % 2];
+        if (t < kBwdBlockM) {
+          const int query = m * kBwdBlockM + t;
+          const float row_lse = query < seq.seqlen_q ? lse[query] : kNegInf;
+          // A row past the sequence, or one that saw no key (lse = -inf), takes +inf: P = 0
+          // there, never inf * 0.
+          step_lse[t] = row_lse == kNegInf ? -kNegInf : row_lse * kLog2e;
+          step_delta[t] = query < seq.seqlen_q ? delta[query] : 0.f;
+        }
+        named_barrier_sync(kStatsBarrier + consumer, 128);
+        mbarrier_wait(&qd_full[pos.stage], pos.phase);
+        __syncwarp();  // reconverge after the spin: wgmma is .aligned
+        wgmma_fence();
+        // S^T = K Q^T and dP^T = V dO^T: K-major operands, 4 k16 steps per 64-column panel.
+#pragma unroll
+        for (int panel = 0; panel < Smem::PANELS; ++panel)
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            wgmma_ss<64, Elem>(flat(s), desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k),
+                               desc_advance(smem_desc_sw128(smem + Smem::Q + qd_offset), panel * Smem::QD_PANEL + 32 * k),
+                               panel > 0 || k > 0);
+        wgmma_commit();
+#pragma unroll
+        for (int panel = 0; panel < Smem::PANELS; ++panel)
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            wgmma_ss<64, Elem>(flat(dp), desc_advance(v_desc, panel * Smem::KV_PANEL + 32 * k),
+                               desc_advance(smem_desc_sw128(smem + Smem::DO + qd_offset), panel * Smem::QD_PANEL + 32 * k),
+                               panel > 0 || k > 0);
+        wgmma_commit();
+        fence_registers(flat(s));
+        fence_registers(flat(dp));
+        wgmma_wait<1>();
+        fence_registers(flat(s));
+
+        // P^T: columns are queries 8 nt + 2 (lane % 4) + e of the block.
+        const int query_base = m * kBwdBlockM + 2 * (lane % 4);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int query = query_base + 8 * nt + e;
+            const float lse_log2 = step_lse[8 * nt + 2 * (lane % 4) + e];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const bool seen = query >= query_begin[h] && query < query_end[h];
+              const float score = s[0][nt][2 * h + e];
+              s[0][nt][2 * h + e] = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
+            }
+          }
+        wgmma_wait<0>();
+        fence_registers(flat(dp));
+        // dS^T = P^T (dP^T - delta), in place of dP^T.
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float row_delta = step_delta[8 * nt + 2 * (lane % 4) + e];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) dp[0][nt][2 * h + e] = s[0][nt][2 * h + e] * (dp[0][nt][2 * h + e] - row_delta);
+          }
+        u32 p_a[4][4], ds_a[4][4];
+        pack_a<Elem>(s, p_a);
+        pack_a<Elem>(dp, ds_a);
+
+        // dV += P^T dO and dK += dS^T Q: K = the 64 queries (4 k16 steps of 16 rows, 2048 bytes),
+        // N = the head dim, dO and Q read MN-major as stored.
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          wgmma_rs<HEAD_DIM, Elem, true>(flat(dv), p_a[j],
+                                         desc_advance(smem_desc_sw128_mn(smem + Smem::DO + qd_offset, Smem::QD_PANEL),
+                                                      2048 * j),
+                                         true);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          wgmma_rs<HEAD_DIM, Elem, true>(flat(dk), ds_a[j],
+                                         desc_advance(smem_desc_sw128_mn(smem + Smem::Q + qd_offset, Smem::QD_PANEL),
+                                                      2048 * j),
+                                         true);
+        wgmma_commit();
+
+        // dS^T to shared memory, rows = keys, 64 query columns: dQ's A operand read MN-major. The
+        // buffer alternates per step: a warp still reading the previous one (its dQ product) has
+        // passed this step's barrier only after finishing the one before.
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = group_row + warp * 16 + h * 8 + lane / 4;
+            *reinterpret_cast<u32*>(ds_tile + swizzled_offset(row, 8 * nt + 2 * (lane % 4), Smem::DS_BYTES)) =
+                ds_a[nt / 2][(nt % 2) * 2 + h];
+          }
+        // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
+        fence_proxy_async_shared();
+        named_barrier_sync(kDsBarrier, 256);
+        // dV and dK first: their A registers (P, dS) die here, which leaves room for dQ's
+        // accumulator (at head_dim 128, issuing dQ beside them spilled 144 bytes).
+        fence_registers(flat(dk));
+        fence_registers(flat(dv));
+        wgmma_wait<0>();
+        fence_registers(flat(dk));
+        fence_registers(flat(dv));
+        // Every product of this step that reads Q and dO is done: one arrival per warp frees the stage.
+        if (lane == 0) mbarrier_arrive(&qd_empty[pos.stage]);
+
+        // dQ = dS K: M = the 64 queries, K = the 128 keys (8 k16 steps of 16 rows), N = 64 columns
+        // of the head dim per warpgroup (panel `consumer` of K; at head_dim 64 only consumer 0).
+        // Split by columns rather than by keys, each element has one writer: measured, two
+        // warpgroups reducing into the same elements cost 20-30% (benchmarks/NOTES.md).
+        float dq_part[1][8][4];
+        const bool computes_dq = consumer < Smem::PANELS;
+        if (computes_dq) {
+          wgmma_fence();
+#pragma unroll
+          for (int j = 0; j < kBwdBlockN / 16; ++j)
+            wgmma_ss_t<64, Elem, true, true>(
+                flat(dq_part), desc_advance(smem_desc_sw128_mn(ds_tile, Smem::DS_BYTES), 2048 * j),
+                desc_advance(smem_desc_sw128_mn(smem + Smem::K + consumer * Smem::KV_PANEL, Smem::KV_PANEL), 2048 * j),
+                j > 0);
+          wgmma_commit();
+          fence_registers(flat(dq_part));
+          wgmma_wait<0>();
+        }
+        if (computes_dq) {
+          fence_registers(flat(dq_part));
+          // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int query = m * kBwdBlockM + warp * 16 + h * 8 + lane / 4;
+            if (query >= seq.seqlen_q) continue;
+            float* const row = dq + static_cast<i64>(seq.q_begin + query) * HEAD_DIM + consumer * 64 + 2 * (lane % 4);
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+              reduce_add_pair(row + 8 * nt, dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
+          }
+        }
+      }
+      // This warp's last reads of K (dQ) and V (dP^T) are done: the producer may reload them.
+      if (lane == 0) mbarrier_arrive(&kv_empty);
+    }
+
+    // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys
+    // and columns past head_dim are not written. GQA: the group's query heads add into fp32
+    // slices, or in deterministic mode each stores its own slice (summed in order by the convert).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = key0 + 8 * h;
-      query_begin[h] = mask.query_begin(key);
-      query_end[h] = key < seq.seqlen_k ? mask.query_end(key) : query_begin[h];
-    }
-    mbarrier_wait(&kv_full, 0);
-    RingPosition<STAGES> pos;
-    for (int m = m_range.begin; m < m_range.end; ++m, pos.advance()) {
-      const u32 qd_offset = pos.stage * Smem::QD_BYTES;
-      unsigned char* const ds_tile = smem + Smem::DS + (m % 2) * Smem::DS_BYTES;
-      float s[1][8][4], dp[1][8][4];
-      // Stage this block's statistics (the other parity's buffer may still be read by slower warps
-      // of the warpgroup; this one was last read two steps ago, before the previous barrier).
-      float* const step_lse = stats_lse[consumer][m % 2];
-      float* const step_delta = stats_delta[consumer][m % 2];
-      if (t < kBwdBlockM) {
-        const int query = m * kBwdBlockM + t;
-        const float row_lse = query < seq.seqlen_q ? lse[query] : kNegInf;
-        // A row past the sequence, or one that saw no key (lse = -inf), takes +inf: P = 0 there,
-        // never inf * 0.
-        step_lse[t] = row_lse == kNegInf ? -kNegInf : row_lse * kLog2e;
-        step_delta[t] = query < seq.seqlen_q ? delta[query] : 0.f;
-      }
-      named_barrier_sync(kStatsBarrier + consumer, 128);
-      mbarrier_wait(&qd_full[pos.stage], pos.phase);
-      __syncwarp();  // reconverge after the spin: wgmma is .aligned
-      wgmma_fence();
-      // S^T = K Q^T and dP^T = V dO^T: K-major operands, 4 k16 steps per 64-column panel.
+      if (key >= seq.seqlen_k) continue;
 #pragma unroll
-      for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          wgmma_ss<64, Elem>(flat(s), desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k),
-                             desc_advance(smem_desc_sw128(smem + Smem::Q + qd_offset), panel * Smem::QD_PANEL + 32 * k),
-                             panel > 0 || k > 0);
-      wgmma_commit();
-#pragma unroll
-      for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          wgmma_ss<64, Elem>(flat(dp), desc_advance(v_desc, panel * Smem::KV_PANEL + 32 * k),
-                             desc_advance(smem_desc_sw128(smem + Smem::DO + qd_offset), panel * Smem::QD_PANEL + 32 * k),
-                             panel > 0 || k > 0);
-      wgmma_commit();
-      fence_registers(flat(s));
-      fence_registers(flat(dp));
-      wgmma_wait<1>();
-      fence_registers(flat(s));
-
-      // P^T: columns are queries 8 nt + 2 (lane % 4) + e of the block.
-      const int query_base = m * kBwdBlockM + 2 * (lane % 4);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int query = query_base + 8 * nt + e;
-          const float lse_log2 = step_lse[8 * nt + 2 * (lane % 4) + e];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const bool seen = query >= query_begin[h] && query < query_end[h];
-            const float score = s[0][nt][2 * h + e];
-            s[0][nt][2 * h + e] = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
-          }
+      for (int dt = 0; dt < DT; ++dt) {
+        const int col = 8 * dt + 2 * (lane % 4);
+        if (col >= a.head_dim) continue;
+        const float dk0 = dk[0][dt][2 * h] * a.scale, dk1 = dk[0][dt][2 * h + 1] * a.scale;
+        const float dv0 = dv[0][dt][2 * h], dv1 = dv[0][dt][2 * h + 1];
+        const i64 key_row = seq.k_begin + key;
+        if (a.kv_group == 1) {
+          const i64 dk_at = batch * a.dk_batch_stride + key_row * a.dk_row_stride + kv_head * a.dk_head_stride;
+          const i64 dv_at = batch * a.dv_batch_stride + key_row * a.dv_row_stride + kv_head * a.dv_head_stride;
+          *reinterpret_cast<u32*>(static_cast<u16*>(a.dk) + dk_at + col) = Elem::pack(dk0, dk1);
+          *reinterpret_cast<u32*>(static_cast<u16*>(a.dv) + dv_at + col) = Elem::pack(dv0, dv1);
+        } else if constexpr (DETERMINISTIC) {
+          const i64 at = ((batch * a.accum_batch_rows + key_row) * a.heads + head) * a.head_dim + col;
+          *reinterpret_cast<float2*>(a.dk_accum + at) = make_float2(dk0, dk1);
+          *reinterpret_cast<float2*>(a.dv_accum + at) = make_float2(dv0, dv1);
+        } else {
+          const i64 at = ((batch * a.accum_batch_rows + key_row) * (a.heads / a.kv_group) + kv_head) * a.head_dim + col;
+          reduce_add_pair(a.dk_accum + at, dk0, dk1);
+          reduce_add_pair(a.dv_accum + at, dv0, dv1);
         }
-      wgmma_wait<0>();
-      fence_registers(flat(dp));
-      // dS^T = P^T (dP^T - delta), in place of dP^T.
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float row_delta = step_delta[8 * nt + 2 * (lane % 4) + e];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) dp[0][nt][2 * h + e] = s[0][nt][2 * h + e] * (dp[0][nt][2 * h + e] - row_delta);
-        }
-      u32 p_a[4][4], ds_a[4][4];
-      pack_a<Elem>(s, p_a);
-      pack_a<Elem>(dp, ds_a);
-
-      // dV += P^T dO and dK += dS^T Q: K = the 64 queries (4 k16 steps of 16 rows, 2048 bytes),
-      // N = the head dim, dO and Q read MN-major as stored.
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        wgmma_rs<HEAD_DIM, Elem, true>(flat(dv), p_a[j],
-                                       desc_advance(smem_desc_sw128_mn(smem + Smem::DO + qd_offset, Smem::QD_PANEL),
-                                                    2048 * j),
-                                       true);
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        wgmma_rs<HEAD_DIM, Elem, true>(flat(dk), ds_a[j],
-                                       desc_advance(smem_desc_sw128_mn(smem + Smem::Q + qd_offset, Smem::QD_PANEL),
-                                                    2048 * j),
-                                       true);
-      wgmma_commit();
-
-      // dS^T to shared memory, rows = keys, 64 query columns: dQ's A operand read MN-major. The
-      // buffer alternates per step: the other warpgroup may still be reading the previous one
-      // (its dQ product), but has passed this step's barrier only after finishing the one before.
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = group_row + warp * 16 + h * 8 + lane / 4;
-          *reinterpret_cast<u32*>(ds_tile + swizzled_offset(row, 8 * nt + 2 * (lane % 4), Smem::DS_BYTES)) =
-              ds_a[nt / 2][(nt % 2) * 2 + h];
-        }
-      // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
-      fence_proxy_async_shared();
-      named_barrier_sync(kDsBarrier, 256);
-      // dV and dK first: their A registers (P, dS) die here, which leaves room for dQ's
-      // accumulator (at head_dim 128, issuing dQ beside them spilled 144 bytes).
-      fence_registers(flat(dk));
-      fence_registers(flat(dv));
-      wgmma_wait<0>();
-      fence_registers(flat(dk));
-      fence_registers(flat(dv));
-      // Every product of this step that reads Q and dO is done: one arrival per warp frees the stage.
-      if (lane == 0) mbarrier_arrive(&qd_empty[pos.stage]);
-
-      // dQ = dS K: M = the 64 queries, K = the 128 keys (8 k16 steps of 16 rows), N = 64 columns
-      // of the head dim per warpgroup (panel `consumer` of K; at head_dim 64 only consumer 0).
-      float dq_part[1][8][4];
-      const bool computes_dq = consumer < Smem::PANELS;
-      if (computes_dq) {
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < kBwdBlockN / 16; ++j)
-          wgmma_ss_t<64, Elem, true, true>(
-              flat(dq_part), desc_advance(smem_desc_sw128_mn(ds_tile, Smem::DS_BYTES), 2048 * j),
-              desc_advance(smem_desc_sw128_mn(smem + Smem::K + consumer * Smem::KV_PANEL, Smem::KV_PANEL), 2048 * j),
-              j > 0);
-        wgmma_commit();
-        fence_registers(flat(dq_part));
-        wgmma_wait<0>();
-      }
-      if (computes_dq) {
-        fence_registers(flat(dq_part));
-        // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int query = m * kBwdBlockM + warp * 16 + h * 8 + lane / 4;
-          if (query >= seq.seqlen_q) continue;
-          float* const row = dq + static_cast<i64>(seq.q_begin + query) * HEAD_DIM + consumer * 64 + 2 * (lane % 4);
-#pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
-            reduce_add_pair(row + 8 * nt, dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
-        }
-      }
-    }
-  }
-
-  // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys and
-  // columns past head_dim are not written. GQA: the group's query heads add into fp32 slices.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int key = key0 + 8 * h;
-    if (key >= seq.seqlen_k) continue;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      const int col = 8 * dt + 2 * (lane % 4);
-      if (col >= a.head_dim) continue;
-      const float dk0 = dk[0][dt][2 * h] * a.scale, dk1 = dk[0][dt][2 * h + 1] * a.scale;
-      const float dv0 = dv[0][dt][2 * h], dv1 = dv[0][dt][2 * h + 1];
-      if (a.kv_group == 1) {
-        const i64 dk_at = batch * a.dk_batch_stride + (seq.k_begin + key) * a.dk_row_stride + kv_head * a.dk_head_stride;
-        const i64 dv_at = batch * a.dv_batch_stride + (seq.k_begin + key) * a.dv_row_stride + kv_head * a.dv_head_stride;
-        *reinterpret_cast<u32*>(static_cast<u16*>(a.dk) + dk_at + col) = Elem::pack(dk0, dk1);
-        *reinterpret_cast<u32*>(static_cast<u16*>(a.dv) + dv_at + col) = Elem::pack(dv0, dv1);
-      } else {
-        const int heads_kv = a.heads / a.kv_group;
-        const i64 at = ((batch * a.accum_batch_rows + seq.k_begin + key) * heads_kv + kv_head) * a.head_dim + col;
-        reduce_add_pair(a.dk_accum + at, dk0, dk1);
-        reduce_add_pair(a.dv_accum + at, dv0, dv1);
       }
     }
   }
