@@ -281,6 +281,19 @@ def _run_forward(plan: _ForwardPlan, stream: int, qt, kt, vt, out_ptr: int, lse_
 _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocation would
 
 
+# sm90 runs causal backwards over at most this many keys on the ordered grid by default too.
+_ORDERED_CAUSAL_KEYS = 2048
+
+
+def _ordered_backward(family: str, mask: str, max_seqlen_k: int) -> bool:
+    """Whether a default-mode backward runs the ordered grid of deterministic mode (CTAs walking
+    their key blocks in order, dQ into per-CTA splits) rather than one CTA per key block: on sm90
+    for causal sequences up to _ORDERED_CAUSAL_KEYS keys, whose key blocks are few and of unequal
+    length, so that walking them amortises each CTA's start and balances the work (causal 1k:
+    +8% at d64 and d128; benchmarks/NOTES.md)."""
+    return family == "sm90" and mask == "causal" and max_seqlen_k <= _ORDERED_CAUSAL_KEYS
+
+
 def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, window: tuple[int, int],
                    softcap: float, deterministic: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
                    cu_seqlens=(None, None)) -> _BackwardPlan:
@@ -295,29 +308,34 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     main_family = dispatch.backward_family(family, head_dim, mask, bool(softcap), deterministic)
     if main_family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt, dout_t)):
         main_family = "sm80"
+    # The ordered (deterministic) grid where asked for, and for sm90's short causal sequences,
+    # where it is also the faster one (_ordered_backward).
+    ordered = deterministic or _ordered_backward(main_family, mask, max_seqlen_k)
     preprocess, main, convert = dispatch.backward_kernels(main_family, head_dim, mask, qt.dtype, bool(softcap),
-                                                          deterministic)
+                                                          ordered)
     arch = dispatch.compile_arch("sm80", capability)  # the preprocess and convert kernels
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
     if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
         raise ValueError(f"k: sequences must be at most {_MAX_GRID_YZ * main.tile.block_n} keys long for the "
                          f"backward at head_dim {head_dim}, got {max_seqlen_k}")
     group = heads // kt.shape[2]
-    # Deterministic: as many CTAs per (batch, head) as fill the resident slots in one wave
+    # Ordered: as many CTAs per (batch, head) as fill the resident slots in one wave
     # (rounding up would leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s), each
     # walking its share of the key blocks in order into its own fp32 dQ split (flash_bwd.cu);
     # splits added in order.
     slots = _multiprocessors(qt.device) * main.tile.ctas_per_sm
-    splits = max(1, min(n_blocks, slots // (batch * heads))) if deterministic else 1
+    splits = max(1, min(n_blocks, slots // (batch * heads))) if ordered else 1
     # fp32 scratch, one allocation: dq_accum, [dk_accum, dv_accum,] delta. dq_accum rows are
     # padded to the head-dim bucket so the kernel's reductions need no column checks
-    # (flash_bwd.cu), the rows of one head contiguous. GQA: deterministic keeps one dK/dV slice
-    # per query head, plainly stored and summed by the convert kernel; otherwise heads_kv slices
-    # added to atomically, so zeroed with dq_accum.
+    # (flash_bwd.cu), sm90's by a few columns more (dispatch.SM90_BWD_DQ_ROW_PAD), the rows of one
+    # head contiguous. GQA: the ordered grid keeps one dK/dV slice per query head, plainly stored and
+    # summed by the convert kernel; otherwise heads_kv slices added to atomically, so zeroed with
+    # dq_accum.
     bucket = dispatch.head_dim_bucket(head_dim)
-    shapes = [(splits, qt.shape[0], heads, rows_q, bucket)]
+    dq_row = bucket + (dispatch.SM90_BWD_DQ_ROW_PAD if main.family == "sm90" else 0)
+    shapes = [(splits, qt.shape[0], heads, rows_q, dq_row)]
     if group > 1:
-        shapes += [(*kt.shape[:2], heads if deterministic else kt.shape[2], head_dim)] * 2
+        shapes += [(*kt.shape[:2], heads if ordered else kt.shape[2], head_dim)] * 2
     shapes.append(lse_t.shape)  # delta
     offsets, end = [], 0
     for shape in shapes:
@@ -326,7 +344,7 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     records = [interop.contiguous(shape, qt, "float32")._replace(ptr=offset) for shape, offset in zip(shapes, offsets)]
     dq_accum, delta = records[0], records[-1]
     dk_accum, dv_accum = records[1:3] if group > 1 else (None, None)
-    zeroed = offsets[3] if group > 1 and not deterministic else offsets[1]
+    zeroed = offsets[3] if group > 1 and not ordered else offsets[1]
 
     packed = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2], dk_accum,
                              dv_accum, scale, window, softcap, *cu_seqlens)
@@ -334,20 +352,20 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.block_m, main.tile.block_n)
                      if main.family == "sm90" else None)
     # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
-    if deterministic:
+    if ordered:
         grid = (splits, heads, batch)
     else:
         grid = (heads, batch, n_blocks) if main.blocks_slowest else (n_blocks, heads, batch)
     # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
-    # scale): dQ sums its splits and takes the softmax scale; deterministic GQA dK/dV sum the
+    # scale): dQ sums its splits and takes the softmax scale; the ordered grid's GQA dK/dV sum the
     # group's adjacent query-head slices (dK already scaled by the main kernel).
-    dq_strides = (heads * rows_q * bucket, bucket, rows_q * bucket)
+    dq_strides = (heads * rows_q * dq_row, dq_row, rows_q * dq_row)
     converts = [(dq_accum, 0, dq_strides, splits, math.prod(dq_accum.shape[1:]), scale)]
     if group > 1:
-        slices = dk_accum.shape[2]  # heads_kv, or heads in deterministic mode
+        slices = dk_accum.shape[2]  # heads_kv, or heads in the ordered grid
         kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
-                      group * head_dim if deterministic else head_dim)
-        summands = (group, head_dim) if deterministic else (1, 0)
+                      group * head_dim if ordered else head_dim)
+        summands = (group, head_dim) if ordered else (1, 0)
         converts += [(src, index, kv_strides, *summands, 1.0) for src, index in ((dk_accum, 1), (dv_accum, 2))]
     convert_launches = []
     for src, index, src_strides, summands, summand_stride, factor in converts:

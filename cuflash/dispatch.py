@@ -210,6 +210,11 @@ SM90_BWD_TILES = {
 }
 
 
+# The sm90 backward's fp32 dQ rows are 4 columns wider than the bucket (kDqRowPad in
+# cuda_src/sm90/flash_bwd.cu: bank skew for the block it stages in shared memory).
+SM90_BWD_DQ_ROW_PAD = 4
+
+
 def backward_family(family: str, head_dim: int, mask: str, softcap: bool, deterministic: bool) -> str:
     """The family whose main backward kernel serves these switches on a device of ``family``."""
     if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES and not softcap:
@@ -242,8 +247,10 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
         main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, "
                 f"{_cpp(mask == 'window')}, {_cpp(deterministic)}, {elem}>")
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
-        # 64 queries), plus 1 KiB to align the window to the swizzle's 1024-byte period.
-        smem = ((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2 + 1024
+        # 64 queries), the fp32 dQ block, plus 1 KiB to align the window to the swizzle's
+        # 1024-byte period.
+        smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
+                + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + 1024)
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
                                    blocks_slowest=mask == "causal" and not deterministic)
         return helpers[0], main_choice, helpers[1]

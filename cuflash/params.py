@@ -163,17 +163,17 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
                     cu_seqlens_k=None) -> np.ndarray:
     """One BwdParams struct; every argument a DeviceTensor (dk_accum and dv_accum may be None).
     q, k, v, out, dout, dk, dv, lse, window, softcap and cu_seqlens as for pack_fwd_params; delta
-    shaped like lse; dq_accum (dq_splits, batch, heads, rows, head-dim bucket) contiguous, batch 1
-    for a packed batch."""
+    shaped like lse; dq_accum (dq_splits, batch, heads, rows, row width) contiguous, batch 1 for a
+    packed batch, rows the head-dim bucket wide (sm90: plus dispatch.SM90_BWD_DQ_ROW_PAD)."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
     packed = cu_seqlens_q is not None
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
                                                           dk_accum, dv_accum, cu_seqlens_q, cu_seqlens_k)]
     lse_strides = (0, lse.strides[0]) if packed else lse.strides[:2]
-    splits, dq_batch, dq_heads, dq_rows, bucket = dq_accum.shape
+    splits, dq_batch, dq_heads, dq_rows, row_width = dq_accum.shape
     # A packed batch's sequences share the one (heads, total_q) block, offset by their first row.
-    dq_strides = (dq_batch * dq_heads * dq_rows * bucket, 0 if packed else dq_heads * dq_rows * bucket,
-                  dq_rows * bucket)
+    dq_strides = (dq_batch * dq_heads * dq_rows * row_width, 0 if packed else dq_heads * dq_rows * row_width,
+                  dq_rows * row_width)
     scale_log2, softcap_exp2_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
         [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], q.shape[2],

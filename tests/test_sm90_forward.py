@@ -112,7 +112,7 @@ def test_sm90_dispatch():
     assert not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
     ordered = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", deterministic=True)[1]
     assert ordered.name_expression.endswith("true, false, true, cuflash::bf16>") and not ordered.blocks_slowest
-    assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 1024 <= 227 * 1024
+    assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 64 * 132 * 4 + 1024 <= 227 * 1024
     for switches in ((192, "none", False, False), (64, "window", True, False), (64, "none", True, False),
                      (256, "causal", False, True)):
         assert dispatch.backward_family("sm90", *switches) == "sm80"
@@ -284,7 +284,9 @@ def test_sm90_backward_plan(monkeypatch):
     assert main_choice.family == "sm90" and main_arch == "sm_90a"
     # The preprocess and the converts of dQ, dK and dV (GQA): sm80's, built for the device.
     assert sorted((c.family, arch) for c, arch in loaded) == [("sm80", "sm_90")] * 4 + [("sm90", "sm_90a")]
-    assert plan.main.grid == (4, 2, 3)  # causal: heads, batch, ceil(300 / 128) key blocks
+    # Causal over at most 2048 keys: the ordered grid (splits, heads, batch), each of the
+    # ceil(300 / 128) key blocks a split here (the mock device's SMs fill with 3 x 4 x 2 CTAs).
+    assert plan.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, true, cuflash::bf16>")
     pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 0, 0)
     main = np.frombuffer(ArgumentBuffer.struct_bytes(plan.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
     shared = ArgumentBuffer.struct_bytes(plan.argument.fill(*pointers))
@@ -292,6 +294,12 @@ def test_sm90_backward_plan(monkeypatch):
     assert all(main["base"][name] == base[name] for name in BWD_PARAMS.names) and base["kv_group"] == 2
     assert [bytes(main[name])[:8] for name in ("q", "k", "v", "dout")] == [
         (a).to_bytes(8, "little") for a in (1 << 20, 3 << 20, 3 << 20, 1 << 20)]
+    # Longer: one CTA per key block, causal blocks slowest (heads, batch, ceil(3000 / 128)).
+    q_long, k_long = _tensor((2, 3000, 4, 128)), _tensor((2, 3000, 2, 128), ptr=3 << 20)
+    lse_long = _tensor((2, 4, 3000), "float32", ptr=6 << 20)
+    long = api._backward_plan(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
+                              (-1, 0), 0.0, False, 2, 3000, 3000)
+    assert long.main.grid == (4, 2, 24)
     loaded.clear()
     softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (10, 0), 5.0, False, 2, 300, 300)
     assert softcap.main_argument is None and loaded[softcap.main.function - 1][0].family == "sm80"

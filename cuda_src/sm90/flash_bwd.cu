@@ -7,7 +7,8 @@
 //   S^T = K Q^T and dP^T = V dO^T   (shared-memory wgmma),
 //   P^T = exp2(S^T scale log2(e) - lse log2(e)), dS^T = P^T (dP^T - delta)   (registers),
 //   dV += P^T dO and dK += dS^T Q   (register-A wgmma, Q and dO read MN-major as stored),
-//   dQ += dS K   (dS through shared memory, both operands MN-major; fp32 reductions to global).
+//   dQ += dS K   (dS through shared memory, both operands MN-major; the fp32 block staged in
+//                 shared memory and added to global by one bulk reduction).
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
 // Deterministic mode: grid (dq_splits, heads, batch); CTA s walks key blocks s, s + dq_splits, ...
 // (K and V reloaded per block) and adds dQ into its own fp32 split, each element from one thread
@@ -30,12 +31,18 @@ constexpr int kBwdBlockM = 64;    // query rows per step: one wgmma N of S^T
 constexpr int kBwdKeysPerGroup = 64;
 constexpr int kDsBarrier = 1;     // named barrier of both consumers (256 threads): dS is in shared memory
 constexpr int kStatsBarrier = 2;  // ids 2 and 3: one consumer warpgroup's staged lse and delta
+constexpr int kDqBarrier = 4;     // the warpgroups computing dQ: its block is in shared memory
+// fp32 dQ rows (global and staged) are the head-dim bucket plus 4 unused columns: 16 bytes of skew
+// put the 8 rows a warp's accumulator stores touch at once in different banks. Mirrored by
+// dispatch.SM90_BWD_DQ_ROW_PAD.
+constexpr int kDqRowPad = 4;
 // Registers after setmaxnreg, as in the forward: 168 at entry, the producer's freed 144 x 128
 // are the consumers' extra 72 x 256.
 constexpr int kBwdProducerRegisters = 24;
 constexpr int kBwdConsumerRegisters = 240;
 
-// Shared memory from a 1024-byte-aligned base: K, V, the Q and dO stages, two dS buffers. Tiles of
+// Shared memory from a 1024-byte-aligned base: K, V, the Q and dO stages, two dS buffers, the fp32
+// dQ block (kBwdBlockM rows of HEAD_DIM + kDqRowPad). Tiles of
 // HEAD_DIM columns are HEAD_DIM / 64 panels of 64 columns (one 128-byte swizzle row each), as TMA
 // stores them; dS (128 keys x 64 queries) is one such panel.
 template <int HEAD_DIM, int STAGES>
@@ -51,11 +58,14 @@ struct BwdSmem {
   static constexpr u32 Q = 2 * KV_BYTES;
   static constexpr u32 DO = Q + STAGES * QD_BYTES;
   static constexpr u32 DS = DO + STAGES * QD_BYTES;
-  static constexpr u32 BYTES = DS + 2 * DS_BYTES;
+  static constexpr int DQ_ROW = HEAD_DIM + kDqRowPad;
+  static constexpr u32 DQ = DS + 2 * DS_BYTES;
+  static constexpr u32 BYTES = DQ + kBwdBlockM * DQ_ROW * 4;
   static_assert(HEAD_DIM % 64 == 0, "whole 64-column panels");
 };
 
-// Adds (a, b) to the two adjacent fp32 values at `address` (8-byte aligned) in global memory.
+// Adds (a, b) to the two adjacent fp32 values at `address` (8-byte aligned) in global memory:
+// GQA's dK and dV, once per key block.
 __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(address), "f"(a), "f"(b) : "memory");
 }
@@ -160,6 +170,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const int split = DETERMINISTIC ? blockIdx.x : 0;
   float* const dq = a.dq_accum + split * a.dq_split_stride + batch * a.dq_batch_stride + head * a.dq_head_stride;
+  float* const dq_block = reinterpret_cast<float*>(smem + Smem::DQ);
+  // One thread issues the dQ reductions; the rest of the block's writers sync with it.
+  const bool issues_dq = consumer == 0 && t == 0;
+  // The pad columns are reduced into global's pad columns, which nothing reads: zeros, not
+  // whatever shared memory held.
+  for (int i = t; i < kBwdBlockM * kDqRowPad; i += 128)
+    if (consumer == 0) dq_block[i / kDqRowPad * Smem::DQ_ROW + HEAD_DIM + i % kDqRowPad] = 0.f;
   RingPosition<STAGES> pos;
   int blocks_loaded = 0;
   int step = 0;  // over the CTA's whole walk: the parity of the dS and statistics buffers
@@ -186,6 +203,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       }
       mbarrier_wait(&kv_full, blocks_loaded & 1);
       ++blocks_loaded;
+      // Deterministic: a key block reduces into each query block's rows once, so only the
+      // previous block's reductions can target the rows this one's will; they complete first,
+      // and the adds into every element apply in key-block order.
+      if (DETERMINISTIC && issues_dq) tma_store_wait<0>();
       for (int m = m_range.begin; m < m_range.end; ++m, pos.advance(), ++step) {
         const u32 qd_offset = pos.stage * Smem::QD_BYTES;
         unsigned char* const ds_tile = smem + Smem::DS + (step % 2) * Smem::DS_BYTES;
@@ -288,6 +309,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           }
         // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
         fence_proxy_async_shared();
+        // The previous step's dQ reduction has read the staged block before anyone overwrites it
+        // below.
+        if (issues_dq) tma_store_wait_read<0>();
         named_barrier_sync(kDsBarrier, 256);
         // dV and dK first: their A registers (P, dS) die here, which leaves room for dQ's
         // accumulator (at head_dim 128, issuing dQ beside them spilled 144 bytes).
@@ -322,12 +346,20 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int query = m * kBwdBlockM + warp * 16 + h * 8 + lane / 4;
-            if (query >= seq.seqlen_q) continue;
-            float* const row = dq + static_cast<i64>(seq.q_begin + query) * HEAD_DIM + consumer * 64 + 2 * (lane % 4);
+            float* const row = dq_block + (warp * 16 + h * 8 + lane / 4) * Smem::DQ_ROW + consumer * 64 + 2 * (lane % 4);
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
-              reduce_add_pair(row + 8 * nt, dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
+              *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
+          }
+          // Read by the bulk reduction through the async proxy.
+          fence_proxy_async_shared();
+          named_barrier_sync(kDqBarrier, 128 * Smem::PANELS);
+          if (issues_dq) {
+            // The block's rows inside the sequence, contiguous in global memory.
+            const int rows = min(kBwdBlockM, seq.seqlen_q - m * kBwdBlockM);
+            bulk_reduce_add_f32(dq + static_cast<i64>(seq.q_begin + m * kBwdBlockM) * Smem::DQ_ROW, dq_block,
+                                rows * Smem::DQ_ROW * 4);
+            tma_store_commit();
           }
         }
       }
@@ -366,6 +398,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       }
     }
   }
+  // The staged block must outlive the last reduction's reads; its writes are done by kernel end.
+  if (issues_dq) tma_store_wait<0>();
 }
 
 }  // namespace sm90

@@ -77,6 +77,15 @@ __device__ __forceinline__ void tma_store(const TensorMap* map, const void* src,
                "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
 }
+// A bulk reduction: adds `bytes` (a multiple of 16) of fp32 values from shared memory `src` into
+// global memory `dst` (both 16-byte aligned), element by element, in L2: one instruction for a
+// whole tile instead of one reduction per thread and pair. Shared memory and bulk groups as for
+// stores.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* src, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(dst),
+               "r"(smem_addr(src)), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // At most N of this thread's committed store groups may still be reading their shared source.
 template <int N>
