@@ -10,9 +10,10 @@
 //   dQ += dS K   (dS through shared memory, both operands MN-major; the fp32 block staged in
 //                 shared memory and added to global by one bulk reduction).
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
-// Deterministic mode: grid (dq_splits, heads, batch); CTA s walks key blocks s, s + dq_splits, ...
-// (K and V reloaded per block) and adds dQ into its own fp32 split, each element from one thread
-// in program order, so the sums repeat bitwise (the convert kernel adds the splits in order).
+// Deterministic mode: grid (dq_splits, heads, batch); CTA s walks one key block of each round of
+// dq_splits consecutive ones (K and V reloaded per block) and adds dQ into its own fp32 split,
+// each element from one thread in program order, so the sums repeat bitwise (the convert kernel
+// adds the splits in order).
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/types.cuh"
@@ -100,6 +101,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const int n_first = DETERMINISTIC || !CAUSAL ? blockIdx.x : blockIdx.z;
   const int n_stride = DETERMINISTIC ? a.dq_splits : n_blocks;
   if (n_first >= n_blocks) return;
+  // The key block of the walk's round `round`: block s of even rounds and block dq_splits - 1 - s
+  // of odd ones, so that under a causal mask, where a block's work falls as its index grows,
+  // every CTA's total is nearly the same (in plain order CTA 0 has the most in every round).
+  const auto walk_block = [&](int round) {
+    return round * n_stride + (DETERMINISTIC && (round & 1) ? n_stride - 1 - n_first : n_first);
+  };
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
   const int kv_head = head / a.kv_group;
 
@@ -127,7 +134,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     const int map_batch = a.cu_seqlens_q == nullptr ? batch : 0;
     RingPosition<STAGES> pos;
     int blocks_loaded = 0;
-    for (int n_block = n_first; n_block < n_blocks; n_block += n_stride) {
+    for (int round = 0, n_block; (n_block = walk_block(round)) < n_blocks; ++round) {
       const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
       if (m_range.begin >= m_range.end) continue;
       // K and V are overwritten once every consumer warp is done with the previous block's.
@@ -181,7 +188,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   int blocks_loaded = 0;
   int step = 0;  // over the CTA's whole walk: the parity of the dS and statistics buffers
 
-  for (int n_block = n_first; n_block < n_blocks; n_block += n_stride) {
+  for (int round = 0, n_block; (n_block = walk_block(round)) < n_blocks; ++round) {
     const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
     // The two keys of this thread's accumulator rows, inside the sequence.
     const int key0 = n_block * kBwdBlockN + group_row + warp * 16 + lane / 4;
