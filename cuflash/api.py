@@ -289,8 +289,8 @@ def _ordered_backward(family: str, mask: str, max_seqlen_k: int) -> bool:
     """Whether a default-mode backward runs the ordered grid of deterministic mode (CTAs walking
     their key blocks in order, dQ into per-CTA splits) rather than one CTA per key block: on sm90
     for causal sequences up to _ORDERED_CAUSAL_KEYS keys, whose key blocks are few and of unequal
-    length, so that walking them amortises each CTA's start and balances the work (causal 1k:
-    +8% at d64 and d128; benchmarks/NOTES.md)."""
+    length, so that walking them amortises each CTA's start and balances the work (causal 512
+    and 1k: +4-10% at d64 and d128, 2k even; benchmarks/NOTES.md, sm90 backward v5)."""
     return family == "sm90" and mask == "causal" and max_seqlen_k <= _ORDERED_CAUSAL_KEYS
 
 
