@@ -225,19 +225,21 @@ def _forward_choice(family: str, qt, kt, vt, window: tuple[int, int], softcap: f
     return choice
 
 
-# Keys per sequence up to which masked tiles run persistent too (see _sm90_ctas).
-_PERSISTENT_MASKED_KEYS = 1024
+# Keys per sequence up to which unequal tiles run persistent too (see _sm90_ctas).
+_PERSISTENT_UNEQUAL_KEYS = 1024
 
 
-def _sm90_ctas(masked: bool, max_seqlen_k: int, tiles: int, device: int) -> int:
+def _sm90_ctas(unequal: bool, max_seqlen_k: int, tiles: int, device: int) -> int:
     """CTAs of the sm90 forward's grid over ``tiles`` tiles. Persistent, one CTA per SM (the
-    tile's shared memory allows no second) walking the tiles round robin: without a mask, where
-    the tiles are equal, and with one over sequences of at most _PERSISTENT_MASKED_KEYS keys,
-    where the tiles are short and hiding each one's prologue and epilogue pays most (causal 1k:
-    +3% at d128, +11% at d64). Longer masked tiles differ in length more than a static round
-    robin can balance: one CTA per tile, longest first, lets the hardware's block scheduler
-    balance them (measured 5-9% faster at 4k-16k causal; benchmarks/NOTES.md, sm90 v4)."""
-    if masked and max_seqlen_k > _PERSISTENT_MASKED_KEYS:
+    tile's shared memory allows no second) walking the tiles round robin: where the tiles are
+    equal (a fixed-length batch without a mask), and over sequences of at most
+    _PERSISTENT_UNEQUAL_KEYS keys, where the tiles are short and hiding each one's prologue and
+    epilogue pays most (causal 1k: +3% at d128, +11% at d64). Longer ``unequal`` tiles (a mask,
+    or a packed batch's sequences of different lengths) differ in length more than a static
+    round robin can balance: one CTA per tile, longest first, lets the hardware's block
+    scheduler balance them (measured 5-9% faster at 4k-16k causal; benchmarks/NOTES.md, sm90
+    v4)."""
+    if unequal and max_seqlen_k > _PERSISTENT_UNEQUAL_KEYS:
         return tiles
     return min(tiles, _multiprocessors(device))
 
@@ -256,10 +258,10 @@ def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int
         tiles = m_blocks * heads * batch
         if tiles >= 2**31:
             raise ValueError(f"q: {tiles} query tiles exceed the sm90 forward's int32 tile index")
-        masked = _mask_kind(window) != "none" or bool(softcap)
+        unequal = _mask_kind(window) != "none" or bool(softcap) or cu_seqlens[0] is not None
         # A packed batch's longest sequence is not known here: its total bounds it. A packed batch
         # may have no rows at all: still one CTA.
-        grid = (max(1, _sm90_ctas(masked, kt.shape[1], tiles, qt.device)), 1, 1)
+        grid = (max(1, _sm90_ctas(unequal, kt.shape[1], tiles, qt.device)), 1, 1)
         argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n,
                                          (m_blocks, heads, batch))
     else:

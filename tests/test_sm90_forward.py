@@ -250,6 +250,12 @@ def test_sm90_packed_launch(sm90_launches):
     # The packed tensor is one batch of all rows; sequences are row offsets from cu_seqlens.
     assert encoded[0].global_dim == (64, 8, 700, 1) and encoded[0].global_strides == (128, 8 * 128, 700 * 8 * 128)
     assert p["base"]["cu_seqlens_q"] == 5 << 20 and p["base"]["q_batch_stride"] == 0
+    # A packed batch's sequences differ in length, so do its tiles: over 1024 keys, one CTA per
+    # tile (ceil(2000 / 192) query blocks x 8 heads x 3 sequences), as for a mask.
+    q, k = _tensor((3000, 8, 64)), _tensor((3000, 8, 64), ptr=3 << 20)
+    lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=2000)
+    varlen._forward_on_device("cupy", {"q": q, "k": k, "v": k}, lengths, False, 0.125, (-1, -1), 0.0)
+    assert calls[-1][2] == (264, 1, 1)
 
 
 def test_sm90_falls_back_where_no_tensor_map_fits(sm90_launches):

@@ -34,7 +34,7 @@ def sm90(monkeypatch):
     def run(ctas, call):
         # Every mask, not only the unmasked grids that run persistent for users: the kernel's loop
         # over tiles is one code path.
-        monkeypatch.setattr(api, "_sm90_ctas", lambda masked, max_seqlen_k, tiles, device: min(tiles, ctas))
+        monkeypatch.setattr(api, "_sm90_ctas", lambda unequal, max_seqlen_k, tiles, device: min(tiles, ctas))
         monkeypatch.setattr(api, "_PLANS", {})
         result = call()
         cupy.cuda.Device().synchronize()
