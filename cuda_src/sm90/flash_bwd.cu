@@ -332,8 +332,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 
         // dQ = dS K: M = the 64 queries, K = the 128 keys (8 k16 steps of 16 rows), N = 64 columns
         // of the head dim per warpgroup (panel `consumer` of K; at head_dim 64 only consumer 0).
-        // Split by columns rather than by keys, each element has one writer: measured, two
-        // warpgroups reducing into the same elements cost 20-30% (benchmarks/NOTES.md).
+        // Split by columns rather than by keys, each element has one writer: measured with
+        // per-thread reductions, two warpgroups adding into the same elements cost 20-30%
+        // (benchmarks/NOTES.md, sm90 backward v2).
         float dq_part[1][8][4];
         const bool computes_dq = consumer < Smem::PANELS;
         if (computes_dq) {
