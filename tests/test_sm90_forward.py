@@ -77,6 +77,13 @@ def test_sm90_param_struct_layout():
     assert [fields[name][1] for name in ("m_blocks", "heads", "batches", "tiles")] == [584, 588, 592, 596]
 
 
+def test_sm90_backward_dq_row_pad_matches_the_kernel():
+    # The fp32 dQ rows the API allocates and the ones the kernel reduces into must agree; the
+    # kernel states its pad as a constant (a mismatch would shift every row after the first).
+    source = (kernels.source_root() / "sm90" / "flash_bwd.cu").read_text()
+    assert re.search(r"constexpr int kDqRowPad = (\d+);", source).group(1) == str(dispatch.SM90_BWD_DQ_ROW_PAD)
+
+
 def test_sm90_dispatch():
     for bucket, consumers, block_n, stages in ((64, 3, 128, 4), (128, 2, 128, 2), (192, 2, 64, 3), (256, 2, 64, 2)):
         choice = dispatch.forward_kernel("sm90", bucket, "causal", "bfloat16")
