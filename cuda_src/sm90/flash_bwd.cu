@@ -234,22 +234,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         mbarrier_wait(&qd_full[pos.stage], pos.phase);
         __syncwarp();  // reconverge after the spin: wgmma is .aligned
         wgmma_fence();
-        // S^T = K Q^T and dP^T = V dO^T: K-major operands, 4 k16 steps per 64-column panel.
-#pragma unroll
-        for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            wgmma_ss<64, Elem>(flat(s), desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k),
-                               desc_advance(smem_desc_sw128(smem + Smem::Q + qd_offset), panel * Smem::QD_PANEL + 32 * k),
-                               panel > 0 || k > 0);
+        // S^T = K Q^T and dP^T = V dO^T, K-major operands.
+        wgmma_ss_panels<64, Elem, Smem::PANELS>(flat(s), k_desc, Smem::KV_PANEL,
+                                                smem_desc_sw128(smem + Smem::Q + qd_offset), Smem::QD_PANEL);
         wgmma_commit();
-#pragma unroll
-        for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            wgmma_ss<64, Elem>(flat(dp), desc_advance(v_desc, panel * Smem::KV_PANEL + 32 * k),
-                               desc_advance(smem_desc_sw128(smem + Smem::DO + qd_offset), panel * Smem::QD_PANEL + 32 * k),
-                               panel > 0 || k > 0);
+        wgmma_ss_panels<64, Elem, Smem::PANELS>(flat(dp), v_desc, Smem::KV_PANEL,
+                                                smem_desc_sw128(smem + Smem::DO + qd_offset), Smem::QD_PANEL);
         wgmma_commit();
         fence_registers(flat(s));
         fence_registers(flat(dp));

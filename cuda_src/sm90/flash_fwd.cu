@@ -79,16 +79,10 @@ struct FwdSmem {
   static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0, "whole panels, swizzle periods and k16 steps");
 };
 
-// S = Q K^T for one warpgroup's 64 rows: K-major operands, 4 k16 steps per 64-column panel, the
-// first overwriting s. Issues only; the caller fences, commits and waits.
+// S = Q K^T for one warpgroup's 64 rows. Issues only; the caller fences, commits and waits.
 template <class Smem, int BLOCK_N, class Elem, int NT>
 __device__ __forceinline__ void issue_qk(float (&s)[1][NT][4], u64 q_desc, u64 k_desc) {
-#pragma unroll
-  for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      wgmma_ss<BLOCK_N, Elem>(flat(s), desc_advance(q_desc, panel * Smem::Q_PANEL + 32 * k),
-                              desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k), panel > 0 || k > 0);
+  wgmma_ss_panels<BLOCK_N, Elem, Smem::PANELS>(flat(s), q_desc, Smem::Q_PANEL, k_desc, Smem::KV_PANEL);
 }
 
 // O += P V: P from registers, V (keys x head_dim, row-major) MN-major for this product, a k16
