@@ -338,8 +338,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           wgmma_commit();
           fence_registers(flat(dq_part));
           wgmma_wait<0>();
-        }
-        if (computes_dq) {
           fence_registers(flat(dq_part));
           // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
 #pragma unroll
