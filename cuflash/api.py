@@ -307,7 +307,7 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     device_plan = (family, capability) = _device_plan(qt.device)
     mask = _mask_kind(window)
     # sm90's main kernel where it serves the switches and tensor maps can describe the tensors.
-    main_family = dispatch.backward_family(family, head_dim, mask, bool(softcap), deterministic)
+    main_family = dispatch.backward_family(family, head_dim, bool(softcap))
     if main_family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt, dout_t)):
         main_family = "sm80"
     # The ordered (deterministic) grid where asked for, and for sm90's short causal sequences,

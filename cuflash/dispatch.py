@@ -5,8 +5,8 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
 every head-dim bucket (api._forward_choice still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). Its backward main kernel serves
-head dims up to 128 without softcap in default mode (backward_family); sm80's
-preprocess and convert kernels run around it, and sm80's main kernel everywhere else.
+head dims up to 128 without softcap, in either mode (backward_family); sm80's preprocess and
+convert kernels run around it, and sm80's main kernel everywhere else.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
 """
@@ -215,8 +215,9 @@ SM90_BWD_TILES = {
 SM90_BWD_DQ_ROW_PAD = 4
 
 
-def backward_family(family: str, head_dim: int, mask: str, softcap: bool, deterministic: bool) -> str:
-    """The family whose main backward kernel serves these switches on a device of ``family``."""
+def backward_family(family: str, head_dim: int, softcap: bool) -> str:
+    """The family whose main backward kernel serves this head dim and softcap switch on a device
+    of ``family`` (every mask and both modes run on either)."""
     if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES and not softcap:
         return "sm90"
     return "sm80"
@@ -240,9 +241,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
         KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", 256, 0),
     )
     if family == "sm90":
-        if backward_family(family, head_dim, mask, softcap, deterministic) != "sm90":
-            raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}, mask {mask!r}, "
-                             f"softcap {softcap}, deterministic {deterministic}")
+        if backward_family(family, head_dim, softcap) != "sm90":
+            raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}, softcap {softcap}")
         tile = tile or SM90_BWD_TILES[bucket]
         main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, "
                 f"{_cpp(mask == 'window')}, {_cpp(deterministic)}, {elem}>")
@@ -267,8 +267,9 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
 
 
 def all_kernels(family: str) -> list[KernelChoice]:
-    """Every instantiation of a family, for the ahead-of-time compile check: sm80's forward and
-    backward kernels, or sm90's forward kernels (its devices run sm80's for the rest)."""
+    """Every instantiation of a family, for the ahead-of-time compile check: its forward and
+    backward kernels (sm90's devices run sm80's preprocess and convert kernels, and sm80's main
+    backward kernel where backward_family says so: those are sm80's instantiations)."""
     found: dict[str, KernelChoice] = {}
     buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
     for bucket in buckets:
@@ -278,9 +279,9 @@ def all_kernels(family: str) -> list[KernelChoice]:
                     for short in (False, True):  # sm90 picks some tiles by length
                         choice = forward_kernel(family, bucket, mask, dtype, softcap, short=short)
                         found.setdefault(choice.name_expression, choice)
+                    if backward_family(family, bucket, softcap) != family:
+                        continue
                     for deterministic in (False, True):
-                        if backward_family(family, bucket, mask, softcap, deterministic) != family:
-                            continue
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, deterministic):
                             if choice.family == family:
                                 found.setdefault(choice.name_expression, choice)

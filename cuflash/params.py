@@ -97,6 +97,13 @@ def _tensor_map(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, ro
     return tma.encode_tiled(tma.tiled_map_args(address, shape, strides, dtype, (1, rows, 1, 64)))
 
 
+def _map_fields(pointers: tuple[str, ...], *tensors) -> tuple:
+    """ArgumentBuffer's ``tensor_maps`` for (field name, DeviceTensor, box rows) triples: the
+    field, the index of its address among ``pointers`` and the cached encoder of its map."""
+    return tuple((name, pointers.index(name), functools.partial(_tensor_map, *tma_view(t), t.dtype, rows))
+                 for name, t, rows in tensors)
+
+
 def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: int,
                           tiles: tuple[int, int, int]) -> ArgumentBuffer:
     """The FwdParamsSm90 argument for repeated launches: tensor maps of q (boxes of ``block_m``
@@ -109,9 +116,7 @@ def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: in
     m_blocks, heads, batches = tiles
     struct["m_blocks"], struct["heads"], struct["batches"] = tiles
     struct["tiles"] = m_blocks * heads * batches
-    maps = tuple((name, index, functools.partial(_tensor_map, shape, strides, t.dtype, rows))
-                 for index, (name, t, rows) in enumerate((("q", q, block_m), ("k", k, block_n), ("v", v, block_n)))
-                 for shape, strides in (tma_view(t),))
+    maps = _map_fields(FWD_POINTERS, ("q", q, block_m), ("k", k, block_n), ("v", v, block_n))
     return ArgumentBuffer(struct, FWD_POINTERS, within="base", tensor_maps=maps)
 
 
@@ -121,9 +126,7 @@ def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, block_m: int, bloc
     for the same call; the maps are encoded again per fill (cached per address)."""
     struct = np.zeros(1, BWD_PARAMS_SM90)
     struct["base"] = packed
-    maps = tuple((name, BWD_POINTERS.index(name), functools.partial(_tensor_map, shape, strides, t.dtype, rows))
-                 for name, t, rows in (("q", q, block_m), ("k", k, block_n), ("v", v, block_n), ("dout", dout, block_m))
-                 for shape, strides in (tma_view(t),))
+    maps = _map_fields(BWD_POINTERS, ("q", q, block_m), ("k", k, block_n), ("v", v, block_n), ("dout", dout, block_m))
     return ArgumentBuffer(struct, BWD_POINTERS, within="base", tensor_maps=maps)
 
 

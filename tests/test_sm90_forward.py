@@ -77,6 +77,13 @@ def test_sm90_param_struct_layout():
     assert [fields[name][1] for name in ("m_blocks", "heads", "batches", "tiles")] == [584, 588, 592, 596]
 
 
+def test_sm90_backward_dq_row_pad_matches_the_kernel():
+    # The fp32 dQ rows the API allocates and the ones the kernel reduces into must agree; the
+    # kernel states its pad as a constant (a mismatch would shift every row after the first).
+    source = (kernels.source_root() / "sm90" / "flash_bwd.cu").read_text()
+    assert re.search(r"constexpr int kDqRowPad = (\d+);", source).group(1) == str(dispatch.SM90_BWD_DQ_ROW_PAD)
+
+
 def test_sm90_dispatch():
     for bucket, consumers, block_n, stages in ((64, 3, 128, 4), (128, 2, 128, 2), (192, 2, 64, 3), (256, 2, 64, 2)):
         choice = dispatch.forward_kernel("sm90", bucket, "causal", "bfloat16")
@@ -113,12 +120,12 @@ def test_sm90_dispatch():
     ordered = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", deterministic=True)[1]
     assert ordered.name_expression.endswith("true, false, true, cuflash::bf16>") and not ordered.blocks_slowest
     assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 64 * 132 * 4 + 1024 <= 227 * 1024
-    for switches in ((192, "none", False, False), (64, "window", True, False), (64, "none", True, False),
-                     (256, "causal", False, True)):
-        assert dispatch.backward_family("sm90", *switches) == "sm80"
+    for head_dim, mask, softcap, deterministic in ((192, "none", False, False), (64, "window", True, False),
+                                                   (64, "none", True, False), (256, "causal", False, True)):
+        assert dispatch.backward_family("sm90", head_dim, softcap) == "sm80"
         with pytest.raises(ValueError, match="no sm90 backward"):
-            dispatch.backward_kernels("sm90", switches[0], switches[1], "bfloat16", switches[2], switches[3])
-    assert dispatch.backward_family("sm80", 64, "none", False, False) == "sm80"
+            dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, deterministic)
+    assert dispatch.backward_family("sm80", 64, False) == "sm80"
     # dims x masks x dtypes x modes
     assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2 * 2
 

@@ -234,22 +234,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         mbarrier_wait(&qd_full[pos.stage], pos.phase);
         __syncwarp();  // reconverge after the spin: wgmma is .aligned
         wgmma_fence();
-        // S^T = K Q^T and dP^T = V dO^T: K-major operands, 4 k16 steps per 64-column panel.
-#pragma unroll
-        for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            wgmma_ss<64, Elem>(flat(s), desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k),
-                               desc_advance(smem_desc_sw128(smem + Smem::Q + qd_offset), panel * Smem::QD_PANEL + 32 * k),
-                               panel > 0 || k > 0);
+        // S^T = K Q^T and dP^T = V dO^T, K-major operands.
+        wgmma_ss_panels<64, Elem, Smem::PANELS>(flat(s), k_desc, Smem::KV_PANEL,
+                                                smem_desc_sw128(smem + Smem::Q + qd_offset), Smem::QD_PANEL);
         wgmma_commit();
-#pragma unroll
-        for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            wgmma_ss<64, Elem>(flat(dp), desc_advance(v_desc, panel * Smem::KV_PANEL + 32 * k),
-                               desc_advance(smem_desc_sw128(smem + Smem::DO + qd_offset), panel * Smem::QD_PANEL + 32 * k),
-                               panel > 0 || k > 0);
+        wgmma_ss_panels<64, Elem, Smem::PANELS>(flat(dp), v_desc, Smem::KV_PANEL,
+                                                smem_desc_sw128(smem + Smem::DO + qd_offset), Smem::QD_PANEL);
         wgmma_commit();
         fence_registers(flat(s));
         fence_registers(flat(dp));
@@ -332,8 +322,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 
         // dQ = dS K: M = the 64 queries, K = the 128 keys (8 k16 steps of 16 rows), N = 64 columns
         // of the head dim per warpgroup (panel `consumer` of K; at head_dim 64 only consumer 0).
-        // Split by columns rather than by keys, each element has one writer: measured, two
-        // warpgroups reducing into the same elements cost 20-30% (benchmarks/NOTES.md).
+        // Split by columns rather than by keys, each element has one writer: measured with
+        // per-thread reductions, two warpgroups adding into the same elements cost 20-30%
+        // (benchmarks/NOTES.md, sm90 backward v2).
         float dq_part[1][8][4];
         const bool computes_dq = consumer < Smem::PANELS;
         if (computes_dq) {
@@ -347,8 +338,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           wgmma_commit();
           fence_registers(flat(dq_part));
           wgmma_wait<0>();
-        }
-        if (computes_dq) {
           fence_registers(flat(dq_part));
           // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
 #pragma unroll

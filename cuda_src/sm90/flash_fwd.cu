@@ -79,16 +79,10 @@ struct FwdSmem {
   static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0, "whole panels, swizzle periods and k16 steps");
 };
 
-// S = Q K^T for one warpgroup's 64 rows: K-major operands, 4 k16 steps per 64-column panel, the
-// first overwriting s. Issues only; the caller fences, commits and waits.
+// S = Q K^T for one warpgroup's 64 rows. Issues only; the caller fences, commits and waits.
 template <class Smem, int BLOCK_N, class Elem, int NT>
 __device__ __forceinline__ void issue_qk(float (&s)[1][NT][4], u64 q_desc, u64 k_desc) {
-#pragma unroll
-  for (int panel = 0; panel < Smem::PANELS; ++panel)
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      wgmma_ss<BLOCK_N, Elem>(flat(s), desc_advance(q_desc, panel * Smem::Q_PANEL + 32 * k),
-                              desc_advance(k_desc, panel * Smem::KV_PANEL + 32 * k), panel > 0 || k > 0);
+  wgmma_ss_panels<BLOCK_N, Elem, Smem::PANELS>(flat(s), q_desc, Smem::Q_PANEL, k_desc, Smem::KV_PANEL);
 }
 
 // O += P V: P from registers, V (keys x head_dim, row-major) MN-major for this product, a k16
@@ -200,9 +194,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       // sequence's end arrive from the next sequence and are never used (query rows: not stored;
       // key rows: masked to -inf, so P is 0 there).
       mbarrier_arrive_expect_tx(&q_full, Smem::Q_BYTES);
-#pragma unroll
-      for (int panel = 0; panel < Smem::PANELS; ++panel)
-        tma_load(smem + panel * Smem::Q_PANEL, &p.q, &q_full, 64 * panel, c.head, seq.q_begin + first_row, map_batch);
+      tma_load_panels<Smem::PANELS>(smem, Smem::Q_PANEL, &p.q, &q_full, c.head, seq.q_begin + first_row, map_batch);
 
       // Key blocks from the last to the first, as the consumers take them (see there).
       for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
@@ -212,16 +204,12 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         // wait, as above), announce the bytes, copy.
         mbarrier_wait(&k_empty[pos.stage], pos.phase ^ 1);
         mbarrier_arrive_expect_tx(&k_full[pos.stage], Smem::KV_BYTES);
-#pragma unroll
-        for (int panel = 0; panel < Smem::PANELS; ++panel)
-          tma_load(smem + Smem::K + offset + panel * Smem::KV_PANEL, &p.k, &k_full[pos.stage], 64 * panel, kv_head,
-                   key_row, map_batch);
+        tma_load_panels<Smem::PANELS>(smem + Smem::K + offset, Smem::KV_PANEL, &p.k, &k_full[pos.stage], kv_head,
+                                      key_row, map_batch);
         mbarrier_wait(&v_empty[pos.stage], pos.phase ^ 1);
         mbarrier_arrive_expect_tx(&v_full[pos.stage], Smem::KV_BYTES);
-#pragma unroll
-        for (int panel = 0; panel < Smem::PANELS; ++panel)
-          tma_load(smem + Smem::V + offset + panel * Smem::KV_PANEL, &p.v, &v_full[pos.stage], 64 * panel, kv_head,
-                   key_row, map_batch);
+        tma_load_panels<Smem::PANELS>(smem + Smem::V + offset, Smem::KV_PANEL, &p.v, &v_full[pos.stage], kv_head,
+                                      key_row, map_batch);
       }
     }
   } else {

@@ -55,6 +55,15 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, u64* b
       "l"(map), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
 }
+// A tile of PANELS boxes of a 4-D map over a BSHD tensor (sm90 params: head_dim, heads, rows,
+// batch): box p holds columns 64 p .. 64 p + 63 of head c1, rows from c2, batch c3, at
+// dst + p * panel_bytes; every box completes on `bar`.
+template <int PANELS>
+__device__ __forceinline__ void tma_load_panels(unsigned char* dst, u32 panel_bytes, const TensorMap* map, u64* bar,
+                                                int c1, int c2, int c3) {
+#pragma unroll
+  for (int panel = 0; panel < PANELS; ++panel) tma_load(dst + panel * panel_bytes, map, bar, 64 * panel, c1, c2, c3);
+}
 
 // Stores: one box from shared memory `src` to the tensor at the given coordinates (elements past
 // the tensor's bounds are not written). Shared memory that ordinary stores wrote must be fenced

@@ -288,6 +288,19 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc
   detail::Wgmma<N>::template ss<Elem>(d, desc_a, desc_b, accumulate ? 1u : 0u);
 }
 
+// d = A * B^T over whole tiles: both operands K-major in PANELS panels of 64 columns (one
+// 128-byte swizzle row each; a_panel and b_panel bytes apart), 4 k16 steps per panel, the first
+// overwriting d. Issues only: the caller fences, commits and waits.
+template <int N, class Elem, int PANELS>
+__device__ __forceinline__ void wgmma_ss_panels(float (&d)[N / 2], u64 desc_a, u32 a_panel, u64 desc_b, u32 b_panel) {
+#pragma unroll
+  for (int panel = 0; panel < PANELS; ++panel)
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      wgmma_ss<N, Elem>(d, desc_advance(desc_a, panel * a_panel + 32 * k), desc_advance(desc_b, panel * b_panel + 32 * k),
+                        panel > 0 || k > 0);
+}
+
 // The ss form with either operand MN-major (smem_desc_sw128_mn's descriptor, the instruction's
 // transpose flag set): TRANS_A for an A stored M-contiguous, TRANS_B for a B stored N-contiguous.
 // N = 32 or 64.
