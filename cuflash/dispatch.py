@@ -87,6 +87,19 @@ SM90_NARROW_TILES = {64: Tile(128, 128, 12, stages=4)}
 SM90_SHORT_ROWS = 1024
 
 
+# The backward's preprocess and convert kernels (sm80/flash_bwd.cu, kHelperThreads), which every
+# family runs around its main kernel.
+HELPER_THREADS = 256
+
+
+def helper_rows_per_block(head_dim: int) -> int:
+    """Rows (of one head) that a block of the backward's preprocess and convert kernels covers:
+    one thread per 8 columns, rounded up to a power of two and at least 8 per row, as
+    helper_row_threads in sm80/flash_bwd.cu."""
+    row_threads = max(8, 1 << (-(-head_dim // 8) - 1).bit_length())
+    return HELPER_THREADS // row_threads
+
+
 @dataclass(frozen=True)
 class KernelChoice:
     family: str
@@ -237,8 +250,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     helpers = (
-        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", 256, 0),
-        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", 256, 0),
+        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", HELPER_THREADS, 0),
+        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", HELPER_THREADS, 0),
     )
     if family == "sm90":
         if backward_family(family, head_dim, softcap) != "sm90":

@@ -301,6 +301,10 @@ def test_sm90_backward_plan(monkeypatch):
     assert all(main["base"][name] == base[name] for name in BWD_PARAMS.names) and base["kv_group"] == 2
     assert [bytes(main[name])[:8] for name in ("q", "k", "v", "dout")] == [
         (a).to_bytes(8, "little") for a in (1 << 20, 3 << 20, 3 << 20, 1 << 20)]
+    # The helpers: 16 lanes per 128-column row, 16 rows per block, over (rows, heads, batch) of
+    # their own tensor (dK and dV have the two K/V heads).
+    assert plan.preprocess.grid == (19, 4, 2)
+    assert [launch.grid for launch, *_ in plan.converts] == [(19, 4, 2), (19, 2, 2), (19, 2, 2)]
     # Longer: one CTA per key block, causal blocks slowest (heads, batch, ceil(3000 / 128)).
     q_long, k_long = _tensor((2, 3000, 4, 128)), _tensor((2, 3000, 2, 128), ptr=3 << 20)
     lse_long = _tensor((2, 4, 3000), "float32", ptr=6 << 20)
