@@ -90,11 +90,13 @@ SM90_SHORT_ROWS = 1024
 # main-loop steps, each a longer Q K^T and P V between the same barriers and softmax reductions.
 # Two stages of them fit next to Q, three at none. Per consumer thread S is block_n / 2 fp32
 # registers, its 16-bit copy for P V block_n / 4 and O head_dim / 2: 196, 168 and 188 of the 240,
-# and ptxas spills nothing. Measured on the H200 (bf16, 4k-16k, against the tiles above): d128
-# +2-5%, d256 +8-13%. d192 takes 96 keys, not the 112 that fit too (216 KB, measured +10-14%):
-# there ptxas spills 28 B, offsets of the epilogue's stores kept on the stack across tiles. Masked
+# and ptxas spills nothing. Measured on the H200 (bf16, session 6 call 3, against the tiles above
+# in one run): d128 1.00-1.12x from 1k, d192 1.09-1.33x, d256 1.06-1.22x; d192 at 112 keys (216
+# KB, 28 B spilled: offsets of the epilogue's stores kept on the stack) ran below 96. Masked
 # kernels keep the tiles above: with these ptxas spills 4 B (d128 causal) to 132 B (d256 softcap),
-# and with softcap some of it in the main loop.
+# and with softcap some of it in the main loop. Short d128 calls (``short``) keep 128 keys: the
+# wide tile measured 0.96x at 512 and 1.00x at 1k.
+SM90_WIDE_LONG_ONLY = {128}
 SM90_WIDE_TILES = {
     128: Tile(128, 176, 12, stages=2),  # Q 32 KB + 2 x (K 44 KB + V 44 KB) = 208 KB
     192: Tile(128, 96, 12, stages=2),  # Q 48 KB + 2 x (K 36 KB + V 36 KB) = 192 KB
@@ -184,8 +186,8 @@ def forward_kernel(
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
         narrow = softcap or (causal and short)
-        unmasked = mask == "none" and not softcap
-        special = SM90_NARROW_TILES if narrow else SM90_WIDE_TILES if unmasked else {}
+        wide = mask == "none" and not softcap and not (short and kernel_dim in SM90_WIDE_LONG_ONLY)
+        special = SM90_NARROW_TILES if narrow else SM90_WIDE_TILES if wide else {}
         tile = tile or special.get(kernel_dim) or SM90_FWD_TILES[kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
         assert tile.warps == 4 * (consumers + 1)
