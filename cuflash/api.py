@@ -369,16 +369,17 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
                       group * head_dim if ordered else head_dim)
         summands = (group, head_dim) if ordered else (1, 0)
         converts += [(src, index, kv_strides, *summands, 1.0) for src, index in ((dk_accum, 1), (dv_accum, 2))]
+    rows_per_block = dispatch.helper_rows_per_block(head_dim)
     convert_launches = []
     for src, index, src_strides, summands, summand_stride, factor in converts:
-        pairs = math.prod(grads[index].shape) // 2
+        grad_batch, grad_rows, grad_heads = grads[index].shape[:3]
         convert_launches.append((
-            kernels.prepare(convert, arch, qt.device, (-(-pairs // 256), 1, 1)),
+            kernels.prepare(convert, arch, qt.device, (-(-grad_rows // rows_per_block), grad_heads, grad_batch)),
             ArgumentBuffer(pack_convert_params(src, grads[index], src_strides, summands, summand_stride, factor),
                            CONVERT_POINTERS),
             src.ptr, index))
     return _BackwardPlan(
-        device_plan, kernels.prepare(preprocess, arch, qt.device, (-(-max_seqlen_q // 8), heads, batch)),
+        device_plan, kernels.prepare(preprocess, arch, qt.device, (-(-max_seqlen_q // rows_per_block), heads, batch)),
         kernels.prepare(main, dispatch.compile_arch(main.family, capability), qt.device, grid), argument, main_argument,
         (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None),
         end, zeroed, tuple(convert_launches))

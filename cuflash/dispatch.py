@@ -1,4 +1,4 @@
-"""Device -> kernel family, head_dim -> bucket, and the one table of tile sizes.
+"""Device -> kernel family, head_dim -> bucket, and the tables of tile sizes.
 
 Like vLLM's choice between FlashAttention versions, the family follows the compute capability:
 9.x runs ``sm90``, other devices from 8.0 up run ``sm80``; anything older than 8.0 is refused.
@@ -71,7 +71,8 @@ SM80_FWD_TILES = {
 # d64 runs three consumers (192 rows, 16 warps, 160 registers each): its softmax costs about as
 # much as its two products, so a third warpgroup keeps the tensor cores fed while two compute it.
 # d192 and d256 take 64 keys: O is 96 / 128 registers, and two stages of 128-key K and V tiles
-# would not fit next to Q in 227 KB. The ring is as deep as shared memory allows.
+# would not fit next to Q in 227 KB. The ring is as deep as shared memory allows. Unmasked calls
+# from d128 up take wider key blocks (SM90_WIDE_TILES below).
 SM90_FWD_TILES = {
     64: Tile(192, 128, 16, stages=4),  # Q 24 KB + 4 x (K 16 KB + V 16 KB) = 152 KB
     128: Tile(128, 128, 12, stages=2),  # Q 32 KB + 2 x (K 32 KB + V 32 KB) = 160 KB
@@ -85,6 +86,35 @@ SM90_FWD_TILES = {
 # sm90 v5).
 SM90_NARROW_TILES = {64: Tile(128, 128, 12, stages=4)}
 SM90_SHORT_ROWS = 1024
+# Unmasked kernels (mask "none", no softcap) at d128, d192 and d256 take wider key blocks: fewer
+# main-loop steps, each a longer Q K^T and P V between the same barriers and softmax reductions.
+# Two stages of them fit next to Q, three at none. Per consumer thread S is block_n / 2 fp32
+# registers, its 16-bit copy for P V block_n / 4 and O head_dim / 2: 196, 168 and 188 of the 240,
+# and ptxas spills nothing. Measured on the H200 (bf16, session 6 call 3, against the tiles above
+# in one run): d128 1.00-1.12x from 1k, d192 1.09-1.33x, d256 1.06-1.22x; d192 at 112 keys (216
+# KB, 28 B spilled: offsets of the epilogue's stores kept on the stack) ran below 96. Masked
+# kernels keep the tiles above: with these ptxas spills 4 B (d128 causal) to 132 B (d256 softcap),
+# and with softcap some of it in the main loop. Short d128 calls (``short``) keep 128 keys: the
+# wide tile measured 0.96x at 512 and 1.00x at 1k.
+SM90_WIDE_LONG_ONLY = {128}
+SM90_WIDE_TILES = {
+    128: Tile(128, 176, 12, stages=2),  # Q 32 KB + 2 x (K 44 KB + V 44 KB) = 208 KB
+    192: Tile(128, 96, 12, stages=2),  # Q 48 KB + 2 x (K 36 KB + V 36 KB) = 192 KB
+    256: Tile(128, 80, 12, stages=2),  # Q 64 KB + 2 x (K 40 KB + V 40 KB) = 224 KB
+}
+
+
+# The backward's preprocess and convert kernels (sm80/flash_bwd.cu, kHelperThreads), which every
+# family runs around its main kernel.
+HELPER_THREADS = 256
+
+
+def helper_rows_per_block(head_dim: int) -> int:
+    """Rows (of one head) that a block of the backward's preprocess and convert kernels covers:
+    one thread per 8 columns, rounded up to a power of two and at least 8 per row, as
+    helper_row_threads in sm80/flash_bwd.cu."""
+    row_threads = max(8, 1 << (-(-head_dim // 8) - 1).bit_length())
+    return HELPER_THREADS // row_threads
 
 
 @dataclass(frozen=True)
@@ -151,8 +181,9 @@ def forward_kernel(
     short: bool = False,
 ) -> KernelChoice:
     """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
-    MASKS, ``softcap`` whether scores are capped (``tile`` overrides the table, for tuning),
-    ``short`` whether the sequences have at most SM90_SHORT_ROWS query rows (sm90's tile choice).
+    MASKS, ``softcap`` whether scores are capped (``tile`` overrides the tables, for tuning),
+    ``short`` whether the sequences have at most SM90_SHORT_ROWS query rows (sm90's tile choice;
+    sm90 also takes wider key blocks without a mask or softcap, SM90_WIDE_TILES).
 
     Softcap runs every mask in the window kernel, from the run-time bounds: one instantiation
     instead of three, and the tanh per score costs more than the bound checks. Its causal case
@@ -168,7 +199,9 @@ def forward_kernel(
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
         narrow = softcap or (causal and short)
-        tile = tile or (narrow and SM90_NARROW_TILES.get(kernel_dim)) or SM90_FWD_TILES[kernel_dim]
+        wide = mask == "none" and not softcap and not (short and kernel_dim in SM90_WIDE_LONG_ONLY)
+        special = SM90_NARROW_TILES if narrow else SM90_WIDE_TILES if wide else {}
+        tile = tile or special.get(kernel_dim) or SM90_FWD_TILES[kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
         assert tile.warps == 4 * (consumers + 1)
         expr = f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {flags}>"
@@ -237,8 +270,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     helpers = (
-        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", 256, 0),
-        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", 256, 0),
+        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", HELPER_THREADS, 0),
+        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", HELPER_THREADS, 0),
     )
     if family == "sm90":
         if backward_family(family, head_dim, softcap) != "sm90":

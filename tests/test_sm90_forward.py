@@ -53,6 +53,9 @@ def test_sm90_kernels_compile_without_spills_in_the_main_loop(choice, tmp_path):
     # stored once per tile and reloaded in its epilogue. None may be in the main loop: no local
     # load or store between the first and the last wgmma.
     assert resources["spill_stores"] <= 64 and resources["stack_frame"] <= 64
+    # The wide key blocks of unmasked calls are taken only where nothing spills.
+    if choice.tile in dispatch.SM90_WIDE_TILES.values():
+        assert resources["spill_stores"] == 0 and resources["stack_frame"] == 0
     static_smem = int(re.search(r"(\d+) bytes smem", compiled.log).group(1))
     assert choice.smem_bytes + static_smem <= 227 * 1024
     cuobjdump = _cuobjdump()
@@ -108,8 +111,29 @@ def test_sm90_dispatch():
     assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16").tile.block_m == 192
     assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16", short=True).tile.block_m == 192
     assert dispatch.forward_kernel("sm90", 128, "causal", "bfloat16", short=True).tile.block_m == 128
-    # Kernel head dims x dtypes x (none, causal, window, softcap), and d64's two-consumer causal.
-    assert len(SM90_FORWARD) == 4 * 2 * 4 + 2
+    # Unmasked calls from d128 up (d96 runs the d128 kernel) take the wide key blocks, d128 only
+    # over more than SM90_SHORT_ROWS rows; every mask and softcap keeps the table's tile, and d64
+    # has no wide one.
+    for bucket, kernel_dim, block_n in ((96, 128, 176), (128, 128, 176), (192, 192, 96), (256, 256, 80)):
+        short_tile = dispatch.forward_kernel("sm90", bucket, "none", "float16", short=True).tile
+        assert short_tile == (dispatch.SM90_FWD_TILES[128] if kernel_dim == 128 else
+                              dispatch.SM90_WIDE_TILES[kernel_dim])
+        for short in (False, True) if kernel_dim != 128 else (False,):
+            wide = dispatch.forward_kernel("sm90", bucket, "none", "float16", short=short)
+            assert wide.tile == dispatch.Tile(128, block_n, 12, stages=2)
+            assert wide.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, 2, {block_n}, 2, "
+                                            f"false, false, false, cuflash::f16>")
+            assert wide.smem_bytes == (128 + 2 * 2 * block_n) * kernel_dim * 2 + 1024 <= 227 * 1024
+        for mask, softcap in (("causal", False), ("window", False), ("none", True), ("causal", True)):
+            tile = dispatch.forward_kernel("sm90", bucket, mask, "bfloat16", softcap).tile
+            assert tile == dispatch.SM90_FWD_TILES[kernel_dim]
+    assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16").tile == dispatch.SM90_FWD_TILES[64]
+    # An explicit tile overrides the wide one too.
+    tile = dispatch.Tile(128, 64, 12, stages=2)
+    assert dispatch.forward_kernel("sm90", 256, "none", "bfloat16", tile=tile).tile == tile
+    # Kernel head dims x dtypes x (none, causal, window, softcap), d64's two-consumer causal and
+    # d128's unmasked short calls.
+    assert len(SM90_FORWARD) == 4 * 2 * 4 + 2 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     # The sm90 backward main kernel: head dims up to 128, no softcap, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
@@ -240,6 +264,7 @@ def test_sm90_plan_reencodes_maps_for_new_addresses(sm90_launches):
     assert [bytes(p[name])[:8] for name in ("q", "k", "v")] == [(a).to_bytes(8, "little") for a in
                                                                  (7 << 20, 8 << 20, 8 << 20)]
     assert (p["base"]["q"], p["base"]["k"], p["base"]["o"]) == (7 << 20, 8 << 20, 7 << 20)
+    # V's map: boxes of 128 keys (300 rows are short: d128 keeps its table tile there).
     assert encoded[-1].global_dim == (128, 8, 300, 2) and encoded[-1].box_dim == (64, 1, 128, 1)
 
 
@@ -307,6 +332,10 @@ def test_sm90_backward_plan(monkeypatch):
     assert all(main["base"][name] == base[name] for name in BWD_PARAMS.names) and base["kv_group"] == 2
     assert [bytes(main[name])[:8] for name in ("q", "k", "v", "dout")] == [
         (a).to_bytes(8, "little") for a in (1 << 20, 3 << 20, 3 << 20, 1 << 20)]
+    # The helpers: 16 lanes per 128-column row, 16 rows per block, over (rows, heads, batch) of
+    # their own tensor (dK and dV have the two K/V heads).
+    assert plan.preprocess.grid == (19, 4, 2)
+    assert [launch.grid for launch, *_ in plan.converts] == [(19, 4, 2), (19, 2, 2), (19, 2, 2)]
     # Longer: one CTA per key block, causal blocks slowest (heads, batch, ceil(3000 / 128)).
     q_long, k_long = _tensor((2, 3000, 4, 128)), _tensor((2, 3000, 2, 128), ptr=3 << 20)
     lse_long = _tensor((2, 4, 3000), "float32", ptr=6 << 20)

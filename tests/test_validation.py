@@ -235,6 +235,12 @@ def test_backward_deterministic_host_path():
         assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("head_dim, rows", [(8, 32), (64, 32), (72, 16), (96, 16), (128, 16), (136, 8), (256, 8)])
+def test_backward_helper_rows_per_block(head_dim, rows):
+    # One thread per 8 columns, a power of two of at least 8 per row, 256 per block.
+    assert dispatch.helper_rows_per_block(head_dim) == rows
+
+
 def test_backward_kernel_choices():
     preprocess, main, convert = dispatch.backward_kernels("sm80", 128, "causal", "bfloat16")
     assert main.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, true, false, false, false, "

@@ -1,5 +1,5 @@
 // FlashAttention-2 backward for compute capability 8.0 and newer, in three launches:
-//   flash_bwd_preprocess_sm80: delta = rowsum(dO * O), one warp per query row;
+//   flash_bwd_preprocess_sm80: delta = rowsum(dO * O), a few lanes per query row;
 //   flash_bwd_sm80: a CTA keeps one key block's K and V in shared memory, walks the query blocks
 //     that can see them, recomputes P = exp(S - lse) from the forward's log-sum-exp (no stored P,
 //     nothing that grows with seqlen_q x seqlen_k), accumulates dK and dV in registers and adds
@@ -18,23 +18,35 @@
 
 namespace cuflash {
 
+// The preprocess and convert kernels give each row of a (row, head) head_dim / 8 threads, one
+// 16-byte vector of 16-bit elements each, rounded up to a power of two (a row's threads are then
+// aligned lanes of one warp, reduced with shuffles) and at least 8, so that one 256-thread block
+// covers 256 / row_threads rows (dispatch.helper_rows_per_block computes the same for the grid).
+// One warp per row, as before, left 16 or 24 of 32 lanes idle below head_dim 256, and these
+// kernels are bound by memory: 2.6 TB/s at head_dim 128 and 1.4 at 64 (benchmarks/NOTES.md).
+constexpr int kHelperThreads = 256;
+__device__ __forceinline__ int helper_row_threads(int head_dim) {
+  const int vectors = (head_dim + 7) / 8;
+  return vectors <= 8 ? 8 : 1 << (32 - __clz(vectors - 1));
+}
+
 template <class Elem>
-__global__ void __launch_bounds__(256) flash_bwd_preprocess_sm80(const __grid_constant__ BwdParams p) {
-  const int lane = threadIdx.x % 32;
+__global__ void __launch_bounds__(kHelperThreads) flash_bwd_preprocess_sm80(const __grid_constant__ BwdParams p) {
+  const int row_threads = helper_row_threads(p.head_dim);
+  const int col = (threadIdx.x & (row_threads - 1)) * 8;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const Sequence seq = sequence_of(p, batch);
-  const int row = blockIdx.x * 8 + threadIdx.x / 32;
-  if (row >= seq.seqlen_q) return;
-  const i64 o_row = batch * p.o_batch_stride + (seq.q_begin + row) * p.o_row_stride;
-  const i64 do_row = batch * p.do_batch_stride + (seq.q_begin + row) * p.do_row_stride;
-  // head_dim <= 256: 32 lanes x 8 elements cover a row in one 16-byte load each.
+  const int row = blockIdx.x * (kHelperThreads / row_threads) + threadIdx.x / row_threads;
+  // Every lane stays to the shuffles (a full-warp mask); rows past the sequence add zeros.
+  const bool inside = row < seq.seqlen_q;
   float sum = 0.f;
-  if (lane * 8 < p.head_dim) {
-    const uint4 o =
-        *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.o) + o_row + head * p.o_head_stride + lane * 8);
-    const uint4 d =
-        *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.dout) + do_row + head * p.do_head_stride + lane * 8);
+  if (inside && col < p.head_dim) {
+    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.o) + batch * p.o_batch_stride +
+                                                    (seq.q_begin + row) * p.o_row_stride + head * p.o_head_stride + col);
+    const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.dout) + batch * p.do_batch_stride +
+                                                    (seq.q_begin + row) * p.do_row_stride + head * p.do_head_stride +
+                                                    col);
     const u32 ow[4] = {o.x, o.y, o.z, o.w};
     const u32 dw[4] = {d.x, d.y, d.z, d.w};
 #pragma unroll
@@ -44,9 +56,8 @@ __global__ void __launch_bounds__(256) flash_bwd_preprocess_sm80(const __grid_co
       sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
     }
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (lane == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin + row] = sum;
+  for (int offset = row_threads / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (inside && col == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin + row] = sum;
 }
 
 // P = exp2(S * scale * log2(e) - lse * log2(e)) recomputed from the forward's LSE, 0 where masked
@@ -410,25 +421,39 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 // + row * src_row_stride + head * src_head_stride + g * group_stride + col (dQ splits, or
 // deterministic GQA dK/dV per query head).
 template <class Elem>
-__global__ void __launch_bounds__(256) flash_bwd_convert_sm80(const __grid_constant__ ConvertParams p) {
-  const i64 pair = static_cast<i64>(blockIdx.x) * 256 + threadIdx.x;
-  const int pairs_per_row = p.head_dim / 2;
-  const i64 total = static_cast<i64>(p.batch) * p.seqlen * p.heads * pairs_per_row;
-  if (pair >= total) return;
-  const int col = static_cast<int>(pair % pairs_per_row) * 2;
-  const i64 rest = pair / pairs_per_row;  // (batch * seqlen + row) * heads + head
-  const int head = static_cast<int>(rest % p.heads);
-  const int row = static_cast<int>((rest / p.heads) % p.seqlen);
-  const int batch = static_cast<int>(rest / (static_cast<i64>(p.heads) * p.seqlen));
-  const float* src = p.src + batch * p.src_batch_stride + row * p.src_row_stride + head * p.src_head_stride + col;
-  float2 sum = make_float2(0.f, 0.f);
+__global__ void __launch_bounds__(kHelperThreads) flash_bwd_convert_sm80(const __grid_constant__ ConvertParams p) {
+  const int row_threads = helper_row_threads(p.head_dim);
+  const int col = (threadIdx.x & (row_threads - 1)) * 8;
+  const int row = blockIdx.x * (kHelperThreads / row_threads) + threadIdx.x / row_threads;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  if (row >= p.seqlen || col >= p.head_dim) return;
+  // Eight columns per thread: the sources are the backward's own fp32 buffers, whose strides
+  // and summand stride are whole 16-byte vectors (api._backward_plan).
+  const float* const src = p.src + batch * p.src_batch_stride + row * p.src_row_stride + head * p.src_head_stride + col;
+  float sum[8] = {};
   for (int g = 0; g < p.group; ++g) {
-    const float2 v = *reinterpret_cast<const float2*>(src + g * p.group_stride);
-    sum.x += v.x;
-    sum.y += v.y;
+    const float4 lo = *reinterpret_cast<const float4*>(src + g * p.group_stride);
+    const float4 hi = *reinterpret_cast<const float4*>(src + g * p.group_stride + 4);
+    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum[i] += v[i];
   }
-  *reinterpret_cast<u32*>(static_cast<u16*>(p.dst) + batch * p.dst_batch_stride + row * p.dst_row_stride +
-                          head * p.dst_head_stride + col) = Elem::pack(sum.x * p.scale, sum.y * p.scale);
+  u32 packed[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) packed[i] = Elem::pack(sum[2 * i] * p.scale, sum[2 * i + 1] * p.scale);
+  u16* const dst = static_cast<u16*>(p.dst) + batch * p.dst_batch_stride + row * p.dst_row_stride +
+                   head * p.dst_head_stride + col;
+  // The gradient may be a caller's tensor of any (even) strides: one 16-byte store where it and
+  // its strides allow, else four 4-byte ones. The same branch for every thread of the launch.
+  const i64 strides = p.dst_batch_stride | p.dst_row_stride | p.dst_head_stride;
+  const bool vector_aligned = ((reinterpret_cast<unsigned long long>(p.dst) | strides * 2) & 15) == 0;
+  if (vector_aligned) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) *reinterpret_cast<u32*>(dst + 2 * i) = packed[i];
+  }
 }
 
 }  // namespace cuflash

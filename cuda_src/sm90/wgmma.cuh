@@ -156,11 +156,24 @@ struct WgmmaElem<f16> {
 #define CUFLASH_D32                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define CUFLASH_D40                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
+#define CUFLASH_D48                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "  \
+  "%40, %41, %42, %43, %44, %45, %46, %47}"
 #define CUFLASH_D64                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "  \
   "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "  \
   "%62, %63}"
+#define CUFLASH_D88                                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "  \
+  "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "  \
+  "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "  \
+  "%80, %81, %82, %83, %84, %85, %86, %87}"
 #define CUFLASH_D96                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "  \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "  \
@@ -180,8 +193,11 @@ struct WgmmaElem<f16> {
       "+f"(d[i + 6]), "+f"(d[i + 7])
 #define CUFLASH_ACC16(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8)
 #define CUFLASH_ACC32(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16), CUFLASH_ACC8(d, 24)
+#define CUFLASH_ACC40(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32)
+#define CUFLASH_ACC48(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40)
 #define CUFLASH_ACC64(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40), CUFLASH_ACC8(d, 48), CUFLASH_ACC8(d, 56)
 #define CUFLASH_ACC32_AT(d, i) CUFLASH_ACC8(d, i), CUFLASH_ACC8(d, i + 8), CUFLASH_ACC8(d, i + 16), CUFLASH_ACC8(d, i + 24)
+#define CUFLASH_ACC88(d) CUFLASH_ACC64(d), CUFLASH_ACC8(d, 64), CUFLASH_ACC8(d, 72), CUFLASH_ACC8(d, 80)
 #define CUFLASH_ACC96(d) CUFLASH_ACC64(d), CUFLASH_ACC32_AT(d, 64)
 #define CUFLASH_ACC128(d) CUFLASH_ACC64(d), CUFLASH_ACC32_AT(d, 64), CUFLASH_ACC32_AT(d, 96)
 
@@ -246,7 +262,25 @@ struct Wgmma<128> {
   CUFLASH_WGMMA_RS_MEMBER(64, "m64n128k16", CUFLASH_D64, CUFLASH_ACC64, "{%64, %65, %66, %67}", "68", "69", "70")
 };
 
-// N = 192 and 256 serve only P V, whose N is the head dim (Q K^T's N is the key block, 64 or 128),
+// N = 80, 96 and 176 serve only Q K^T, whose N is the key block: the wide key blocks of unmasked
+// calls at d256, d192 and d128 (dispatch.SM90_WIDE_TILES), so they have only the shared-memory
+// form.
+template <>
+struct Wgmma<80> {
+  CUFLASH_WGMMA_SS_MEMBER(40, "m64n80k16", CUFLASH_D40, CUFLASH_ACC40, "40", "41", "42")
+};
+
+template <>
+struct Wgmma<96> {
+  CUFLASH_WGMMA_SS_MEMBER(48, "m64n96k16", CUFLASH_D48, CUFLASH_ACC48, "48", "49", "50")
+};
+
+template <>
+struct Wgmma<176> {
+  CUFLASH_WGMMA_SS_MEMBER(88, "m64n176k16", CUFLASH_D88, CUFLASH_ACC88, "88", "89", "90")
+};
+
+// N = 192 and 256 serve only P V, whose N is the head dim (Q K^T's N is the key block, 64 to 176),
 // so they have only the register-A form.
 template <>
 struct Wgmma<192> {
@@ -267,14 +301,20 @@ struct Wgmma<256> {
 #undef CUFLASH_WGMMA_RS
 #undef CUFLASH_D16
 #undef CUFLASH_D32
+#undef CUFLASH_D40
+#undef CUFLASH_D48
 #undef CUFLASH_D64
+#undef CUFLASH_D88
 #undef CUFLASH_D96
 #undef CUFLASH_D128
 #undef CUFLASH_ACC8
 #undef CUFLASH_ACC16
 #undef CUFLASH_ACC32
+#undef CUFLASH_ACC40
+#undef CUFLASH_ACC48
 #undef CUFLASH_ACC64
 #undef CUFLASH_ACC32_AT
+#undef CUFLASH_ACC88
 #undef CUFLASH_ACC96
 #undef CUFLASH_ACC128
 
