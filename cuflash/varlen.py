@@ -95,7 +95,7 @@ def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     """Framework, validated tensors (packed, checked as a batch of one) and the lengths. GPU
     lengths reach the host only to be validated or to find an omitted max_seqlen_q (which every
     kernel needs) or, with ``need_max_k`` (the backward), an omitted max_seqlen_k."""
-    framework = api._framework(**arrays)
+    framework = api._framework(arrays)
     on_device = framework != "numpy"
     tensors = {name: interop.describe(x, framework, name) if on_device else x for name, x in arrays.items()}
     for name in ("q", "k", "v"):
@@ -240,7 +240,9 @@ def attention_varlen(
     TypeError, ValueError
         Bad arguments, each naming the argument.
     """
-    arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
+    arrays = {"q": q, "k": k, "v": v}
+    if out is not None:
+        arrays["out"] = out
     framework, tensors, lengths = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 validate)
     scale = api._resolve_scale(softmax_scale, tensors["q"].shape[2])
