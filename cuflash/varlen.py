@@ -151,7 +151,7 @@ def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal:
     with interop.on_device(qt.device):
         stream = interop.stream_handle(framework, qt.device)
         out, out_ptr = (out_t.native, out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
-        lse, lse_ptr = interop.allocate(framework, qt, (heads, total_q), "float32")
+        lse, lse_ptr = interop.allocate(framework, qt, plan.lse_shape, "float32")
         api._run_forward(plan, stream, qt, kt, vt, out_ptr, lse_ptr, (lengths.device_q, lengths.device_k))
     return out, lse
 
