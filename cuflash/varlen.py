@@ -128,9 +128,9 @@ def _check_grid(lengths: _Lengths) -> None:
 
 
 def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
-                       window: tuple[int, int], softcap: float) -> tuple:
+                       window: tuple[int, int], softcap: float, return_lse: bool) -> tuple:
     """One forward launch over the packed batch of validated tensors: (out, lse) in the caller's
-    framework."""
+    framework, lse an array only if ``return_lse`` (else scratch, api._allocate_lse)."""
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
     out_t = tensors.get("out")
@@ -151,7 +151,7 @@ def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal:
     with interop.on_device(qt.device):
         stream = interop.stream_handle(framework, qt.device)
         out, out_ptr = (out_t.native, out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
-        lse, lse_ptr = interop.allocate(framework, qt, plan.lse_shape, "float32")
+        lse, lse_ptr = api._allocate_lse(plan, framework, qt, return_lse)
         api._run_forward(plan, stream, qt, kt, vt, out_ptr, lse_ptr, (lengths.device_q, lengths.device_k))
     return out, lse
 
@@ -250,7 +250,8 @@ def attention_varlen(
     if out is not None:
         api._check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
     if framework != "numpy":
-        result, lse = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap)
+        result, lse = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap,
+                                         return_lse)
         result = out if out is not None else result
         return (result, lse) if return_lse else result
     result, lse = reference.attention_varlen_reference(q, k, v, lengths.host_q, lengths.host_k, causal=bool(causal), softmax_scale=scale,
