@@ -10,8 +10,7 @@ launch each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,11 +26,10 @@ def _as_batch_of_one(x: Any) -> Any:
     return x[None]
 
 
-@dataclass(frozen=True)
-class _Lengths:
+class _Lengths(NamedTuple):
     """The checked cumulative lengths: host copies (int64; None where a GPU array was not copied),
     the DeviceTensors (None for NumPy), the batch size and the longest lengths (None if not
-    known)."""
+    known). A tuple, not a frozen dataclass, because one is built per call (0.25 vs 0.8 us)."""
 
     host_q: np.ndarray | None
     host_k: np.ndarray | None
