@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +152,8 @@ class _ForwardPlan:
     device_plan: tuple[str, tuple[int, int]]  # (family, compute capability) it was built for
     kernel: kernels.Launch
     argument: ArgumentBuffer  # FwdParams, or FwdParamsSm90 (maps encoded per fill); pointers in FWD_POINTERS order
+    lse_shape: tuple[int, ...]  # of the float32 lse each call writes
+    lse_bytes: int  # its size, for the scratch that holds it when the caller does not want it
 
 
 @dataclass(frozen=True, eq=False)
@@ -268,7 +271,17 @@ def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int
         grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
         argument = ArgumentBuffer(packed, FWD_POINTERS)
     arch = dispatch.compile_arch(choice.family, capability)
-    return _ForwardPlan(device_plan, kernels.prepare(choice, arch, qt.device, grid), argument)
+    return _ForwardPlan(device_plan, kernels.prepare(choice, arch, qt.device, grid), argument, lse_t.shape,
+                        4 * math.prod(lse_t.shape))
+
+
+def _allocate_lse(plan: _ForwardPlan, framework: str, qt, return_lse: bool) -> tuple[Any, int]:
+    """(owner, pointer) of the lse ``plan`` writes (inside interop.on_device): an array when the
+    caller gets it back, else plain scratch (interop.scratch), released in stream order on return
+    as an unreturned array would be, without the cost of building an array object for it."""
+    if return_lse:
+        return interop.allocate(framework, qt, plan.lse_shape, "float32")
+    return interop.scratch(framework, qt, plan.lse_bytes)
 
 
 def _run_forward(plan: _ForwardPlan, stream: int, qt, kt, vt, out_ptr: int, lse_ptr: int,
@@ -402,13 +415,19 @@ def _run_backward(plan: _BackwardPlan, framework: str, stream: int, qt, kt, vt, 
     del owner
 
 
-def _framework(**arrays: Any) -> str:
-    """The framework of q; every array must be on the same side (NumPy vs device) as q."""
+def _framework(arrays: dict[str, Any]) -> str:
+    """The framework of ``arrays["q"]``; every array (by argument name) must be on the same side
+    (NumPy vs device) as q."""
     q = arrays["q"]
     kind, cls = interop.framework_of(q, "q"), type(q)
     # Arrays of q's own type are on q's side, except torch tensors, whose type holds CPU and CUDA.
-    if kind != "torch" and all(type(x) is cls for x in arrays.values()):
-        return kind
+    # A loop: all() over a generator costs ~0.25 us more per call.
+    if kind != "torch":
+        for x in arrays.values():
+            if type(x) is not cls:
+                break
+        else:
+            return kind
     found = {name: interop.framework_of(x, name) for name, x in arrays.items()}
     q_side = found["q"] == "numpy"
     for name, framework in found.items():
@@ -463,7 +482,7 @@ def explain(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, 
     these GPU arrays on their device: its family (``sm90``, or ``sm80`` where no tensor map can
     describe a tensor's strides), instantiation name, threads, shared memory and tile. Launches
     nothing."""
-    framework = _framework(q=q, k=k, v=v)
+    framework = _framework({"q": q, "k": k, "v": v})
     if framework == "numpy":
         raise TypeError("q: explain describes GPU kernels; NumPy arrays run the CPU reference")
     qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
@@ -535,15 +554,18 @@ def attention(
     strides with a contiguous last dimension; a tensor whose pointer or strides are not 16-byte
     aligned is copied once, because the kernel loads 16-byte vectors.
     """
-    arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
-    framework = _framework(**arrays)
+    arrays = {"q": q, "k": k, "v": v}
+    if out is not None:
+        arrays["out"] = out
+    framework = _framework(arrays)
     window, softcap = _resolve_window(window), _resolve_softcap(softcap)
     if framework == "numpy":
         return _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse, out)
 
-    qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
+    # One call each: a generator over the three costs ~0.4 us more.
+    qt, kt = interop.describe(q, framework, "q"), interop.describe(k, framework, "k")
+    vt = interop.describe(v, framework, "v")
     out_t = interop.describe(out, interop.framework_of(out, "out"), "out") if out is not None else None
-    batch, seqlen_q, heads = qt.shape[:3]
     # Everything _check_qkv, _resolve_scale, _check_out and _forward_plan read, but pointers; the
     # window and softcap are already resolved.
     key = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
@@ -557,6 +579,7 @@ def attention(
         aligned = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
         if not aligned:  # copied once; such a call is not cached
             qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
+        batch, seqlen_q, heads = qt.shape[:3]
         plan = _forward_plan(qt, kt, vt, out_t or interop.contiguous(qt.shape, qt),
                              interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale,
                              _kernel_window(bool(causal), window, seqlen_q, kt.shape[1]), softcap, batch, seqlen_q)
@@ -565,7 +588,7 @@ def attention(
     with interop.on_device(qt.device):
         stream = interop.stream_handle(framework, qt.device)
         result, out_ptr = (out, out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
-        lse, lse_ptr = interop.allocate(framework, qt, (batch, heads, seqlen_q), "float32")
+        lse, lse_ptr = _allocate_lse(plan, framework, qt, return_lse)
         _run_forward(plan, stream, qt, kt, vt, out_ptr, lse_ptr)
     return (result, lse) if return_lse else result
 
@@ -579,6 +602,10 @@ def _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse,
     result, lse = reference.attention_blockwise(q, k, v, causal=bool(causal), softmax_scale=scale, window=window,
                                                 softcap=softcap)
     return _host_output(result, lse, q.dtype, out, return_lse)
+
+
+# attention_backward's described inputs by name.
+_BACKWARD_INPUTS = operator.itemgetter("q", "k", "v", "dout", "out", "lse")
 
 
 def attention_backward(
@@ -642,24 +669,27 @@ def attention_backward(
         As for :func:`attention`, and for dout/out not matching q, an lse that is not float32 or
         not (batch, heads, seqlen_q), or gradients passed in dq/dk/dv of the wrong shape or dtype.
     """
-    given = {"dq": dq, "dk": dk, "dv": dv}
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
-    arrays |= {name: x for name, x in given.items() if x is not None}
-    framework = _framework(**arrays)
+    for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+        if x is not None:
+            arrays[name] = x
+    framework = _framework(arrays)
     if framework == "numpy":
         return _backward_host_checked(arrays, causal, softmax_scale, window, softcap)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
-    qt, kt, vt, dout_t, out_t, lse_t = (tensors[name] for name in ("q", "k", "v", "dout", "out", "lse"))
-    given_t = tuple(tensors.get(name) for name in ("dq", "dk", "dv"))
+    # Item getters, not generators over the names (~0.5 us).
+    qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
+    given_t = dq_t, dk_t, dv_t = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")
     batch, seqlen_q, heads = qt.shape[:3]
     # Everything _check_qkv, _check_backward_inputs, the option checks and _backward_plan read,
     # but pointers.
     key = (("attention_backward", qt.layout, kt.layout, vt.layout, dout_t.layout, out_t.layout, lse_t.layout,
-            *(t and t.layout for t in given_t), causal, softmax_scale, window, softcap, deterministic)
+            dq_t and dq_t.layout, dk_t and dk_t.layout, dv_t and dv_t.layout, causal, softmax_scale, window, softcap,
+            deterministic)
            if (type(causal) is bool and type(deterministic) is bool and type(softmax_scale) in _KEY_SCALARS
                and _plain_window(window) and type(softcap) in _KEY_SCALARS) else None)
     plan = _cached_plan(key, qt.device)
-    if plan is None or not _aligned_pointers(qt, kt, vt, dout_t, out_t, *given_t):
+    if plan is None or not _aligned_pointers(qt, kt, vt, dout_t, out_t, dq_t, dk_t, dv_t):
         _check_qkv(qt, kt, vt, on_device=True)
         scale = _resolve_scale(softmax_scale, qt.shape[3])
         _check_backward_inputs(tensors, (batch, heads, seqlen_q), on_device=True)
@@ -676,10 +706,11 @@ def attention_backward(
             _remember(key, plan)
     with interop.on_device(qt.device):
         stream = interop.stream_handle(framework, qt.device)
-        results, ptrs = zip(*((given[name], t.ptr) if t is not None else interop.allocate(framework, qt, like.shape)
-                              for name, t, like in zip(("dq", "dk", "dv"), given_t, (qt, kt, kt))))
-        _run_backward(plan, framework, stream, qt, kt, vt, out_t, dout_t, lse_t, ptrs)
-    return results
+        dq, dq_ptr = (dq, dq_t.ptr) if dq_t is not None else interop.allocate(framework, qt, qt.shape)
+        dk, dk_ptr = (dk, dk_t.ptr) if dk_t is not None else interop.allocate(framework, qt, kt.shape)
+        dv, dv_ptr = (dv, dv_t.ptr) if dv_t is not None else interop.allocate(framework, qt, kt.shape)
+        _run_backward(plan, framework, stream, qt, kt, vt, out_t, dout_t, lse_t, (dq_ptr, dk_ptr, dv_ptr))
+    return dq, dk, dv
 
 
 def _backward_host_checked(arrays: dict, causal, softmax_scale, window, softcap):

@@ -10,8 +10,7 @@ launch each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,11 +26,10 @@ def _as_batch_of_one(x: Any) -> Any:
     return x[None]
 
 
-@dataclass(frozen=True)
-class _Lengths:
+class _Lengths(NamedTuple):
     """The checked cumulative lengths: host copies (int64; None where a GPU array was not copied),
     the DeviceTensors (None for NumPy), the batch size and the longest lengths (None if not
-    known)."""
+    known). A tuple, not a frozen dataclass, because one is built per call (0.25 vs 0.8 us)."""
 
     host_q: np.ndarray | None
     host_k: np.ndarray | None
@@ -95,7 +93,7 @@ def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     """Framework, validated tensors (packed, checked as a batch of one) and the lengths. GPU
     lengths reach the host only to be validated or to find an omitted max_seqlen_q (which every
     kernel needs) or, with ``need_max_k`` (the backward), an omitted max_seqlen_k."""
-    framework = api._framework(**arrays)
+    framework = api._framework(arrays)
     on_device = framework != "numpy"
     tensors = {name: interop.describe(x, framework, name) if on_device else x for name, x in arrays.items()}
     for name in ("q", "k", "v"):
@@ -128,9 +126,9 @@ def _check_grid(lengths: _Lengths) -> None:
 
 
 def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
-                       window: tuple[int, int], softcap: float) -> tuple:
+                       window: tuple[int, int], softcap: float, return_lse: bool) -> tuple:
     """One forward launch over the packed batch of validated tensors: (out, lse) in the caller's
-    framework."""
+    framework, lse an array only if ``return_lse`` (else scratch, api._allocate_lse)."""
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
     out_t = tensors.get("out")
@@ -151,7 +149,7 @@ def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal:
     with interop.on_device(qt.device):
         stream = interop.stream_handle(framework, qt.device)
         out, out_ptr = (out_t.native, out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
-        lse, lse_ptr = interop.allocate(framework, qt, (heads, total_q), "float32")
+        lse, lse_ptr = api._allocate_lse(plan, framework, qt, return_lse)
         api._run_forward(plan, stream, qt, kt, vt, out_ptr, lse_ptr, (lengths.device_q, lengths.device_k))
     return out, lse
 
@@ -240,7 +238,9 @@ def attention_varlen(
     TypeError, ValueError
         Bad arguments, each naming the argument.
     """
-    arrays = {"q": q, "k": k, "v": v} | ({"out": out} if out is not None else {})
+    arrays = {"q": q, "k": k, "v": v}
+    if out is not None:
+        arrays["out"] = out
     framework, tensors, lengths = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 validate)
     scale = api._resolve_scale(softmax_scale, tensors["q"].shape[2])
@@ -248,7 +248,8 @@ def attention_varlen(
     if out is not None:
         api._check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
     if framework != "numpy":
-        result, lse = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap)
+        result, lse = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap,
+                                         return_lse)
         result = out if out is not None else result
         return (result, lse) if return_lse else result
     result, lse = reference.attention_varlen_reference(q, k, v, lengths.host_q, lengths.host_k, causal=bool(causal), softmax_scale=scale,

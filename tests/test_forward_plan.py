@@ -103,7 +103,7 @@ def test_packed_launch(launches):
     cu_q, cu_k = _tensor((4,), "int32", ptr=5 << 20), _tensor((4,), "int32", ptr=6 << 20)
     tensors = {"q": q, "k": k, "v": k}
     lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=500)
-    out, lse = varlen._forward_on_device("cupy", tensors, lengths, True, 0.125, (-1, -1), 0.0)
+    out, lse = varlen._forward_on_device("cupy", tensors, lengths, True, 0.125, (-1, -1), 0.0, True)
     (kernel, params), = launches
     assert lse.shape == (8, 700) and out.shape == q.shape
     assert kernel.grid == (8, 3, 4)  # causal: heads, batch, ceil(500 / 128) query blocks

@@ -273,7 +273,7 @@ def test_sm90_packed_launch(sm90_launches):
     q, k = _tensor((700, 8, 64)), _tensor((900, 8, 64), ptr=3 << 20)
     cu_q, cu_k = _tensor((4,), "int32", ptr=5 << 20), _tensor((4,), "int32", ptr=6 << 20)
     lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=500)
-    varlen._forward_on_device("cupy", {"q": q, "k": k, "v": k}, lengths, False, 0.125, (-1, -1), 0.0)
+    varlen._forward_on_device("cupy", {"q": q, "k": k, "v": k}, lengths, False, 0.125, (-1, -1), 0.0, False)
     (choice, arch, grid, struct), = calls
     p = np.frombuffer(struct, FWD_PARAMS_SM90)[0]
     # ceil(500 / 192) query blocks x 8 heads x 3 sequences.
