@@ -286,7 +286,7 @@ def test_sm90_packed_launch(sm90_launches):
     # tile (ceil(2000 / 192) query blocks x 8 heads x 3 sequences), as for a mask.
     q, k = _tensor((3000, 8, 64)), _tensor((3000, 8, 64), ptr=3 << 20)
     lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=2000)
-    varlen._forward_on_device("cupy", {"q": q, "k": k, "v": k}, lengths, False, 0.125, (-1, -1), 0.0)
+    varlen._forward_on_device("cupy", {"q": q, "k": k, "v": k}, lengths, False, 0.125, (-1, -1), 0.0, False)
     assert calls[-1][2] == (264, 1, 1)
 
 
