@@ -442,18 +442,11 @@ __global__ void __launch_bounds__(kHelperThreads) flash_bwd_convert_sm80(const _
   u32 packed[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) packed[i] = Elem::pack(sum[2 * i] * p.scale, sum[2 * i + 1] * p.scale);
+  // The gradients are 16-byte aligned with strides of whole 16-byte vectors (api._check_out
+  // refuses others): one vector store.
   u16* const dst = static_cast<u16*>(p.dst) + batch * p.dst_batch_stride + row * p.dst_row_stride +
                    head * p.dst_head_stride + col;
-  // The gradient may be a caller's tensor of any (even) strides: one 16-byte store where it and
-  // its strides allow, else four 4-byte ones. The same branch for every thread of the launch.
-  const i64 strides = p.dst_batch_stride | p.dst_row_stride | p.dst_head_stride;
-  const bool vector_aligned = ((reinterpret_cast<unsigned long long>(p.dst) | strides * 2) & 15) == 0;
-  if (vector_aligned) {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) *reinterpret_cast<u32*>(dst + 2 * i) = packed[i];
-  }
+  *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
 }  // namespace cuflash
