@@ -651,7 +651,7 @@ def attention_backward(
         added in index order; GQA/MQA dk, dv are stored per query head and summed in head order.
         No atomics race and no CTA waits for another. Costs: that many dq-sized fp32 buffers (one
         when batch * heads fills the GPU) and, under GQA/MQA, 2 x (batch, seqlen_k, heads,
-        head_dim) fp32 instead of heads_kv; time: on the H200 10-18% at 2k-16k tokens, none
+        head_dim) fp32 instead of heads_kv; time: on the H200 up to 18% at 2k-16k tokens, none
         for short causal sequences, which run this way by default there (the README's backward
         table).
     dq, dk, dv : arrays, optional
