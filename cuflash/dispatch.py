@@ -175,6 +175,18 @@ def _cpp(flag: bool) -> str:
     return "true" if flag else "false"
 
 
+# Shared memory per CTA on sm90 (227 KB), and what the forward leaves of it for its static
+# mbarriers when it chooses its Q buffers.
+SM90_SMEM_BYTES = 227 * 1024
+SM90_STATIC_SMEM_MARGIN = 1024
+
+
+def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int) -> int:
+    """Dynamic shared memory of the sm90 forward: ``q_buffers`` Q tiles, the K and V stages and
+    1 KiB of alignment slack (flash_fwd.cu, FwdSmem)."""
+    return (q_buffers * tile.block_m + 2 * tile.stages * tile.block_n) * kernel_dim * 2 + 1024
+
+
 @functools.lru_cache(maxsize=None)
 def forward_kernel(
     family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None,
@@ -204,10 +216,13 @@ def forward_kernel(
         tile = tile or special.get(kernel_dim) or SM90_FWD_TILES[kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
         assert tile.warps == 4 * (consumers + 1)
-        expr = f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {flags}>"
-        # Q and the K and V stages, plus 1 KiB to align the window to the 128-byte swizzle's
-        # 1024-byte period.
-        smem = (tile.block_m + 2 * tile.stages * tile.block_n) * kernel_dim * 2 + 1024
+        # Q buffers (two where they fit, so that a persistent CTA loads the next tile's Q during
+        # this one's main loop; flash_fwd.cu) and the K and V stages, plus 1 KiB to align the
+        # window to the 128-byte swizzle's 1024-byte period.
+        q_buffers = 2 if _sm90_fwd_smem(tile, kernel_dim, 2) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN else 1
+        smem = _sm90_fwd_smem(tile, kernel_dim, q_buffers)
+        expr = (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {q_buffers}, "
+                f"{flags}>")
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
     expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {flags}>"

@@ -88,15 +88,20 @@ def test_sm90_backward_dq_row_pad_matches_the_kernel():
 
 
 def test_sm90_dispatch():
-    for bucket, consumers, block_n, stages in ((64, 3, 128, 4), (128, 2, 128, 2), (192, 2, 64, 3), (256, 2, 64, 2)):
+    # Two Q buffers where they fit next to the ring with 1 KiB to spare for the static barriers
+    # (d64 and d128), one at d192 and d256.
+    for bucket, consumers, block_n, stages, q_buffers in ((64, 3, 128, 4, 2), (128, 2, 128, 2, 2), (192, 2, 64, 3, 1),
+                                                          (256, 2, 64, 2, 1)):
         choice = dispatch.forward_kernel("sm90", bucket, "causal", "bfloat16")
         block_m = 64 * consumers
         assert choice.family == "sm90" and choice.source == "sm90/flash_fwd.cu"
         assert choice.threads == 128 * (consumers + 1) and choice.tile.block_m == block_m
         assert choice.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{bucket}, {consumers}, {block_n}, {stages}, "
-                                          f"true, false, false, cuflash::bf16>")
+                                          f"{q_buffers}, true, false, false, cuflash::bf16>")
         assert choice.blocks_slowest
-        assert choice.smem_bytes == (block_m + 2 * stages * block_n) * bucket * 2 + 1024 <= 227 * 1024
+        assert choice.smem_bytes == (q_buffers * block_m + 2 * stages * block_n) * bucket * 2 + 1024 <= 226 * 1024
+        if q_buffers == 1:
+            assert choice.smem_bytes + block_m * bucket * 2 > 226 * 1024
     # Head dims run the kernel of the next whole 64-column panel; TMA zero-fills the rest.
     kernel = lambda head_dim: dispatch.forward_kernel("sm90", head_dim, "none", "float16").name_expression  # noqa: E731
     assert [kernel(d).split("<")[1].split(",")[0] for d in (8, 40, 64, 72, 96, 128, 136, 192, 200, 256)] == \
@@ -105,7 +110,7 @@ def test_sm90_dispatch():
     assert dispatch.forward_kernel("sm90", 128, "causal", "float16", True).name_expression.endswith(
         "false, true, true, cuflash::f16>")
     assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16", True).name_expression == (
-        "cuflash::sm90::flash_fwd_sm90<64, 2, 128, 4, false, true, true, cuflash::bf16>")
+        "cuflash::sm90::flash_fwd_sm90<64, 2, 128, 4, 2, false, true, true, cuflash::bf16>")
     # Causal d64 over short sequences: two consumers; other masks and head dims keep their tiles.
     assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16", short=True).tile.block_m == 128
     assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16").tile.block_m == 192
@@ -121,7 +126,8 @@ def test_sm90_dispatch():
         for short in (False, True) if kernel_dim != 128 else (False,):
             wide = dispatch.forward_kernel("sm90", bucket, "none", "float16", short=short)
             assert wide.tile == dispatch.Tile(128, block_n, 12, stages=2)
-            assert wide.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, 2, {block_n}, 2, "
+            # One Q buffer: a second would not fit beside the wide K and V stages.
+            assert wide.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, 2, {block_n}, 2, 1, "
                                             f"false, false, false, cuflash::f16>")
             assert wide.smem_bytes == (128 + 2 * 2 * block_n) * kernel_dim * 2 + 1024 <= 227 * 1024
         for mask, softcap in (("causal", False), ("window", False), ("none", True), ("causal", True)):

@@ -61,18 +61,18 @@ struct PingPong {
   }
 };
 
-// Shared memory of one CTA, in bytes from a 1024-byte-aligned base: Q, then the K stages, then the
-// V stages. A tile of HEAD_DIM columns is HEAD_DIM / 64 panels of 64 columns (one 128-byte
+// Shared memory of one CTA, in bytes from a 1024-byte-aligned base: the Q buffers, then the K
+// stages, then the V stages. A tile of HEAD_DIM columns is HEAD_DIM / 64 panels of 64 columns (one 128-byte
 // swizzle row each, one TMA box each), every panel and tile a multiple of 1024 bytes so each
 // starts on a swizzle period, as TMA and the wgmma descriptors assume.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES>
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int Q_BUFFERS>
 struct FwdSmem {
   static constexpr int PANELS = HEAD_DIM / 64;
   static constexpr u32 Q_PANEL = BLOCK_M * 128;
   static constexpr u32 KV_PANEL = BLOCK_N * 128;
   static constexpr u32 Q_BYTES = PANELS * Q_PANEL;
   static constexpr u32 KV_BYTES = PANELS * KV_PANEL;
-  static constexpr u32 K = Q_BYTES;
+  static constexpr u32 K = Q_BUFFERS * Q_BYTES;
   static constexpr u32 V = K + STAGES * KV_BYTES;
   static constexpr u32 BYTES = V + STAGES * KV_BYTES;
   // Whole 64-column panels; K and V tiles of whole swizzle periods (8 rows) and k16 steps of P V.
@@ -129,16 +129,21 @@ __device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile
 // Persistent: the CTAs walk the tiles round robin (tile_coord); the host sizes the grid
 // (api._sm90_ctas: one CTA per SM for equal tiles, one per tile where a mask makes them unequal
 // and the hardware's block scheduler balances them better). The producer runs ahead across
-// tiles: the next tile's K and V stream into the ring while the consumers finish this one, and
-// the next Q waits only for the consumers' epilogue, which stages O in Q's buffer (q_empty).
-// Every role walks the same tiles and key blocks, so the ring positions and barrier phases agree
-// without any other exchange.
-template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
+// tiles: the next tile's K and V stream into the ring while the consumers finish this one.
+// Q_BUFFERS (1 or 2) Q buffers take the tiles in turn, and a tile's Q waits only for the epilogue
+// of the last tile that used its buffer, which stages O there (q_empty): with two, the next
+// tile's Q arrives during this tile's main loop instead of after its epilogue, a latency that
+// short tiles (short causal rows, windows) otherwise pay once per tile. Every role walks the
+// same tiles and key blocks, so the ring positions, buffers and barrier phases agree without any
+// other exchange.
+template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, bool CAUSAL, bool WINDOW, bool SOFTCAP,
+          class Elem>
 __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
   using Groups = Warpgroups<CONSUMERS>;
   constexpr int kBlockM = Groups::BLOCK_M;
-  using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES>;
+  using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS>;
+  static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");
   constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S (and NT / 2 k-slices of P V)
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of O
   const FwdParams& a = p.base;
@@ -146,15 +151,18 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
   // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
   // one arrival per consumer warp once its warpgroup is done with the buffer (for K and V: its
   // wgmma have read the stage; for Q: its epilogue has read O back out of Q's buffer).
-  __shared__ u64 q_full, q_empty;
+  __shared__ u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
   __shared__ u64 k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
   // The dynamic window's alignment is not promised; the host adds 1 KiB of slack to round up.
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
   if (threadIdx.x == 0) {
-    mbarrier_init(&q_full, 1);
-    mbarrier_init(&q_empty, CONSUMERS * 4);
+#pragma unroll
+    for (int b = 0; b < Q_BUFFERS; ++b) {
+      mbarrier_init(&q_full[b], 1);
+      mbarrier_init(&q_empty[b], CONSUMERS * 4);
+    }
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
       mbarrier_init(&k_full[s], 1);
@@ -175,7 +183,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     prefetch_tensor_map(&p.k);
     prefetch_tensor_map(&p.v);
     RingPosition<STAGES> pos;
-    int tiles_done = 0;  // tiles with rows, each ending in an epilogue that hands Q's buffer back
+    int tiles_done = 0;  // tiles with rows, each ending in an epilogue that hands its Q buffer back
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
       const TileCoord c = tile_coord<CAUSAL>(p, tile);
       const Sequence seq = sequence_of(a, c.batch);
@@ -183,9 +191,11 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       if (first_row >= seq.seqlen_q) continue;  // past a packed sequence's end: no rows
       const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
       const BlockRange n_range = key_blocks<kBlockM, BLOCK_N>(mask, c.m_block);
-      // Q's buffer is free once every consumer warp has finished the previous tile's epilogue (a
-      // fresh barrier's parity-1 phase counts as complete, so the first tile does not wait).
-      mbarrier_wait(&q_empty, (tiles_done++ & 1) ^ 1);
+      // This tile's Q buffer is free once every consumer warp has finished the epilogue of the
+      // last tile that used it (a fresh barrier's parity-1 phase counts as complete, so the first
+      // use does not wait).
+      const int q_buffer = tiles_done % Q_BUFFERS;
+      mbarrier_wait(&q_empty[q_buffer], ((tiles_done++ / Q_BUFFERS) & 1) ^ 1);
       if (n_range.begin >= n_range.end) continue;  // no keys: the consumers write zeros, nothing to load
       // A packed batch's maps have one batch of all rows; its sequences are row offsets.
       const int map_batch = a.cu_seqlens_q == nullptr ? c.batch : 0;
@@ -193,8 +203,9 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       // Rows past the tensor's end arrive as zeros (TMA's out-of-bounds fill); rows past a packed
       // sequence's end arrive from the next sequence and are never used (query rows: not stored;
       // key rows: masked to -inf, so P is 0 there).
-      mbarrier_arrive_expect_tx(&q_full, Smem::Q_BYTES);
-      tma_load_panels<Smem::PANELS>(smem, Smem::Q_PANEL, &p.q, &q_full, c.head, seq.q_begin + first_row, map_batch);
+      mbarrier_arrive_expect_tx(&q_full[q_buffer], Smem::Q_BYTES);
+      tma_load_panels<Smem::PANELS>(smem + q_buffer * Smem::Q_BYTES, Smem::Q_PANEL, &p.q, &q_full[q_buffer], c.head,
+                                    seq.q_begin + first_row, map_batch);
 
       // Key blocks from the last to the first, as the consumers take them (see there).
       for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
@@ -220,12 +231,13 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     const int warp = t / 32;
     const int lane = t % 32;
     const int wg_row = consumer * kConsumerRows;  // this warpgroup's first row inside the block
-    // This warpgroup's 64 rows of each Q panel: an A operand starting 64 rows (8 swizzle periods)
-    // into the panel.
-    const u64 q_desc = smem_desc_sw128(smem + wg_row * 128);
+    // This warpgroup's 64 rows of each panel of the first Q buffer: an A operand starting 64 rows
+    // (8 swizzle periods) into the panel.
+    const u64 q_desc_first = smem_desc_sw128(smem + wg_row * 128);
     const PingPong<CONSUMERS> turns{consumer};
     RingPosition<STAGES> k_pos, v_pos;
-    int q_loads = 0;
+    int tiles_done = 0;  // tiles with rows, as the producer counts them: they pick the Q buffer
+    u32 q_phases = 0;    // bit b: the parity of buffer b's next Q copy (tiles without keys load none)
 
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
       const TileCoord c = tile_coord<CAUSAL>(p, tile);
@@ -234,6 +246,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       if (first_row >= seq.seqlen_q) continue;
       const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
       const BlockRange n_range = key_blocks<kBlockM, BLOCK_N>(mask, c.m_block);
+      const int q_buffer = tiles_done++ % Q_BUFFERS;
+      unsigned char* const q_tile = smem + q_buffer * Smem::Q_BYTES;
 
       float o[1][DT][4];
 #pragma unroll
@@ -243,7 +257,9 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       OnlineSoftmax<1> softmax;
       softmax.init();
       if (n_range.begin < n_range.end) {
-        mbarrier_wait(&q_full, q_loads++ & 1);
+        mbarrier_wait(&q_full[q_buffer], (q_phases >> q_buffer) & 1);
+        q_phases ^= 1u << q_buffer;
+        const u64 q_desc = desc_advance(q_desc_first, q_buffer * Smem::Q_BYTES);
         const int warp_row = first_row + wg_row + warp * 16;
         const int m64_block = CONSUMERS * c.m_block + consumer;  // this warpgroup's rows as a 64-row block
         float s[1][NT][4];
@@ -323,15 +339,15 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       float lse[1][2];
       softmax.finalize(o, a.scale_log2, lse);
 
-      // Epilogue: stage O in this warpgroup's own rows of the Q tile (its last wgmma has read
-      // them), then write whole 16-byte chunks of the rows that exist. Ordinary stores, not a TMA
+      // Epilogue: stage O in this warpgroup's own rows of the tile's Q buffer (its last wgmma has
+      // read them), then write whole 16-byte chunks of the rows that exist. Ordinary stores, not a TMA
       // store: a packed sequence's last block must not write the next sequence's rows.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = wg_row + warp * 16 + h * 8 + lane / 4;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt)
-          *reinterpret_cast<u32*>(smem + swizzled_offset(row, dt * 8 + (lane % 4) * 2, Smem::Q_PANEL)) =
+          *reinterpret_cast<u32*>(q_tile + swizzled_offset(row, dt * 8 + (lane % 4) * 2, Smem::Q_PANEL)) =
               Elem::pack(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
         const int global_row = first_row + row;
         if (lane % 4 == 0 && global_row < seq.seqlen_q)
@@ -350,16 +366,16 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         const int global_row = first_row + row;
         if (global_row < seq.seqlen_q && col < a.head_dim)
           *reinterpret_cast<uint4*>(out + global_row * a.o_row_stride + col) =
-              *reinterpret_cast<const uint4*>(smem + swizzled_offset(row, col, Smem::Q_PANEL));
+              *reinterpret_cast<const uint4*>(q_tile + swizzled_offset(row, col, Smem::Q_PANEL));
       }
-      // The next tile's epilogue writes these rows again, and a tile without keys does so without
+      // A later tile's epilogue writes these rows again, and a tile without keys does so without
       // waiting for a Q copy (q_full), so the whole warpgroup must have read them first.
       named_barrier_sync(kEpilogueBarrier + consumer, 128);
-      // Hand Q's buffer back: the next tile's Q copy (async proxy) overwrites what these threads
-      // wrote and read here (generic proxy), so each fences its accesses before its warp arrives.
+      // Hand the Q buffer back: its next Q copy (async proxy) overwrites what these threads wrote
+      // and read here (generic proxy), so each fences its accesses before its warp arrives.
       fence_proxy_async_shared();
       __syncwarp();
-      if (lane == 0) mbarrier_arrive(&q_empty);
+      if (lane == 0) mbarrier_arrive(&q_empty[q_buffer]);
     }
   }
 }
