@@ -62,9 +62,9 @@ struct PingPong {
 };
 
 // Shared memory of one CTA, in bytes from a 1024-byte-aligned base: the Q buffers, then the K
-// stages, then the V stages. A tile of HEAD_DIM columns is HEAD_DIM / 64 panels of 64 columns (one 128-byte
-// swizzle row each, one TMA box each), every panel and tile a multiple of 1024 bytes so each
-// starts on a swizzle period, as TMA and the wgmma descriptors assume.
+// stages, then the V stages. A tile of HEAD_DIM columns is HEAD_DIM / 64 panels of 64 columns
+// (one 128-byte swizzle row each, one TMA box each), every panel and tile a multiple of 1024
+// bytes so each starts on a swizzle period, as TMA and the wgmma descriptors assume.
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int Q_BUFFERS>
 struct FwdSmem {
   static constexpr int PANELS = HEAD_DIM / 64;
@@ -340,8 +340,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       softmax.finalize(o, a.scale_log2, lse);
 
       // Epilogue: stage O in this warpgroup's own rows of the tile's Q buffer (its last wgmma has
-      // read them), then write whole 16-byte chunks of the rows that exist. Ordinary stores, not a TMA
-      // store: a packed sequence's last block must not write the next sequence's rows.
+      // read them), then write whole 16-byte chunks of the rows that exist. Ordinary stores, not a
+      // TMA store: a packed sequence's last block must not write the next sequence's rows.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = wg_row + warp * 16 + h * 8 + lane / 4;
