@@ -22,8 +22,8 @@ namespace cuflash {
 // 16-byte vector of 16-bit elements each, rounded up to a power of two (a row's threads are then
 // aligned lanes of one warp, reduced with shuffles) and at least 8, so that one 256-thread block
 // covers 256 / row_threads rows (dispatch.helper_rows_per_block computes the same for the grid).
-// One warp per row, as before, left 16 or 24 of 32 lanes idle below head_dim 256, and these
-// kernels are bound by memory: 2.6 TB/s at head_dim 128 and 1.4 at 64 (benchmarks/NOTES.md).
+// These kernels are bound by memory, and a warp per row would leave 16 or 24 of its 32 lanes
+// idle below head_dim 256 (benchmarks/NOTES.md, backward helpers v2).
 constexpr int kHelperThreads = 256;
 __device__ __forceinline__ int helper_row_threads(int head_dim) {
   const int vectors = (head_dim + 7) / 8;
