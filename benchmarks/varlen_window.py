@@ -20,13 +20,16 @@ import sys
 
 import numpy as np
 
+import cuflash
+from cuflash.bench import random_normal
+from cuflash.reference import key_bounds
+from cuflash.timing import tflops, time_ms
+
 HEADS, DIM, DTYPE = 16, 128, "bfloat16"
 BACKWARD_FLOPS = 2.5  # the backward's five products against the forward's two
 
 
 def pair_count(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) -> int:
-    from cuflash.reference import key_bounds
-
     lo, hi = key_bounds(np.arange(seqlen_q), seqlen_q, seqlen_k, causal, window)
     return int(np.maximum(hi - lo, 0).sum())
 
@@ -36,8 +39,6 @@ def flops(pairs: int, mode: str) -> float:
 
 
 def ms(run) -> float:
-    from cuflash.timing import time_ms
-
     return time_ms(lambda i: run(), 10, warmup=3, repeats=10)
 
 
@@ -52,10 +53,6 @@ def timed_call(mode: str, forward, backward):
 
 def varlen_table(mode: str, rng) -> None:
     import cupy as cp
-
-    import cuflash
-    from cuflash.bench import random_normal
-    from cuflash.timing import tflops
 
     lengths = []
     while sum(lengths) < 16384:
@@ -98,10 +95,6 @@ def varlen_table(mode: str, rng) -> None:
 
 
 def window_table(mode: str) -> None:
-    import cuflash
-    from cuflash.bench import random_normal
-    from cuflash.timing import tflops
-
     seqlen = 16384
     q, k, v, dout = (random_normal((1, seqlen, HEADS, DIM), DTYPE, seed=s) for s in range(4))
 
