@@ -152,8 +152,7 @@ class _ForwardPlan:
     device_plan: tuple[str, tuple[int, int]]  # (family, compute capability) it was built for
     kernel: kernels.Launch
     argument: ArgumentBuffer  # FwdParams, or FwdParamsSm90 (maps encoded per fill); pointers in FWD_POINTERS order
-    lse_shape: tuple[int, ...]  # of the float32 lse each call writes
-    lse_bytes: int  # its size, for the scratch that holds it when the caller does not want it
+    lse_shape: tuple[int, ...]  # of the float32 lse a call writes when the caller wants it
 
 
 @dataclass(frozen=True, eq=False)
@@ -271,17 +270,16 @@ def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int
         grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
         argument = ArgumentBuffer(packed, FWD_POINTERS)
     arch = dispatch.compile_arch(choice.family, capability)
-    return _ForwardPlan(device_plan, kernels.prepare(choice, arch, qt.device, grid), argument, lse_t.shape,
-                        4 * math.prod(lse_t.shape))
+    return _ForwardPlan(device_plan, kernels.prepare(choice, arch, qt.device, grid), argument, lse_t.shape)
 
 
 def _allocate_lse(plan: _ForwardPlan, framework: str, qt, return_lse: bool) -> tuple[Any, int]:
-    """(owner, pointer) of the lse ``plan`` writes (inside interop.on_device): an array when the
-    caller gets it back, else plain scratch (interop.scratch), released in stream order on return
-    as an unreturned array would be, without the cost of building an array object for it."""
+    """(array, pointer) of the lse ``plan`` writes (inside interop.on_device) when the caller gets
+    it back; else (None, 0): the kernels skip the lse stores for a null pointer, so nothing is
+    allocated for it."""
     if return_lse:
         return interop.allocate(framework, qt, plan.lse_shape, "float32")
-    return interop.scratch(framework, qt, plan.lse_bytes)
+    return None, 0
 
 
 def _run_forward(plan: _ForwardPlan, stream: int, qt, kt, vt, out_ptr: int, lse_ptr: int,

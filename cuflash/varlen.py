@@ -128,7 +128,7 @@ def _check_grid(lengths: _Lengths) -> None:
 def _forward_on_device(framework: str, tensors: dict, lengths: _Lengths, causal: bool, scale: float,
                        window: tuple[int, int], softcap: float, return_lse: bool) -> tuple:
     """One forward launch over the packed batch of validated tensors: (out, lse) in the caller's
-    framework, lse an array only if ``return_lse`` (else scratch, api._allocate_lse)."""
+    framework, lse an array only if ``return_lse`` (else none is written, api._allocate_lse)."""
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
     out_t = tensors.get("out")

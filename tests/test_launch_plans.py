@@ -182,19 +182,20 @@ def test_hit_skips_the_build_and_writes_the_new_pointers(gpu):
     launches, _ = _run(gpu, lambda: cuflash.attention(moved, moved, moved))
     assert gpu.builds == ["_forward_plan"]  # no second build
     params = np.frombuffer(launches[0][1], FWD_PARAMS)[0]
-    assert params["q"] == params["k"] == params["v"] == 9 << 30 and params["o"] == 5 << 30 and params["lse"] > params["o"]
+    assert params["q"] == params["k"] == params["v"] == 9 << 30 and params["o"] == 5 << 30 and params["lse"] == 0
 
 
-def test_unreturned_lse_is_scratch(gpu, monkeypatch):
-    """Without return_lse the kernel writes lse to scratch of its size; with it, to the array returned."""
+def test_unreturned_lse_is_not_allocated(gpu, monkeypatch):
+    """Without return_lse the kernel gets a null lse (it skips those stores) and nothing is
+    allocated for it; with it, the array returned."""
     asked = []
     monkeypatch.setattr(interop, "scratch", lambda framework, like, nbytes: asked.append(nbytes) or (None, 9 << 30))
     q = FakeCupyArray((2, 64, 3, 64))
     cuflash.attention(q, q, q)
     out, lse = cuflash.attention(q, q, q, return_lse=True)
-    assert asked == [4 * 2 * 3 * 64] and lse.shape == (2, 3, 64)
+    assert asked == [] and lse.shape == (2, 3, 64)
     unreturned, returned = (np.frombuffer(argument, FWD_PARAMS)[0]["lse"] for _, argument in gpu.launches)
-    assert unreturned == 9 << 30 and returned == lse.data.ptr
+    assert unreturned == 0 and returned == lse.data.ptr
 
 
 def test_layouts_and_options_key_separate_plans(gpu):

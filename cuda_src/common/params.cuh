@@ -10,7 +10,8 @@ struct FwdParams {
   const void* k;
   const void* v;
   void* o;
-  float* lse;  // (batch, heads, seqlen_q), or (heads, total_q) for packed batches; see lse_*_stride
+  float* lse;  // (batch, heads, seqlen_q), or (heads, total_q) for packed batches; see lse_*_stride.
+              // Null when the caller does not want it: not written.
   // Packed variable-length batches: (batch + 1) cumulative lengths, sequence b owning rows
   // [cu[b], cu[b + 1]) of q (and o, lse) and k, v, which have batch stride 0. Null for a
   // fixed-length batch (see common/seqlen.cuh for why this is a run-time switch).

@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(WARPS * 32)
             Elem::pack(o[mt][dt][2 * h], o[mt][dt][2 * h + 1]);
       }
       const int global_row = first_row + row;
-      if (lane % 4 == 0 && global_row < seq.seqlen_q) {
+      if (lane % 4 == 0 && global_row < seq.seqlen_q && p.lse != nullptr) {
         p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin + global_row] = lse[mt][h];
       }
     }

@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
           *reinterpret_cast<u32*>(q_tile + swizzled_offset(row, dt * 8 + (lane % 4) * 2, Smem::Q_PANEL)) =
               Elem::pack(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
         const int global_row = first_row + row;
-        if (lane % 4 == 0 && global_row < seq.seqlen_q)
+        if (lane % 4 == 0 && global_row < seq.seqlen_q && a.lse != nullptr)
           a.lse[c.batch * a.lse_batch_stride + c.head * a.lse_head_stride + seq.q_begin + global_row] = lse[0][h];
       }
       // The warpgroup's rows are written by all four of its warps and read across them.
