@@ -141,24 +141,20 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       if (blocks_loaded > 0) mbarrier_wait(&kv_empty, (blocks_loaded - 1) & 1);
       ++blocks_loaded;
       mbarrier_arrive_expect_tx(&kv_full, 2 * Smem::KV_BYTES);
-#pragma unroll
-      for (int panel = 0; panel < Smem::PANELS; ++panel) {
-        const int key_row = seq.k_begin + n_block * kBwdBlockN;
-        tma_load(smem + Smem::K + panel * Smem::KV_PANEL, &p.k, &kv_full, 64 * panel, kv_head, key_row, map_batch);
-        tma_load(smem + Smem::V + panel * Smem::KV_PANEL, &p.v, &kv_full, 64 * panel, kv_head, key_row, map_batch);
-      }
+      const int key_row = seq.k_begin + n_block * kBwdBlockN;
+      tma_load_panels<Smem::PANELS>(smem + Smem::K, Smem::KV_PANEL, &p.k, &kv_full, kv_head, key_row, map_batch);
+      tma_load_panels<Smem::PANELS>(smem + Smem::V, Smem::KV_PANEL, &p.v, &kv_full, kv_head, key_row, map_batch);
       for (int m = m_range.begin; m < m_range.end; ++m, pos.advance()) {
         // Rows past the tensor arrive as zeros, rows past a packed sequence from the next one:
         // their lse is taken as +inf below, so P and dS are 0 there.
         const int row = seq.q_begin + m * kBwdBlockM;
         mbarrier_wait(&qd_empty[pos.stage], pos.phase ^ 1);
         mbarrier_arrive_expect_tx(&qd_full[pos.stage], 2 * Smem::QD_BYTES);
-#pragma unroll
-        for (int panel = 0; panel < Smem::PANELS; ++panel) {
-          const u32 offset = pos.stage * Smem::QD_BYTES + panel * Smem::QD_PANEL;
-          tma_load(smem + Smem::Q + offset, &p.q, &qd_full[pos.stage], 64 * panel, head, row, map_batch);
-          tma_load(smem + Smem::DO + offset, &p.dout, &qd_full[pos.stage], 64 * panel, head, row, map_batch);
-        }
+        const u32 offset = pos.stage * Smem::QD_BYTES;
+        tma_load_panels<Smem::PANELS>(smem + Smem::Q + offset, Smem::QD_PANEL, &p.q, &qd_full[pos.stage], head, row,
+                                      map_batch);
+        tma_load_panels<Smem::PANELS>(smem + Smem::DO + offset, Smem::QD_PANEL, &p.dout, &qd_full[pos.stage], head, row,
+                                      map_batch);
       }
     }
     return;
