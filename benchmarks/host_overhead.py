@@ -19,6 +19,8 @@ import pstats
 import sys
 import time
 
+from gpu_check import skipped_without_gpu
+
 
 def _per_call_us(fn, calls: int, sync) -> tuple[float, float]:
     for _ in range(20):  # compilation, module load, allocator growth, plan cache
@@ -75,12 +77,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--profile", help="a row's name: print its cProfile instead of timing every row")
     args = parser.parse_args()
-    sys.path.insert(0, ".")
-    from tests.conftest import gpu_unavailable_reason
-
-    reason = gpu_unavailable_reason()
-    if reason is not None:
-        print(f"host_overhead: skipped, {reason}")
+    if skipped_without_gpu("host_overhead"):
         return
     import cupy as cp
 

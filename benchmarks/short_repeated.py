@@ -14,19 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
+
+from gpu_check import skipped_without_gpu
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    sys.path.insert(0, ".")
-    from tests.conftest import gpu_unavailable_reason
-
-    reason = gpu_unavailable_reason()
-    if reason is not None:
-        print(f"short_repeated: skipped, {reason}")
+    if skipped_without_gpu("short_repeated"):
         return
     from cuflash import bench
 

@@ -16,7 +16,6 @@ says so and exits 0.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import numpy as np
 
@@ -24,6 +23,8 @@ import cuflash
 from cuflash.bench import random_normal
 from cuflash.reference import key_bounds
 from cuflash.timing import tflops, time_ms
+
+from gpu_check import skipped_without_gpu
 
 HEADS, DIM, DTYPE = 16, 128, "bfloat16"
 BACKWARD_FLOPS = 2.5  # the backward's five products against the forward's two
@@ -120,12 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("fwd", "bwd", "both"), default="both")
     args = parser.parse_args()
-    sys.path.insert(0, ".")
-    from tests.conftest import gpu_unavailable_reason
-
-    reason = gpu_unavailable_reason()
-    if reason is not None:
-        print(f"varlen_window: skipped, {reason}")
+    if skipped_without_gpu("varlen_window"):
         return
     import cupy as cp
 
