@@ -216,9 +216,8 @@ def forward_kernel(
         tile = tile or special.get(kernel_dim) or SM90_FWD_TILES[kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
         assert tile.warps == 4 * (consumers + 1)
-        # Q buffers (two where they fit, so that a persistent CTA loads the next tile's Q during
-        # this one's main loop; flash_fwd.cu) and the K and V stages, plus 1 KiB to align the
-        # window to the 128-byte swizzle's 1024-byte period.
+        # Two Q buffers where they fit, so that a persistent CTA loads the next tile's Q during
+        # this one's main loop (flash_fwd.cu).
         q_buffers = 2 if _sm90_fwd_smem(tile, kernel_dim, 2) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN else 1
         smem = _sm90_fwd_smem(tile, kernel_dim, q_buffers)
         expr = (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {q_buffers}, "
