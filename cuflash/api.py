@@ -676,15 +676,19 @@ def attention_backward(
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds (on
         sm90, bulk reductions of whole dq blocks) whose order varies between runs, so results can
         differ in the last bits from run to run.
-        True: bitwise-identical gradients on every run. Each (batch, head) gets
-        max(1, resident CTA slots // (batch * heads)) CTAs (at most one per key block); each walks
-        its key blocks in a fixed order and sums dq into its own fp32 buffer, and the buffers are
-        added in index order; GQA/MQA dk, dv are stored per query head and summed in head order.
-        No atomics race and no CTA waits for another. Costs: that many dq-sized fp32 buffers (one
-        when batch * heads fills the GPU) and, under GQA/MQA, 2 x (batch, seqlen_k, heads,
-        head_dim) fp32 instead of heads_kv; time: on the H200 up to 18% at 2k-16k tokens, none
-        for short causal sequences, which run this way by default there (the README's backward
-        table).
+        True: bitwise-identical gradients on every run; GQA/MQA dk, dv are stored per query head
+        and summed in head order. dq, below 4096 keys (8192 causal) or on sm80: each (batch, head)
+        gets max(1, resident CTA slots // (batch * heads)) CTAs (at most one per key block); each
+        walks its key blocks in a fixed order and sums dq into its own fp32 buffer, and the
+        buffers are added in index order. Longer, on sm90: the default's grid and reductions, each
+        term of dq first rounded to a multiple of its row's quantum (2^-24 of a bound on the row's
+        partial sums, from the largest magnitudes of K and V, found in one extra pass over them),
+        so that the fp32 sums are exact in any order; a term's rounding error is at most 2^-25 of
+        that bound, far below the 16-bit gradient's. Costs: the walk's dq-sized fp32 buffers (one
+        when batch * heads fills the GPU), or the pass over K and V; under GQA/MQA, 2 x (batch,
+        seqlen_k, heads, head_dim) fp32 instead of heads_kv; speed: on the H200 0.84-1.0 of the
+        default's rate at 2k-16k tokens, the same for short causal sequences, which run the walk
+        by default there (benchmarks/results/2026-11-30-h200-bwd-quantised-session8.md).
     dq, dk, dv : arrays, optional
         Where to write the gradients (shapes of q, k, v; dtype of q).
 
