@@ -10,15 +10,17 @@
 //   dQ += dS K   (dS through shared memory, both operands MN-major; the fp32 block staged in
 //                 shared memory and added to global by one bulk reduction).
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
-// ORDERED grid (short causal sequences): grid (dq_splits, heads, batch); CTA s walks one key block
-// of each round of dq_splits consecutive ones (K and V reloaded per block) and adds dQ into its own
-// fp32 split, each element from one thread in program order (the convert kernel adds the splits
-// in order), which amortises each CTA's start over its blocks.
-// QUANTISED_DQ (deterministic mode): each dQ term is rounded to a multiple of its query row's
-// quantum (the preprocess's dq_quantum_scale: 2^-24 of a bound on every partial sum of the row),
-// and fp32 adds such multiples exactly, so the reductions give the same bits in any order, on
-// the default grid with its L2 reuse (a fixed order of adds cost 12-18%: benchmarks/NOTES.md).
-// GQA's dK and dV are then stored per query head and summed in order by the convert kernel.
+// ORDERED grid (short causal sequences, and deterministic mode's shorter ones): grid (dq_splits,
+// heads, batch); CTA s walks one key block of each round of dq_splits consecutive ones (K and V
+// reloaded per block) and adds dQ into its own fp32 split, each element from one thread in
+// program order (the convert kernel adds the splits in order), which amortises each CTA's start
+// over its blocks and repeats bitwise.
+// QUANTISED_DQ (deterministic mode's longer sequences, api._quantised_backward): each dQ term is
+// rounded to a multiple of its query row's quantum (the preprocess's dq_quantum_scale: 2^-24 of a
+// bound on every partial sum of the row), and fp32 adds such multiples exactly, so the reductions
+// give the same bits in any order, on the default grid with its L2 reuse (the walk's splits miss
+// L2 there: benchmarks/NOTES.md, sm90 backward v12). GQA's dK and dV are then stored per query
+// head and summed in order by the convert kernel.
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/types.cuh"
