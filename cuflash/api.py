@@ -158,15 +158,14 @@ class _ForwardPlan:
 @dataclass(frozen=True, eq=False)
 class _BackwardPlan:
     device_plan: tuple[str, tuple[int, int]]
-    absmax: kernels.Launch | None  # sm90's deterministic mode: max |K| and |V| first, else None
     preprocess: kernels.Launch
     main: kernels.Launch
-    argument: ArgumentBuffer  # BwdParams, shared by the helpers and main; pointers in BWD_POINTERS order
+    argument: ArgumentBuffer  # BwdParams, shared by preprocess and main; pointers in BWD_POINTERS order
     main_argument: ArgumentBuffer | None  # an sm90 main kernel's BwdParamsSm90 (same pointers), else None
     # fp32 scratch carved from one allocation: offsets of delta, dq_accum, dk_accum and dv_accum
-    # (None without GQA), dq_scale and kv_absmax (None but in sm90's deterministic mode), its
-    # size, and the length of its prefix to zero (the accumulators that are added to, kv_absmax).
-    offsets: tuple[int, int, int | None, int | None, int | None, int | None]
+    # (None without GQA), its size, and the length of its prefix to zero (the accumulators that
+    # are added to).
+    offsets: tuple[int, int, int | None, int | None]
     scratch_bytes: int
     zeroed_bytes: int
     # (kernel, ConvertParams, source offset in the scratch, index of the gradient in (dq, dk, dv))
@@ -308,20 +307,6 @@ def _ordered_backward(family: str, mask: str, max_seqlen_k: int) -> bool:
     return family == "sm90" and mask == "causal" and max_seqlen_k <= _ORDERED_CAUSAL_KEYS
 
 
-# sm90's deterministic backward quantises dQ on the default grid from this many keys (causal from
-# twice as many), and walks the ordered grid below (benchmarks/NOTES.md, sm90 backward v12).
-_QUANTISED_KEYS = 4096
-
-
-def _quantised_backward(family: str, mask: str, max_seqlen_k: int) -> bool:
-    """Whether sm90's deterministic backward rounds dQ's terms to per-row quanta, whose fp32 sums
-    are exact in any order, on the default grid (one CTA per key block, the CTAs of a head sharing
-    its dQ in L2) rather than walking the ordered grid into per-CTA splits added in order: on long
-    sequences, where the splits miss L2 (d128 16k: 0.86 -> 0.90-0.92 of the default's rate); short
-    ones run the walk, which the quantisation's extra pass over K and V would slow by up to 30%."""
-    return family == "sm90" and max_seqlen_k >= _QUANTISED_KEYS * (2 if mask == "causal" else 1)
-
-
 def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, window: tuple[int, int],
                    softcap: float, deterministic: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
                    cu_seqlens=(None, None)) -> _BackwardPlan:
@@ -336,16 +321,12 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     main_family = dispatch.backward_family(family, head_dim, bool(softcap))
     if main_family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt, dout_t)):
         main_family = "sm80"
-    # Deterministic mode: the ordered grid, CTAs walking their key blocks into per-CTA splits added
-    # in order, or on sm90's long sequences each dQ term rounded to its row's quantum, which fp32
-    # adds exactly in any order, on the default grid (_quantised_backward). sm90 also walks the
-    # ordered grid for short causal sequences by default, where it is the faster one
-    # (_ordered_backward).
-    quantised = deterministic and _quantised_backward(main_family, mask, max_seqlen_k)
-    ordered = (deterministic and not quantised) or _ordered_backward(main_family, mask, max_seqlen_k)
+    # The ordered (deterministic) grid where asked for, and for sm90's short causal sequences,
+    # where it is also the faster one (_ordered_backward).
+    ordered = deterministic or _ordered_backward(main_family, mask, max_seqlen_k)
     preprocess, main, convert = dispatch.backward_kernels(main_family, head_dim, mask, qt.dtype, bool(softcap),
-                                                          ordered, quantised)
-    arch = dispatch.compile_arch("sm80", capability)  # the helper kernels
+                                                          ordered)
+    arch = dispatch.compile_arch("sm80", capability)  # the preprocess and convert kernels
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
     if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
         raise ValueError(f"k: sequences must be at most {_MAX_GRID_YZ * main.tile.block_n} keys long for the "
@@ -354,37 +335,32 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     # Ordered: as many CTAs per (batch, head) as fill the resident slots in one wave
     # (rounding up would leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s), each
     # walking its share of the key blocks in order into its own fp32 dQ split (flash_bwd.cu);
-    # splits added in order. Quantised dQ needs no splits: one buffer for every walk.
+    # splits added in order.
     slots = _multiprocessors(qt.device) * main.tile.ctas_per_sm
     splits = max(1, min(n_blocks, slots // (batch * heads))) if ordered else 1
-    buffers = 1 if quantised else splits
-    # fp32 scratch, one allocation: dq_accum, [kv_absmax,] [dk_accum, dv_accum,] delta, [dq_scale].
-    # dq_accum rows are padded to the head-dim bucket so the kernel's reductions need no column
-    # checks (flash_bwd.cu), sm90's by a few columns more (dispatch.SM90_BWD_DQ_ROW_PAD), the rows
-    # of one head contiguous. GQA: the ordered grid and quantised dQ keep one dK/dV slice per query
-    # head, plainly stored and summed by the convert kernel; otherwise heads_kv slices added to
-    # atomically, so zeroed with dq_accum.
+    # fp32 scratch, one allocation: dq_accum, [dk_accum, dv_accum,] delta. dq_accum rows are
+    # padded to the head-dim bucket so the kernel's reductions need no column checks
+    # (flash_bwd.cu), sm90's by a few columns more (dispatch.SM90_BWD_DQ_ROW_PAD), the rows of one
+    # head contiguous. GQA: the ordered grid keeps one dK/dV slice per query head, plainly stored and
+    # summed by the convert kernel; otherwise heads_kv slices added to atomically, so zeroed with
+    # dq_accum.
     bucket = dispatch.head_dim_bucket(head_dim)
     dq_row = bucket + (dispatch.SM90_BWD_DQ_ROW_PAD if main.family == "sm90" else 0)
-    per_query_head = ordered or quantised
-    shapes = [(buffers, qt.shape[0], heads, rows_q, dq_row)] + [(2,)] * quantised  # kv_absmax
+    shapes = [(splits, qt.shape[0], heads, rows_q, dq_row)]
     if group > 1:
-        shapes += [(*kt.shape[:2], heads if per_query_head else kt.shape[2], head_dim)] * 2
-    zeroed_arrays = 1 + quantised + (2 if group > 1 and not per_query_head else 0)
-    shapes += [lse_t.shape] * (1 + quantised)  # delta, dq_scale
+        shapes += [(*kt.shape[:2], heads if ordered else kt.shape[2], head_dim)] * 2
+    shapes.append(lse_t.shape)  # delta
     offsets, end = [], 0
     for shape in shapes:
         offsets.append(end)
         end += -(-4 * math.prod(shape) // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
     records = [interop.contiguous(shape, qt, "float32")._replace(ptr=offset) for shape, offset in zip(shapes, offsets)]
-    dq_accum = records[0]
-    kv_absmax, delta, dq_scale = (records[1], records[-2], records[-1]) if quantised else (None, records[-1], None)
-    dk_accum, dv_accum = records[1 + quantised:3 + quantised] if group > 1 else (None, None)
-    zeroed = offsets[zeroed_arrays]
+    dq_accum, delta = records[0], records[-1]
+    dk_accum, dv_accum = records[1:3] if group > 1 else (None, None)
+    zeroed = offsets[3] if group > 1 and not ordered else offsets[1]
 
     packed = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2], dk_accum,
                              dv_accum, scale, window, softcap, *cu_seqlens)
-    packed["dq_splits"] = splits  # the walk's stride; dq_accum holds `buffers` of them
     argument = ArgumentBuffer(packed, BWD_POINTERS)
     main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.block_m, main.tile.block_n)
                      if main.family == "sm90" else None)
@@ -394,15 +370,15 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     else:
         grid = (heads, batch, n_blocks) if main.blocks_slowest else (n_blocks, heads, batch)
     # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
-    # scale): dQ sums its splits and takes the softmax scale; per-query-head GQA dK/dV sum the
-    # group's adjacent slices (dK already scaled by the main kernel).
+    # scale): dQ sums its splits and takes the softmax scale; the ordered grid's GQA dK/dV sum the
+    # group's adjacent query-head slices (dK already scaled by the main kernel).
     dq_strides = (heads * rows_q * dq_row, dq_row, rows_q * dq_row)
-    converts = [(dq_accum, 0, dq_strides, buffers, math.prod(dq_accum.shape[1:]), scale)]
+    converts = [(dq_accum, 0, dq_strides, splits, math.prod(dq_accum.shape[1:]), scale)]
     if group > 1:
-        slices = dk_accum.shape[2]  # heads_kv, or heads per query head
+        slices = dk_accum.shape[2]  # heads_kv, or heads in the ordered grid
         kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
-                      group * head_dim if per_query_head else head_dim)
-        summands = (group, head_dim) if per_query_head else (1, 0)
+                      group * head_dim if ordered else head_dim)
+        summands = (group, head_dim) if ordered else (1, 0)
         converts += [(src, index, kv_strides, *summands, 1.0) for src, index in ((dk_accum, 1), (dv_accum, 2))]
     rows_per_block = dispatch.helper_rows_per_block(head_dim)
     convert_launches = []
@@ -413,15 +389,10 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
             ArgumentBuffer(pack_convert_params(src, grads[index], src_strides, summands, summand_stride, factor),
                            CONVERT_POINTERS),
             src.ptr, index))
-    # The absmax kernel over (key rows, K/V heads, batch), as the other helpers over theirs.
-    absmax = (kernels.prepare(dispatch.absmax_kernel(qt.dtype), arch, qt.device,
-                              (-(-max_seqlen_k // rows_per_block), kt.shape[2], batch)) if quantised else None)
     return _BackwardPlan(
-        device_plan, absmax,
-        kernels.prepare(preprocess, arch, qt.device, (-(-max_seqlen_q // rows_per_block), heads, batch)),
+        device_plan, kernels.prepare(preprocess, arch, qt.device, (-(-max_seqlen_q // rows_per_block), heads, batch)),
         kernels.prepare(main, dispatch.compile_arch(main.family, capability), qt.device, grid), argument, main_argument,
-        (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None,
-         dq_scale.ptr if quantised else None, kv_absmax.ptr if quantised else None),
+        (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None),
         end, zeroed, tuple(convert_launches))
 
 
@@ -430,15 +401,11 @@ def _run_backward(plan: _BackwardPlan, framework: str, stream: int, qt, kt, vt, 
     """Allocate and zero the scratch, launch ``plan`` (inside interop.on_device)."""
     owner, base = interop.scratch(framework, qt, plan.scratch_bytes)  # referenced until the launches are queued
     interop.zero(base, plan.zeroed_bytes, stream)
-    delta, dq_accum, dk_accum, dv_accum, dq_scale, kv_absmax = (base + offset if offset is not None else 0
-                                                                for offset in plan.offsets)
+    delta, dq_accum, dk_accum, dv_accum = (base + offset if offset is not None else 0 for offset in plan.offsets)
     cu_q, cu_k = cu_seqlens
     pointers = (qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum, grad_ptrs[1], grad_ptrs[2],
-                dk_accum, dv_accum, cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0,
-                dq_scale, kv_absmax)
+                dk_accum, dv_accum, cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0)
     argument = plan.argument.fill(*pointers)
-    if plan.absmax is not None:
-        kernels.launch(plan.absmax, stream, argument)
     kernels.launch(plan.preprocess, stream, argument)
     kernels.launch(plan.main, stream, argument if plan.main_argument is None else plan.main_argument.fill(*pointers))
     for kernel, convert, src_offset, index in plan.converts:
@@ -676,19 +643,15 @@ def attention_backward(
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds (on
         sm90, bulk reductions of whole dq blocks) whose order varies between runs, so results can
         differ in the last bits from run to run.
-        True: bitwise-identical gradients on every run; GQA/MQA dk, dv are stored per query head
-        and summed in head order. dq, below 4096 keys (8192 causal) or on sm80: each (batch, head)
-        gets max(1, resident CTA slots // (batch * heads)) CTAs (at most one per key block); each
-        walks its key blocks in a fixed order and sums dq into its own fp32 buffer, and the
-        buffers are added in index order. Longer, on sm90: the default's grid and reductions, each
-        term of dq first rounded to a multiple of its row's quantum (2^-24 of a bound on the row's
-        partial sums, from the largest magnitudes of K and V, found in one extra pass over them),
-        so that the fp32 sums are exact in any order; a term's rounding error is at most 2^-25 of
-        that bound, far below the 16-bit gradient's. Costs: the walk's dq-sized fp32 buffers (one
-        when batch * heads fills the GPU), or the pass over K and V; under GQA/MQA, 2 x (batch,
-        seqlen_k, heads, head_dim) fp32 instead of heads_kv; speed: on the H200 0.84-1.0 of the
-        default's rate at 2k-16k tokens, the same for short causal sequences, which run the walk
-        by default there (benchmarks/results/2026-11-30-h200-bwd-quantised-session8.md).
+        True: bitwise-identical gradients on every run. Each (batch, head) gets
+        max(1, resident CTA slots // (batch * heads)) CTAs (at most one per key block); each walks
+        its key blocks in a fixed order and sums dq into its own fp32 buffer, and the buffers are
+        added in index order; GQA/MQA dk, dv are stored per query head and summed in head order.
+        No atomics race and no CTA waits for another. Costs: that many dq-sized fp32 buffers (one
+        when batch * heads fills the GPU) and, under GQA/MQA, 2 x (batch, seqlen_k, heads,
+        head_dim) fp32 instead of heads_kv; time: on the H200 up to 18% at 2k-16k tokens, none
+        for short causal sequences, which run this way by default there (the README's backward
+        table).
     dq, dk, dv : arrays, optional
         Where to write the gradients (shapes of q, k, v; dtype of q).
 

@@ -272,15 +272,11 @@ def backward_family(family: str, head_dim: int, softcap: bool) -> str:
 
 @functools.lru_cache(maxsize=None)
 def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False,
-                     ordered: bool = False, quantised: bool = False, tile: Tile | None = None
-                     ) -> tuple[KernelChoice, ...]:
+                     deterministic: bool = False, tile: Tile | None = None) -> tuple[KernelChoice, ...]:
     """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
-    forward_kernel (softcap runs in the window kernel there too), ``ordered`` the grid whose CTAs
-    walk their key blocks in order into per-CTA dQ splits (sm80's deterministic mode; sm90's
-    short causal sequences), ``quantised`` sm90's deterministic mode (dQ terms rounded to each
-    row's quantum, after the absmax_kernel), ``tile`` overrides the table, for tuning. The sm90
-    family has its own main kernel where backward_family says so, between sm80's preprocess and
-    convert kernels; otherwise the family raises ValueError."""
+    forward_kernel (softcap runs in the window kernel there too), ``tile`` overrides the table,
+    for tuning. The sm90 family has its own main kernel where backward_family says so, between
+    sm80's preprocess and convert kernels; otherwise the family raises ValueError."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -296,34 +292,25 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
             raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}, softcap {softcap}")
         tile = tile or SM90_BWD_TILES[bucket]
         main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, "
-                f"{_cpp(mask == 'window')}, {_cpp(ordered)}, {_cpp(quantised)}, {elem}>")
+                f"{_cpp(mask == 'window')}, {_cpp(deterministic)}, {elem}>")
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
         # 64 queries), the fp32 dQ block, plus 1 KiB to align the window to the swizzle's
         # 1024-byte period.
         smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + 1024)
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
-                                   blocks_slowest=mask == "causal" and not ordered)
+                                   blocks_slowest=mask == "causal" and not deterministic)
         return helpers[0], main_choice, helpers[1]
     tile = tile or SM80_BWD_TILES[bucket]
     causal, window = mask == "causal" and not softcap, mask == "window" or softcap
-    if quantised:
-        raise ValueError("quantised: sm90's backward only")
     main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
-            f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(ordered)}, {elem}>")
+            f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(deterministic)}, {elem}>")
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
     # buffers each of the rows' fp32 log-sum-exp and delta.
     smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
             + 4 * tile.block_m * 4)
     return (helpers[0], KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
-                                     blocks_slowest=causal and not ordered), helpers[1])
-
-
-def absmax_kernel(dtype_name: str) -> KernelChoice:
-    """The kernel of sm90's deterministic backward that finds max |K| and max |V| for the
-    preprocess's dQ quanta (an sm80 instantiation, as the other helpers)."""
-    return KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_absmax_sm80<{ELEMENT_TYPES[dtype_name]}>",
-                        HELPER_THREADS, 0)
+                                     blocks_slowest=causal and not deterministic), helpers[1])
 
 
 def all_kernels(family: str) -> list[KernelChoice]:
@@ -341,12 +328,8 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         found.setdefault(choice.name_expression, choice)
                     if backward_family(family, bucket, softcap) != family:
                         continue
-                    for ordered in (False, True):
-                        for quantised in (False, True) if family == "sm90" else (False,):
-                            for choice in backward_kernels(family, bucket, mask, dtype, softcap, ordered, quantised):
-                                if choice.family == family:
-                                    found.setdefault(choice.name_expression, choice)
-            if family == "sm80":  # sm90's deterministic mode runs this helper built for sm80 too
-                choice = absmax_kernel(dtype)
-                found.setdefault(choice.name_expression, choice)
+                    for deterministic in (False, True):
+                        for choice in backward_kernels(family, bucket, mask, dtype, softcap, deterministic):
+                            if choice.family == family:
+                                found.setdefault(choice.name_expression, choice)
     return list(found.values())

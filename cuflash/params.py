@@ -133,7 +133,7 @@ def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, block_m: int, bloc
 _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv") for s in ("batch", "row", "head")]
 
 BWD_POINTERS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dk", "dv", "dk_accum", "dv_accum",
-                "cu_seqlens_q", "cu_seqlens_k", "dq_scale", "kv_absmax")
+                "cu_seqlens_q", "cu_seqlens_k")
 BWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in BWD_POINTERS]
     + [(name, np.int64) for name in _BWD_STRIDES + ["lse_batch_stride", "lse_head_stride", "dq_split_stride",
@@ -143,11 +143,11 @@ BWD_PARAMS = np.dtype(
     + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_exp2_scale")],
     align=True,
 )
-BWD_PARAMS_SIZE = 392  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 376  # sizeof(BwdParams) in params.cuh
 # cuda_src/sm90/bwd_params.cuh: the tensor maps of q, k, v and dout, then BwdParams.
 BWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
                                    ("dout", tma.TENSOR_MAP), ("base", BWD_PARAMS)])
-BWD_PARAMS_SM90_SIZE = 960  # sizeof(BwdParamsSm90)
+BWD_PARAMS_SM90_SIZE = 896  # sizeof(BwdParamsSm90)
 
 CONVERT_POINTERS = ("src", "dst")
 CONVERT_PARAMS = np.dtype(
@@ -164,15 +164,14 @@ CONVERT_PARAMS_SIZE = 96  # sizeof(ConvertParams) in params.cuh
 def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, softmax_scale: float,
                     window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
                     cu_seqlens_k=None) -> np.ndarray:
-    """One BwdParams struct; every argument a DeviceTensor (dk_accum and dv_accum may be None; the
-    pointers of dq_scale and kv_absmax, sm90's deterministic scratch, are given at fill time).
+    """One BwdParams struct; every argument a DeviceTensor (dk_accum and dv_accum may be None).
     q, k, v, out, dout, dk, dv, lse, window, softcap and cu_seqlens as for pack_fwd_params; delta
     shaped like lse; dq_accum (dq_splits, batch, heads, rows, row width) contiguous, batch 1 for a
     packed batch, rows the head-dim bucket wide (sm90: plus dispatch.SM90_BWD_DQ_ROW_PAD)."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
     packed = cu_seqlens_q is not None
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
-                                                          dk_accum, dv_accum, cu_seqlens_q, cu_seqlens_k)] + [0, 0]
+                                                          dk_accum, dv_accum, cu_seqlens_q, cu_seqlens_k)]
     lse_strides = (0, lse.strides[0]) if packed else lse.strides[:2]
     splits, dq_batch, dq_heads, dq_rows, row_width = dq_accum.shape
     # A packed batch's sequences share the one (heads, total_q) block, offset by their first row.

@@ -48,16 +48,3 @@ def family(request, monkeypatch):
     api._device_plan.cache_clear()
     yield request.param
     api._device_plan.cache_clear()
-
-
-@pytest.fixture(params=["walk", "quantised"])
-def deterministic_path(request, monkeypatch):
-    """Runs a deterministic-mode test once per sm90 mechanism: the ordered grid's walk (which the
-    tests' short sequences take by default) and quantised dQ on the default grid (taken from
-    api._QUANTISED_KEYS keys on, here from one). sm80 walks in both runs."""
-    from cuflash import api
-
-    if request.param == "quantised":
-        monkeypatch.setattr(api, "_QUANTISED_KEYS", 1)
-    monkeypatch.setattr(api, "_PLANS", {})  # no plan built under the other setting
-    return request.param

@@ -72,7 +72,7 @@ def test_backward_bad_inputs():
 @pytest.mark.parametrize("seqlens", [(1023, 1023), (113, 1023), (1023, 113), (257, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.usefixtures("family", "deterministic_path")
+@pytest.mark.usefixtures("family")
 def test_deterministic_matches_reference_and_repeats_bitwise(head_dim, causal, seqlens, group, rng):
     import cupy as cp
 
@@ -97,41 +97,6 @@ def test_deterministic_matches_reference_and_repeats_bitwise(head_dim, causal, s
                                    dq=again[0], dk=again[1], dv=again[2])
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name
-
-
-@pytest.mark.parametrize("magnitudes", [(1.0, 1.0, 2.0**-20), (4.0, 16.0, 1.0), (1.0, 1.0, 1024.0)],
-                         ids=["tiny-dout", "large-kv", "large-dout"])
-@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.usefixtures("family", "deterministic_path")
-def test_deterministic_scales_of_magnitude(dtype_name, magnitudes, rng):
-    """deterministic=True when K, V and dout are far from unit scale, one key an outlier: sm90's
-    quantised dQ takes each row's quantum from |dout| max|K| max|V|, which must keep small rows exact
-    enough and large ones from overflowing (GQA, uneven lengths, causal)."""
-    import cupy as cp
-
-    import cuflash
-    from tests import gpu_reference as ref
-
-    def scaled(x, factor):  # exact: powers of two (and 16)
-        x32 = (ref.as_float64(x) * factor).astype(cp.float32)
-        if dtype_name == "float16":
-            return x32.astype(cp.float16)
-        return (x32.view(cp.uint32) >> 16).astype(cp.uint16).view(x.dtype)
-
-    k_scale, v_scale, dout_scale = magnitudes
-    q = ref.random_bshd((2, 300, 4, 128), dtype_name, rng)
-    k, v = (ref.random_bshd((2, 517, 2, 128), dtype_name, rng) for _ in range(2))
-    outlier = cp.ones((1, 517, 1, 1))
-    outlier[0, 7] = 4.0  # one key 4 times the rest: a looser bound for every other row
-    k, v = scaled(k, k_scale * outlier), scaled(v, v_scale)
-    dout = scaled(ref.random_bshd(q.shape, dtype_name, rng), dout_scale)
-    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
-    got = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
-    args = [ref.as_float64(x) for x in (q, k, v, dout)]
-    exact = ref.attention_backward(*args, causal=True, scale=1 / math.sqrt(128))
-    lowp = ref.attention_backward(*args, causal=True, scale=1 / math.sqrt(128), lowp=dtype_name)
-    for name, g, e, lp in zip(("dq", "dk", "dv"), got, exact, lowp):
-        ref.check_rule(name, g, e, lp, dtype_name)
 
 
 @pytest.mark.parametrize("causal", [False, True])

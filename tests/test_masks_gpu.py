@@ -131,7 +131,6 @@ def test_softcap_backward_matches_reference(case, rng):
                    softcap=softcap)
 
 
-@pytest.mark.usefixtures("deterministic_path")
 def test_deterministic_window_softcap_repeats_bitwise(rng):
     """deterministic=True with a window and a softcap (GQA): within the rule, and bitwise equal over
     10 runs."""

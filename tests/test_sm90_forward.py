@@ -145,23 +145,20 @@ def test_sm90_dispatch():
     # The sm90 backward main kernel: head dims up to 128, no softcap, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
-    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, false, false, cuflash::f16>"
+    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, false, cuflash::f16>"
     assert main.threads == 384 and main.blocks_slowest
     assert not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
-    ordered = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", ordered=True)[1]
-    assert ordered.name_expression.endswith("true, false, true, false, cuflash::bf16>") and not ordered.blocks_slowest
+    ordered = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", deterministic=True)[1]
+    assert ordered.name_expression.endswith("true, false, true, cuflash::bf16>") and not ordered.blocks_slowest
     assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 64 * 132 * 4 + 1024 <= 227 * 1024
-    quantised = dispatch.backward_kernels("sm90", 100, "none", "bfloat16", quantised=True)[1]
-    assert quantised.name_expression.endswith("<128, 2, false, false, false, true, cuflash::bf16>")
-    assert quantised.smem_bytes == main.smem_bytes
     for head_dim, mask, softcap, deterministic in ((192, "none", False, False), (64, "window", True, False),
                                                    (64, "none", True, False), (256, "causal", False, True)):
         assert dispatch.backward_family("sm90", head_dim, softcap) == "sm80"
         with pytest.raises(ValueError, match="no sm90 backward"):
             dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, deterministic)
     assert dispatch.backward_family("sm80", 64, False) == "sm80"
-    # dims x masks x dtypes x (ordered grid or not) x (quantised dQ or not)
-    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2 * 2 * 2
+    # dims x masks x dtypes x modes
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2 * 2
 
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
@@ -334,10 +331,8 @@ def test_sm90_backward_plan(monkeypatch):
     assert sorted((c.family, arch) for c, arch in loaded) == [("sm80", "sm_90")] * 4 + [("sm90", "sm_90a")]
     # Causal over at most 2048 keys: the ordered grid (splits, heads, batch), each of the
     # ceil(300 / 128) key blocks a split here (the mock device's SMs fill with 3 x 4 x 2 CTAs).
-    assert plan.main.grid == (3, 4, 2)
-    assert main_choice.name_expression.endswith("true, false, true, false, cuflash::bf16>")
-    assert plan.absmax is None and plan.offsets[4:] == (None, None)
-    pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 0, 0, 0, 0)
+    assert plan.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, true, cuflash::bf16>")
+    pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 0, 0)
     main = np.frombuffer(ArgumentBuffer.struct_bytes(plan.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
     shared = ArgumentBuffer.struct_bytes(plan.argument.fill(*pointers))
     base = np.frombuffer(shared, BWD_PARAMS)[0]
@@ -357,44 +352,15 @@ def test_sm90_backward_plan(monkeypatch):
     loaded.clear()
     softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (10, 0), 5.0, False, 2, 300, 300)
     assert softcap.main_argument is None and loaded[softcap.main.function - 1][0].family == "sm80"
-    # Deterministic: quantised dQ on the default grid (the ordered one for short causal), after
-    # the absmax kernel over (key rows, K/V heads, batch); one dQ buffer, then kv_absmax, both
-    # zeroed; the per-query-head dK/dV slices; delta and the row scales.
-    loaded.clear()
-    walk = api._backward_plan(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
-                              (-1, -1), 0.0, True, 2, 3000, 3000)
-    assert walk.absmax is None and walk.main.grid == (16, 4, 2)  # below 4096 keys: the ordered grid
-    assert loaded[walk.main.function - 1][0].name_expression.endswith("false, false, true, false, cuflash::bf16>")
-    assert api._quantised_backward("sm90", "none", 4096) and not api._quantised_backward("sm90", "causal", 4096)
-    assert api._quantised_backward("sm90", "causal", 8192) and not api._quantised_backward("sm80", "none", 9999)
-    monkeypatch.setattr(api, "_QUANTISED_KEYS", 1024)
-    det = api._backward_plan(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
-                             (-1, -1), 0.0, True, 2, 3000, 3000)
-    main_choice = loaded[det.main.function - 1][0]
-    assert main_choice.name_expression.endswith("<128, 2, false, false, false, true, cuflash::bf16>")
-    assert det.main.grid == (24, 4, 2) and det.absmax.grid == (188, 2, 2)
-    assert loaded[det.absmax.function - 1][0].name_expression == "cuflash::flash_bwd_absmax_sm80<cuflash::bf16>"
-    dq_bytes = 4 * 2 * 4 * 3000 * 132
-    delta, dq, dk, dv, dq_scale, kv_absmax = det.offsets
-    assert dq == 0 and kv_absmax == dq_bytes and det.zeroed_bytes == dk == dq_bytes + 512
-    assert dv == dk + 4 * 2 * 3000 * 4 * 128 and delta == 2 * dv - dk
-    assert dq_scale == delta + -(-4 * 2 * 4 * 3000 // 512) * 512  # 512-byte boundaries
-    assert [(source, index) for _, _, source, index in det.converts] == [(dq, 0), (dk, 1), (dv, 2)]
-    monkeypatch.setattr(api, "_QUANTISED_KEYS", 100)  # quantised on the ordered grid: one dQ buffer
-    short = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (-1, 0), 0.0, True, 2, 300, 300)
-    assert short.main.grid == (3, 4, 2)
-    assert loaded[short.main.function - 1][0].name_expression.endswith("true, false, true, true, cuflash::bf16>")
-    shared = np.frombuffer(ArgumentBuffer.struct_bytes(short.argument.fill(*pointers)), BWD_PARAMS)[0]
-    assert shared["dq_splits"] == 3 and shared["dq_split_stride"] == 2 * 4 * 300 * 132  # one buffer, walked by 3
     params._tensor_map.cache_clear()
 
 
 def test_sm90_backward_param_struct_layout():
-    # bwd_params.cuh static_asserts 960 bytes and alignment 64: four 128-byte maps, then BwdParams.
+    # bwd_params.cuh static_asserts 896 bytes and alignment 64: four 128-byte maps, then BwdParams.
     fields = BWD_PARAMS_SM90.fields
-    assert BWD_PARAMS_SM90.itemsize == BWD_PARAMS_SM90_SIZE == 960
+    assert BWD_PARAMS_SM90.itemsize == BWD_PARAMS_SM90_SIZE == 896
     assert [fields[name][1] for name in ("q", "k", "v", "dout", "base")] == [0, 128, 256, 384, 512]
-    assert fields["base"][0] == BWD_PARAMS and BWD_PARAMS.itemsize == 392
+    assert fields["base"][0] == BWD_PARAMS and BWD_PARAMS.itemsize == 376
 
 
 def test_tensor_maps_are_encoded_once_per_tensor(monkeypatch):

@@ -135,11 +135,10 @@ def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.fields["softcap_exp2_scale"][1] == 196
     # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
-    assert BWD_PARAMS.fields["cu_seqlens_k"][1] == 104 and BWD_PARAMS.fields["kv_absmax"][1] == 120
-    assert BWD_PARAMS.fields["q_batch_stride"][1] == 128
-    assert BWD_PARAMS.fields["accum_batch_rows"][1] == 336 and BWD_PARAMS.fields["heads"][1] == 344
-    assert BWD_PARAMS.fields["dq_splits"][1] == 364 and BWD_PARAMS.fields["window_right"][1] == 372
-    assert BWD_PARAMS.fields["scale"][1] == 380 and BWD_PARAMS.fields["softcap_exp2_scale"][1] == 384
+    assert BWD_PARAMS.fields["cu_seqlens_k"][1] == 104 and BWD_PARAMS.fields["q_batch_stride"][1] == 112
+    assert BWD_PARAMS.fields["accum_batch_rows"][1] == 320 and BWD_PARAMS.fields["heads"][1] == 328
+    assert BWD_PARAMS.fields["dq_splits"][1] == 348 and BWD_PARAMS.fields["window_right"][1] == 356
+    assert BWD_PARAMS.fields["scale"][1] == 364 and BWD_PARAMS.fields["softcap_exp2_scale"][1] == 368
     assert CONVERT_PARAMS.fields["batch"][1] == 72 and CONVERT_PARAMS.fields["group"][1] == 88
     assert CONVERT_PARAMS.fields["scale"][1] == 92
 
@@ -247,7 +246,7 @@ def test_backward_kernel_choices():
     assert main.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, true, false, false, false, "
                                     "cuflash::bf16>")
     assert main.smem_bytes == ((2 * 128 + 4 * 64) * 128 + 2 * 64 * 128) * 2 + 4 * 64 * 4
-    ordered = dispatch.backward_kernels("sm80", 100, "none", "float16", ordered=True)[1]
+    ordered = dispatch.backward_kernels("sm80", 100, "none", "float16", deterministic=True)[1]
     assert ordered.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, false, false, false, true, "
                                        "cuflash::f16>")
     capped = dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", softcap=True)[1]
@@ -256,8 +255,3 @@ def test_backward_kernel_choices():
     for bucket in dispatch.HEAD_DIM_BUCKETS:
         assert dispatch.backward_kernels("sm80", bucket, "none", "float16")[1].smem_bytes <= 227 * 1024
     assert preprocess.smem_bytes == convert.smem_bytes == 0
-    # Quantised dQ is sm90's deterministic mode; its absmax kernel is an sm80 instantiation.
-    with pytest.raises(ValueError, match="quantised"):
-        dispatch.backward_kernels("sm80", 64, "none", "float16", quantised=True)
-    absmax = dispatch.absmax_kernel("float16")
-    assert absmax.name_expression == "cuflash::flash_bwd_absmax_sm80<cuflash::f16>" and absmax.family == "sm80"

@@ -48,7 +48,7 @@ struct BwdParams {
   float* delta;      // rowsum(dO * O), written by the preprocess; the layout of lse
   float* dq_accum;   // fp32 rows of the head-dim bucket: (dq_splits, batch, heads, seqlen_q, bucket),
                      // packed (dq_splits, 1, heads, total_q, bucket); zeroed, accumulated unscaled
-                     // with reductions; ordered CTA s adds into split s only
+                     // with reductions; deterministic CTA s adds into split s only
   void* dk;          // (batch, seqlen_k, heads_kv, head_dim), written directly when kv_group == 1
   void* dv;
   float* dk_accum;   // fp32, when kv_group > 1: (batch, seqlen_k, heads_kv, head_dim) zeroed, or in
@@ -57,11 +57,6 @@ struct BwdParams {
   float* dv_accum;
   const int* cu_seqlens_q;  // null for a fixed-length batch (common/seqlen.cuh)
   const int* cu_seqlens_k;
-  // sm90's deterministic mode (sm90/flash_bwd.cu), else null: per query row, the power of two that
-  // quantises its dQ terms (the layout of lse, written by the preprocess), and the largest
-  // magnitudes of K and V (written by the absmax kernel into zeros).
-  float* dq_scale;
-  float* kv_absmax;
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;
   i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -84,7 +79,7 @@ struct BwdParams {
   float scale;       // softmax_scale, applied to dK here and to dQ by the convert kernel
   float softcap_exp2_scale;
 };
-static_assert(sizeof(BwdParams) == 392, "cuflash/params.py packs 392 bytes");
+static_assert(sizeof(BwdParams) == 376, "cuflash/params.py packs 376 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
 // `scale` times the in-order sum of `group` source values (flash_bwd_convert_sm80).

@@ -1,15 +1,12 @@
-// FlashAttention-2 backward for compute capability 8.0 and newer, in three launches (four for
-// sm90's deterministic mode, which first finds the largest magnitudes of K and V:
-// flash_bwd_absmax_sm80):
-//   flash_bwd_preprocess_sm80: delta = rowsum(dO * O), a few lanes per query row (and for sm90's
-//     deterministic mode the power of two that quantises each row's dQ terms);
+// FlashAttention-2 backward for compute capability 8.0 and newer, in three launches:
+//   flash_bwd_preprocess_sm80: delta = rowsum(dO * O), a few lanes per query row;
 //   flash_bwd_sm80: a CTA keeps one key block's K and V in shared memory, walks the query blocks
 //     that can see them, recomputes P = exp(S - lse) from the forward's log-sum-exp (no stored P,
 //     nothing that grows with seqlen_q x seqlen_k), accumulates dK and dV in registers and adds
 //     its share of dQ into an fp32 buffer with reductions (deterministic mode: several key blocks
 //     per CTA, in order, into the CTA's own buffer);
-//   flash_bwd_convert_sm80: fp32 accumulators -> the gradients' dtype (dQ, summing the ordered
-//     splits; dK and dV when several query heads share a K/V head).
+//   flash_bwd_convert_sm80: fp32 accumulators -> the gradients' dtype (dQ, summing the
+//     deterministic splits; dK and dV when several query heads share a K/V head).
 #include "common/atomics.cuh"
 #include "common/bwd_schedule.cuh"
 #include "common/mask.cuh"
@@ -33,67 +30,6 @@ __device__ __forceinline__ int helper_row_threads(int head_dim) {
   return vectors <= 8 ? 8 : 1 << (32 - __clz(vectors - 1));
 }
 
-// sm90's deterministic mode rounds each of a row's dQ terms to a multiple of one quantum, 2^-24
-// of a bound on every partial sum of the row: fp32 then adds such multiples exactly, so the sums
-// are the same in any order (sm90/flash_bwd.cu). The bound: |dQ partial| <= sum_j |dS_ij| max|K|
-// and sum_j |dS_ij| = sum_j P_ij |dP_ij - delta_i| <= 2 max_j |dP_ij| <= 2 |dO_i|_1 max|V|, with
-// twice that for rounding (P and dS in 16 bits): 4 |dO_i|_1 max|V| max|K|. Returned is the scale
-// 1 / quantum. A term's rounding error is at most 2^-25 of the bound, far below the 16-bit
-// gradient's. A non-finite bound (inf or NaN inputs) gives a NaN scale, which makes the row's dQ
-// NaN as default mode's would be; a zero bound (a zero row of dO, or zero K or V), whose dQ is 0,
-// gives 1. The quantum stays a normal float (scale at most 2^126).
-__device__ __forceinline__ float dq_quantum_scale(float do_l1, const float* kv_absmax) {
-  const float bound = 4.f * do_l1 * kv_absmax[0] * kv_absmax[1];
-  if (!(bound <= 3.0e38f)) return __int_as_float(0x7fc00000);
-  if (bound == 0.f) return 1.f;
-  int exponent;
-  frexpf(bound, &exponent);  // bound < 2^exponent: partial sums stay below 2^24 quanta
-  return ldexpf(1.f, min(24 - exponent, 126));
-}
-
-// max |K| and max |V| into p.kv_absmax[0] and [1] (zeroed): the row layout of the other helpers
-// over the key rows of (row block, K/V head, batch); non-negative floats order as their bits, so
-// an integer maximum serves (and a NaN, above every finite value and inf, wins).
-template <class Elem>
-__global__ void __launch_bounds__(kHelperThreads) flash_bwd_absmax_sm80(const __grid_constant__ BwdParams p) {
-  const int row_threads = helper_row_threads(p.head_dim);
-  const int col = (threadIdx.x & (row_threads - 1)) * 8;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const Sequence seq = sequence_of(p, batch);
-  const int row = blockIdx.x * (kHelperThreads / row_threads) + threadIdx.x / row_threads;
-  float k_max = 0.f, v_max = 0.f;
-  if (row < seq.seqlen_k && col < p.head_dim) {
-    const i64 key_row = seq.k_begin + row;
-    const uint4 k = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.k) + batch * p.k_batch_stride +
-                                                    key_row * p.k_row_stride + head * p.k_head_stride + col);
-    const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.v) + batch * p.v_batch_stride +
-                                                    key_row * p.v_row_stride + head * p.v_head_stride + col);
-    const u32 kw[4] = {k.x, k.y, k.z, k.w};
-    const u32 vw[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = Elem::unpack(kw[i]);
-      const float2 b = Elem::unpack(vw[i]);
-      k_max = fmaxf(k_max, fmaxf(fabsf(a.x), fabsf(a.y)));
-      v_max = fmaxf(v_max, fmaxf(fabsf(b.x), fabsf(b.y)));
-      // fmaxf drops a NaN: carry it through explicitly.
-      if (a.x != a.x || a.y != a.y) k_max = a.x + a.y;
-      if (b.x != b.x || b.y != b.y) v_max = b.x + b.y;
-    }
-  }
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const float k_other = __shfl_xor_sync(0xffffffff, k_max, offset);
-    const float v_other = __shfl_xor_sync(0xffffffff, v_max, offset);
-    k_max = k_other != k_other ? k_other : fmaxf(k_max, k_other);
-    v_max = v_other != v_other ? v_other : fmaxf(v_max, v_other);
-  }
-  if (threadIdx.x % 32 == 0) {
-    atomicMax(reinterpret_cast<int*>(p.kv_absmax), __float_as_int(fabsf(k_max)));
-    atomicMax(reinterpret_cast<int*>(p.kv_absmax) + 1, __float_as_int(fabsf(v_max)));
-  }
-}
-
 template <class Elem>
 __global__ void __launch_bounds__(kHelperThreads) flash_bwd_preprocess_sm80(const __grid_constant__ BwdParams p) {
   const int row_threads = helper_row_threads(p.head_dim);
@@ -104,7 +40,7 @@ __global__ void __launch_bounds__(kHelperThreads) flash_bwd_preprocess_sm80(cons
   const int row = blockIdx.x * (kHelperThreads / row_threads) + threadIdx.x / row_threads;
   // Every lane stays to the shuffles (a full-warp mask); rows past the sequence add zeros.
   const bool inside = row < seq.seqlen_q;
-  float sum = 0.f, do_l1 = 0.f;
+  float sum = 0.f;
   if (inside && col < p.head_dim) {
     const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.o) + batch * p.o_batch_stride +
                                                     (seq.q_begin + row) * p.o_row_stride + head * p.o_head_stride + col);
@@ -118,18 +54,10 @@ __global__ void __launch_bounds__(kHelperThreads) flash_bwd_preprocess_sm80(cons
       const float2 a = Elem::unpack(ow[i]);
       const float2 b = Elem::unpack(dw[i]);
       sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
-      do_l1 += fabsf(b.x) + fabsf(b.y);
     }
   }
-  for (int offset = row_threads / 2; offset > 0; offset /= 2) {
-    sum += __shfl_xor_sync(0xffffffff, sum, offset);
-    do_l1 += __shfl_xor_sync(0xffffffff, do_l1, offset);
-  }
-  const i64 at = batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin + row;
-  if (inside && col == 0) {
-    p.delta[at] = sum;
-    if (p.dq_scale != nullptr) p.dq_scale[at] = dq_quantum_scale(do_l1, p.kv_absmax);
-  }
+  for (int offset = row_threads / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+  if (inside && col == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin + row] = sum;
 }
 
 // P = exp2(S * scale * log2(e) - lse * log2(e)) recomputed from the forward's LSE, 0 where masked

@@ -10,17 +10,10 @@
 //   dQ += dS K   (dS through shared memory, both operands MN-major; the fp32 block staged in
 //                 shared memory and added to global by one bulk reduction).
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
-// ORDERED grid (short causal sequences, and deterministic mode's shorter ones): grid (dq_splits,
-// heads, batch); CTA s walks one key block of each round of dq_splits consecutive ones (K and V
-// reloaded per block) and adds dQ into its own fp32 split, each element from one thread in
-// program order (the convert kernel adds the splits in order), which amortises each CTA's start
-// over its blocks and repeats bitwise.
-// QUANTISED_DQ (deterministic mode's longer sequences, api._quantised_backward): each dQ term is
-// rounded to a multiple of its query row's quantum (the preprocess's dq_quantum_scale: 2^-24 of a
-// bound on every partial sum of the row), and fp32 adds such multiples exactly, so the reductions
-// give the same bits in any order, on the default grid with its L2 reuse (the walk's splits miss
-// L2 there: benchmarks/NOTES.md, sm90 backward v12). GQA's dK and dV are then stored per query
-// head and summed in order by the convert kernel.
+// Deterministic mode: grid (dq_splits, heads, batch); CTA s walks one key block of each round of
+// dq_splits consecutive ones (K and V reloaded per block) and adds dQ into its own fp32 split,
+// each element from one thread in program order, so the sums repeat bitwise (the convert kernel
+// adds the splits in order).
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/types.cuh"
@@ -81,8 +74,8 @@ __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b
 // HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
 // blocks see only the query blocks its range reaches); softcap runs sm80's backward.
-// ORDERED, QUANTISED_DQ: see above. Elem: f16 or bf16.
-template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, bool ORDERED, bool QUANTISED_DQ, class Elem>
+// DETERMINISTIC: see above. Elem: f16 or bf16.
+template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, bool DETERMINISTIC, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
   using Smem = BwdSmem<HEAD_DIM, STAGES>;
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of dK and dV
@@ -98,21 +91,21 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-  // As sm80's backward: one key block per CTA, causal key blocks slowest in the grid, the first
-  // (seeing the most queries) dispatched first; ORDERED CTAs walk theirs (above). A packed batch's
-  // CTAs past a shorter sequence leave at once.
-  const int head = CAUSAL && !ORDERED ? blockIdx.x : blockIdx.y;
-  const int batch = CAUSAL && !ORDERED ? blockIdx.y : blockIdx.z;
+  // As sm80's backward: in default mode one key block per CTA, causal key blocks slowest in the
+  // grid, the first (seeing the most queries) dispatched first; deterministic CTAs walk theirs
+  // (above). A packed batch's CTAs past a shorter sequence leave at once.
+  const int head = CAUSAL && !DETERMINISTIC ? blockIdx.x : blockIdx.y;
+  const int batch = CAUSAL && !DETERMINISTIC ? blockIdx.y : blockIdx.z;
   const Sequence seq = sequence_of(a, batch);
   const int n_blocks = (seq.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;
-  const int n_first = ORDERED || !CAUSAL ? blockIdx.x : blockIdx.z;
-  const int n_stride = ORDERED ? a.dq_splits : n_blocks;
+  const int n_first = DETERMINISTIC || !CAUSAL ? blockIdx.x : blockIdx.z;
+  const int n_stride = DETERMINISTIC ? a.dq_splits : n_blocks;
   if (n_first >= n_blocks) return;
   // The key block of the walk's round `round`: block s of even rounds and block dq_splits - 1 - s
   // of odd ones, so that under a causal mask, where a block's work falls as its index grows,
   // every CTA's total is nearly the same (in plain order CTA 0 has the most in every round).
   const auto walk_block = [&](int round) {
-    return round * n_stride + (ORDERED && (round & 1) ? n_stride - 1 - n_first : n_first);
+    return round * n_stride + (DETERMINISTIC && (round & 1) ? n_stride - 1 - n_first : n_first);
   };
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
   const int kv_head = head / a.kv_group;
@@ -178,10 +171,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const u64 v_desc = smem_desc_sw128(smem + Smem::V + group_row * 128);
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
-  const float* const row_scale =
-      QUANTISED_DQ ? a.dq_scale + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin : nullptr;
-  // The ordered grid's splits, one per CTA of a (batch, head); quantised dQ needs only one.
-  const int split = ORDERED && !QUANTISED_DQ ? blockIdx.x : 0;
+  const int split = DETERMINISTIC ? blockIdx.x : 0;
   float* const dq = a.dq_accum + split * a.dq_split_stride + batch * a.dq_batch_stride + head * a.dq_head_stride;
   float* const dq_block = reinterpret_cast<float*>(smem + Smem::DQ);
   // One thread issues the dQ reductions; the rest of the block's writers sync with it.
@@ -216,22 +206,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       }
       mbarrier_wait(&kv_full, blocks_loaded & 1);
       ++blocks_loaded;
-      // Ordered splits: a key block reduces into each query block's rows once, so only the
+      // Deterministic: a key block reduces into each query block's rows once, so only the
       // previous block's reductions can target the rows this one's will; they complete first,
       // and the adds into every element apply in key-block order.
-      if (ORDERED && !QUANTISED_DQ && issues_dq) tma_store_wait<0>();
+      if (DETERMINISTIC && issues_dq) tma_store_wait<0>();
       for (int m = m_range.begin; m < m_range.end; ++m, pos.advance(), ++step) {
         const u32 qd_offset = pos.stage * Smem::QD_BYTES;
         unsigned char* const ds_tile = smem + Smem::DS + (step % 2) * Smem::DS_BYTES;
         float s[1][8][4], dp[1][8][4];
-        // Quantised dQ: the scales of this thread's two dQ rows, loaded now so that the step's
-        // products hide the latency.
-        float dq_row_scale[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int query = m * kBwdBlockM + warp * 16 + h * 8 + lane / 4;
-          dq_row_scale[h] = QUANTISED_DQ && query < seq.seqlen_q ? row_scale[query] : 1.f;
-        }
         // Stage this block's statistics (the other parity's buffer may still be read by slower
         // warps of the warpgroup; this one was last read two steps ago, before the previous barrier).
         float* const step_lse = stats_lse[consumer][step % 2];
@@ -353,19 +335,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           fence_registers(flat(dq_part));
           wgmma_wait<0>();
           fence_registers(flat(dq_part));
-          // Quantised: each term rounded to a multiple of its row's quantum, exactly (the
-          // scale is a power of two, and |term| * scale < 2^24 is an integer a float holds).
-          if constexpr (QUANTISED_DQ) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const float quantum = 1.f / dq_row_scale[h];
-#pragma unroll
-              for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e)
-                  dq_part[0][nt][2 * h + e] = rintf(dq_part[0][nt][2 * h + e] * dq_row_scale[h]) * quantum;
-            }
-          }
           // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -409,7 +378,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           const i64 dv_at = batch * a.dv_batch_stride + key_row * a.dv_row_stride + kv_head * a.dv_head_stride;
           *reinterpret_cast<u32*>(static_cast<u16*>(a.dk) + dk_at + col) = Elem::pack(dk0, dk1);
           *reinterpret_cast<u32*>(static_cast<u16*>(a.dv) + dv_at + col) = Elem::pack(dv0, dv1);
-        } else if constexpr (ORDERED || QUANTISED_DQ) {
+        } else if constexpr (DETERMINISTIC) {
           const i64 at = ((batch * a.accum_batch_rows + key_row) * a.heads + head) * a.head_dim + col;
           *reinterpret_cast<float2*>(a.dk_accum + at) = make_float2(dk0, dk1);
           *reinterpret_cast<float2*>(a.dv_accum + at) = make_float2(dv0, dv1);
