@@ -99,6 +99,19 @@ def test_deterministic_matches_reference_and_repeats_bitwise(head_dim, causal, s
             assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name
 
 
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_backward_long_sequence(head_dim, causal, deterministic, rng):
+    """16k keys in float16: a dQ reduction whose error grows with the number of key blocks (as a
+    fixed-point quantum does: benchmarks/results/2026-11-30-h200-quantised-dq-accuracy-session9.md)
+    shows here, where dq itself is small, and not at the sweep's lengths."""
+    from tests import gpu_reference as ref
+
+    q, k, v = (ref.random_bshd((1, 16384, 2, head_dim), "float16", rng) for _ in range(3))
+    ref.check_backward(q, k, v, causal, "float16", rng, deterministic=deterministic)
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_training_step_matches_sdpa(causal):
     torch = pytest.importorskip("torch")
