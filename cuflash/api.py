@@ -162,10 +162,10 @@ class _BackwardPlan:
     main: kernels.Launch
     argument: ArgumentBuffer  # BwdParams, shared by preprocess and main; pointers in BWD_POINTERS order
     main_argument: ArgumentBuffer | None  # an sm90 main kernel's BwdParamsSm90 (same pointers), else None
-    # fp32 scratch carved from one allocation: offsets of delta, dq_accum, dk_accum and dv_accum
-    # (None without GQA), its size, and the length of its prefix to zero (the accumulators that
-    # are added to).
-    offsets: tuple[int, int, int | None, int | None]
+    # Scratch carved from one allocation: offsets of delta, dq_accum, dk_accum and dv_accum (None
+    # without GQA) and dq_turns (None unless taking turns), its size, and the length of its prefix
+    # to zero (the accumulators that are added to, and the turn counters).
+    offsets: tuple[int, int, int | None, int | None, int | None]
     scratch_bytes: int
     zeroed_bytes: int
     # (kernel, ConvertParams, source offset in the scratch, index of the gradient in (dq, dk, dv))
@@ -294,17 +294,26 @@ def _run_forward(plan: _ForwardPlan, stream: int, qt, kt, vt, out_ptr: int, lse_
 _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocation would
 
 
-# sm90 runs causal backwards over at most this many keys on the ordered grid by default too.
+# sm90 walks the ordered grid for causal backwards over at most this many keys, in either mode.
 _ORDERED_CAUSAL_KEYS = 2048
 
 
 def _ordered_backward(family: str, mask: str, max_seqlen_k: int) -> bool:
-    """Whether a default-mode backward runs the ordered grid of deterministic mode (CTAs walking
-    their key blocks in order, dQ into per-CTA splits) rather than one CTA per key block: on sm90
-    for causal sequences up to _ORDERED_CAUSAL_KEYS keys, whose key blocks are few and of unequal
-    length, so that walking them amortises each CTA's start and balances the work (causal 512
-    and 1k: +4-10% at d64 and d128, 2k even; benchmarks/NOTES.md, sm90 backward v5)."""
+    """Whether sm90's backward walks the ordered grid (CTAs walking their key blocks in order, dQ
+    into per-CTA splits) rather than running one CTA per key block, in either mode: for causal
+    sequences up to _ORDERED_CAUSAL_KEYS keys, whose key blocks are few and of unequal length, so
+    that walking them amortises each CTA's start and balances the work (causal 512 and 1k: +4-10%
+    at d64 and d128, 2k even; benchmarks/NOTES.md, sm90 backward v5)."""
     return family == "sm90" and mask == "causal" and max_seqlen_k <= _ORDERED_CAUSAL_KEYS
+
+
+def _dq_order(family: str, mask: str, max_seqlen_k: int, deterministic: bool) -> str:
+    """dispatch.DQ_ORDERS entry of a backward: the walk where _ordered_backward says so and for
+    sm80's deterministic mode, sm90's deterministic mode otherwise taking turns per query block on
+    the default grid (flash_bwd.cu), default mode any order."""
+    if _ordered_backward(family, mask, max_seqlen_k) or (deterministic and family == "sm80"):
+        return "walk"
+    return "turns" if deterministic else "any"
 
 
 def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, window: tuple[int, int],
@@ -321,64 +330,67 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     main_family = dispatch.backward_family(family, head_dim, bool(softcap))
     if main_family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt, dout_t)):
         main_family = "sm80"
-    # The ordered (deterministic) grid where asked for, and for sm90's short causal sequences,
-    # where it is also the faster one (_ordered_backward).
-    ordered = deterministic or _ordered_backward(main_family, mask, max_seqlen_k)
+    dq_order = _dq_order(main_family, mask, max_seqlen_k, deterministic)
+    walk, turns = dq_order == "walk", dq_order == "turns"
     preprocess, main, convert = dispatch.backward_kernels(main_family, head_dim, mask, qt.dtype, bool(softcap),
-                                                          ordered)
+                                                          dq_order)
     arch = dispatch.compile_arch("sm80", capability)  # the preprocess and convert kernels
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
     if n_blocks > _MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
         raise ValueError(f"k: sequences must be at most {_MAX_GRID_YZ * main.tile.block_n} keys long for the "
                          f"backward at head_dim {head_dim}, got {max_seqlen_k}")
     group = heads // kt.shape[2]
-    # Ordered: as many CTAs per (batch, head) as fill the resident slots in one wave
+    # Walk: as many CTAs per (batch, head) as fill the resident slots in one wave
     # (rounding up would leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s), each
     # walking its share of the key blocks in order into its own fp32 dQ split (flash_bwd.cu);
     # splits added in order.
     slots = _multiprocessors(qt.device) * main.tile.ctas_per_sm
-    splits = max(1, min(n_blocks, slots // (batch * heads))) if ordered else 1
-    # fp32 scratch, one allocation: dq_accum, [dk_accum, dv_accum,] delta. dq_accum rows are
-    # padded to the head-dim bucket so the kernel's reductions need no column checks
-    # (flash_bwd.cu), sm90's by a few columns more (dispatch.SM90_BWD_DQ_ROW_PAD), the rows of one
-    # head contiguous. GQA: the ordered grid keeps one dK/dV slice per query head, plainly stored and
-    # summed by the convert kernel; otherwise heads_kv slices added to atomically, so zeroed with
-    # dq_accum.
+    splits = max(1, min(n_blocks, slots // (batch * heads))) if walk else 1
+    # Scratch, one allocation: fp32 dq_accum, [int32 dq_turns,] [fp32 dk_accum, dv_accum,] fp32
+    # delta, the zeroed ones first. dq_accum rows are padded to the head-dim bucket so the
+    # kernel's reductions need no column checks (flash_bwd.cu), sm90's by a few columns more
+    # (dispatch.SM90_BWD_DQ_ROW_PAD), the rows of one head contiguous. dq_turns: a counter per
+    # (batch, head, query block). GQA: the walk and turns (the orders that repeat bitwise) keep
+    # one dK/dV slice per query head, plainly stored and summed by the convert kernel; otherwise
+    # heads_kv slices added to atomically, so zeroed.
+    per_query_head = walk or turns
     bucket = dispatch.head_dim_bucket(head_dim)
     dq_row = bucket + (dispatch.SM90_BWD_DQ_ROW_PAD if main.family == "sm90" else 0)
-    shapes = [(splits, qt.shape[0], heads, rows_q, dq_row)]
+    arrays = [((splits, qt.shape[0], heads, rows_q, dq_row), "float32")]
+    if turns:
+        arrays.append(((batch, heads, -(-max_seqlen_q // main.tile.block_m)), "int32"))
     if group > 1:
-        shapes += [(*kt.shape[:2], heads if ordered else kt.shape[2], head_dim)] * 2
-    shapes.append(lse_t.shape)  # delta
-    offsets, end = [], 0
-    for shape in shapes:
-        offsets.append(end)
+        arrays += [((*kt.shape[:2], heads if per_query_head else kt.shape[2], head_dim), "float32")] * 2
+    arrays.append((lse_t.shape, "float32"))  # delta
+    records, end = [], 0
+    for shape, dtype in arrays:
+        records.append(interop.contiguous(shape, qt, dtype)._replace(ptr=end))
         end += -(-4 * math.prod(shape) // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-    records = [interop.contiguous(shape, qt, "float32")._replace(ptr=offset) for shape, offset in zip(shapes, offsets)]
     dq_accum, delta = records[0], records[-1]
-    dk_accum, dv_accum = records[1:3] if group > 1 else (None, None)
-    zeroed = offsets[3] if group > 1 and not ordered else offsets[1]
+    dq_turns = records[1] if turns else None
+    dk_accum, dv_accum = records[1 + turns:3 + turns] if group > 1 else (None, None)
+    zeroed = records[1 + turns + (2 if group > 1 and not per_query_head else 0)].ptr
 
     packed = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2], dk_accum,
-                             dv_accum, scale, window, softcap, *cu_seqlens)
+                             dv_accum, dq_turns, scale, window, softcap, *cu_seqlens)
     argument = ArgumentBuffer(packed, BWD_POINTERS)
     main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.block_m, main.tile.block_n)
                      if main.family == "sm90" else None)
     # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
-    if ordered:
+    if walk:
         grid = (splits, heads, batch)
     else:
         grid = (heads, batch, n_blocks) if main.blocks_slowest else (n_blocks, heads, batch)
     # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
-    # scale): dQ sums its splits and takes the softmax scale; the ordered grid's GQA dK/dV sum the
+    # scale): dQ sums its splits and takes the softmax scale; per-query-head GQA dK/dV sum the
     # group's adjacent query-head slices (dK already scaled by the main kernel).
     dq_strides = (heads * rows_q * dq_row, dq_row, rows_q * dq_row)
     converts = [(dq_accum, 0, dq_strides, splits, math.prod(dq_accum.shape[1:]), scale)]
     if group > 1:
-        slices = dk_accum.shape[2]  # heads_kv, or heads in the ordered grid
+        slices = dk_accum.shape[2]  # heads_kv, or heads
         kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
-                      group * head_dim if ordered else head_dim)
-        summands = (group, head_dim) if ordered else (1, 0)
+                      group * head_dim if per_query_head else head_dim)
+        summands = (group, head_dim) if per_query_head else (1, 0)
         converts += [(src, index, kv_strides, *summands, 1.0) for src, index in ((dk_accum, 1), (dv_accum, 2))]
     rows_per_block = dispatch.helper_rows_per_block(head_dim)
     convert_launches = []
@@ -392,7 +404,8 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     return _BackwardPlan(
         device_plan, kernels.prepare(preprocess, arch, qt.device, (-(-max_seqlen_q // rows_per_block), heads, batch)),
         kernels.prepare(main, dispatch.compile_arch(main.family, capability), qt.device, grid), argument, main_argument,
-        (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None),
+        (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None,
+         dq_turns.ptr if dq_turns else None),
         end, zeroed, tuple(convert_launches))
 
 
@@ -401,10 +414,11 @@ def _run_backward(plan: _BackwardPlan, framework: str, stream: int, qt, kt, vt, 
     """Allocate and zero the scratch, launch ``plan`` (inside interop.on_device)."""
     owner, base = interop.scratch(framework, qt, plan.scratch_bytes)  # referenced until the launches are queued
     interop.zero(base, plan.zeroed_bytes, stream)
-    delta, dq_accum, dk_accum, dv_accum = (base + offset if offset is not None else 0 for offset in plan.offsets)
+    delta, dq_accum, dk_accum, dv_accum, dq_turns = (base + offset if offset is not None else 0
+                                                     for offset in plan.offsets)
     cu_q, cu_k = cu_seqlens
     pointers = (qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum, grad_ptrs[1], grad_ptrs[2],
-                dk_accum, dv_accum, cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0)
+                dk_accum, dv_accum, dq_turns, cu_q.ptr if cu_q is not None else 0, cu_k.ptr if cu_k is not None else 0)
     argument = plan.argument.fill(*pointers)
     kernels.launch(plan.preprocess, stream, argument)
     kernels.launch(plan.main, stream, argument if plan.main_argument is None else plan.main_argument.fill(*pointers))

@@ -36,6 +36,10 @@ ELEMENT_TYPES = {"float16": "cuflash::f16", "bfloat16": "cuflash::bf16"}
 # Forward masks (cuda_src/common/mask.cuh): every key, the causal diagonal, or a window whose
 # bounds are run-time arguments (causal folded in as right = 0), which serves any mask.
 MASKS = ("none", "causal", "window")
+# How the backward's key blocks add their dQ terms (cuda_src/sm90/flash_bwd.cu; the index is sm90's
+# DQ_ORDER): in any order (atomic reductions), walking the ordered grid (per-CTA splits added in
+# order), or taking turns per query block (sm90 only). The last two repeat bitwise.
+DQ_ORDERS = ("any", "walk", "turns")
 
 
 @dataclass(frozen=True)
@@ -272,15 +276,19 @@ def backward_family(family: str, head_dim: int, softcap: bool) -> str:
 
 @functools.lru_cache(maxsize=None)
 def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False,
-                     deterministic: bool = False, tile: Tile | None = None) -> tuple[KernelChoice, ...]:
+                     dq_order: str = "any", tile: Tile | None = None) -> tuple[KernelChoice, ...]:
     """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
-    forward_kernel (softcap runs in the window kernel there too), ``tile`` overrides the table,
-    for tuning. The sm90 family has its own main kernel where backward_family says so, between
-    sm80's preprocess and convert kernels; otherwise the family raises ValueError."""
+    forward_kernel (softcap runs in the window kernel there too), ``dq_order`` one of DQ_ORDERS,
+    ``tile`` overrides the table, for tuning. The sm90 family has its own main kernel where
+    backward_family says so, between sm80's preprocess and convert kernels; otherwise the family
+    raises ValueError."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
+    if dq_order not in DQ_ORDERS or (family == "sm80" and dq_order == "turns"):
+        raise ValueError(f"dq_order: expected one of {DQ_ORDERS[:2 if family == 'sm80' else 3]} for {family}, "
+                         f"got {dq_order!r}")
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     helpers = (
@@ -292,25 +300,25 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
             raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}, softcap {softcap}")
         tile = tile or SM90_BWD_TILES[bucket]
         main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, "
-                f"{_cpp(mask == 'window')}, {_cpp(deterministic)}, {elem}>")
+                f"{_cpp(mask == 'window')}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
         # 64 queries), the fp32 dQ block, plus 1 KiB to align the window to the swizzle's
         # 1024-byte period.
         smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + 1024)
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
-                                   blocks_slowest=mask == "causal" and not deterministic)
+                                   blocks_slowest=mask == "causal" and dq_order != "walk")
         return helpers[0], main_choice, helpers[1]
     tile = tile or SM80_BWD_TILES[bucket]
     causal, window = mask == "causal" and not softcap, mask == "window" or softcap
     main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
-            f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(deterministic)}, {elem}>")
+            f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, {elem}>")
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
     # buffers each of the rows' fp32 log-sum-exp and delta.
     smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
             + 4 * tile.block_m * 4)
     return (helpers[0], KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
-                                     blocks_slowest=causal and not deterministic), helpers[1])
+                                     blocks_slowest=causal and dq_order != "walk"), helpers[1])
 
 
 def all_kernels(family: str) -> list[KernelChoice]:
@@ -328,8 +336,8 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         found.setdefault(choice.name_expression, choice)
                     if backward_family(family, bucket, softcap) != family:
                         continue
-                    for deterministic in (False, True):
-                        for choice in backward_kernels(family, bucket, mask, dtype, softcap, deterministic):
+                    for dq_order in DQ_ORDERS[:3 if family == "sm90" else 2]:
+                        for choice in backward_kernels(family, bucket, mask, dtype, softcap, dq_order):
                             if choice.family == family:
                                 found.setdefault(choice.name_expression, choice)
     return list(found.values())

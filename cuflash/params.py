@@ -133,17 +133,17 @@ def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, block_m: int, bloc
 _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv") for s in ("batch", "row", "head")]
 
 BWD_POINTERS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dk", "dv", "dk_accum", "dv_accum",
-                "cu_seqlens_q", "cu_seqlens_k")
+                "dq_turns", "cu_seqlens_q", "cu_seqlens_k")
 BWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in BWD_POINTERS]
     + [(name, np.int64) for name in _BWD_STRIDES + ["lse_batch_stride", "lse_head_stride", "dq_split_stride",
                                                    "dq_batch_stride", "dq_head_stride", "accum_batch_rows"]]
     + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits",
-                                     "window_left", "window_right")]
+                                     "dq_turn_blocks", "window_left", "window_right")]
     + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_exp2_scale")],
     align=True,
 )
-BWD_PARAMS_SIZE = 376  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 384  # sizeof(BwdParams) in params.cuh
 # cuda_src/sm90/bwd_params.cuh: the tensor maps of q, k, v and dout, then BwdParams.
 BWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
                                    ("dout", tma.TENSOR_MAP), ("base", BWD_PARAMS)])
@@ -161,17 +161,18 @@ CONVERT_PARAMS = np.dtype(
 CONVERT_PARAMS_SIZE = 96  # sizeof(ConvertParams) in params.cuh
 
 
-def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, softmax_scale: float,
-                    window: tuple[int, int] = (-1, -1), softcap: float = 0.0, cu_seqlens_q=None,
-                    cu_seqlens_k=None) -> np.ndarray:
-    """One BwdParams struct; every argument a DeviceTensor (dk_accum and dv_accum may be None).
+def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, dq_turns,
+                    softmax_scale: float, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                    cu_seqlens_q=None, cu_seqlens_k=None) -> np.ndarray:
+    """One BwdParams struct; every argument a DeviceTensor (dk_accum, dv_accum and dq_turns may be
+    None; dq_turns int32 (batch, heads, query blocks)).
     q, k, v, out, dout, dk, dv, lse, window, softcap and cu_seqlens as for pack_fwd_params; delta
     shaped like lse; dq_accum (dq_splits, batch, heads, rows, row width) contiguous, batch 1 for a
     packed batch, rows the head-dim bucket wide (sm90: plus dispatch.SM90_BWD_DQ_ROW_PAD)."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
     packed = cu_seqlens_q is not None
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
-                                                          dk_accum, dv_accum, cu_seqlens_q, cu_seqlens_k)]
+                                                          dk_accum, dv_accum, dq_turns, cu_seqlens_q, cu_seqlens_k)]
     lse_strides = (0, lse.strides[0]) if packed else lse.strides[:2]
     splits, dq_batch, dq_heads, dq_rows, row_width = dq_accum.shape
     # A packed batch's sequences share the one (heads, total_q) block, offset by their first row.
@@ -180,7 +181,8 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
     scale_log2, softcap_exp2_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
         [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], q.shape[2],
-          q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], splits, *window, scale_log2, softmax_scale,
+          q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], splits,
+          dq_turns.shape[-1] if dq_turns is not None else 0, *window, scale_log2, softmax_scale,
           softcap_exp2_scale)],
         dtype=BWD_PARAMS,
     )

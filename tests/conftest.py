@@ -48,3 +48,16 @@ def family(request, monkeypatch):
     api._device_plan.cache_clear()
     yield request.param
     api._device_plan.cache_clear()
+
+
+@pytest.fixture(params=["walk", "turns"])
+def causal_dq_order(request, monkeypatch):
+    """Runs a deterministic-mode test once per way sm90 orders dQ for short causal sequences: the
+    walk (taken up to api._ORDERED_CAUSAL_KEYS keys) and turns per query block (taken beyond it,
+    here from zero keys on). sm80 walks in both runs."""
+    from cuflash import api
+
+    if request.param == "turns":
+        monkeypatch.setattr(api, "_ORDERED_CAUSAL_KEYS", 0)
+    monkeypatch.setattr(api, "_PLANS", {})  # no plan built under the other setting
+    return request.param

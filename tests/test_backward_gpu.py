@@ -72,7 +72,7 @@ def test_backward_bad_inputs():
 @pytest.mark.parametrize("seqlens", [(1023, 1023), (113, 1023), (1023, 113), (257, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.usefixtures("family")
+@pytest.mark.usefixtures("family", "causal_dq_order")
 def test_deterministic_matches_reference_and_repeats_bitwise(head_dim, causal, seqlens, group, rng):
     import cupy as cp
 

@@ -145,20 +145,25 @@ def test_sm90_dispatch():
     # The sm90 backward main kernel: head dims up to 128, no softcap, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
-    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, false, cuflash::f16>"
+    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, 0, cuflash::f16>"
     assert main.threads == 384 and main.blocks_slowest
     assert not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
-    ordered = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", deterministic=True)[1]
-    assert ordered.name_expression.endswith("true, false, true, cuflash::bf16>") and not ordered.blocks_slowest
+    walk = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", dq_order="walk")[1]
+    assert walk.name_expression.endswith("true, false, 1, cuflash::bf16>") and not walk.blocks_slowest
+    # Taking turns keeps the default grid, causal key blocks slowest (the order the turns rely on).
+    turns = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", dq_order="turns")[1]
+    assert turns.name_expression.endswith("true, false, 2, cuflash::bf16>") and turns.blocks_slowest
+    with pytest.raises(ValueError, match="dq_order"):
+        dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", dq_order="turns")
     assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 64 * 132 * 4 + 1024 <= 227 * 1024
-    for head_dim, mask, softcap, deterministic in ((192, "none", False, False), (64, "window", True, False),
-                                                   (64, "none", True, False), (256, "causal", False, True)):
+    for head_dim, mask, softcap, dq_order in ((192, "none", False, "any"), (64, "window", True, "any"),
+                                              (64, "none", True, "any"), (256, "causal", False, "turns")):
         assert dispatch.backward_family("sm90", head_dim, softcap) == "sm80"
         with pytest.raises(ValueError, match="no sm90 backward"):
-            dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, deterministic)
+            dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, dq_order)
     assert dispatch.backward_family("sm80", 64, False) == "sm80"
-    # dims x masks x dtypes x modes
-    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2 * 2
+    # dims x masks x dtypes x dQ orders
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2 * 3
 
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
@@ -331,8 +336,8 @@ def test_sm90_backward_plan(monkeypatch):
     assert sorted((c.family, arch) for c, arch in loaded) == [("sm80", "sm_90")] * 4 + [("sm90", "sm_90a")]
     # Causal over at most 2048 keys: the ordered grid (splits, heads, batch), each of the
     # ceil(300 / 128) key blocks a split here (the mock device's SMs fill with 3 x 4 x 2 CTAs).
-    assert plan.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, true, cuflash::bf16>")
-    pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 0, 0)
+    assert plan.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, 1, cuflash::bf16>")
+    pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 13, 0, 0)
     main = np.frombuffer(ArgumentBuffer.struct_bytes(plan.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
     shared = ArgumentBuffer.struct_bytes(plan.argument.fill(*pointers))
     base = np.frombuffer(shared, BWD_PARAMS)[0]
@@ -349,6 +354,20 @@ def test_sm90_backward_plan(monkeypatch):
     long = api._backward_plan(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
                               (-1, 0), 0.0, False, 2, 3000, 3000)
     assert long.main.grid == (4, 2, 24)
+    # Deterministic over the same: taking turns on that grid, the turn counters (one int32 per
+    # (batch, head, 64 query rows)) zeroed right after dq_accum (rows of 128 + 4 columns), the
+    # per-query-head dK/dV slices after them, not zeroed.
+    loaded.clear()
+    turns = api._backward_plan(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
+                               (-1, 0), 0.0, True, 2, 3000, 3000)
+    assert turns.main.grid == (4, 2, 24)
+    assert loaded[turns.main.function - 1][0].name_expression.endswith("true, false, 2, cuflash::bf16>")
+    dq_bytes = 4 * 2 * 4 * 3000 * 132
+    counter_bytes = -(-4 * 2 * 4 * 47 // 512) * 512
+    assert turns.offsets[1] == 0 and turns.offsets[4] == dq_bytes
+    assert turns.offsets[2] == turns.zeroed_bytes == dq_bytes + counter_bytes
+    base = np.frombuffer(ArgumentBuffer.struct_bytes(turns.argument.fill(*pointers)), BWD_PARAMS)[0]
+    assert base["dq_turn_blocks"] == 47 and base["dq_turns"] == 13
     loaded.clear()
     softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (10, 0), 5.0, False, 2, 300, 300)
     assert softcap.main_argument is None and loaded[softcap.main.function - 1][0].family == "sm80"
@@ -360,7 +379,7 @@ def test_sm90_backward_param_struct_layout():
     fields = BWD_PARAMS_SM90.fields
     assert BWD_PARAMS_SM90.itemsize == BWD_PARAMS_SM90_SIZE == 896
     assert [fields[name][1] for name in ("q", "k", "v", "dout", "base")] == [0, 128, 256, 384, 512]
-    assert fields["base"][0] == BWD_PARAMS and BWD_PARAMS.itemsize == 376
+    assert fields["base"][0] == BWD_PARAMS and BWD_PARAMS.itemsize == 384
 
 
 def test_tensor_maps_are_encoded_once_per_tensor(monkeypatch):

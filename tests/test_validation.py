@@ -135,10 +135,10 @@ def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.fields["softcap_exp2_scale"][1] == 196
     # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
-    assert BWD_PARAMS.fields["cu_seqlens_k"][1] == 104 and BWD_PARAMS.fields["q_batch_stride"][1] == 112
-    assert BWD_PARAMS.fields["accum_batch_rows"][1] == 320 and BWD_PARAMS.fields["heads"][1] == 328
-    assert BWD_PARAMS.fields["dq_splits"][1] == 348 and BWD_PARAMS.fields["window_right"][1] == 356
-    assert BWD_PARAMS.fields["scale"][1] == 364 and BWD_PARAMS.fields["softcap_exp2_scale"][1] == 368
+    assert BWD_PARAMS.fields["cu_seqlens_k"][1] == 112 and BWD_PARAMS.fields["q_batch_stride"][1] == 120
+    assert BWD_PARAMS.fields["accum_batch_rows"][1] == 328 and BWD_PARAMS.fields["heads"][1] == 336
+    assert BWD_PARAMS.fields["dq_splits"][1] == 356 and BWD_PARAMS.fields["window_right"][1] == 368
+    assert BWD_PARAMS.fields["scale"][1] == 376 and BWD_PARAMS.fields["softcap_exp2_scale"][1] == 380
     assert CONVERT_PARAMS.fields["batch"][1] == 72 and CONVERT_PARAMS.fields["group"][1] == 88
     assert CONVERT_PARAMS.fields["scale"][1] == 92
 
@@ -246,7 +246,7 @@ def test_backward_kernel_choices():
     assert main.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, true, false, false, false, "
                                     "cuflash::bf16>")
     assert main.smem_bytes == ((2 * 128 + 4 * 64) * 128 + 2 * 64 * 128) * 2 + 4 * 64 * 4
-    ordered = dispatch.backward_kernels("sm80", 100, "none", "float16", deterministic=True)[1]
+    ordered = dispatch.backward_kernels("sm80", 100, "none", "float16", dq_order="walk")[1]
     assert ordered.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, false, false, false, true, "
                                        "cuflash::f16>")
     capped = dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", softcap=True)[1]

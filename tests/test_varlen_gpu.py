@@ -163,6 +163,7 @@ def test_torch_flash_attn_varlen_func():
         ref.check_rule(name, cp.from_dlpack(x.grad.double()), e, lp, "float16")
 
 
+@pytest.mark.usefixtures("causal_dq_order")
 def test_deterministic_backward_repeats_bitwise(rng):
     """deterministic=True over a packed batch (GQA, causal): within the rule (checked through
     _check_varlen's default mode on the same lengths) and bitwise equal over 10 runs."""

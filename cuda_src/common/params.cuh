@@ -55,6 +55,8 @@ struct BwdParams {
                      // deterministic mode (batch, seqlen_k, heads, head_dim), one slice per query
                      // head; row (batch * accum_batch_rows + k_begin + key)
   float* dv_accum;
+  int* dq_turns;     // sm90 deterministic mode: (batch, heads, dq_turn_blocks) zeroed counters, one
+                     // per query block, of the key blocks that have added their dQ terms
   const int* cu_seqlens_q;  // null for a fixed-length batch (common/seqlen.cuh)
   const int* cu_seqlens_k;
   i64 q_batch_stride, q_row_stride, q_head_stride;
@@ -72,14 +74,15 @@ struct BwdParams {
   int seqlen_q;  // fixed-length batches only
   int seqlen_k;
   int head_dim;
-  int dq_splits;  // 1, or in deterministic mode the CTAs per (batch, head), each with its own dQ
+  int dq_splits;  // 1, or on the walking grid the CTAs per (batch, head), each with its own dQ
+  int dq_turn_blocks;  // query blocks per (batch, head) in dq_turns
   int window_left;  // as FwdParams
   int window_right;
   float scale_log2;  // as FwdParams
   float scale;       // softmax_scale, applied to dK here and to dQ by the convert kernel
   float softcap_exp2_scale;
 };
-static_assert(sizeof(BwdParams) == 376, "cuflash/params.py packs 376 bytes");
+static_assert(sizeof(BwdParams) == 384, "cuflash/params.py packs 384 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
 // `scale` times the in-order sum of `group` source values (flash_bwd_convert_sm80).

@@ -10,10 +10,22 @@
 //   dQ += dS K   (dS through shared memory, both operands MN-major; the fp32 block staged in
 //                 shared memory and added to global by one bulk reduction).
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
-// Deterministic mode: grid (dq_splits, heads, batch); CTA s walks one key block of each round of
-// dq_splits consecutive ones (K and V reloaded per block) and adds dQ into its own fp32 split,
-// each element from one thread in program order, so the sums repeat bitwise (the convert kernel
-// adds the splits in order).
+// How the key blocks' dQ terms meet (DQ_ORDER, dispatch.DQ_ORDERS):
+//  - any order (default mode): one CTA per key block, bulk reductions into one fp32 dQ per head.
+//  - walk (default mode's short causal sequences): grid (dq_splits, heads, batch); CTA s walks one
+//    key block of each round of dq_splits consecutive ones (K and V reloaded per block) and adds
+//    dQ into its own fp32 split, each element from one thread in program order (the convert
+//    kernel adds the splits in order), which amortises each CTA's start over its blocks.
+//  - turns (deterministic mode): the default grid, each query block's reductions applied in
+//    key-block order. A counter per (batch, head, query block) holds how many key blocks have
+//    added theirs; a writer warp waits for its CTA's turn before each reduction and passes the
+//    turn on once the reduction is complete. The CTAs of a head share one dQ, which stays in L2
+//    (the walk's per-CTA splits miss it on long sequences: benchmarks/NOTES.md). Query blocks run
+//    from the last, which every causal key block sees, so each key block trails the one before it
+//    by a reduction rather than by the query blocks only that one sees. GQA's dK and dV are
+//    stored per query head and summed in order by the convert kernel.
+// The walk and turns repeat bitwise; deterministic mode takes turns, and walks short causal
+// sequences as default mode does.
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/types.cuh"
@@ -33,6 +45,12 @@ constexpr int kBwdKeysPerGroup = 64;
 constexpr int kDsBarrier = 1;     // named barrier of both consumers (256 threads): dS is in shared memory
 constexpr int kStatsBarrier = 2;  // ids 2 and 3: one consumer warpgroup's staged lse and delta
 constexpr int kDqBarrier = 4;     // the warpgroups computing dQ: its block is in shared memory
+constexpr int kDqFullBarrier = 5;   // turns: the staged dQ block is ready for the writer warp
+constexpr int kDqEmptyBarrier = 6;  // turns: the writer's reduction has read it
+// DQ_ORDER values, mirrored by dispatch.DQ_ORDERS.
+constexpr int kDqAnyOrder = 0;
+constexpr int kDqWalk = 1;
+constexpr int kDqTurns = 2;
 // fp32 dQ rows (global and staged) are the head-dim bucket plus 4 unused columns: 16 bytes of skew
 // put the 8 rows a warp's accumulator stores touch at once in different banks. Mirrored by
 // dispatch.SM90_BWD_DQ_ROW_PAD.
@@ -71,13 +89,36 @@ __device__ __forceinline__ void reduce_add_pair(float* address, float a, float b
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(address), "f"(a), "f"(b) : "memory");
 }
 
+// Waits until `counter` (a query block's turn: how many key blocks have added their dQ terms)
+// reaches `turn`. Acquire, then a proxy fence: the earlier turns' reductions are complete before
+// this thread's bulk reduction (an async-proxy access) is issued.
+__device__ __forceinline__ void wait_for_turn(const int* counter, int turn) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+  } while (seen != turn);
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// Passes the turn on once this thread's bulk reductions have completed (tma_store_wait<0>): the
+// proxy fence orders their writes before the release.
+__device__ __forceinline__ void pass_turn(int* counter) {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
 // HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
 // blocks see only the query blocks its range reaches); softcap runs sm80's backward.
-// DETERMINISTIC: see above. Elem: f16 or bf16.
-template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, bool DETERMINISTIC, class Elem>
+// DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16.
+template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, int DQ_ORDER, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
   using Smem = BwdSmem<HEAD_DIM, STAGES>;
+  constexpr bool WALK = DQ_ORDER == kDqWalk;
+  constexpr bool TURNS = DQ_ORDER == kDqTurns;
+  // The consumer warpgroups computing dQ (at head_dim 64 only the first) and, taking turns, the
+  // writer warp.
+  constexpr int kDqWriterThreads = 128 * Smem::PANELS + 32;
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of dK and dV
   constexpr float kLog2e = 1.4426950408889634f;
   const BwdParams& a = p.base;
@@ -91,22 +132,25 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
 
-  // As sm80's backward: in default mode one key block per CTA, causal key blocks slowest in the
-  // grid, the first (seeing the most queries) dispatched first; deterministic CTAs walk theirs
-  // (above). A packed batch's CTAs past a shorter sequence leave at once.
-  const int head = CAUSAL && !DETERMINISTIC ? blockIdx.x : blockIdx.y;
-  const int batch = CAUSAL && !DETERMINISTIC ? blockIdx.y : blockIdx.z;
+  // As sm80's backward: one key block per CTA, causal key blocks slowest in the grid, the first
+  // (seeing the most queries) dispatched first; walking CTAs walk theirs (above). Taking turns
+  // relies on that order: a CTA waits only for key blocks of lower index, dispatched before it.
+  // A packed batch's CTAs past a shorter sequence leave at once.
+  const int head = CAUSAL && !WALK ? blockIdx.x : blockIdx.y;
+  const int batch = CAUSAL && !WALK ? blockIdx.y : blockIdx.z;
   const Sequence seq = sequence_of(a, batch);
   const int n_blocks = (seq.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;
-  const int n_first = DETERMINISTIC || !CAUSAL ? blockIdx.x : blockIdx.z;
-  const int n_stride = DETERMINISTIC ? a.dq_splits : n_blocks;
+  const int n_first = WALK || !CAUSAL ? blockIdx.x : blockIdx.z;
+  const int n_stride = WALK ? a.dq_splits : n_blocks;
   if (n_first >= n_blocks) return;
   // The key block of the walk's round `round`: block s of even rounds and block dq_splits - 1 - s
   // of odd ones, so that under a causal mask, where a block's work falls as its index grows,
   // every CTA's total is nearly the same (in plain order CTA 0 has the most in every round).
   const auto walk_block = [&](int round) {
-    return round * n_stride + (DETERMINISTIC && (round & 1) ? n_stride - 1 - n_first : n_first);
+    return round * n_stride + (WALK && (round & 1) ? n_stride - 1 - n_first : n_first);
   };
+  // The i-th query block of a key block's range: the last first when taking turns (above).
+  const auto query_block = [](const BlockRange& range, int i) { return TURNS ? range.end - 1 - i : range.begin + i; };
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
   const int kv_head = head / a.kv_group;
 
@@ -123,9 +167,41 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   // Publishes the initialised barriers before anyone arrives or waits; the last CTA-wide barrier.
   __syncthreads();
 
+  float* const dq_block = reinterpret_cast<float*>(smem + Smem::DQ);
   if (threadIdx.x < 128) {
-    // Producer warpgroup: thread 0 issues every copy; the rest give their registers away.
+    // Producer warpgroup: thread 0 issues every copy, warp 1 is the dQ writer when taking turns;
+    // the rest give their registers away.
     setmaxnreg_dec<kBwdProducerRegisters>();
+    if (TURNS && threadIdx.x / 32 == 1) {
+      const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_first);
+      int* const turns = a.dq_turns + (static_cast<i64>(batch) * a.heads + head) * a.dq_turn_blocks;
+      float* const dq = a.dq_accum + batch * a.dq_batch_stride + head * a.dq_head_stride;
+      const bool elected = threadIdx.x % 32 == 0;
+      // The staging block starts free; then one arrival per reduction that has read it (the
+      // consumers wait once more at the end, matching the count).
+      named_barrier_arrive(kDqEmptyBarrier, kDqWriterThreads);
+      for (int i = 0; i < m_range.end - m_range.begin; ++i) {
+        const int m = query_block(m_range, i);
+        named_barrier_sync(kDqFullBarrier, kDqWriterThreads);
+        if (elected) {
+          // This key block's place among those that see query block m (mask.cuh's key_blocks,
+          // the exact inverse of query_blocks).
+          wait_for_turn(turns + m, n_first - key_blocks<kBwdBlockM, kBwdBlockN>(mask, m).begin);
+          const int rows = min(kBwdBlockM, seq.seqlen_q - m * kBwdBlockM);
+          bulk_reduce_add_f32(dq + static_cast<i64>(seq.q_begin + m * kBwdBlockM) * Smem::DQ_ROW, dq_block,
+                              rows * Smem::DQ_ROW * 4);
+          tma_store_commit();
+          tma_store_wait_read<0>();
+        }
+        __syncwarp();
+        named_barrier_arrive(kDqEmptyBarrier, kDqWriterThreads);
+        if (elected) {
+          tma_store_wait<0>();
+          pass_turn(turns + m);
+        }
+      }
+      return;
+    }
     if (threadIdx.x != 0) return;
     prefetch_tensor_map(&p.q);
     prefetch_tensor_map(&p.k);
@@ -144,7 +220,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       const int key_row = seq.k_begin + n_block * kBwdBlockN;
       tma_load_panels<Smem::PANELS>(smem + Smem::K, Smem::KV_PANEL, &p.k, &kv_full, kv_head, key_row, map_batch);
       tma_load_panels<Smem::PANELS>(smem + Smem::V, Smem::KV_PANEL, &p.v, &kv_full, kv_head, key_row, map_batch);
-      for (int m = m_range.begin; m < m_range.end; ++m, pos.advance()) {
+      for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance()) {
+        const int m = query_block(m_range, i);
         // Rows past the tensor arrive as zeros, rows past a packed sequence from the next one:
         // their lse is taken as +inf below, so P and dS are 0 there.
         const int row = seq.q_begin + m * kBwdBlockM;
@@ -171,11 +248,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const u64 v_desc = smem_desc_sw128(smem + Smem::V + group_row * 128);
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
-  const int split = DETERMINISTIC ? blockIdx.x : 0;
+  const int split = WALK ? blockIdx.x : 0;
   float* const dq = a.dq_accum + split * a.dq_split_stride + batch * a.dq_batch_stride + head * a.dq_head_stride;
-  float* const dq_block = reinterpret_cast<float*>(smem + Smem::DQ);
-  // One thread issues the dQ reductions; the rest of the block's writers sync with it.
-  const bool issues_dq = consumer == 0 && t == 0;
+  // One consumer thread issues the dQ reductions, unless the writer warp does (turns); the rest
+  // of the block's writers sync with it.
+  const bool issues_dq = !TURNS && consumer == 0 && t == 0;
+  const bool computes_dq = consumer < Smem::PANELS;
   // The pad columns are reduced into global's pad columns, which nothing reads: zeros, not
   // whatever shared memory held.
   for (int i = t; i < kBwdBlockM * kDqRowPad; i += 128)
@@ -206,11 +284,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       }
       mbarrier_wait(&kv_full, blocks_loaded & 1);
       ++blocks_loaded;
-      // Deterministic: a key block reduces into each query block's rows once, so only the
-      // previous block's reductions can target the rows this one's will; they complete first,
-      // and the adds into every element apply in key-block order.
-      if (DETERMINISTIC && issues_dq) tma_store_wait<0>();
-      for (int m = m_range.begin; m < m_range.end; ++m, pos.advance(), ++step) {
+      // Walk: a key block reduces into each query block's rows once, so only the previous
+      // block's reductions can target the rows this one's will; they complete first, and the
+      // adds into every element apply in key-block order.
+      if (WALK && issues_dq) tma_store_wait<0>();
+      for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
+        const int m = query_block(m_range, i);
         const u32 qd_offset = pos.stage * Smem::QD_BYTES;
         unsigned char* const ds_tile = smem + Smem::DS + (step % 2) * Smem::DS_BYTES;
         float s[1][8][4], dp[1][8][4];
@@ -322,7 +401,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // per-thread reductions, two warpgroups adding into the same elements cost 20-30%
         // (benchmarks/NOTES.md, sm90 backward v2).
         float dq_part[1][8][4];
-        const bool computes_dq = consumer < Smem::PANELS;
         if (computes_dq) {
           wgmma_fence();
 #pragma unroll
@@ -335,6 +413,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           fence_registers(flat(dq_part));
           wgmma_wait<0>();
           fence_registers(flat(dq_part));
+          // Turns: the writer's previous reduction has read the staged block.
+          if constexpr (TURNS) named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
           // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -345,7 +425,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           }
           // Read by the bulk reduction through the async proxy.
           fence_proxy_async_shared();
-          named_barrier_sync(kDqBarrier, 128 * Smem::PANELS);
+          if constexpr (TURNS) {
+            named_barrier_arrive(kDqFullBarrier, kDqWriterThreads);
+          } else {
+            named_barrier_sync(kDqBarrier, 128 * Smem::PANELS);
+          }
           if (issues_dq) {
             // The block's rows inside the sequence, contiguous in global memory.
             const int rows = min(kBwdBlockM, seq.seqlen_q - m * kBwdBlockM);
@@ -378,7 +462,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           const i64 dv_at = batch * a.dv_batch_stride + key_row * a.dv_row_stride + kv_head * a.dv_head_stride;
           *reinterpret_cast<u32*>(static_cast<u16*>(a.dk) + dk_at + col) = Elem::pack(dk0, dk1);
           *reinterpret_cast<u32*>(static_cast<u16*>(a.dv) + dv_at + col) = Elem::pack(dv0, dv1);
-        } else if constexpr (DETERMINISTIC) {
+        } else if constexpr (DQ_ORDER != kDqAnyOrder) {
           const i64 at = ((batch * a.accum_batch_rows + key_row) * a.heads + head) * a.head_dim + col;
           *reinterpret_cast<float2*>(a.dk_accum + at) = make_float2(dk0, dk1);
           *reinterpret_cast<float2*>(a.dv_accum + at) = make_float2(dv0, dv1);
@@ -391,7 +475,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     }
   }
   // The staged block must outlive the last reduction's reads; its writes are done by kernel end.
+  // Turns: the writer's last arrival (it waits for its own reductions).
   if (issues_dq) tma_store_wait<0>();
+  if (TURNS && computes_dq) named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
 }
 
 }  // namespace sm90
