@@ -8,7 +8,8 @@
 //   P^T = exp2(S^T scale log2(e) - lse log2(e)), dS^T = P^T (dP^T - delta)   (registers),
 //   dV += P^T dO and dK += dS^T Q   (register-A wgmma, Q and dO read MN-major as stored),
 //   dQ += dS K   (dS through shared memory, both operands MN-major; the fp32 block staged in
-//                 shared memory and added to global by one bulk reduction).
+//                 shared memory and added to global by one bulk reduction, which warp 1 of
+//                 the producer warpgroup issues).
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
 // How the key blocks' dQ terms meet (DQ_ORDER, dispatch.DQ_ORDERS):
 //  - any order (default mode): one CTA per key block, bulk reductions into one fp32 dQ per head.
@@ -18,7 +19,7 @@
 //    kernel adds the splits in order), which amortises each CTA's start over its blocks.
 //  - turns (deterministic mode): the default grid, each query block's reductions applied in
 //    key-block order. A counter per (batch, head, query block) holds how many key blocks have
-//    added theirs; a writer warp waits for its CTA's turn before each reduction and passes the
+//    added theirs; the writer warp waits for its CTA's turn before each reduction and passes the
 //    turn on once the reduction is complete. The CTAs of a head share one dQ, which stays in L2
 //    (the walk's per-CTA splits miss it on long sequences: benchmarks/NOTES.md). Query blocks run
 //    from the last, which every causal key block sees, so each key block trails the one before it
@@ -44,9 +45,8 @@ constexpr int kBwdBlockM = 64;    // query rows per step: one wgmma N of S^T
 constexpr int kBwdKeysPerGroup = 64;
 constexpr int kDsBarrier = 1;     // named barrier of both consumers (256 threads): dS is in shared memory
 constexpr int kStatsBarrier = 2;  // ids 2 and 3: one consumer warpgroup's staged lse and delta
-constexpr int kDqBarrier = 4;     // the warpgroups computing dQ: its block is in shared memory
-constexpr int kDqFullBarrier = 5;   // turns: the staged dQ block is ready for the writer warp
-constexpr int kDqEmptyBarrier = 6;  // turns: the writer's reduction has read it
+constexpr int kDqFullBarrier = 4;   // the staged dQ block is ready for the writer warp
+constexpr int kDqEmptyBarrier = 5;  // the writer's reduction has read it
 // DQ_ORDER values, mirrored by dispatch.DQ_ORDERS.
 constexpr int kDqAnyOrder = 0;
 constexpr int kDqWalk = 1;
@@ -116,8 +116,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   using Smem = BwdSmem<HEAD_DIM, STAGES>;
   constexpr bool WALK = DQ_ORDER == kDqWalk;
   constexpr bool TURNS = DQ_ORDER == kDqTurns;
-  // The consumer warpgroups computing dQ (at head_dim 64 only the first) and, taking turns, the
-  // writer warp.
+  // The consumer warpgroups computing dQ (at head_dim 64 only the first) and the writer warp.
   constexpr int kDqWriterThreads = 128 * Smem::PANELS + 32;
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of dK and dV
   constexpr float kLog2e = 1.4426950408889634f;
@@ -169,35 +168,46 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 
   float* const dq_block = reinterpret_cast<float*>(smem + Smem::DQ);
   if (threadIdx.x < 128) {
-    // Producer warpgroup: thread 0 issues every copy, warp 1 is the dQ writer when taking turns;
-    // the rest give their registers away.
+    // Producer warpgroup: thread 0 issues every copy, warp 1 writes dQ; the rest give their
+    // registers away.
     setmaxnreg_dec<kBwdProducerRegisters>();
-    if (TURNS && threadIdx.x / 32 == 1) {
-      const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_first);
-      int* const turns = a.dq_turns + (static_cast<i64>(batch) * a.heads + head) * a.dq_turn_blocks;
-      float* const dq = a.dq_accum + batch * a.dq_batch_stride + head * a.dq_head_stride;
+    if (threadIdx.x / 32 == 1) {
+      // The dQ writer: adds each staged block into global memory, so that the consumers only
+      // stage it (measured against a consumer thread issuing the reductions: 6.5% less time at
+      // d64, 1.5% at d128; benchmarks/NOTES.md). The walk's split and the turn counters as above.
+      const int split = WALK ? blockIdx.x : 0;
+      float* const dq = a.dq_accum + split * a.dq_split_stride + batch * a.dq_batch_stride + head * a.dq_head_stride;
+      int* const turns = TURNS ? a.dq_turns + (static_cast<i64>(batch) * a.heads + head) * a.dq_turn_blocks : nullptr;
       const bool elected = threadIdx.x % 32 == 0;
       // The staging block starts free; then one arrival per reduction that has read it (the
       // consumers wait once more at the end, matching the count).
       named_barrier_arrive(kDqEmptyBarrier, kDqWriterThreads);
-      for (int i = 0; i < m_range.end - m_range.begin; ++i) {
-        const int m = query_block(m_range, i);
-        named_barrier_sync(kDqFullBarrier, kDqWriterThreads);
-        if (elected) {
-          // This key block's place among those that see query block m (mask.cuh's key_blocks,
-          // the exact inverse of query_blocks).
-          wait_for_turn(turns + m, n_first - key_blocks<kBwdBlockM, kBwdBlockN>(mask, m).begin);
-          const int rows = min(kBwdBlockM, seq.seqlen_q - m * kBwdBlockM);
-          bulk_reduce_add_f32(dq + static_cast<i64>(seq.q_begin + m * kBwdBlockM) * Smem::DQ_ROW, dq_block,
-                              rows * Smem::DQ_ROW * 4);
-          tma_store_commit();
-          tma_store_wait_read<0>();
-        }
-        __syncwarp();
-        named_barrier_arrive(kDqEmptyBarrier, kDqWriterThreads);
-        if (elected) {
-          tma_store_wait<0>();
-          pass_turn(turns + m);
+      for (int round = 0, n_block; (n_block = walk_block(round)) < n_blocks; ++round) {
+        const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
+        // Walk: a key block reduces into each query block's rows once, so only the previous
+        // block's reductions can target the rows this one's will; they complete first, and the
+        // adds into every element apply in key-block order.
+        if (WALK && elected) tma_store_wait<0>();
+        for (int i = 0; i < m_range.end - m_range.begin; ++i) {
+          const int m = query_block(m_range, i);
+          named_barrier_sync(kDqFullBarrier, kDqWriterThreads);
+          if (elected) {
+            // Turns: this key block's place among those that see query block m (mask.cuh's
+            // key_blocks, the exact inverse of query_blocks).
+            if (TURNS) wait_for_turn(turns + m, n_block - key_blocks<kBwdBlockM, kBwdBlockN>(mask, m).begin);
+            // The block's rows inside the sequence, contiguous in global memory.
+            const int rows = min(kBwdBlockM, seq.seqlen_q - m * kBwdBlockM);
+            bulk_reduce_add_f32(dq + static_cast<i64>(seq.q_begin + m * kBwdBlockM) * Smem::DQ_ROW, dq_block,
+                                rows * Smem::DQ_ROW * 4);
+            tma_store_commit();
+            tma_store_wait_read<0>();
+          }
+          __syncwarp();
+          named_barrier_arrive(kDqEmptyBarrier, kDqWriterThreads);
+          if (TURNS && elected) {
+            tma_store_wait<0>();
+            pass_turn(turns + m);
+          }
         }
       }
       return;
@@ -248,11 +258,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const u64 v_desc = smem_desc_sw128(smem + Smem::V + group_row * 128);
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
-  const int split = WALK ? blockIdx.x : 0;
-  float* const dq = a.dq_accum + split * a.dq_split_stride + batch * a.dq_batch_stride + head * a.dq_head_stride;
-  // One consumer thread issues the dQ reductions, unless the writer warp does (turns); the rest
-  // of the block's writers sync with it.
-  const bool issues_dq = !TURNS && consumer == 0 && t == 0;
   const bool computes_dq = consumer < Smem::PANELS;
   // The pad columns are reduced into global's pad columns, which nothing reads: zeros, not
   // whatever shared memory held.
@@ -284,10 +289,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       }
       mbarrier_wait(&kv_full, blocks_loaded & 1);
       ++blocks_loaded;
-      // Walk: a key block reduces into each query block's rows once, so only the previous
-      // block's reductions can target the rows this one's will; they complete first, and the
-      // adds into every element apply in key-block order.
-      if (WALK && issues_dq) tma_store_wait<0>();
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
         const int m = query_block(m_range, i);
         const u32 qd_offset = pos.stage * Smem::QD_BYTES;
@@ -381,9 +382,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           }
         // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
         fence_proxy_async_shared();
-        // The previous step's dQ reduction has read the staged block before anyone overwrites it
-        // below.
-        if (issues_dq) tma_store_wait_read<0>();
         named_barrier_sync(kDsBarrier, 256);
         // dV and dK first: their A registers (P, dS) die here, which leaves room for dQ's
         // accumulator (at head_dim 128, issuing dQ beside them spilled 144 bytes).
@@ -413,8 +411,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           fence_registers(flat(dq_part));
           wgmma_wait<0>();
           fence_registers(flat(dq_part));
-          // Turns: the writer's previous reduction has read the staged block.
-          if constexpr (TURNS) named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
+          // The writer's previous reduction has read the staged block.
+          named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
           // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
@@ -423,20 +421,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
             for (int nt = 0; nt < 8; ++nt)
               *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
           }
-          // Read by the bulk reduction through the async proxy.
+          // Read by the writer's bulk reduction through the async proxy.
           fence_proxy_async_shared();
-          if constexpr (TURNS) {
-            named_barrier_arrive(kDqFullBarrier, kDqWriterThreads);
-          } else {
-            named_barrier_sync(kDqBarrier, 128 * Smem::PANELS);
-          }
-          if (issues_dq) {
-            // The block's rows inside the sequence, contiguous in global memory.
-            const int rows = min(kBwdBlockM, seq.seqlen_q - m * kBwdBlockM);
-            bulk_reduce_add_f32(dq + static_cast<i64>(seq.q_begin + m * kBwdBlockM) * Smem::DQ_ROW, dq_block,
-                                rows * Smem::DQ_ROW * 4);
-            tma_store_commit();
-          }
+          named_barrier_arrive(kDqFullBarrier, kDqWriterThreads);
         }
       }
       // This warp's last reads of K (dQ) and V (dP^T) are done: the producer may reload them.
@@ -474,10 +461,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       }
     }
   }
-  // The staged block must outlive the last reduction's reads; its writes are done by kernel end.
-  // Turns: the writer's last arrival (it waits for its own reductions).
-  if (issues_dq) tma_store_wait<0>();
-  if (TURNS && computes_dq) named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
+  // The writer's last arrival: the staged block outlives the last reduction's reads.
+  if (computes_dq) named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
 }
 
 }  // namespace sm90
