@@ -371,14 +371,20 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     dk_accum, dv_accum = records[1 + turns:3 + turns] if group > 1 else (None, None)
     zeroed = records[1 + turns + (2 if group > 1 and not per_query_head else 0)].ptr
 
+    # Turns without a causal mask: the key blocks of turn_heads heads interleaved (flash_bwd.cu),
+    # as many heads as make one wave of their key blocks.
+    grouped = turns and not main.blocks_slowest
+    turn_heads = max(1, min(heads, slots // n_blocks)) if grouped else 1
     packed = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2], dk_accum,
-                             dv_accum, dq_turns, scale, window, softcap, *cu_seqlens)
+                             dv_accum, dq_turns, scale, window, softcap, *cu_seqlens, turn_heads=turn_heads)
     argument = ArgumentBuffer(packed, BWD_POINTERS)
     main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.block_m, main.tile.block_n)
                      if main.family == "sm90" else None)
     # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
     if walk:
         grid = (splits, heads, batch)
+    elif grouped:
+        grid = (n_blocks * turn_heads, -(-heads // turn_heads), batch)
     else:
         grid = (heads, batch, n_blocks) if main.blocks_slowest else (n_blocks, heads, batch)
     # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,

@@ -139,15 +139,15 @@ BWD_PARAMS = np.dtype(
     + [(name, np.int64) for name in _BWD_STRIDES + ["lse_batch_stride", "lse_head_stride", "dq_split_stride",
                                                    "dq_batch_stride", "dq_head_stride", "accum_batch_rows"]]
     + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits",
-                                     "dq_turn_blocks", "window_left", "window_right")]
+                                     "dq_turn_blocks", "turn_heads", "window_left", "window_right")]
     + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_exp2_scale")],
     align=True,
 )
-BWD_PARAMS_SIZE = 384  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 392  # sizeof(BwdParams) in params.cuh
 # cuda_src/sm90/bwd_params.cuh: the tensor maps of q, k, v and dout, then BwdParams.
 BWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
                                    ("dout", tma.TENSOR_MAP), ("base", BWD_PARAMS)])
-BWD_PARAMS_SM90_SIZE = 896  # sizeof(BwdParamsSm90)
+BWD_PARAMS_SM90_SIZE = 960  # sizeof(BwdParamsSm90)
 
 CONVERT_POINTERS = ("src", "dst")
 CONVERT_PARAMS = np.dtype(
@@ -163,9 +163,9 @@ CONVERT_PARAMS_SIZE = 96  # sizeof(ConvertParams) in params.cuh
 
 def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, dq_turns,
                     softmax_scale: float, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    cu_seqlens_q=None, cu_seqlens_k=None) -> np.ndarray:
+                    cu_seqlens_q=None, cu_seqlens_k=None, turn_heads: int = 1) -> np.ndarray:
     """One BwdParams struct; every argument a DeviceTensor (dk_accum, dv_accum and dq_turns may be
-    None; dq_turns int32 (batch, heads, query blocks)).
+    None; dq_turns int32 (batch, heads, query blocks)); turn_heads as in params.cuh.
     q, k, v, out, dout, dk, dv, lse, window, softcap and cu_seqlens as for pack_fwd_params; delta
     shaped like lse; dq_accum (dq_splits, batch, heads, rows, row width) contiguous, batch 1 for a
     packed batch, rows the head-dim bucket wide (sm90: plus dispatch.SM90_BWD_DQ_ROW_PAD)."""
@@ -182,7 +182,7 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
     return np.array(
         [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], q.shape[2],
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], splits,
-          dq_turns.shape[-1] if dq_turns is not None else 0, *window, scale_log2, softmax_scale,
+          dq_turns.shape[-1] if dq_turns is not None else 0, turn_heads, *window, scale_log2, softmax_scale,
           softcap_exp2_scale)],
         dtype=BWD_PARAMS,
     )

@@ -367,7 +367,16 @@ def test_sm90_backward_plan(monkeypatch):
     assert turns.offsets[1] == 0 and turns.offsets[4] == dq_bytes
     assert turns.offsets[2] == turns.zeroed_bytes == dq_bytes + counter_bytes
     base = np.frombuffer(ArgumentBuffer.struct_bytes(turns.argument.fill(*pointers)), BWD_PARAMS)[0]
-    assert base["dq_turn_blocks"] == 47 and base["dq_turns"] == 13
+    assert base["dq_turn_blocks"] == 47 and base["dq_turns"] == 13 and base["turn_heads"] == 1
+    # Unmasked: the key blocks of floor(132 SMs / 24 blocks) = 5 of the 6 heads interleaved, key
+    # block slowest, two groups (the second's sixth to tenth heads past the tensor leave at once).
+    q_six = _tensor((2, 3000, 6, 128))
+    lse_six = _tensor((2, 6, 3000), "float32", ptr=6 << 20)
+    grouped = api._backward_plan(q_six, k_long, k_long, q_six, q_six, lse_six, (q_six, k_long, k_long), 0.1,
+                                 (-1, -1), 0.0, True, 2, 3000, 3000)
+    assert grouped.main.grid == (24 * 5, 2, 2)
+    assert np.frombuffer(ArgumentBuffer.struct_bytes(grouped.argument.fill(*pointers)), BWD_PARAMS)[0][
+        "turn_heads"] == 5
     loaded.clear()
     softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (10, 0), 5.0, False, 2, 300, 300)
     assert softcap.main_argument is None and loaded[softcap.main.function - 1][0].family == "sm80"
@@ -375,11 +384,11 @@ def test_sm90_backward_plan(monkeypatch):
 
 
 def test_sm90_backward_param_struct_layout():
-    # bwd_params.cuh static_asserts 896 bytes and alignment 64: four 128-byte maps, then BwdParams.
+    # bwd_params.cuh static_asserts 960 bytes and alignment 64: four 128-byte maps, then BwdParams.
     fields = BWD_PARAMS_SM90.fields
-    assert BWD_PARAMS_SM90.itemsize == BWD_PARAMS_SM90_SIZE == 896
+    assert BWD_PARAMS_SM90.itemsize == BWD_PARAMS_SM90_SIZE == 960
     assert [fields[name][1] for name in ("q", "k", "v", "dout", "base")] == [0, 128, 256, 384, 512]
-    assert fields["base"][0] == BWD_PARAMS and BWD_PARAMS.itemsize == 384
+    assert fields["base"][0] == BWD_PARAMS and BWD_PARAMS.itemsize == 392
 
 
 def test_tensor_maps_are_encoded_once_per_tensor(monkeypatch):

@@ -137,8 +137,8 @@ def test_params_struct_matches_cuda_layout():
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
     assert BWD_PARAMS.fields["cu_seqlens_k"][1] == 112 and BWD_PARAMS.fields["q_batch_stride"][1] == 120
     assert BWD_PARAMS.fields["accum_batch_rows"][1] == 328 and BWD_PARAMS.fields["heads"][1] == 336
-    assert BWD_PARAMS.fields["dq_splits"][1] == 356 and BWD_PARAMS.fields["window_right"][1] == 368
-    assert BWD_PARAMS.fields["scale"][1] == 376 and BWD_PARAMS.fields["softcap_exp2_scale"][1] == 380
+    assert BWD_PARAMS.fields["dq_splits"][1] == 356 and BWD_PARAMS.fields["window_right"][1] == 372
+    assert BWD_PARAMS.fields["scale"][1] == 380 and BWD_PARAMS.fields["softcap_exp2_scale"][1] == 384
     assert CONVERT_PARAMS.fields["batch"][1] == 72 and CONVERT_PARAMS.fields["group"][1] == 88
     assert CONVERT_PARAMS.fields["scale"][1] == 92
 

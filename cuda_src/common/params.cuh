@@ -76,13 +76,14 @@ struct BwdParams {
   int head_dim;
   int dq_splits;  // 1, or on the walking grid the CTAs per (batch, head), each with its own dQ
   int dq_turn_blocks;  // query blocks per (batch, head) in dq_turns
+  int turn_heads;      // sm90 turns without a causal mask: heads whose key blocks the grid interleaves
   int window_left;  // as FwdParams
   int window_right;
   float scale_log2;  // as FwdParams
   float scale;       // softmax_scale, applied to dK here and to dQ by the convert kernel
   float softcap_exp2_scale;
 };
-static_assert(sizeof(BwdParams) == 384, "cuflash/params.py packs 384 bytes");
+static_assert(sizeof(BwdParams) == 392, "cuflash/params.py packs 392 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
 // `scale` times the in-order sum of `group` source values (flash_bwd_convert_sm80).

@@ -17,7 +17,7 @@ struct BwdParamsSm90 {
   TensorMap dout;
   BwdParams base;
 };
-static_assert(sizeof(BwdParamsSm90) == 896 && alignof(BwdParamsSm90) == 64, "cuflash/params.py packs 896 bytes");
+static_assert(sizeof(BwdParamsSm90) == 960 && alignof(BwdParamsSm90) == 64, "cuflash/params.py packs 960 bytes");
 
 }  // namespace sm90
 }  // namespace cuflash

@@ -134,14 +134,22 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   // As sm80's backward: one key block per CTA, causal key blocks slowest in the grid, the first
   // (seeing the most queries) dispatched first; walking CTAs walk theirs (above). Taking turns
   // relies on that order: a CTA waits only for key blocks of lower index, dispatched before it.
-  // A packed batch's CTAs past a shorter sequence leave at once.
-  const int head = CAUSAL && !WALK ? blockIdx.x : blockIdx.y;
+  // Without a causal mask, turns interleave the key blocks of a group of turn_heads heads, key
+  // block slowest: grid (key blocks x turn_heads, head groups, batch). CTAs that start together
+  // then belong to different heads or are a head's consecutive key blocks, started in order, so
+  // no head's CTAs queue at their first query block behind each other (measured with one head's
+  // key blocks adjacent in the grid: 17-19% over default mode at d64 1k-4k; benchmarks/NOTES.md).
+  // A packed batch's CTAs past a shorter sequence, and a last group's past the heads, leave at once.
+  constexpr bool GROUPED = TURNS && !CAUSAL;
+  const int head = CAUSAL && !WALK ? blockIdx.x
+                   : GROUPED        ? blockIdx.y * a.turn_heads + blockIdx.x % a.turn_heads
+                                    : blockIdx.y;
   const int batch = CAUSAL && !WALK ? blockIdx.y : blockIdx.z;
   const Sequence seq = sequence_of(a, batch);
   const int n_blocks = (seq.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;
-  const int n_first = WALK || !CAUSAL ? blockIdx.x : blockIdx.z;
+  const int n_first = CAUSAL && !WALK ? blockIdx.z : GROUPED ? blockIdx.x / a.turn_heads : blockIdx.x;
   const int n_stride = WALK ? a.dq_splits : n_blocks;
-  if (n_first >= n_blocks) return;
+  if (n_first >= n_blocks || head >= a.heads) return;
   // The key block of the walk's round `round`: block s of even rounds and block dq_splits - 1 - s
   // of odd ones, so that under a causal mask, where a block's work falls as its index grows,
   // every CTA's total is nearly the same (in plain order CTA 0 has the most in every round).
