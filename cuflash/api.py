@@ -663,15 +663,19 @@ def attention_backward(
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds (on
         sm90, bulk reductions of whole dq blocks) whose order varies between runs, so results can
         differ in the last bits from run to run.
-        True: bitwise-identical gradients on every run. Each (batch, head) gets
-        max(1, resident CTA slots // (batch * heads)) CTAs (at most one per key block); each walks
-        its key blocks in a fixed order and sums dq into its own fp32 buffer, and the buffers are
-        added in index order; GQA/MQA dk, dv are stored per query head and summed in head order.
-        No atomics race and no CTA waits for another. Costs: that many dq-sized fp32 buffers (one
-        when batch * heads fills the GPU) and, under GQA/MQA, 2 x (batch, seqlen_k, heads,
-        head_dim) fp32 instead of heads_kv; time: on the H200 up to 18% at 2k-16k tokens, none
-        for short causal sequences, which run this way by default there (the README's backward
-        table).
+        True: bitwise-identical gradients on every run; GQA/MQA dk, dv are stored per query head
+        and summed in head order. On sm90 (Hopper) each block of 64 query rows takes the key
+        blocks' dq terms in key-block order: a counter per (batch, head, query block) says whose
+        turn it is, and a CTA waits for its turn before adding its block (so CTAs do wait for
+        each other; the grid is ordered so that they rarely do). Short causal sequences walk as in
+        default mode (below). Elsewhere each (batch, head) gets max(1, resident CTA slots //
+        (batch * heads)) CTAs (at most one per key block) that walk their key blocks in a fixed
+        order, each summing dq into its own fp32 buffer, the buffers added in index order.
+        Costs: the counters (4 bytes per 64 query rows and head) on sm90, the walk's dq-sized fp32
+        buffers (one when batch * heads fills the GPU) elsewhere, and under GQA/MQA 2 x (batch,
+        seqlen_k, heads, head_dim) fp32 instead of heads_kv; time on the H200: within 5% of
+        default mode at every standard shape, 512 to 16k tokens, causal or not
+        (benchmarks/results/2026-11-30-h200-bwd-turns-session9.md).
     dq, dk, dv : arrays, optional
         Where to write the gradients (shapes of q, k, v; dtype of q).
 
