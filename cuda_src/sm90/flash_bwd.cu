@@ -440,7 +440,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 
     // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys
     // and columns past head_dim are not written. GQA: the group's query heads add into fp32
-    // slices, or in deterministic mode each stores its own slice (summed in order by the convert).
+    // slices, or, in the orders that repeat bitwise (walk, turns), each stores its own slice
+    // (summed in order by the convert).
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = key0 + 8 * h;
