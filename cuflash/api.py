@@ -308,12 +308,14 @@ def _ordered_backward(family: str, mask: str, max_seqlen_k: int) -> bool:
 
 
 def _dq_order(family: str, mask: str, max_seqlen_k: int, deterministic: bool) -> str:
-    """dispatch.DQ_ORDERS entry of a backward: the walk where _ordered_backward says so and for
-    sm80's deterministic mode, sm90's deterministic mode otherwise taking turns per query block on
-    the default grid (flash_bwd.cu), default mode any order."""
-    if _ordered_backward(family, mask, max_seqlen_k) or (deterministic and family == "sm80"):
+    """dispatch.DQ_ORDERS entry of a backward: the walk where _ordered_backward says so; otherwise
+    default mode any order, and deterministic mode taking turns per query block on the default
+    grid (flash_bwd.cu) where the family has it, else the walk."""
+    if _ordered_backward(family, mask, max_seqlen_k):
         return "walk"
-    return "turns" if deterministic else "any"
+    if not deterministic:
+        return "any"
+    return "turns" if "turns" in dispatch.dq_orders(family) else "walk"
 
 
 def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, window: tuple[int, int],
@@ -364,8 +366,9 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     arrays.append((lse_t.shape, "float32"))  # delta
     records, end = [], 0
     for shape, dtype in arrays:
-        records.append(interop.contiguous(shape, qt, dtype)._replace(ptr=end))
-        end += -(-4 * math.prod(shape) // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        record = interop.contiguous(shape, qt, dtype)._replace(ptr=end)
+        records.append(record)
+        end += -(-record.itemsize * math.prod(shape) // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
     dq_accum, delta = records[0], records[-1]
     dq_turns = records[1] if turns else None
     dk_accum, dv_accum = records[1 + turns:3 + turns] if group > 1 else (None, None)

@@ -42,6 +42,11 @@ MASKS = ("none", "causal", "window")
 DQ_ORDERS = ("any", "walk", "turns")
 
 
+def dq_orders(family: str) -> tuple[str, ...]:
+    """The DQ_ORDERS a family's backward main kernel has: sm80 no turns."""
+    return DQ_ORDERS if family == "sm90" else DQ_ORDERS[:2]
+
+
 @dataclass(frozen=True)
 class Tile:
     block_m: int  # query rows per CTA
@@ -286,9 +291,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
-    if dq_order not in DQ_ORDERS or (family == "sm80" and dq_order == "turns"):
-        raise ValueError(f"dq_order: expected one of {DQ_ORDERS[:2 if family == 'sm80' else 3]} for {family}, "
-                         f"got {dq_order!r}")
+    if dq_order not in dq_orders(family):
+        raise ValueError(f"dq_order: expected one of {dq_orders(family)} for {family}, got {dq_order!r}")
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     helpers = (
@@ -336,7 +340,7 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         found.setdefault(choice.name_expression, choice)
                     if backward_family(family, bucket, softcap) != family:
                         continue
-                    for dq_order in DQ_ORDERS[:3 if family == "sm90" else 2]:
+                    for dq_order in dq_orders(family):
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, dq_order):
                             if choice.family == family:
                                 found.setdefault(choice.name_expression, choice)
