@@ -93,15 +93,15 @@ __device__ __forceinline__ void issue_pv(float (&o)[1][DT][4], const u32 (&p)[KS
   for (int j = 0; j < KSLICES; ++j) wgmma_rs<HEAD_DIM, Elem, true>(flat(o), p[j], desc_advance(v_desc, 2048 * j), true);
 }
 
-// Scores of key block n to unnormalised probabilities: softcap, the mask where the block needs
-// it (this warp's 16 rows start at warp_row), and the online softmax's running max and sum;
-// `correction` is what o must be multiplied by once no P V product writes it any more.
+// Scores of key block n to unnormalised probabilities: softcap, the mask if `masked` (this warp's
+// 16 rows start at warp_row), and the online softmax's running max and sum; `correction` is what
+// o must be multiplied by once no P V product writes it any more.
 template <int BLOCK_N, bool SOFTCAP, bool CAUSAL, bool WINDOW, int NT>
-__device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<CAUSAL, WINDOW>& mask,
-                                              OnlineSoftmax<1>& softmax, const FwdParams& a, int m64_block, int n,
-                                              int warp_row, float (&correction)[1][2]) {
+__device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<CAUSAL, WINDOW>& mask, bool masked,
+                                              OnlineSoftmax<1>& softmax, const FwdParams& a, int n, int warp_row,
+                                              float (&correction)[1][2]) {
   if (SOFTCAP) softcap_scores(s, a.softcap_exp2_scale);
-  if (needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n)) mask.apply(s, warp_row, n * BLOCK_N);
+  if (masked) mask.apply(s, warp_row, n * BLOCK_N);
   softmax.probabilities(s, a.scale_log2, correction);
 }
 
@@ -283,14 +283,17 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         fence_registers(flat(s));
         // The tensor cores are done with this K stage: one arrival per warp hands it back.
         if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-        probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
+        probabilities<BLOCK_N, SOFTCAP>(s, mask, needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n), softmax, a, n,
+                                        warp_row, correction);
         pack_a<Elem>(s, pv_a);
         k_pos.advance();
 
         // Each step issues S of block n and then P V of block n + 1 (FlashAttention-3's
         // intra-warpgroup overlap): the softmax of block n runs while the tensor cores still
-        // multiply P V, and the rescale of o waits for that product.
-        for (--n; n >= n_range.begin; --n) {
+        // multiply P V, and the rescale of o waits for that product. The two calls below inline
+        // the step twice, with the mask and without: a mask test inside the step (even one that
+        // never passes) cost 4-5% at long causal lengths (benchmarks/NOTES.md, unmasked steps).
+        const auto step = [&](bool masked) {
           mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
           mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
           __syncwarp();
@@ -308,7 +311,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
           wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
           fence_registers(flat(s));
           if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-          probabilities<BLOCK_N, SOFTCAP>(s, mask, softmax, a, m64_block, n, warp_row, correction);
+          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, softmax, a, n, warp_row, correction);
           wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
           fence_registers(flat(o));
           fence_registers(pv_a);
@@ -317,6 +320,21 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
           pack_a<Elem>(s, pv_a);
           k_pos.advance();
           v_pos.advance();
+        };
+        // Three consumers (d64, 160 registers each) keep one step with the test inside: the two
+        // copies measured 1-3% slower there. Otherwise, without a causal or window mask only the
+        // sequence's last key block needs one, and the walk takes it first; with one, the test is
+        // the whole tile's, uniform across the CTA: a branch around wgmma on a value that ptxas
+        // cannot prove warp-uniform (this warpgroup's rows) would serialise every wgmma of the
+        // kernel. Rows of the tile that need no mask in a masked step lose nothing to it but time.
+        for (--n; n >= n_range.begin; --n) {
+          if (CONSUMERS == 3) {
+            step(needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n));
+          } else if ((CAUSAL || WINDOW) && needs_mask<kBlockM, BLOCK_N>(mask, c.m_block, n)) {
+            step(true);
+          } else {
+            step(false);
+          }
         }
 
         // P V of the last block.
