@@ -99,7 +99,6 @@ def test_deterministic_matches_reference_and_repeats_bitwise(head_dim, causal, s
             assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name
 
 
-
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -132,6 +131,7 @@ def test_deterministic_heads_in_groups(rng):
         again = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name
+
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_torch_training_step_matches_sdpa(causal):

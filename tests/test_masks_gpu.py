@@ -30,7 +30,7 @@ WINDOWS = [
     ("bfloat16", 128, 4224, 4224, 2, 2, True, (512, -1)),    # long: most key blocks skipped
     ("bfloat16", 128, 4224, 4224, 2, 1, False, (1000, 1000)),
     # Tiles taller than a key block (sm90: 192 rows over 128 keys at d64, 128 over 64 at d256):
-    # each consumer warpgroup skips the edge blocks only the others see.
+    # the band's edges cross a tile's consumer warpgroups in different key blocks.
     ("float16", 64, 4224, 4224, 2, 2, True, (300, -1)),
     ("bfloat16", 256, 1100, 1100, 2, 2, False, (200, 70)),
     ("float16", 256, 129, 129, 2, 2, False, (5000, 5000)),   # wider than the sequence: plain kernel
