@@ -295,23 +295,18 @@ _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocat
 
 
 # sm90 walks the ordered grid for causal backwards over at most this many keys, in either mode.
-_ORDERED_CAUSAL_KEYS = 2048
-
-
-def _ordered_backward(family: str, mask: str, max_seqlen_k: int) -> bool:
-    """Whether sm90's backward walks the ordered grid (CTAs walking their key blocks in order, dQ
-    into per-CTA splits) rather than running one CTA per key block, in either mode: for causal
-    sequences up to _ORDERED_CAUSAL_KEYS keys, whose key blocks are few and of unequal length, so
-    that walking them amortises each CTA's start and balances the work (causal 512 and 1k: +4-10%
-    at d64 and d128, 2k even; benchmarks/NOTES.md, sm90 backward v5)."""
-    return family == "sm90" and mask == "causal" and max_seqlen_k <= _ORDERED_CAUSAL_KEYS
+_WALK_CAUSAL_KEYS = 2048
 
 
 def _dq_order(family: str, mask: str, max_seqlen_k: int, deterministic: bool) -> str:
-    """dispatch.DQ_ORDERS entry of a backward: the walk where _ordered_backward says so; otherwise
-    default mode any order, and deterministic mode taking turns per query block on the default
-    grid (flash_bwd.cu) where the family has it, else the walk."""
-    if _ordered_backward(family, mask, max_seqlen_k):
+    """dispatch.DQ_ORDERS entry of a backward. sm90 walks the ordered grid (CTAs walking their key
+    blocks in order, dQ into per-CTA splits) rather than running one CTA per key block, in either
+    mode, for causal sequences up to _WALK_CAUSAL_KEYS keys, whose key blocks are few and of
+    unequal length, so that walking them amortises each CTA's start and balances the work (causal
+    512 and 1k: +4-10% at d64 and d128, 2k even; benchmarks/NOTES.md, sm90 backward v5).
+    Otherwise default mode takes any order, and deterministic mode takes turns per query block on
+    the default grid (flash_bwd.cu) where the family has it, else walks."""
+    if family == "sm90" and mask == "causal" and max_seqlen_k <= _WALK_CAUSAL_KEYS:
         return "walk"
     if not deterministic:
         return "any"

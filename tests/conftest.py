@@ -53,11 +53,11 @@ def family(request, monkeypatch):
 @pytest.fixture(params=["walk", "turns"])
 def causal_dq_order(request, monkeypatch):
     """Runs a deterministic-mode test once per way sm90 orders dQ for short causal sequences: the
-    walk (taken up to api._ORDERED_CAUSAL_KEYS keys) and turns per query block (taken beyond it,
+    walk (taken up to api._WALK_CAUSAL_KEYS keys) and turns per query block (taken beyond it,
     here from zero keys on). sm80 walks in both runs."""
     from cuflash import api
 
     if request.param == "turns":
-        monkeypatch.setattr(api, "_ORDERED_CAUSAL_KEYS", 0)
+        monkeypatch.setattr(api, "_WALK_CAUSAL_KEYS", 0)
     monkeypatch.setattr(api, "_PLANS", {})  # no plan built under the other setting
     return request.param
