@@ -297,8 +297,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       }
       mbarrier_wait(&kv_full, blocks_loaded & 1);
       ++blocks_loaded;
-      for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
-        const int m = query_block(m_range, i);
+      // One query block m of this key block. The body is inlined twice, with the mask and without:
+      // the per-element test of the queries each key is seen by (two compares and a select on
+      // every score) is only needed where needs_mask says some pair of the block is left out; the
+      // choice is uniform across the CTA, and no product is in flight between steps, so the branch
+      // does not serialise any wgmma.
+      const auto query_step = [&](int m, bool masked) {
         const u32 qd_offset = pos.stage * Smem::QD_BYTES;
         unsigned char* const ds_tile = smem + Smem::DS + (step % 2) * Smem::DS_BYTES;
         float s[1][8][4], dp[1][8][4];
@@ -340,7 +344,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
             const float lse_log2 = step_lse[8 * nt + 2 * (lane % 4) + e];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-              const bool seen = query >= query_begin[h] && query < query_end[h];
+              const bool seen = !masked || (query >= query_begin[h] && query < query_end[h]);
               const float score = s[0][nt][2 * h + e];
               s[0][nt][2 * h + e] = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
             }
@@ -432,6 +436,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           // Read by the writer's bulk reduction through the async proxy.
           fence_proxy_async_shared();
           named_barrier_arrive(kDqFullBarrier, kDqWriterThreads);
+        }
+      };
+      for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
+        const int m = query_block(m_range, i);
+        if (needs_mask<kBwdBlockM, kBwdBlockN>(mask, m, n_block)) {
+          query_step(m, true);
+        } else {
+          query_step(m, false);
         }
       }
       // This warp's last reads of K (dQ) and V (dP^T) are done: the producer may reload them.
