@@ -234,16 +234,34 @@ _PERSISTENT_UNEQUAL_KEYS = 1024
 def _sm90_ctas(unequal: bool, max_seqlen_k: int, tiles: int, device: int) -> int:
     """CTAs of the sm90 forward's grid over ``tiles`` tiles. Persistent, one CTA per SM (the
     tile's shared memory allows no second) walking the tiles round robin: where the tiles are
-    equal (a fixed-length batch without a mask), and over sequences of at most
-    _PERSISTENT_UNEQUAL_KEYS keys, where the tiles are short and hiding each one's prologue and
-    epilogue pays most (causal 1k: +3% at d128, +11% at d64). Longer ``unequal`` tiles (a mask,
-    or a packed batch's sequences of different lengths) differ in length more than a static
+    equal (a fixed-length batch without a mask or with a band, _sm90_tiles_unequal), and over
+    sequences of at most _PERSISTENT_UNEQUAL_KEYS keys, where the tiles are short and hiding each
+    one's prologue and epilogue pays most (causal 1k: +3% at d128, +11% at d64). Longer ``unequal`` tiles (a causal
+    mask, or a packed batch's sequences of different lengths) differ in length more than a static
     round robin can balance: one CTA per tile, longest first, lets the hardware's block
     scheduler balance them (measured 5-9% faster at 4k-16k causal; benchmarks/NOTES.md, sm90
     v4)."""
     if unequal and max_seqlen_k > _PERSISTENT_UNEQUAL_KEYS:
         return tiles
     return min(tiles, _multiprocessors(device))
+
+
+# Band width (left + right, in keys) up to which a band's tiles run persistent (_sm90_tiles_unequal).
+_PERSISTENT_BAND_KEYS = 1024
+
+
+def _sm90_tiles_unequal(window: tuple[int, int], softcap: float, packed: bool) -> bool:
+    """Whether the sm90 forward's tiles (``window`` from _kernel_window) are to be treated as
+    unequal by _sm90_ctas: under a causal mask or a one-sided window a tile's keys grow or shrink
+    with its rows, and a packed batch's sequences differ. A narrow band (both sides bounded, at
+    most _PERSISTENT_BAND_KEYS wide) gives every tile the same few key blocks but near the
+    sequence's ends, and runs persistent like an unmasked grid: measured at 16k keys, 4-10% less
+    time than one CTA per tile for widths 256-1024 at head_dim 64-256, while (1024, 1024) was even
+    and (4096, 0) 1-6% slower (benchmarks/NOTES.md, session 11). Softcap kernels keep one CTA per
+    tile, as measured when the policy was set."""
+    left, right = window
+    narrow_band = 0 <= left and 0 <= right and left + right <= _PERSISTENT_BAND_KEYS
+    return (_mask_kind(window) != "none" and not narrow_band) or bool(softcap) or packed
 
 
 def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int], softcap: float, batch: int,
@@ -260,7 +278,7 @@ def _forward_plan(qt, kt, vt, out_t, lse_t, scale: float, window: tuple[int, int
         tiles = m_blocks * heads * batch
         if tiles >= 2**31:
             raise ValueError(f"q: {tiles} query tiles exceed the sm90 forward's int32 tile index")
-        unequal = _mask_kind(window) != "none" or bool(softcap) or cu_seqlens[0] is not None
+        unequal = _sm90_tiles_unequal(window, softcap, cu_seqlens[0] is not None)
         # A packed batch's longest sequence is not known here: its total bounds it. A packed batch
         # may have no rows at all: still one CTA.
         grid = (max(1, _sm90_ctas(unequal, kt.shape[1], tiles, qt.device)), 1, 1)

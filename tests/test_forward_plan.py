@@ -111,3 +111,24 @@ def test_packed_launch(launches):
     assert params["q_batch_stride"] == params["k_batch_stride"] == params["o_batch_stride"] == 0
     assert (params["lse_batch_stride"], params["lse_head_stride"]) == (0, 700)
     assert params["scale_log2"] == pytest.approx(0.125 * math.log2(math.e))
+
+
+@pytest.mark.parametrize("window, softcap, packed, unequal", [
+    ((-1, -1), 0.0, False, False),   # no mask
+    ((-1, 0), 0.0, False, True),     # causal: a tile's keys grow with its rows
+    ((1024, 0), 0.0, False, False),  # narrow bands: the same key blocks but near the ends
+    ((256, 256), 0.0, False, False),
+    ((0, 0), 0.0, False, False),
+    ((1024, 1024), 0.0, False, True),  # wider bands: one CTA per tile measured as fast or faster
+    ((4096, 0), 0.0, False, True),
+    ((1024, -1), 0.0, False, True),  # one-sided windows
+    ((-1, 64), 0.0, False, True),
+    ((1024, 0), 30.0, False, True),  # softcap kernels keep one CTA per tile
+    ((1024, 0), 0.0, True, True),    # a packed batch's sequences differ
+    ((-1, -1), 0.0, True, True),
+])
+def test_sm90_forward_grid_policy(window, softcap, packed, unequal, monkeypatch):
+    """Which sm90 forward grids run persistent (one CTA per SM) over 16k keys: 2048 tiles."""
+    monkeypatch.setattr(api, "_multiprocessors", lambda device: 132)
+    assert api._sm90_tiles_unequal(window, softcap, packed) is unequal
+    assert api._sm90_ctas(unequal, 16384, 2048, device=0) == (2048 if unequal else 132)

@@ -250,14 +250,15 @@ def test_sm90_fixed_length_launch(sm90_launches):
     assert p["base"]["kv_group"] == 4 and p["base"]["o"] == 5 << 20
 
 
-def test_sm90_grid_is_persistent_without_a_mask(sm90_launches):
+def test_sm90_grid_is_persistent_for_equal_tiles(sm90_launches):
     calls, _ = sm90_launches
     q, lse = _tensor((4, 4096, 16, 128)), _tensor((4, 16, 4096), "float32", ptr=6 << 20)
     for window, softcap in (((-1, -1), 0.0), ((-1, 0), 0.0), ((100, 100), 0.0), ((-1, -1), 5.0)):
         _forward(q, q, q, q, lse, 0.1, window, softcap, 4, 4096)
     # 32 query blocks x 16 heads x 4 batches = 2048 tiles: 132 CTAs (one per SM) walk them without
-    # a mask; a mask or softcap over 4096 keys makes tiles unequal, and each gets its own CTA.
-    assert [c[2] for c in calls] == [(132, 1, 1), (2048, 1, 1), (2048, 1, 1), (2048, 1, 1)]
+    # a mask or with a narrow band; a causal mask or softcap over 4096 keys makes tiles unequal,
+    # and each gets its own CTA.
+    assert [c[2] for c in calls] == [(132, 1, 1), (2048, 1, 1), (132, 1, 1), (2048, 1, 1)]
     assert all(np.frombuffer(c[3], FWD_PARAMS_SM90)[0]["tiles"] == 2048 for c in calls)
     # Over 1024 keys the masked tiles are short enough to run persistent as well.
     q, lse = _tensor((16, 1024, 16, 128)), _tensor((16, 16, 1024), "float32", ptr=6 << 20)
