@@ -9,13 +9,17 @@
 
 Useful FLOPs count visible (query, key) pairs only: 4 * heads * head_dim per pair forward, 2.5x
 that backward. Each sample queues ten calls back to back, so that the host cost of a call (checks,
-allocation, launch) overlaps the previous kernel as in a model, not idle GPU time. Without a GPU it
-says so and exits 0.
+allocation, launch) overlaps the previous kernel as in a model, not idle GPU time. In (b) each
+kernel first runs alone for half a second: the H200 runs every kernel here at its power limit, and
+its clock takes longer than a short sample to settle after the kernel before, so without this a
+short window kernel timed right after full attention reads 5-15% slower than it runs
+(benchmarks/NOTES.md, session 11). Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 
@@ -41,6 +45,18 @@ def flops(pairs: int, mode: str) -> float:
 
 def ms(run) -> float:
     return time_ms(lambda i: run(), 10, warmup=3, repeats=10)
+
+
+def settled_ms(run, seconds: float = 0.5) -> float:
+    """ms(run) once ``run`` alone has kept the GPU busy for ``seconds`` (its clock settled)."""
+    import cupy as cp
+
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            run()
+        cp.cuda.get_current_stream().synchronize()
+    return ms(run)
 
 
 def timed_call(mode: str, forward, backward):
@@ -105,15 +121,15 @@ def window_table(mode: str) -> None:
 
     print(f"(b) {mode}: seqlen {seqlen}, batch 1: window time / full time against the FLOPs share (issue: <= 1.2x)")
     for causal, window in ((False, (1024, 1024)), (True, (1024, 0)), (True, (1024, -1))):
-        full = ms(call(causal=causal))
-        t = ms(call(causal=causal, window=window))
+        full = settled_ms(call(causal=causal))
+        t = settled_ms(call(causal=causal, window=window))
         pairs = pair_count(seqlen, seqlen, causal, window)
         share = pairs / pair_count(seqlen, seqlen, causal)
         print(f"  {'causal' if causal else 'full'} window {window}: {t:.3f} ms vs {full:.3f} ms, time ratio "
               f"{t / full:.4f}, FLOPs share {share:.4f}, ratio/share {t / full / share:.2f}  "
               f"({tflops(flops(pairs, mode), t):.1f} TFLOP/s)")
-    full = ms(call(causal=True))
-    t = ms(call(causal=True, softcap=30.0))
+    full = settled_ms(call(causal=True))
+    t = settled_ms(call(causal=True, softcap=30.0))
     print(f"  causal softcap 30: {t:.3f} ms vs {full:.3f} ms without ({t / full:.2f}x)")
 
 
