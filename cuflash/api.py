@@ -234,13 +234,13 @@ _PERSISTENT_UNEQUAL_KEYS = 1024
 def _sm90_ctas(unequal: bool, max_seqlen_k: int, tiles: int, device: int) -> int:
     """CTAs of the sm90 forward's grid over ``tiles`` tiles. Persistent, one CTA per SM (the
     tile's shared memory allows no second) walking the tiles round robin: where the tiles are
-    equal (a fixed-length batch without a mask or with a band, _sm90_tiles_unequal), and over
-    sequences of at most _PERSISTENT_UNEQUAL_KEYS keys, where the tiles are short and hiding each
-    one's prologue and epilogue pays most (causal 1k: +3% at d128, +11% at d64). Longer ``unequal`` tiles (a causal
-    mask, or a packed batch's sequences of different lengths) differ in length more than a static
-    round robin can balance: one CTA per tile, longest first, lets the hardware's block
-    scheduler balance them (measured 5-9% faster at 4k-16k causal; benchmarks/NOTES.md, sm90
-    v4)."""
+    equal (a fixed-length batch without a mask or with a narrow band, _sm90_tiles_unequal), and
+    over sequences of at most _PERSISTENT_UNEQUAL_KEYS keys, where the tiles are short and hiding
+    each one's prologue and epilogue pays most (causal 1k: +3% at d128, +11% at d64). Longer
+    ``unequal`` tiles (a causal mask, or a packed batch's sequences of different lengths) differ
+    in length more than a static round robin can balance: one CTA per tile, longest first, lets
+    the hardware's block scheduler balance them (measured 5-9% faster at 4k-16k causal;
+    benchmarks/NOTES.md, sm90 v4)."""
     if unequal and max_seqlen_k > _PERSISTENT_UNEQUAL_KEYS:
         return tiles
     return min(tiles, _multiprocessors(device))

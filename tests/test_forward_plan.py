@@ -119,7 +119,7 @@ def test_packed_launch(launches):
     ((1024, 0), 0.0, False, False),  # narrow bands: the same key blocks but near the ends
     ((256, 256), 0.0, False, False),
     ((0, 0), 0.0, False, False),
-    ((1024, 1024), 0.0, False, True),  # wider bands: one CTA per tile measured as fast or faster
+    ((1024, 1024), 0.0, False, True),  # wider bands: the persistent grid measured even or slower
     ((4096, 0), 0.0, False, True),
     ((1024, -1), 0.0, False, True),  # one-sided windows
     ((-1, 64), 0.0, False, True),
