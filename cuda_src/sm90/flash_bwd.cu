@@ -301,8 +301,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       // the per-element test of the queries each key is seen by (two compares and a select on
       // every score) is only needed where needs_mask says some pair of the block is left out; the
       // choice is uniform across the CTA, and no product is in flight between steps, so the branch
-      // does not serialise any wgmma. Taking turns under a mask keeps one copy with the test:
-      // with two, ptxas moves loop state to local memory inside the step.
+      // does not serialise any wgmma.
       const auto query_step = [&](int m, bool masked) {
         const u32 qd_offset = pos.stage * Smem::QD_BYTES;
         unsigned char* const ds_tile = smem + Smem::DS + (step % 2) * Smem::DS_BYTES;
@@ -439,9 +438,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           named_barrier_arrive(kDqFullBarrier, kDqWriterThreads);
         }
       };
+      // Taking turns under a mask keeps the one copy with the test: with two, ptxas moves loop
+      // state to local memory inside the step.
+      constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW));
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
         const int m = query_block(m_range, i);
-        if ((TURNS && (CAUSAL || WINDOW)) || needs_mask<kBwdBlockM, kBwdBlockN>(mask, m, n_block)) {
+        if (!kUnmaskedCopy || needs_mask<kBwdBlockM, kBwdBlockN>(mask, m, n_block)) {
           query_step(m, true);
         } else {
           query_step(m, false);
