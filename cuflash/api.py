@@ -328,7 +328,7 @@ def _dq_order(family: str, mask: str, max_seqlen_k: int, deterministic: bool) ->
         return "walk"
     if not deterministic:
         return "any"
-    return "turns" if "turns" in dispatch.dq_orders(family) else "walk"
+    return "turns" if "turns" in dispatch.dq_orders(family, mask) else "walk"
 
 
 def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, window: tuple[int, int],

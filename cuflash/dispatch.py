@@ -42,9 +42,12 @@ MASKS = ("none", "causal", "window")
 DQ_ORDERS = ("any", "walk", "turns")
 
 
-def dq_orders(family: str) -> tuple[str, ...]:
-    """The DQ_ORDERS a family's backward main kernel has: sm80 no turns."""
-    return DQ_ORDERS if family == "sm90" else DQ_ORDERS[:2]
+def dq_orders(family: str, mask: str) -> tuple[str, ...]:
+    """The DQ_ORDERS a family's backward main kernel has for ``mask``: sm80 no turns, and sm90 walks
+    only causal masks (api._dq_order takes the walk there for short sequences, and nowhere else)."""
+    if family != "sm90":
+        return DQ_ORDERS[:2]
+    return DQ_ORDERS if mask == "causal" else ("any", "turns")
 
 
 @dataclass(frozen=True)
@@ -291,8 +294,9 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
-    if dq_order not in dq_orders(family):
-        raise ValueError(f"dq_order: expected one of {dq_orders(family)} for {family}, got {dq_order!r}")
+    if dq_order not in dq_orders(family, mask):
+        raise ValueError(f"dq_order: expected one of {dq_orders(family, mask)} for {family} and mask {mask!r}, "
+                         f"got {dq_order!r}")
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     helpers = (
@@ -340,7 +344,7 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         found.setdefault(choice.name_expression, choice)
                     if backward_family(family, bucket, softcap) != family:
                         continue
-                    for dq_order in dq_orders(family):
+                    for dq_order in dq_orders(family, mask):
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, dq_order):
                             if choice.family == family:
                                 found.setdefault(choice.name_expression, choice)

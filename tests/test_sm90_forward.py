@@ -162,8 +162,10 @@ def test_sm90_dispatch():
         with pytest.raises(ValueError, match="no sm90 backward"):
             dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, dq_order)
     assert dispatch.backward_family("sm80", 64, False) == "sm80"
-    # dims x masks x dtypes x dQ orders
-    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 3 * 2 * 3
+    # dims x dtypes x dQ orders of each mask: the walk only causal
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 2 * (3 + 2 + 2)
+    with pytest.raises(ValueError, match="dq_order"):
+        dispatch.backward_kernels("sm90", 64, "window", "bfloat16", dq_order="walk")
 
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):

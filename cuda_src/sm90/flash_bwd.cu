@@ -122,10 +122,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   constexpr float kLog2e = 1.4426950408889634f;
   const BwdParams& a = p.base;
 
-  // Per consumer warpgroup, two buffers by step parity: the block's lse * log2(e) (+inf for rows
-  // past the sequence or without keys) and delta, staged so that the softmax reads shared memory
-  // rather than holding 32 hoisted global loads in registers.
-  __shared__ float stats_lse[2][2][kBwdBlockM], stats_delta[2][2][kBwdBlockM];
+  // Per consumer warpgroup, two buffers by step parity: the block's lse, then its delta (both 0 for
+  // rows past the sequence), staged so that the softmax reads shared memory rather than holding 32
+  // hoisted global loads in registers.
+  __shared__ float stats[2][2][2 * kBwdBlockM];
   __shared__ u64 kv_full, kv_empty;
   __shared__ u64 qd_full[STAGES], qd_empty[STAGES];
   extern __shared__ unsigned char smem_raw[];
@@ -307,18 +307,19 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         unsigned char* const ds_tile = smem + Smem::DS + (step % 2) * Smem::DS_BYTES;
         float s[1][8][4], dp[1][8][4];
         // Stage this block's statistics (the other parity's buffer may still be read by slower
-        // warps of the warpgroup; this one was last read two steps ago, before the previous barrier).
-        float* const step_lse = stats_lse[consumer][step % 2];
-        float* const step_delta = stats_delta[consumer][step % 2];
-        if (t < kBwdBlockM) {
-          const int query = m * kBwdBlockM + t;
-          const float row_lse = query < seq.seqlen_q ? lse[query] : kNegInf;
-          // A row past the sequence, or one that saw no key (lse = -inf), takes +inf: P = 0
-          // there, never inf * 0.
-          step_lse[t] = row_lse == kNegInf ? -kNegInf : row_lse * kLog2e;
-          step_delta[t] = query < seq.seqlen_q ? delta[query] : 0.f;
+        // warps of the warpgroup; this one was last read two steps ago, before the previous
+        // barrier): thread t copies lse (t < 64) or delta (t >= 64) of row t % 64, asynchronously,
+        // before the products; they are waited for once those run. Staged before them, their L2
+        // latency stood between every step's start and its first product (benchmarks/NOTES.md).
+        // A row past the sequence copies nothing (zero): the masked copy of the step, which the
+        // sequence's last block takes, leaves its P at 0.
+        float* const step_stats = stats[consumer][step % 2];
+        {
+          const int query = m * kBwdBlockM + t % kBwdBlockM;
+          cp_async_4(step_stats + t, (t < kBwdBlockM ? lse : delta) + min(query, seq.seqlen_q - 1),
+                     query < seq.seqlen_q ? 4 : 0);
+          cp_async_commit();
         }
-        named_barrier_sync(kStatsBarrier + consumer, 128);
         mbarrier_wait(&qd_full[pos.stage], pos.phase);
         __syncwarp();  // reconverge after the spin: wgmma is .aligned
         wgmma_fence();
@@ -329,6 +330,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         wgmma_ss_panels<64, Elem, Smem::PANELS>(flat(dp), v_desc, Smem::KV_PANEL,
                                                 smem_desc_sw128(smem + Smem::DO + qd_offset), Smem::QD_PANEL);
         wgmma_commit();
+        cp_async_wait_own();
+        named_barrier_sync(kStatsBarrier + consumer, 128);
         fence_registers(flat(s));
         fence_registers(flat(dp));
         wgmma_wait<1>();
@@ -341,7 +344,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int query = query_base + 8 * nt + e;
-            const float lse_log2 = step_lse[8 * nt + 2 * (lane % 4) + e];
+            // A row that saw no key (lse = -inf) or lies past the sequence (lse 0) only occurs in
+            // masked blocks, where the select makes P 0, never inf * 0.
+            const float lse_log2 = step_stats[8 * nt + 2 * (lane % 4) + e] * kLog2e;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const bool seen = !masked || (query >= query_begin[h] && query < query_end[h]);
@@ -356,7 +361,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float row_delta = step_delta[8 * nt + 2 * (lane % 4) + e];
+            const float row_delta = step_stats[kBwdBlockM + 8 * nt + 2 * (lane % 4) + e];
 #pragma unroll
             for (int h = 0; h < 2; ++h) dp[0][nt][2 * h + e] = s[0][nt][2 * h + e] * (dp[0][nt][2 * h + e] - row_delta);
           }
@@ -443,7 +448,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW));
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
         const int m = query_block(m_range, i);
-        if (!kUnmaskedCopy || needs_mask<kBwdBlockM, kBwdBlockN>(mask, m, n_block)) {
+        // The sequence's last block with rows past its end takes the mask too (the statistics).
+        if (!kUnmaskedCopy || needs_mask<kBwdBlockM, kBwdBlockN>(mask, m, n_block) ||
+            (m + 1) * kBwdBlockM > seq.seqlen_q) {
           query_step(m, true);
         } else {
           query_step(m, false);
