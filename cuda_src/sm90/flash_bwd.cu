@@ -448,7 +448,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW));
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
         const int m = query_block(m_range, i);
-        // The sequence's last block with rows past its end takes the mask too (the statistics).
+        // A block with rows past the sequence's end takes the masked copy too: those rows staged lse
+        // 0 (nothing to copy), and only the mask's select makes their P 0.
         if (!kUnmaskedCopy || needs_mask<kBwdBlockM, kBwdBlockN>(mask, m, n_block) ||
             (m + 1) * kBwdBlockM > seq.seqlen_q) {
           query_step(m, true);
