@@ -29,11 +29,10 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, int src_b
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// Waits until at most N of this thread's committed groups are pending. The "memory" clobber keeps
+// the thread's reads of its own copies below the wait.
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
-// Waits for all of this thread's copies, for a thread that reads what it copied right after: the
-// "memory" clobber keeps those reads below the wait (cp_async_wait callers read after a barrier).
-__device__ __forceinline__ void cp_async_wait_own() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Copies rows [0, rows_valid) x cols [0, cols_valid) of a global tile into a swizzled shared tile,
 // zero-filling the rest. Every thread of the CTA takes part.

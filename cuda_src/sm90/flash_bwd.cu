@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         wgmma_ss_panels<64, Elem, Smem::PANELS>(flat(dp), v_desc, Smem::KV_PANEL,
                                                 smem_desc_sw128(smem + Smem::DO + qd_offset), Smem::QD_PANEL);
         wgmma_commit();
-        cp_async_wait_own();
+        cp_async_wait<0>();
         named_barrier_sync(kStatsBarrier + consumer, 128);
         fence_registers(flat(s));
         fence_registers(flat(dp));
