@@ -266,7 +266,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const u64 v_desc = smem_desc_sw128(smem + Smem::V + group_row * 128);
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
-  const bool computes_dq = consumer < Smem::PANELS;
+  // A constant at head_dim 128: with the test `consumer < PANELS` there (always true), ptxas spilled
+  // 200-240 bytes in the kernels taking the default and turns orders, which cost 2-8% of a call
+  // (benchmarks/NOTES.md).
+  const bool computes_dq = Smem::PANELS == 2 || consumer == 0;
   // The pad columns are reduced into global's pad columns, which nothing reads: zeros, not
   // whatever shared memory held.
   for (int i = t; i < kBwdBlockM * kDqRowPad; i += 128)
