@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what one timed call does: forward, backward (forward run untimed) or both")
     bench.add_argument("--family", choices=["auto", *dispatch.FAMILIES], default="auto",
                        help="cuflash kernel family (sm90 runs sm80's forward for tensors no tensor map describes, "
-                            "and sm80's backward for softcap and head dims above 128; the compilation notes name "
+                            "and sm80's backward for head dims above 128; the compilation notes name "
                             "each kernel)")
     bench.add_argument("--impls", nargs="+", choices=bench_module.IMPLEMENTATIONS,
                        default=list(bench_module.IMPLEMENTATIONS), help="what to time (peers that are not installed are skipped)")

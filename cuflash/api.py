@@ -316,19 +316,20 @@ _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocat
 _WALK_CAUSAL_KEYS = 2048
 
 
-def _dq_order(family: str, mask: str, max_seqlen_k: int, deterministic: bool) -> str:
+def _dq_order(family: str, mask: str, softcap: bool, max_seqlen_k: int, deterministic: bool) -> str:
     """dispatch.DQ_ORDERS entry of a backward. sm90 walks the ordered grid (CTAs walking their key
     blocks in order, dQ into per-CTA splits) rather than running one CTA per key block, in either
     mode, for causal sequences up to _WALK_CAUSAL_KEYS keys, whose key blocks are few and of
     unequal length, so that walking them amortises each CTA's start and balances the work (causal
-    512 and 1k: +4-10% at d64 and d128, 2k even; benchmarks/NOTES.md, sm90 backward v5).
+    512 and 1k: +4-10% at d64 and d128, 2k even; benchmarks/NOTES.md, sm90 backward v5; measured
+    again in session 13). A softcap runs the window kernel, which does not walk.
     Otherwise default mode takes any order, and deterministic mode takes turns per query block on
     the default grid (flash_bwd.cu) where the family has it, else walks."""
-    if family == "sm90" and mask == "causal" and max_seqlen_k <= _WALK_CAUSAL_KEYS:
+    if family == "sm90" and mask == "causal" and not softcap and max_seqlen_k <= _WALK_CAUSAL_KEYS:
         return "walk"
     if not deterministic:
         return "any"
-    return "turns" if "turns" in dispatch.dq_orders(family, mask) else "walk"
+    return "turns" if "turns" in dispatch.dq_orders(family, mask, softcap) else "walk"
 
 
 def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, window: tuple[int, int],
@@ -341,11 +342,11 @@ def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     _, rows_q, heads, head_dim = qt.shape
     device_plan = (family, capability) = _device_plan(qt.device)
     mask = _mask_kind(window)
-    # sm90's main kernel where it serves the switches and tensor maps can describe the tensors.
-    main_family = dispatch.backward_family(family, head_dim, bool(softcap))
+    # sm90's main kernel where it serves the head dim and tensor maps can describe the tensors.
+    main_family = dispatch.backward_family(family, head_dim)
     if main_family == "sm90" and not all(tma_ready(t) for t in (qt, kt, vt, dout_t)):
         main_family = "sm80"
-    dq_order = _dq_order(main_family, mask, max_seqlen_k, deterministic)
+    dq_order = _dq_order(main_family, mask, bool(softcap), max_seqlen_k, deterministic)
     walk, turns = dq_order == "walk", dq_order == "turns"
     preprocess, main, convert = dispatch.backward_kernels(main_family, head_dim, mask, qt.dtype, bool(softcap),
                                                           dq_order)

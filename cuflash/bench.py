@@ -343,7 +343,7 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
             mask = "causal" if causal else "none"
             choices = [dispatch.forward_kernel(family, head_dim, mask, dtype)] if mode != "bwd" else []
             if mode != "fwd":
-                backward = dispatch.backward_family(family, head_dim, False)
+                backward = dispatch.backward_family(family, head_dim)
                 choices.append(dispatch.backward_kernels(backward, head_dim, mask, dtype)[1])
             for choice in choices:
                 arch = dispatch.compile_arch(choice.family, capability)

@@ -5,8 +5,8 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
 every head-dim bucket (api._forward_choice still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). Its backward main kernel serves
-head dims up to 128 without softcap, in either mode (backward_family); sm80's preprocess and
-convert kernels run around it, and sm80's main kernel everywhere else.
+head dims up to 128, in either mode (backward_family); sm80's preprocess and convert kernels run
+around it, and sm80's main kernel everywhere else.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
 """
@@ -42,12 +42,13 @@ MASKS = ("none", "causal", "window")
 DQ_ORDERS = ("any", "walk", "turns")
 
 
-def dq_orders(family: str, mask: str) -> tuple[str, ...]:
-    """The DQ_ORDERS a family's backward main kernel has for ``mask``: sm80 no turns, and sm90 walks
-    only causal masks (api._dq_order takes the walk there for short sequences, and nowhere else)."""
+def dq_orders(family: str, mask: str, softcap: bool = False) -> tuple[str, ...]:
+    """The DQ_ORDERS a family's backward main kernel has for ``mask`` and ``softcap``: sm80 no
+    turns, and sm90 walks only causal masks without softcap, which run the causal kernel
+    (api._dq_order takes the walk there for short sequences, and nowhere else)."""
     if family != "sm90":
         return DQ_ORDERS[:2]
-    return DQ_ORDERS if mask == "causal" else ("any", "turns")
+    return DQ_ORDERS if mask == "causal" and not softcap else ("any", "turns")
 
 
 @dataclass(frozen=True)
@@ -261,8 +262,8 @@ SM80_BWD_TILES = {
 
 # sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per head-dim bucket: 128 keys per CTA
 # (64 per consumer warpgroup), 64 query rows per step, 12 warps; K, V, the Q/dO ring and two dS
-# tiles in shared memory. It serves head dims up to 128 without softcap, in either mode; the rest
-# runs sm80's main kernel (backward_family).
+# tiles in shared memory. It serves head dims up to 128, in either mode; the rest runs sm80's main
+# kernel (backward_family).
 SM90_BWD_TILES = {
     64: Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 = 128 KB
     128: Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 = 160 KB
@@ -274,10 +275,10 @@ SM90_BWD_TILES = {
 SM90_BWD_DQ_ROW_PAD = 4
 
 
-def backward_family(family: str, head_dim: int, softcap: bool) -> str:
-    """The family whose main backward kernel serves this head dim and softcap switch on a device
-    of ``family`` (every mask and both modes run on either)."""
-    if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES and not softcap:
+def backward_family(family: str, head_dim: int) -> str:
+    """The family whose main backward kernel serves this head dim on a device of ``family`` (every
+    mask, softcap and both modes run on either)."""
+    if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES:
         return "sm90"
     return "sm80"
 
@@ -294,31 +295,31 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
-    if dq_order not in dq_orders(family, mask):
-        raise ValueError(f"dq_order: expected one of {dq_orders(family, mask)} for {family} and mask {mask!r}, "
-                         f"got {dq_order!r}")
+    if dq_order not in dq_orders(family, mask, softcap):
+        raise ValueError(f"dq_order: expected one of {dq_orders(family, mask, softcap)} for {family}, mask "
+                         f"{mask!r} and softcap {softcap}, got {dq_order!r}")
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
+    causal, window = mask == "causal" and not softcap, mask == "window" or softcap
     helpers = (
         KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", HELPER_THREADS, 0),
         KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", HELPER_THREADS, 0),
     )
     if family == "sm90":
-        if backward_family(family, head_dim, softcap) != "sm90":
-            raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}, softcap {softcap}")
+        if backward_family(family, head_dim) != "sm90":
+            raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}")
         tile = tile or SM90_BWD_TILES[bucket]
-        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(mask == 'causal')}, "
-                f"{_cpp(mask == 'window')}, {DQ_ORDERS.index(dq_order)}, {elem}>")
+        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(causal)}, {_cpp(window)}, "
+                f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
         # 64 queries), the fp32 dQ block, plus 1 KiB to align the window to the swizzle's
         # 1024-byte period.
         smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + 1024)
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
-                                   blocks_slowest=mask == "causal" and dq_order != "walk")
+                                   blocks_slowest=causal and dq_order != "walk")
         return helpers[0], main_choice, helpers[1]
     tile = tile or SM80_BWD_TILES[bucket]
-    causal, window = mask == "causal" and not softcap, mask == "window" or softcap
     main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
             f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, {elem}>")
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
@@ -342,9 +343,9 @@ def all_kernels(family: str) -> list[KernelChoice]:
                     for short in (False, True):  # sm90 picks some tiles by length
                         choice = forward_kernel(family, bucket, mask, dtype, softcap, short=short)
                         found.setdefault(choice.name_expression, choice)
-                    if backward_family(family, bucket, softcap) != family:
+                    if backward_family(family, bucket) != family:
                         continue
-                    for dq_order in dq_orders(family, mask):
+                    for dq_order in dq_orders(family, mask, softcap):
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, dq_order):
                             if choice.family == family:
                                 found.setdefault(choice.name_expression, choice)

@@ -142,28 +142,36 @@ def test_sm90_dispatch():
     # d128's unmasked short calls.
     assert len(SM90_FORWARD) == 4 * 2 * 4 + 2 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
-    # The sm90 backward main kernel: head dims up to 128, no softcap, either mode.
+    # The sm90 backward main kernel: head dims up to 128, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
-    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, 0, cuflash::f16>"
+    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, false, 0, cuflash::f16>"
     assert main.threads == 384 and main.blocks_slowest
     assert not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
     walk = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", dq_order="walk")[1]
-    assert walk.name_expression.endswith("true, false, 1, cuflash::bf16>") and not walk.blocks_slowest
+    assert walk.name_expression.endswith("true, false, false, 1, cuflash::bf16>") and not walk.blocks_slowest
     # Taking turns keeps the default grid, causal key blocks slowest (the order the turns rely on).
     turns = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", dq_order="turns")[1]
-    assert turns.name_expression.endswith("true, false, 2, cuflash::bf16>") and turns.blocks_slowest
+    assert turns.name_expression.endswith("true, false, false, 2, cuflash::bf16>") and turns.blocks_slowest
+    # A softcap runs the window kernel for every mask, as in the forward, and so never walks.
+    for mask in ("none", "causal", "window"):
+        for dq_order in ("any", "turns"):
+            capped = dispatch.backward_kernels("sm90", 64, mask, "bfloat16", True, dq_order)[1]
+            assert capped.name_expression == (f"cuflash::sm90::flash_bwd_sm90<64, 4, false, true, true, "
+                                              f"{dispatch.DQ_ORDERS.index(dq_order)}, cuflash::bf16>")
+            assert not capped.blocks_slowest
+    assert dispatch.dq_orders("sm90", "causal", softcap=True) == ("any", "turns")
     with pytest.raises(ValueError, match="dq_order"):
         dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", dq_order="turns")
     assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 64 * 132 * 4 + 1024 <= 227 * 1024
-    for head_dim, mask, softcap, dq_order in ((192, "none", False, "any"), (64, "window", True, "any"),
-                                              (64, "none", True, "any"), (256, "causal", False, "turns")):
-        assert dispatch.backward_family("sm90", head_dim, softcap) == "sm80"
+    for head_dim, mask, softcap, dq_order in ((192, "none", False, "any"), (192, "window", True, "any"),
+                                              (256, "none", True, "any"), (256, "causal", False, "turns")):
+        assert dispatch.backward_family("sm90", head_dim) == "sm80"
         with pytest.raises(ValueError, match="no sm90 backward"):
             dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, dq_order)
-    assert dispatch.backward_family("sm80", 64, False) == "sm80"
-    # dims x dtypes x dQ orders of each mask: the walk only causal
-    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 2 * (3 + 2 + 2)
+    assert dispatch.backward_family("sm80", 64) == "sm80"
+    # dims x dtypes x dQ orders of each mask and of softcap: the walk only causal without softcap
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 2 * (3 + 2 + 2 + 2)
     with pytest.raises(ValueError, match="dq_order"):
         dispatch.backward_kernels("sm90", 64, "window", "bfloat16", dq_order="walk")
 
@@ -339,7 +347,7 @@ def test_sm90_backward_plan(monkeypatch):
     assert sorted((c.family, arch) for c, arch in loaded) == [("sm80", "sm_90")] * 4 + [("sm90", "sm_90a")]
     # Causal over at most 2048 keys: the ordered grid (splits, heads, batch), each of the
     # ceil(300 / 128) key blocks a split here (the mock device's SMs fill with 3 x 4 x 2 CTAs).
-    assert plan.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, 1, cuflash::bf16>")
+    assert plan.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, false, 1, cuflash::bf16>")
     pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 13, 0, 0)
     main = np.frombuffer(ArgumentBuffer.struct_bytes(plan.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
     shared = ArgumentBuffer.struct_bytes(plan.argument.fill(*pointers))
@@ -364,7 +372,7 @@ def test_sm90_backward_plan(monkeypatch):
     turns = api._backward_plan(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
                                (-1, 0), 0.0, True, 2, 3000, 3000)
     assert turns.main.grid == (4, 2, 24)
-    assert loaded[turns.main.function - 1][0].name_expression.endswith("true, false, 2, cuflash::bf16>")
+    assert loaded[turns.main.function - 1][0].name_expression.endswith("true, false, false, 2, cuflash::bf16>")
     dq_bytes = 4 * 2 * 4 * 3000 * 132
     counter_bytes = -(-4 * 2 * 4 * 47 // 512) * 512
     assert turns.offsets[1] == 0 and turns.offsets[4] == dq_bytes
@@ -381,8 +389,11 @@ def test_sm90_backward_plan(monkeypatch):
     assert np.frombuffer(ArgumentBuffer.struct_bytes(grouped.argument.fill(*pointers)), BWD_PARAMS)[0][
         "turn_heads"] == 5
     loaded.clear()
-    softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (10, 0), 5.0, False, 2, 300, 300)
-    assert softcap.main_argument is None and loaded[softcap.main.function - 1][0].family == "sm80"
+    # A softcap runs the window kernel, which does not walk, even over a short causal call: one CTA
+    # per key block in any order.
+    softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (-1, 0), 5.0, False, 2, 300, 300)
+    assert softcap.main_argument is not None and softcap.main.grid == (3, 4, 2)
+    assert loaded[softcap.main.function - 1][0].name_expression.endswith("false, true, true, 0, cuflash::bf16>")
     params._tensor_map.cache_clear()
 
 

@@ -29,6 +29,7 @@
 // sequences as default mode does.
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
+#include "common/softcap.cuh"
 #include "common/types.cuh"
 #include "sm90/bwd_params.cuh"
 #include "sm90/mbarrier.cuh"
@@ -109,9 +110,10 @@ __device__ __forceinline__ void pass_turn(int* counter) {
 
 // HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
-// blocks see only the query blocks its range reaches); softcap runs sm80's backward.
+// blocks see only the query blocks its range reaches); SOFTCAP: tanh-capped scores
+// (common/softcap.cuh), which run the window kernel for every mask, as in the forward.
 // DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16.
-template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, int DQ_ORDER, class Elem>
+template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
   using Smem = BwdSmem<HEAD_DIM, STAGES>;
   constexpr bool WALK = DQ_ORDER == kDqWalk;
@@ -337,8 +339,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         named_barrier_sync(kStatsBarrier + consumer, 128);
         fence_registers(flat(s));
         fence_registers(flat(dp));
-        wgmma_wait<1>();
+        // With a softcap, dS needs each score's tanh beside its P: both products first, then P and
+        // dS in one pass, so that no register holds the tanh past it.
+        wgmma_wait<SOFTCAP ? 0 : 1>();
         fence_registers(flat(s));
+        if constexpr (SOFTCAP) {
+          fence_registers(flat(dp));
+          softcap_scores(s, a.softcap_exp2_scale);
+        }
 
         // P^T: columns are queries 8 nt + 2 (lane % 4) + e of the block.
         const int query_base = m * kBwdBlockM + 2 * (lane % 4);
@@ -350,24 +358,32 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
             // A row that saw no key (lse = -inf) or lies past the sequence (lse 0) only occurs in
             // masked blocks, where the select makes P 0, never inf * 0.
             const float lse_log2 = step_stats[8 * nt + 2 * (lane % 4) + e] * kLog2e;
+            const float row_delta = SOFTCAP ? step_stats[kBwdBlockM + 8 * nt + 2 * (lane % 4) + e] : 0.f;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const bool seen = !masked || (query >= query_begin[h] && query < query_end[h]);
-              const float score = s[0][nt][2 * h + e];
-              s[0][nt][2 * h + e] = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
+              const float score = s[0][nt][2 * h + e];  // with a softcap, t = tanh(score * scale / softcap)
+              const float prob = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
+              s[0][nt][2 * h + e] = prob;
+              // d(softcap t) / d(score) = scale (1 - t^2); scale is applied with dK's and dQ's.
+              if constexpr (SOFTCAP)
+                dp[0][nt][2 * h + e] = prob * (dp[0][nt][2 * h + e] - row_delta) * fmaf(-score, score, 1.f);
             }
           }
-        wgmma_wait<0>();
-        fence_registers(flat(dp));
-        // dS^T = P^T (dP^T - delta), in place of dP^T.
+        if constexpr (!SOFTCAP) {
+          wgmma_wait<0>();
+          fence_registers(flat(dp));
+          // dS^T = P^T (dP^T - delta), in place of dP^T.
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+          for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float row_delta = step_stats[kBwdBlockM + 8 * nt + 2 * (lane % 4) + e];
+            for (int e = 0; e < 2; ++e) {
+              const float row_delta = step_stats[kBwdBlockM + 8 * nt + 2 * (lane % 4) + e];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) dp[0][nt][2 * h + e] = s[0][nt][2 * h + e] * (dp[0][nt][2 * h + e] - row_delta);
-          }
+              for (int h = 0; h < 2; ++h)
+                dp[0][nt][2 * h + e] = s[0][nt][2 * h + e] * (dp[0][nt][2 * h + e] - row_delta);
+            }
+        }
         u32 p_a[4][4], ds_a[4][4];
         pack_a<Elem>(s, p_a);
         pack_a<Elem>(dp, ds_a);
