@@ -1,5 +1,5 @@
 """The sm90 forward's host side without a GPU: NVRTC compiles every instantiation for sm_90a
-without spills, the parameter struct matches cuda_src/sm90/fwd_params.cuh, the dispatch table
+without spills or stack, the parameter struct matches cuda_src/sm90/fwd_params.cuh, the dispatch table
 sends what sm90 cannot serve to sm80 visibly, and a launch gets the grid, tensor maps and
 parameters it needs (kernels.launch and the driver's map encoder replaced by recorders)."""
 
@@ -8,9 +8,6 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import shutil
-import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,21 +22,8 @@ SM90_KERNELS = dispatch.all_kernels("sm90")
 SM90_FORWARD = [c for c in SM90_KERNELS if c.source == "sm90/flash_fwd.cu"]
 
 
-def _cuobjdump() -> str | None:
-    """cuobjdump from the PATH or from the nvidia-cuda-cuobjdump wheel, if either is installed."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        import nvidia.cu13
-    except ImportError:
-        return None
-    candidate = Path(list(nvidia.cu13.__path__)[0]) / "bin" / "cuobjdump"
-    return str(candidate) if candidate.exists() else None
-
-
 @pytest.mark.parametrize("choice", SM90_KERNELS, ids=lambda c: c.name_expression.removeprefix("cuflash::sm90::"))
-def test_sm90_kernels_compile_without_spills_in_the_main_loop(choice, tmp_path):
+def test_sm90_kernels_compile_without_spills(choice):
     compiled = kernels.compile_kernel(choice, "sm_90a", use_cache=False)
     assert compiled.cubin[:4] == b"\x7fELF"
     # No ptxas warning: a serialised wgmma pipeline (C7510...) or an ignored setmaxnreg (C7508).
@@ -48,26 +32,11 @@ def test_sm90_kernels_compile_without_spills_in_the_main_loop(choice, tmp_path):
     # 512), which the setmaxnreg split (producer 24, consumers 240 or 160) assumes.
     resources = compiled.resources()
     assert resources["registers"] == 65536 // choice.threads // 8 * 8
-    # The persistent tile loop keeps a tile's coordinates live across its main loop: at most 64
-    # bytes of them go to the stack in the widest instantiations (d256 with a window and softcap),
-    # stored once per tile and reloaded in its epilogue. None may be in the main loop: no local
-    # load or store between the first and the last wgmma.
-    assert resources["spill_stores"] <= 64 and resources["stack_frame"] <= 64
-    # The wide key blocks of unmasked calls are taken only where nothing spills.
-    if choice.tile in dispatch.SM90_WIDE_TILES.values():
-        assert resources["spill_stores"] == 0 and resources["stack_frame"] == 0
+    # Nothing goes to local memory: the backward's d128 spills, none of them between its first and
+    # last wgmma, cost 2-8% of a call (benchmarks/NOTES.md, session 13).
+    assert (resources["spill_stores"], resources["spill_loads"], resources["stack_frame"]) == (0, 0, 0), compiled.log
     static_smem = int(re.search(r"(\d+) bytes smem", compiled.log).group(1))
     assert choice.smem_bytes + static_smem <= 227 * 1024
-    cuobjdump = _cuobjdump()
-    if cuobjdump is None or not resources["spill_stores"]:
-        return
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.cubin)
-    sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    lines = sass.splitlines()
-    wgmma = [i for i, line in enumerate(lines) if "HGMMA" in line]
-    local = [i for i, line in enumerate(lines) if re.search(r"\b(STL|LDL)\b", line)]
-    assert wgmma and local and not [i for i in local if wgmma[0] < i < wgmma[-1]]
 
 
 def test_sm90_param_struct_layout():
