@@ -269,8 +269,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   // A constant at head_dim 128: with the test `consumer < PANELS` there (always true), ptxas spilled
-  // 200-240 bytes in the kernels taking the default and turns orders, which cost 2-8% of a call
-  // (benchmarks/NOTES.md).
+  // 200-240 bytes in every d128 kernel, which cost 2-8% of a call (benchmarks/NOTES.md).
   const bool computes_dq = Smem::PANELS == 2 || consumer == 0;
   // The pad columns are reduced into global's pad columns, which nothing reads: zeros, not
   // whatever shared memory held.
