@@ -325,11 +325,12 @@ def _dq_order(family: str, mask: str, softcap: bool, max_seqlen_k: int, determin
     again in session 13). A softcap runs the window kernel, which does not walk.
     Otherwise default mode takes any order, and deterministic mode takes turns per query block on
     the default grid (flash_bwd.cu) where the family has it, else walks."""
-    if family == "sm90" and mask == "causal" and not softcap and max_seqlen_k <= _WALK_CAUSAL_KEYS:
+    orders = dispatch.dq_orders(family, mask, softcap)
+    if family == "sm90" and "walk" in orders and max_seqlen_k <= _WALK_CAUSAL_KEYS:
         return "walk"
     if not deterministic:
         return "any"
-    return "turns" if "turns" in dispatch.dq_orders(family, mask, softcap) else "walk"
+    return "turns" if "turns" in orders else "walk"
 
 
 def _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, window: tuple[int, int],

@@ -42,13 +42,19 @@ MASKS = ("none", "causal", "window")
 DQ_ORDERS = ("any", "walk", "turns")
 
 
-def dq_orders(family: str, mask: str, softcap: bool = False) -> tuple[str, ...]:
+def _mask_flags(mask: str, softcap: bool) -> tuple[bool, bool]:
+    """The CAUSAL and WINDOW template flags of the kernels for ``mask``: softcap runs every mask in
+    the window kernel, from the run-time bounds (forward_kernel)."""
+    return mask == "causal" and not softcap, mask == "window" or softcap
+
+
+def dq_orders(family: str, mask: str, softcap: bool) -> tuple[str, ...]:
     """The DQ_ORDERS a family's backward main kernel has for ``mask`` and ``softcap``: sm80 no
-    turns, and sm90 walks only causal masks without softcap, which run the causal kernel
-    (api._dq_order takes the walk there for short sequences, and nowhere else)."""
+    turns, and sm90 walks only in its causal kernel (api._dq_order takes the walk there for short
+    sequences, and nowhere else)."""
     if family != "sm90":
         return DQ_ORDERS[:2]
-    return DQ_ORDERS if mask == "causal" and not softcap else ("any", "turns")
+    return DQ_ORDERS if _mask_flags(mask, softcap)[0] else ("any", "turns")
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,7 @@ def forward_kernel(
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
-    causal, window = mask == "causal" and not softcap, mask == "window" or softcap
+    causal, window = _mask_flags(mask, softcap)
     flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
@@ -300,7 +306,7 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
                          f"{mask!r} and softcap {softcap}, got {dq_order!r}")
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
-    causal, window = mask == "causal" and not softcap, mask == "window" or softcap
+    causal, window = _mask_flags(mask, softcap)
     helpers = (
         KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", HELPER_THREADS, 0),
         KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", HELPER_THREADS, 0),
