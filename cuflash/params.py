@@ -25,7 +25,7 @@ FWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in FWD_POINTERS]
     + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride"]]
     + [(name, np.int32) for name in ("kv_group", "seqlen_q", "seqlen_k", "head_dim", "window_left", "window_right")]
-    + [("scale_log2", np.float32), ("softcap_exp2_scale", np.float32)],
+    + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32)],
     align=True,
 )
 FWD_PARAMS_SIZE = 200  # sizeof(FwdParams) in params.cuh
@@ -33,10 +33,10 @@ _LOG2E = math.log2(math.e)
 
 
 def _softmax_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
-    """(scale_log2, softcap_exp2_scale): with a softcap the softmax sees tanh(s * scale / softcap)
+    """(scale_log2, softcap_tanh_scale): with a softcap the softmax sees tanh(s * scale / softcap)
     scaled by softcap (softcap.cuh)."""
     scale_log2 = (softcap or softmax_scale) * _LOG2E
-    return scale_log2, (2 * _LOG2E * softmax_scale / softcap if softcap else 0.0)
+    return scale_log2, (softmax_scale / softcap if softcap else 0.0)
 
 
 def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int] = (-1, -1),
@@ -54,10 +54,10 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
         cu_pointers, lse_strides = (0, 0), lse.strides[:2]
     else:
         cu_pointers, lse_strides = (cu_seqlens_q.ptr, cu_seqlens_k.ptr), (0, lse.strides[0])
-    scale_log2, softcap_exp2_scale = _softmax_constants(softmax_scale, softcap)
+    scale_log2, softcap_tanh_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
         [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers, *strides, *lse_strides,
-          q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_exp2_scale)],
+          q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_tanh_scale)],
         dtype=FWD_PARAMS,
     )
 
@@ -140,7 +140,7 @@ BWD_PARAMS = np.dtype(
                                                    "dq_batch_stride", "dq_head_stride", "accum_batch_rows"]]
     + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits",
                                      "dq_turn_blocks", "turn_heads", "window_left", "window_right")]
-    + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_exp2_scale")],
+    + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_tanh_scale")],
     align=True,
 )
 BWD_PARAMS_SIZE = 392  # sizeof(BwdParams) in params.cuh
@@ -178,12 +178,12 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
     # A packed batch's sequences share the one (heads, total_q) block, offset by their first row.
     dq_strides = (dq_batch * dq_heads * dq_rows * row_width, 0 if packed else dq_heads * dq_rows * row_width,
                   dq_rows * row_width)
-    scale_log2, softcap_exp2_scale = _softmax_constants(softmax_scale, softcap)
+    scale_log2, softcap_tanh_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
         [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], q.shape[2],
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], splits,
           dq_turns.shape[-1] if dq_turns is not None else 0, turn_heads, *window, scale_log2, softmax_scale,
-          softcap_exp2_scale)],
+          softcap_tanh_scale)],
         dtype=BWD_PARAMS,
     )
 

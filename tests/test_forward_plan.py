@@ -95,7 +95,7 @@ def test_fixed_length_launch(launches):
     assert (params["lse_batch_stride"], params["lse_head_stride"]) == (8 * 300, 300)
     # The softmax sees tanh(s * 0.1 / 30) * 30: scale_log2 carries the cap, the tanh the scale.
     assert params["scale_log2"] == pytest.approx(30 * math.log2(math.e))
-    assert params["softcap_exp2_scale"] == pytest.approx(2 * math.log2(math.e) * 0.1 / 30)
+    assert params["softcap_tanh_scale"] == pytest.approx(0.1 / 30)
 
 
 def test_packed_launch(launches):

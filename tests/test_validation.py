@@ -132,13 +132,13 @@ def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.fields["lse"][1] == 32 and FWD_PARAMS.fields["cu_seqlens_k"][1] == 48
     assert FWD_PARAMS.fields["q_batch_stride"][1] == 56 and FWD_PARAMS.fields["lse_head_stride"][1] == 160
     assert FWD_PARAMS.fields["kv_group"][1] == 168 and FWD_PARAMS.fields["window_right"][1] == 188
-    assert FWD_PARAMS.fields["softcap_exp2_scale"][1] == 196
+    assert FWD_PARAMS.fields["softcap_tanh_scale"][1] == 196
     # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
     assert BWD_PARAMS.fields["cu_seqlens_k"][1] == 112 and BWD_PARAMS.fields["q_batch_stride"][1] == 120
     assert BWD_PARAMS.fields["accum_batch_rows"][1] == 328 and BWD_PARAMS.fields["heads"][1] == 336
     assert BWD_PARAMS.fields["dq_splits"][1] == 356 and BWD_PARAMS.fields["window_right"][1] == 372
-    assert BWD_PARAMS.fields["scale"][1] == 380 and BWD_PARAMS.fields["softcap_exp2_scale"][1] == 384
+    assert BWD_PARAMS.fields["scale"][1] == 380 and BWD_PARAMS.fields["softcap_tanh_scale"][1] == 384
     assert CONVERT_PARAMS.fields["batch"][1] == 72 and CONVERT_PARAMS.fields["group"][1] == 88
     assert CONVERT_PARAMS.fields["scale"][1] == 92
 

@@ -31,7 +31,7 @@ struct FwdParams {
   int window_right;  // read by WINDOW kernels only
   float scale_log2;  // softmax_scale * log2(e): scores go straight to the exp2 domain; with a
                      // softcap, softcap * log2(e) (common/softcap.cuh)
-  float softcap_exp2_scale;  // 2 * log2(e) * softmax_scale / softcap, read by SOFTCAP kernels only
+  float softcap_tanh_scale;  // softmax_scale / softcap, read by SOFTCAP kernels only
 };
 static_assert(sizeof(FwdParams) == 200, "cuflash/params.py packs 200 bytes");
 
@@ -81,7 +81,7 @@ struct BwdParams {
   int window_right;
   float scale_log2;  // as FwdParams
   float scale;       // softmax_scale, applied to dK here and to dQ by the convert kernel
-  float softcap_exp2_scale;
+  float softcap_tanh_scale;
 };
 static_assert(sizeof(BwdParams) == 392, "cuflash/params.py packs 392 bytes");
 

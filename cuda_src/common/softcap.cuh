@@ -6,22 +6,21 @@
 
 namespace cuflash {
 
-// tanh(y) = 1 - 2 / (exp(2y) + 1) with exp2_scale = 2 * log2(e) * scale / softcap applied to
-// the raw score: two MUFU ops and three ALU ops per score. Its absolute error is a few fp32 ulps
-// of 1 (the score's error is that times softcap), where tanh.approx.f32 is off by up to 2^-11
-// relative, as much as rounding the score to fp16, which the correctness rule's baseline
-// already spends. exp2 overflowing to +inf gives exactly 1, underflowing to 0 exactly -1.
+// t = tanh(s * tanh_scale), tanh_scale = scale / softcap, by tanh.approx.f32: one MUFU op per
+// score where 1 - 2 / (exp(2y) + 1) took two (exp2, rcp) and three ALU ops, and the softcap
+// forward was bound by those issue slots (1.43x the call without softcap at d128, 1.19x with
+// this). Its error, up to 2^-11 relative, is that of rounding the score to fp16, far inside what
+// the correctness rule's low-precision baseline spends on rounding S: measured against float64,
+// err / bound of out, dq, dk and dv moved by less than 0.001 (benchmarks/NOTES.md, session 14).
+// Saturates to exactly +-1 for large |y|; masks are applied after it, so it never sees -inf.
 template <int MT, int NT>
-__device__ __forceinline__ void softcap_scores(float (&s)[MT][NT][4], float exp2_scale) {
+__device__ __forceinline__ void softcap_scores(float (&s)[MT][NT][4], float tanh_scale) {
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float r = fast_rcp(fast_exp2(s[mt][nt][e] * exp2_scale) + 1.f);
-        s[mt][nt][e] = fmaf(-2.f, r, 1.f);
-      }
+      for (int e = 0; e < 4; ++e) s[mt][nt][e] = fast_tanh(s[mt][nt][e] * tanh_scale);
 }
 
 }  // namespace cuflash

@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 
       // Only blocks at the key sequence's end, on the causal diagonal or at a window's edges pay
       // for the mask.
-      if (SOFTCAP) softcap_scores(s, p.softcap_exp2_scale);
+      if (SOFTCAP) softcap_scores(s, p.softcap_tanh_scale);
       const bool edge = needs_mask<BLOCK_M, BLOCK_N>(mask, m, n_block);
       const float* lse = sLse + (step % 2) * BLOCK_M;
       const float* delta = sDelta + (step % 2) * BLOCK_M;

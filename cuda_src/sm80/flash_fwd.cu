@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
       }
 
-      if (SOFTCAP) softcap_scores(s, p.softcap_exp2_scale);
+      if (SOFTCAP) softcap_scores(s, p.softcap_tanh_scale);
       if (needs_mask<BLOCK_M, BLOCK_N>(mask, m_block, n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
 
       // V[n] has landed and every warp is done reading K[n]: prefetch K[n-1] under the softmax

@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         fence_registers(flat(s));
         if constexpr (SOFTCAP) {
           fence_registers(flat(dp));
-          softcap_scores(s, a.softcap_exp2_scale);
+          softcap_scores(s, a.softcap_tanh_scale);
         }
 
         // P^T: columns are queries 8 nt + 2 (lane % 4) + e of the block.

@@ -100,7 +100,7 @@ template <int BLOCK_N, bool SOFTCAP, bool CAUSAL, bool WINDOW, int NT>
 __device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<CAUSAL, WINDOW>& mask, bool masked,
                                               OnlineSoftmax<1>& softmax, const FwdParams& a, int n, int warp_row,
                                               float (&correction)[1][2]) {
-  if (SOFTCAP) softcap_scores(s, a.softcap_exp2_scale);
+  if (SOFTCAP) softcap_scores(s, a.softcap_tanh_scale);
   if (masked) mask.apply(s, warp_row, n * BLOCK_N);
   softmax.probabilities(s, a.scale_log2, correction);
 }
