@@ -691,9 +691,9 @@ def attention_backward(
         order, each summing dq into its own fp32 buffer, the buffers added in index order.
         Costs: the counters (4 bytes per 64 query rows and head) on sm90, the walk's dq-sized fp32
         buffers (one when batch * heads fills the GPU) elsewhere, and under GQA/MQA 2 x (batch,
-        seqlen_k, heads, head_dim) fp32 instead of heads_kv; time on the H200: within 15% of
+        seqlen_k, heads, head_dim) fp32 instead of heads_kv; time on the H200: within 17% of
         default mode at every standard shape, 1k to 16k tokens, causal or not
-        (benchmarks/results/2026-12-01-h200-bwd-stats-overlap-session12.md).
+        (benchmarks/results/2026-12-01-h200-softcap-tanh-flex-session14.md).
     dq, dk, dv : arrays, optional
         Where to write the gradients (shapes of q, k, v; dtype of q).
 
