@@ -61,8 +61,7 @@ def flex_calls(q, k, v, dout, causal, window, softcap):
             keep = keep & condition(q_idx, kv_idx)
         return keep
 
-    masked = causal or window != (-1, -1)
-    block_mask = create_block_mask(visible, None, None, SEQLEN, SEQLEN, device="cuda") if masked else None
+    block_mask = create_block_mask(visible, None, None, SEQLEN, SEQLEN, device="cuda") if conditions else None
     score_mod = (lambda score, b, h, q_idx, kv_idx: softcap * torch.tanh(score / softcap)) if softcap else None
     compiled = torch.compile(flex_attention, dynamic=False)
     q, k, v, dout = (torch.from_dlpack(x).transpose(1, 2).contiguous() for x in (q, k, v, dout))
