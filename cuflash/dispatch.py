@@ -42,10 +42,14 @@ MASKS = ("none", "causal", "window")
 DQ_ORDERS = ("any", "walk", "turns")
 
 
-def _mask_flags(mask: str, softcap: bool) -> tuple[bool, bool]:
-    """The CAUSAL and WINDOW template flags of the kernels for ``mask``: softcap runs every mask in
-    the window kernel, from the run-time bounds (forward_kernel)."""
-    return mask == "causal" and not softcap, mask == "window" or softcap
+def _mask_flags(mask: str, softcap_in_window: bool) -> tuple[bool, bool]:
+    """The CAUSAL and WINDOW template flags of the kernels for ``mask``; ``softcap_in_window``: a
+    softcap runs every mask in the window kernel, from the run-time bounds. So run sm80's forward
+    (one instantiation instead of three) and every backward: sm90's causal backward kernel with
+    softcap measured 2-14% slower than the window kernel (benchmarks/NOTES.md, session 15). sm90's
+    forward caps scores in each mask's own kernel, where causal keeps its grid order and unmasked
+    steps, and d64 its third consumer (forward_kernel)."""
+    return mask == "causal" and not softcap_in_window, mask == "window" or softcap_in_window
 
 
 def dq_orders(family: str, mask: str, softcap: bool) -> tuple[str, ...]:
@@ -98,8 +102,8 @@ SM90_FWD_TILES = {
     192: Tile(128, 64, 12, stages=3),  # Q 48 KB + 3 x (K 24 KB + V 24 KB) = 192 KB
     256: Tile(128, 64, 12, stages=2),  # Q 64 KB + 2 x (K 32 KB + V 32 KB) = 192 KB
 }
-# d64 with two consumers (128-row tiles) where a third does not pay: with softcap, whose tanh
-# temporaries push three consumers past their 160 registers (48 B of spills in ptxas -v), and for
+# d64 with two consumers (128-row tiles) where a third does not pay: softcap in the window kernel,
+# whose tanh and bounds push three consumers past their 160 registers (132 B of spills), and for
 # causal masks over short sequences (``short``: at most SM90_SHORT_ROWS query rows), where the
 # 192-row tiles waste more on the diagonal than the third warpgroup gains (benchmarks/NOTES.md,
 # sm90 v5).
@@ -216,20 +220,18 @@ def forward_kernel(
     ``short`` whether the sequences have at most SM90_SHORT_ROWS query rows (sm90's tile choice;
     sm90 also takes wider key blocks without a mask or softcap, SM90_WIDE_TILES).
 
-    Softcap runs every mask in the window kernel, from the run-time bounds: one instantiation
-    instead of three, and the tanh per score costs more than the bound checks. Its causal case
-    loses the longest-first grid order of the causal kernel (flash_fwd.cu).
+    Which kernel serves a softcap: _mask_flags.
     """
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
-    causal, window = _mask_flags(mask, softcap)
+    causal, window = _mask_flags(mask, softcap and family == "sm80")
     flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
-        narrow = softcap or (causal and short)
+        narrow = (softcap and window) or (causal and short)
         wide = mask == "none" and not softcap and not (short and kernel_dim in SM90_WIDE_LONG_ONLY)
         special = SM90_NARROW_TILES if narrow else SM90_WIDE_TILES if wide else {}
         tile = tile or special.get(kernel_dim) or SM90_FWD_TILES[kernel_dim]
@@ -293,7 +295,7 @@ def backward_family(family: str, head_dim: int) -> str:
 def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False,
                      dq_order: str = "any", tile: Tile | None = None) -> tuple[KernelChoice, ...]:
     """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
-    forward_kernel (softcap runs in the window kernel there too), ``dq_order`` one of DQ_ORDERS,
+    forward_kernel (softcap runs in the window kernel, _mask_flags), ``dq_order`` one of DQ_ORDERS,
     ``tile`` overrides the table, for tuning. The sm90 family has its own main kernel where
     backward_family says so, between sm80's preprocess and convert kernels; otherwise the family
     raises ValueError."""

@@ -76,11 +76,12 @@ def test_sm90_dispatch():
     kernel = lambda head_dim: dispatch.forward_kernel("sm90", head_dim, "none", "float16").name_expression  # noqa: E731
     assert [kernel(d).split("<")[1].split(",")[0] for d in (8, 40, 64, 72, 96, 128, 136, 192, 200, 256)] == \
         ["64", "64", "64", "128", "128", "128", "192", "192", "256", "256"]
-    # Softcap serves every mask from the window kernel, as in sm80; at d64 with two consumers.
+    # Softcap runs in each mask's own kernel; d64 keeps two consumers only in the window kernel.
     assert dispatch.forward_kernel("sm90", 128, "causal", "float16", True).name_expression.endswith(
-        "false, true, true, cuflash::f16>")
+        "true, false, true, cuflash::f16>")
     assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16", True).name_expression == (
-        "cuflash::sm90::flash_fwd_sm90<64, 2, 128, 4, 2, false, true, true, cuflash::bf16>")
+        "cuflash::sm90::flash_fwd_sm90<64, 3, 128, 4, 2, false, false, true, cuflash::bf16>")
+    assert dispatch.forward_kernel("sm90", 64, "window", "bfloat16", True).tile.block_m == 128
     # Causal d64 over short sequences: two consumers; other masks and head dims keep their tiles.
     assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16", short=True).tile.block_m == 128
     assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16").tile.block_m == 192
@@ -107,9 +108,9 @@ def test_sm90_dispatch():
     # An explicit tile overrides the wide one too.
     tile = dispatch.Tile(128, 64, 12, stages=2)
     assert dispatch.forward_kernel("sm90", 256, "none", "bfloat16", tile=tile).tile == tile
-    # Kernel head dims x dtypes x (none, causal, window, softcap), d64's two-consumer causal and
-    # d128's unmasked short calls.
-    assert len(SM90_FORWARD) == 4 * 2 * 4 + 2 + 2
+    # Kernel head dims x dtypes x three masks x softcap or not, d64's two-consumer causal (with and
+    # without softcap) and d128's unmasked short calls.
+    assert len(SM90_FORWARD) == 4 * 2 * 3 * 2 + 2 * 2 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     # The sm90 backward main kernel: head dims up to 128, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
