@@ -111,7 +111,7 @@ __device__ __forceinline__ void pass_turn(int* counter) {
 // HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
 // blocks see only the query blocks its range reaches); SOFTCAP: tanh-capped scores
-// (common/softcap.cuh), which run the window kernel for every mask, as in the forward.
+// (common/softcap.cuh), which run the window kernel for every mask (dispatch._mask_flags).
 // DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16.
 template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
@@ -479,56 +479,47 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       if (lane == 0) mbarrier_arrive(&kv_empty);
     }
 
-    // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys
-    // are not written. The common case (no GQA, head_dim a whole bucket) stores from one row
-    // pointer per key with constant offsets, ~300 instructions; the general loop below recomputes
-    // each store's 64-bit address and reloads parameters for it, ~2,900 (0.5-1% of a call;
-    // benchmarks/NOTES.md, session 14).
-    if (a.kv_group == 1 && a.head_dim == HEAD_DIM) {
+    // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys and
+    // columns past head_dim are not written. Each key's stores go through one row pointer at
+    // constant offsets (8 columns apart): recomputing a 64-bit address and reloading parameters per
+    // 4-byte store made the epilogue ~2,900 instructions against ~300 (benchmarks/NOTES.md,
+    // session 14). GQA: the group's query heads add into fp32 slices, or, in the orders that
+    // repeat bitwise (walk, turns), each stores its own slice (summed in order by the convert).
+    const int col = 2 * (lane % 4);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int key = key0 + 8 * h;
-        if (key >= seq.seqlen_k) continue;
-        const i64 key_row = seq.k_begin + key;
-        const int col = 2 * (lane % 4);
+    for (int h = 0; h < 2; ++h) {
+      const int key = key0 + 8 * h;
+      if (key >= seq.seqlen_k) continue;
+      const i64 key_row = seq.k_begin + key;
+      if (a.kv_group == 1) {
         u32* const dk_row = reinterpret_cast<u32*>(static_cast<u16*>(a.dk) + batch * a.dk_batch_stride +
                                                    key_row * a.dk_row_stride + kv_head * a.dk_head_stride + col);
         u32* const dv_row = reinterpret_cast<u32*>(static_cast<u16*>(a.dv) + batch * a.dv_batch_stride +
                                                    key_row * a.dv_row_stride + kv_head * a.dv_head_stride + col);
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {  // column 8 dt + col: 32-bit word 4 dt past the row pointer
+          if (8 * dt + col >= a.head_dim) continue;
           dk_row[4 * dt] = Elem::pack(dk[0][dt][2 * h] * a.scale, dk[0][dt][2 * h + 1] * a.scale);
           dv_row[4 * dt] = Elem::pack(dv[0][dt][2 * h], dv[0][dt][2 * h + 1]);
         }
-      }
-    } else {
-      // Columns past head_dim are not written. GQA: the group's query heads add into fp32 slices,
-      // or, in the orders that repeat bitwise (walk, turns), each stores its own slice (summed in
-      // order by the convert).
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int key = key0 + 8 * h;
-        if (key >= seq.seqlen_k) continue;
+      } else {
+        constexpr bool kOwnSlice = DQ_ORDER != kDqAnyOrder;
+        const i64 slice = kOwnSlice ? head : kv_head;
+        const i64 slices = kOwnSlice ? a.heads : a.heads / a.kv_group;
+        const i64 at = ((batch * a.accum_batch_rows + key_row) * slices + slice) * a.head_dim + col;
+        float* const dk_row = a.dk_accum + at;
+        float* const dv_row = a.dv_accum + at;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
-          const int col = 8 * dt + 2 * (lane % 4);
-          if (col >= a.head_dim) continue;
+          if (8 * dt + col >= a.head_dim) continue;
           const float dk0 = dk[0][dt][2 * h] * a.scale, dk1 = dk[0][dt][2 * h + 1] * a.scale;
           const float dv0 = dv[0][dt][2 * h], dv1 = dv[0][dt][2 * h + 1];
-          const i64 key_row = seq.k_begin + key;
-          if (a.kv_group == 1) {
-            const i64 dk_at = batch * a.dk_batch_stride + key_row * a.dk_row_stride + kv_head * a.dk_head_stride;
-            const i64 dv_at = batch * a.dv_batch_stride + key_row * a.dv_row_stride + kv_head * a.dv_head_stride;
-            *reinterpret_cast<u32*>(static_cast<u16*>(a.dk) + dk_at + col) = Elem::pack(dk0, dk1);
-            *reinterpret_cast<u32*>(static_cast<u16*>(a.dv) + dv_at + col) = Elem::pack(dv0, dv1);
-          } else if constexpr (DQ_ORDER != kDqAnyOrder) {
-            const i64 at = ((batch * a.accum_batch_rows + key_row) * a.heads + head) * a.head_dim + col;
-            *reinterpret_cast<float2*>(a.dk_accum + at) = make_float2(dk0, dk1);
-            *reinterpret_cast<float2*>(a.dv_accum + at) = make_float2(dv0, dv1);
+          if constexpr (kOwnSlice) {
+            *reinterpret_cast<float2*>(dk_row + 8 * dt) = make_float2(dk0, dk1);
+            *reinterpret_cast<float2*>(dv_row + 8 * dt) = make_float2(dv0, dv1);
           } else {
-            const i64 at = ((batch * a.accum_batch_rows + key_row) * (a.heads / a.kv_group) + kv_head) * a.head_dim + col;
-            reduce_add_pair(a.dk_accum + at, dk0, dk1);
-            reduce_add_pair(a.dv_accum + at, dv0, dv1);
+            reduce_add_pair(dk_row + 8 * dt, dk0, dk1);
+            reduce_add_pair(dv_row + 8 * dt, dv0, dv1);
           }
         }
       }
