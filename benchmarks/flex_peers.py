@@ -1,10 +1,11 @@
 """Softcap and sliding windows against the one peer on our GPU that has both: torch's
-flex_attention (compiled by torch.compile with Triton). bf16, head_dim 128, 16 heads, batch 1 x
-16k tokens, forward and backward, in TFLOP/s of useful FLOPs, and each library's window ratio: its
-window time over its own full attention's, against the FLOPs share (issue 5 asks cuflash for at
-most 1.2x), and its softcap cost against its own causal call without one.
+flex_attention (compiled by torch.compile with Triton). bf16, head_dim 128 and 16 heads (or
+--head-dim d and 2048 / d heads), batch 1 x 16k tokens, forward and backward, in TFLOP/s of useful
+FLOPs, and each library's window ratio: its window time over its own full attention's, against the
+FLOPs share (issue 5 asks cuflash for at most 1.2x), and its softcap cost against its own causal
+call without one.
 
-    PYTHONPATH=. python benchmarks/flex_peers.py
+    PYTHONPATH=. python benchmarks/flex_peers.py [--head-dim 64]
 
 Counting and timing as varlen_window.py (b): each call runs alone for half a second before it is
 timed. flex_attention takes a block mask (128 x 128 blocks, the ones a mask leaves empty skipped)
@@ -12,6 +13,8 @@ and a score_mod for the softcap. Without a GPU, or without flex_attention, it sa
 """
 
 from __future__ import annotations
+
+import argparse
 
 from cuflash.timing import tflops
 
@@ -72,6 +75,10 @@ def flex_calls(q, k, v, dout, causal, window, softcap):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", type=int, default=DIM)
+    head_dim = parser.parse_args().head_dim
+    heads = HEADS * DIM // head_dim
     if skipped_without_gpu("flex_peers"):
         return
     try:
@@ -87,7 +94,7 @@ def main() -> None:
     # Every case compiles flex_attention twice (with and without grad): past dynamo's default
     # limit of 8 recompiles it would fall back to the eager kernel that materialises the scores.
     torch._dynamo.config.recompile_limit = 64
-    q, k, v, dout = (random_normal((1, SEQLEN, HEADS, DIM), DTYPE, seed=s) for s in range(4))
+    q, k, v, dout = (random_normal((1, SEQLEN, heads, head_dim), DTYPE, seed=s) for s in range(4))
     times = {}  # (library, case, mode) -> ms
     for name, causal, window, softcap in CASES:
         for library, calls in (("cuflash", cuflash_calls), ("flex", flex_calls)):
@@ -98,7 +105,7 @@ def main() -> None:
             except Exception as error:  # a peer that cannot run a case is reported, not fatal
                 print(f"  {library} {name}: failed ({type(error).__name__}: {str(error)[:200]})")
 
-    print(f"\nTFLOP/s (useful FLOPs), seqlen {SEQLEN}, {HEADS} heads, head_dim {DIM}, {DTYPE}")
+    print(f"\nTFLOP/s (useful FLOPs), seqlen {SEQLEN}, {heads} heads, head_dim {head_dim}, {DTYPE}")
     print(f"{'case':<26} {'cuflash fwd':>12} {'flex fwd':>10} {'cuflash bwd':>12} {'flex bwd':>10}")
     for name, causal, window, _ in CASES:
         pairs = pair_count(SEQLEN, SEQLEN, causal, window)
@@ -106,7 +113,7 @@ def main() -> None:
         for mode in ("fwd", "bwd"):
             for library in ("cuflash", "flex"):
                 t = times.get((library, name, mode))
-                cells.append(f"{tflops(flops(pairs, mode), t):.1f}" if t else "n/a")
+                cells.append(f"{tflops(flops(pairs, mode, heads, head_dim), t):.1f}" if t else "n/a")
         print(f"{name:<26} {cells[0]:>12} {cells[1]:>10} {cells[2]:>12} {cells[3]:>10}")
 
     print("\nwindow time / full time against the FLOPs share, and the softcap's cost")

@@ -39,8 +39,8 @@ def pair_count(seqlen_q: int, seqlen_k: int, causal: bool, window=(-1, -1)) -> i
     return int(np.maximum(hi - lo, 0).sum())
 
 
-def flops(pairs: int, mode: str) -> float:
-    return 4.0 * HEADS * DIM * pairs * (BACKWARD_FLOPS if mode == "bwd" else 1.0)
+def flops(pairs: int, mode: str, heads: int = HEADS, dim: int = DIM) -> float:
+    return 4.0 * heads * dim * pairs * (BACKWARD_FLOPS if mode == "bwd" else 1.0)
 
 
 def ms(run) -> float:
