@@ -68,8 +68,8 @@ def _check_qkv(q, k, v, on_device: bool) -> None:
             raise ValueError(f"q, k: {name} must be at least 1, got {size}")
     if heads % k.shape[2] != 0:
         raise ValueError(f"k: heads_kv ({k.shape[2]}) must divide q's heads ({heads}) for GQA/MQA")
-    if head_dim % 8 != 0 or head_dim > 256:
-        raise ValueError(f"q: head_dim must be a multiple of 8 and at most 256, got {head_dim}")
+    if head_dim < 8 or head_dim % 8 != 0 or head_dim > 256:
+        raise ValueError(f"q: head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if _strides(x)[3] != 1:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, stride is "
@@ -82,6 +82,17 @@ def _check_qkv(q, k, v, on_device: bool) -> None:
         for name, x in (("k", k), ("v", v)):
             if x.device != q.device:
                 raise ValueError(f"{name}: on device {x.device}, but q is on device {q.device}")
+
+
+def _resolve_flag(name: str, value: Any) -> bool:
+    """A switch (``causal``, ``deterministic``): a bool, NumPy's included, or the integer 0 or 1.
+    Anything else is refused rather than read by its truth value, which would make
+    ``causal="false"`` causal."""
+    if type(value) is bool:
+        return value
+    if isinstance(value, (np.bool_, numbers.Integral)) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"{name}: expected a bool, got {value!r}")
 
 
 def _resolve_scale(softmax_scale: Any, head_dim: int) -> float:
@@ -524,7 +535,7 @@ def explain(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, 
     qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
     _check_qkv(qt, kt, vt, on_device=True)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
-    kernel_window = _kernel_window(bool(causal), _resolve_window(window), qt.shape[1], kt.shape[1])
+    kernel_window = _kernel_window(_resolve_flag("causal", causal), _resolve_window(window), qt.shape[1], kt.shape[1])
     return _forward_choice(_device_plan(qt.device)[0], qt, kt, vt, kernel_window, _resolve_softcap(softcap),
                            qt.shape[1])
 
@@ -578,10 +589,11 @@ def attention(
     ------
     TypeError
         Unsupported array type or dtype (float32/float64 on the GPU: cast first), mixed dtypes,
-        CPU and GPU arrays mixed, a softmax_scale that is not a real number.
+        CPU and GPU arrays mixed, a softmax_scale that is not a real number, a causal that is not
+        a bool (or 0 / 1).
     ValueError
-        Wrong rank, mismatched shapes, heads not a multiple of heads_kv, head_dim not a multiple
-        of 8 or above 256, a non-contiguous last dimension, arrays on different devices, a bad
+        Wrong rank, mismatched shapes, heads not a multiple of heads_kv, head_dim not a positive
+        multiple of 8 or above 256, a non-contiguous last dimension, arrays on different devices, a bad
         ``out``, a non-finite or non-positive softmax_scale.
 
     Notes
@@ -594,6 +606,7 @@ def attention(
     if out is not None:
         arrays["out"] = out
     framework = _framework(arrays)
+    causal = _resolve_flag("causal", causal)
     window, softcap = _resolve_window(window), _resolve_softcap(softcap)
     if framework == "numpy":
         return _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse, out)
@@ -605,7 +618,7 @@ def attention(
     # Everything _check_qkv, _resolve_scale, _check_out and _forward_plan read, but pointers; the
     # window and softcap are already resolved.
     key = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
-            softcap) if type(causal) is bool and type(softmax_scale) in _KEY_SCALARS else None)
+            softcap) if type(softmax_scale) in _KEY_SCALARS else None)
     plan = _cached_plan(key, qt.device)
     if plan is None or not _aligned_pointers(qt, kt, vt, out_t):
         _check_qkv(qt, kt, vt, on_device=True)
@@ -618,7 +631,7 @@ def attention(
         batch, seqlen_q, heads = qt.shape[:3]
         plan = _forward_plan(qt, kt, vt, out_t or interop.contiguous(qt.shape, qt),
                              interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale,
-                             _kernel_window(bool(causal), window, seqlen_q, kt.shape[1]), softcap, batch, seqlen_q)
+                             _kernel_window(causal, window, seqlen_q, kt.shape[1]), softcap, batch, seqlen_q)
         if aligned:
             _remember(key, plan)
     with interop.on_device(qt.device):
@@ -635,7 +648,7 @@ def _attention_host(q, k, v, causal, softmax_scale, window, softcap, return_lse,
     scale = _resolve_scale(softmax_scale, q.shape[3])
     if out is not None:
         _check_out("out", out, tuple(q.shape), q, on_device=False)
-    result, lse = reference.attention_blockwise(q, k, v, causal=bool(causal), softmax_scale=scale, window=window,
+    result, lse = reference.attention_blockwise(q, k, v, causal=causal, softmax_scale=scale, window=window,
                                                 softcap=softcap)
     return _host_output(result, lse, q.dtype, out, return_lse)
 
@@ -714,6 +727,7 @@ def attention_backward(
         if x is not None:
             arrays[name] = x
     framework = _framework(arrays)
+    causal, deterministic = _resolve_flag("causal", causal), _resolve_flag("deterministic", deterministic)
     if framework == "numpy":
         return _backward_host_checked(arrays, causal, softmax_scale, window, softcap)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
@@ -726,7 +740,7 @@ def attention_backward(
     key = (("attention_backward", qt.layout, kt.layout, vt.layout, dout_t.layout, out_t.layout, lse_t.layout,
             dq_t and dq_t.layout, dk_t and dk_t.layout, dv_t and dv_t.layout, causal, softmax_scale, window, softcap,
             deterministic)
-           if (type(causal) is bool and type(deterministic) is bool and type(softmax_scale) in _KEY_SCALARS
+           if (type(softmax_scale) in _KEY_SCALARS
                and _plain_window(window) and type(softcap) in _KEY_SCALARS) else None)
     plan = _cached_plan(key, qt.device)
     if plan is None or not _aligned_pointers(qt, kt, vt, dout_t, out_t, dq_t, dk_t, dv_t):
@@ -740,8 +754,8 @@ def attention_backward(
                                          for t in (qt, kt, vt, dout_t, out_t))
         grads = tuple(t or interop.contiguous(like.shape, qt) for t, like in zip(given_t, (qt, kt, kt)))
         plan = _backward_plan(qt, kt, vt, out_t, dout_t, lse_t, grads, scale,
-                              _kernel_window(bool(causal), window, seqlen_q, kt.shape[1]), softcap,
-                              bool(deterministic), batch, seqlen_q, kt.shape[1])
+                              _kernel_window(causal, window, seqlen_q, kt.shape[1]), softcap,
+                              deterministic, batch, seqlen_q, kt.shape[1])
         if aligned:
             _remember(key, plan)
     with interop.on_device(qt.device):
@@ -809,6 +823,6 @@ def _backward_host(tensors: dict, causal: bool, scale: float, window: tuple[int,
     """NumPy in, NumPy out: the float64 reference gradients, cast to the inputs' dtype."""
     q = tensors["q"]
     result = reference.attention_backward_reference(tensors["dout"], q, tensors["k"], tensors["v"],
-                                                    causal=bool(causal), softmax_scale=scale, window=window,
+                                                    causal=causal, softmax_scale=scale, window=window,
                                                     softcap=softcap)
     return _host_gradients(result, tensors, q.dtype)

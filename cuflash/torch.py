@@ -104,11 +104,14 @@ _register_autograd(_forward, _backward, tensor_inputs=3)
 _register_autograd(_varlen_forward, _varlen_backward, tensor_inputs=5)
 
 
-def _options(q: torch.Tensor, softmax_scale, window, softcap) -> tuple[float, int, int, float]:
-    """(scale, left, right, softcap), validated before they reach an op's schema."""
+def _flags_and_options(q: torch.Tensor, causal, softmax_scale, window, softcap,
+                       deterministic) -> tuple[bool, float, int, int, float, bool]:
+    """(causal, scale, left, right, softcap, deterministic) in the ops' argument order, validated
+    before they reach an op's schema."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     left, right = api._resolve_window(window)
-    return scale, left, right, api._resolve_softcap(softcap)
+    return (api._resolve_flag("causal", causal), scale, left, right, api._resolve_softcap(softcap),
+            api._resolve_flag("deterministic", deterministic))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -119,7 +122,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
     when ``deterministic`` (see there for the cost).
     """
-    out, _ = _forward(q, k, v, bool(causal), *_options(q, softmax_scale, window, softcap), bool(deterministic))
+    out, _ = _forward(q, k, v, *_flags_and_options(q, causal, softmax_scale, window, softcap, deterministic))
     return out
 
 
@@ -135,8 +138,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
-    out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal),
-                             *_options(q, softmax_scale, window, softcap), bool(deterministic))
+    out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             *_flags_and_options(q, causal, softmax_scale, window, softcap, deterministic))
     return out
 
 

@@ -100,6 +100,10 @@ def _check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         if tensors[name].ndim != 3:
             raise ValueError(f"{name}: expected 3 dims (total_tokens, heads, head_dim), got shape "
                              f"{tuple(tensors[name].shape)}")
+    for name in ("q", "k"):
+        if tensors[name].shape[0] < 1:  # else _check_qkv would name a seqlen the caller never gave
+            raise ValueError(f"{name}: the packed batch must hold at least one token (its sequences may be "
+                             f"empty, not all of them), got shape {tuple(tensors[name].shape)}")
     qt, kt, vt = (_as_batch_of_one(tensors[name]) for name in ("q", "k", "v"))
     api._check_qkv(qt, kt, vt, on_device=on_device)
     device = tensors["q"].device if on_device else None
@@ -243,16 +247,17 @@ def attention_varlen(
         arrays["out"] = out
     framework, tensors, lengths = _check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                 validate)
+    causal = api._resolve_flag("causal", causal)
     scale = api._resolve_scale(softmax_scale, tensors["q"].shape[2])
     window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
     if out is not None:
         api._check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
     if framework != "numpy":
-        result, lse = _forward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap,
+        result, lse = _forward_on_device(framework, tensors, lengths, causal, scale, window, softcap,
                                          return_lse)
         result = out if out is not None else result
         return (result, lse) if return_lse else result
-    result, lse = reference.attention_varlen_reference(q, k, v, lengths.host_q, lengths.host_k, causal=bool(causal), softmax_scale=scale,
+    result, lse = reference.attention_varlen_reference(q, k, v, lengths.host_q, lengths.host_k, causal=causal, softmax_scale=scale,
                                                        window=window, softcap=softcap)
     return api._host_output(result, lse, q.dtype, out, return_lse)
 
@@ -290,14 +295,14 @@ def attention_varlen_backward(
                                                 validate, need_max_k=True)
     on_device = framework != "numpy"
     qt = tensors["q"]
+    causal, deterministic = api._resolve_flag("causal", causal), api._resolve_flag("deterministic", deterministic)
     scale = api._resolve_scale(softmax_scale, qt.shape[2])
     window, softcap = api._resolve_window(window), api._resolve_softcap(softcap)
     api._check_backward_inputs(tensors, (qt.shape[1], qt.shape[0]), on_device)
     if on_device:
-        grads = _backward_on_device(framework, tensors, lengths, bool(causal), scale, window, softcap,
-                                    bool(deterministic))
+        grads = _backward_on_device(framework, tensors, lengths, causal, scale, window, softcap, deterministic)
         return tuple(given[name] if given[name] is not None else grad for name, grad in zip(("dq", "dk", "dv"), grads))
     result = reference.attention_varlen_backward_reference(dout, q, k, v, lengths.host_q, lengths.host_k,
-                                                           causal=bool(causal), softmax_scale=scale, window=window,
+                                                           causal=causal, softmax_scale=scale, window=window,
                                                            softcap=softcap)
     return api._host_gradients(result, given, q.dtype)

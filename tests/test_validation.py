@@ -51,6 +51,26 @@ def test_head_dim_above_256():
         cuflash.attention(*qkv((1, 4, 1, 264), (1, 4, 1, 264)))
 
 
+def test_head_dim_zero():
+    with pytest.raises(ValueError, match="q: head_dim must be a positive multiple of 8"):
+        cuflash.attention(*qkv((1, 4, 1, 0), (1, 4, 1, 0)))
+
+
+@pytest.mark.parametrize("causal", ["false", "yes", None, 2, 0.5, [True]])
+def test_causal_must_be_a_bool(causal):
+    # Read by its truth value, causal="false" would silently run the causal mask.
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        cuflash.attention(*qkv(), causal=causal)
+
+
+def test_causal_takes_numpy_bools_and_0_1():
+    q, k, v = qkv()
+    expected = cuflash.attention(q, k, v, causal=True)
+    for causal in (np.bool_(True), 1):
+        assert np.array_equal(cuflash.attention(q, k, v, causal=causal), expected)
+    assert np.array_equal(cuflash.attention(q, k, v, causal=np.False_), cuflash.attention(q, k, v))
+
+
 @pytest.mark.parametrize("scale, error", [(0.0, ValueError), (-1.0, ValueError), (math.inf, ValueError),
                                           (math.nan, ValueError), ("0.1", TypeError), (True, TypeError)])
 def test_bad_softmax_scale(scale, error):
@@ -225,6 +245,14 @@ def test_backward_bad_inputs(mutate, error, words):
     with pytest.raises(error, match=words):
         cuflash.attention_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"],
                                    causal=True, **grads)
+
+
+@pytest.mark.parametrize("flags, name", [({"causal": "no"}, "causal"), ({"deterministic": "yes"}, "deterministic"),
+                                         ({"deterministic": None}, "deterministic")])
+def test_backward_flags_must_be_bools(flags, name):
+    dout, q, k, v, out, lse = _forward_for_backward()
+    with pytest.raises(TypeError, match=f"{name}: expected a bool"):
+        cuflash.attention_backward(dout, q, k, v, out, lse, **flags)
 
 
 def test_backward_deterministic_host_path():

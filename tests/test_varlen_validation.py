@@ -66,6 +66,11 @@ def test_attention_varlen_host_path_matches_reference():
         ({"window": 3}, TypeError, "window: expected a pair"),
         ({"softcap": -1.0}, ValueError, "softcap: must be finite and >= 0"),
         ({"softcap": "30"}, TypeError, "softcap: expected a real number"),
+        ({"causal": "false"}, TypeError, "causal: expected a bool"),
+        ({"q": np.zeros((0, 4, 16), np.float32), "cu_seqlens_q": np.array([0, 0, 0, 0], np.int32)}, ValueError,
+         "q: the packed batch must hold at least one token"),
+        ({"k": np.zeros((0, 2, 16), np.float32), "v": np.zeros((0, 2, 16), np.float32),
+          "cu_seqlens_k": np.array([0, 0, 0, 0], np.int32)}, ValueError, "k: the packed batch must hold at least one"),
         ({"q": np.zeros((14, 4), np.float32)}, ValueError, "q: expected 3 dims"),
         ({"k": np.zeros((12, 3, 16), np.float32), "v": np.zeros((12, 3, 16), np.float32)}, ValueError,
          "heads_kv \\(3\\) must divide"),
@@ -76,6 +81,14 @@ def test_attention_varlen_bad_inputs(change, error, words):
     args = {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k} | change
     with pytest.raises(error, match=words):
         cuflash.attention_varlen(**args)
+
+
+def test_attention_varlen_backward_flags_must_be_bools():
+    q, k, v, cu_q, cu_k = _packed()
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    for flags, name in (({"causal": "no"}, "causal"), ({"deterministic": "yes"}, "deterministic")):
+        with pytest.raises(TypeError, match=f"{name}: expected a bool"):
+            cuflash.attention_varlen_backward(q, q, k, v, out, lse, cu_q, cu_k, **flags)
 
 
 def test_attention_varlen_validate_false_skips_value_checks():
