@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,16 +109,6 @@ class Versions:
         kernels._loaded, api._PLANS = self.state[name]
 
 
-def settle(run, seconds: float) -> None:
-    import cupy as cp
-
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        for _ in range(5):
-            run()
-        cp.cuda.get_current_stream().synchronize()
-
-
 def compare_results(a: tuple, b: tuple) -> str:
     """Per result: ``=`` where the two are bitwise equal, else max |a - b| / max |a| (on the host:
     CuPy has no bfloat16 arithmetic)."""
@@ -139,7 +128,7 @@ def compare_results(a: tuple, b: tuple) -> str:
 
 
 def measure(versions: Versions, case: Case, rounds: int, settle_s: float) -> str:
-    from cuflash.timing import time_ms
+    from varlen_window import settled_ms
 
     results, times = {}, {name: [] for name in versions.trees}
     for name in versions.trees:
@@ -150,8 +139,7 @@ def measure(versions: Versions, case: Case, rounds: int, settle_s: float) -> str
         for name in list(versions.trees)[:: 1 if index % 2 == 0 else -1]:
             versions.use(name)
             run, _ = case.call()
-            settle(run, settle_s)
-            times[name].append(time_ms(lambda i: run(), 10, warmup=2, repeats=8))
+            times[name].append(settled_ms(run, settle_s))
     a, b = (statistics.median(times[name]) for name in ("A", "B"))
     spans = " | ".join(f"{min(times[name]):.3f}-{max(times[name]):.3f}" for name in ("A", "B"))
     return (f"| {case.mode} d{case.head_dim} {case.seqlen} {'causal' if case.causal else 'full'} {case.window}"
