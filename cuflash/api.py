@@ -719,8 +719,9 @@ def attention_backward(
     Raises
     ------
     TypeError, ValueError
-        As for :func:`attention`, and for dout/out not matching q, an lse that is not float32 or
-        not (batch, heads, seqlen_q), or gradients passed in dq/dk/dv of the wrong shape or dtype.
+        As for :func:`attention`, and for a deterministic that is not a bool (or 0 / 1), dout/out
+        not matching q, an lse that is not float32 or not (batch, heads, seqlen_q), or gradients
+        passed in dq/dk/dv of the wrong shape or dtype.
     """
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
