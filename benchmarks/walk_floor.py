@@ -25,10 +25,18 @@ from gpu_check import skipped_without_gpu
 from varlen_window import BACKWARD_FLOPS, DIM, DTYPE, HEADS, flops, pair_count, settled_ms
 
 SEQLEN = 16384
-# Walk lengths: full attention, 8k and 4k walks, then the (1024, 1024) and causal (1024, 0)
-# windows' walks on tiles of 128 rows (forward; backward: 128 keys) and of 64.
-WALKS = (16384, 8320, 4224, 2176, 2112, 1152, 1088)
-WINDOWS = ((False, (1024, 1024), (2176, 2112)), (True, (1024, 0), (1152, 1088)))
+WINDOWS = ((False, (1024, 1024)), (True, (1024, 0)))  # (causal, window); causal folds in right = 0
+TILE_ROWS = (128, 64)  # query rows per forward tile (keys per backward block) the walks assume
+
+
+def window_walks(window: tuple[int, int]) -> list[int]:
+    """Keys a forward tile of each TILE_ROWS size walks under ``window`` (queries a backward
+    block walks), away from the sequence's ends."""
+    return [rows + window[0] + window[1] for rows in TILE_ROWS]
+
+
+# Walk lengths: full attention, 8k and 4k walks, then the windows' walks.
+WALKS = (SEQLEN, 8320, 4224, *sorted({walk for _, window in WINDOWS for walk in window_walks(window)}, reverse=True))
 
 
 def dense_shape(walk: int, mode: str) -> tuple[int, int]:
@@ -45,6 +53,7 @@ def near_full_window(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
 
 
 def cuflash_call(mode, q, k, v, dout, **options):
+    """One timed call of cuflash: the forward, or the backward after one untimed forward."""
     import cuflash
 
     if mode == "fwd":
@@ -53,37 +62,31 @@ def cuflash_call(mode, q, k, v, dout, **options):
     return lambda: cuflash.attention_backward(dout, q, k, v, out, lse, **options)
 
 
-def sdpa_call(backend_name, mode, q, k, v, dout):
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backend = getattr(SDPBackend, backend_name)
-    q, k, v, dout = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v, dout))
-
-    def forward(*tensors):
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(*tensors)
+def sdpa_call(name, mode, q, k, v, dout):
+    """One timed call of the torch SDPA backend ``name`` (bench.py's peers, called as there)."""
+    from cuflash import bench
 
     if mode == "fwd":
-        return lambda: forward(q, k, v)
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    out = forward(*leaves)
-    return lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        run = bench.implementations([name])[name]
+        return lambda: run(q, k, v, False)
+    return bench.gradient_call(name, bench.Case("bfloat16", DIM, q.shape[1], False, mode), q, k, v, dout)
 
 
 LIBRARIES = {
     "cuflash": lambda mode, q, k, v, dout: cuflash_call(mode, q, k, v, dout),
     "cuflash window kernel": lambda mode, q, k, v, dout: cuflash_call(
         mode, q, k, v, dout, window=near_full_window(q.shape[1], k.shape[1])),
-    "SDPA cuDNN": lambda *args: sdpa_call("CUDNN_ATTENTION", *args),
-    "SDPA FA2": lambda *args: sdpa_call("FLASH_ATTENTION", *args),
+    "SDPA cuDNN": lambda *args: sdpa_call("sdpa-cudnn", *args),
+    "SDPA FA2": lambda *args: sdpa_call("sdpa-flash", *args),
 }
+# Whose full attention a library's walks are measured against (the window kernel has no full 16k
+# row of its own: that is cuflash's default kernel).
+FULL_ATTENTION_OF = {"cuflash window kernel": "cuflash"}
 
 
 def penalty(rates: dict, library: str, walk: int) -> float | None:
-    """The library's full 16k rate over its rate on ``walk``-long walks (its window kernel's
-    against the library's own full attention)."""
-    full, rate = rates.get((library.split(" window")[0], SEQLEN)), rates.get((library, walk))
+    """The full 16k rate over ``library``'s rate on ``walk``-long walks."""
+    full, rate = rates.get((FULL_ATTENTION_OF.get(library, library), SEQLEN)), rates.get((library, walk))
     return full / rate if full and rate else None
 
 
@@ -106,7 +109,7 @@ def main() -> None:
             k, v = (random_normal((1, seqlen_k, HEADS, DIM), DTYPE, seed=s) for s in (1, 2))
             useful = 4.0 * HEADS * DIM * seqlen_q * seqlen_k * flop_factor
             for library, make in LIBRARIES.items():
-                if library == "cuflash window kernel" and walk == SEQLEN:
+                if library in FULL_ATTENTION_OF and walk == SEQLEN:
                     continue
                 try:
                     rates[library, walk] = tflops(useful, settled_ms(make(mode, q, k, v, dout)))
@@ -123,14 +126,14 @@ def main() -> None:
 
         q, k, v, dout = (random_normal((1, SEQLEN, HEADS, DIM), DTYPE, seed=s) for s in range(4))
         print(f"\n{mode}: cuflash's windows, and the floor under each (walk penalty x keys walked / keys used)")
-        for causal, window, walks in WINDOWS:
+        for causal, window in WINDOWS:
             full = settled_ms(cuflash_call(mode, q, k, v, dout, causal=causal))
             t = settled_ms(cuflash_call(mode, q, k, v, dout, causal=causal, window=window))
             pairs = pair_count(SEQLEN, SEQLEN, causal, window)
             ratio = t / full / (pairs / pair_count(SEQLEN, SEQLEN, causal))
             rate = tflops(flops(pairs, mode), t)
             print(f"  causal={causal} window {window}: ratio/share {ratio:.2f} ({rate:.1f} TFLOP/s)")
-            for walk in walks:
+            for walk in window_walks(window):
                 walked = walk / (window[0] + window[1] + 1)  # inside the sequence, away from its ends
                 floors = [f"{library} {factor * walked:.2f}" for library in LIBRARIES
                           if (factor := penalty(rates, library, walk))]
