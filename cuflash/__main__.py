@@ -8,8 +8,8 @@ instantiation for one architecture with NVRTC (no GPU needed) and reports regist
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -152,29 +152,29 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--memory", action="store_true",
                        help="the IO and memory report instead of the sweep: peak memory, time and modelled "
                             "HBM traffic, 1k to 128k tokens and the FlashAttention paper's GPT-2 medium shape")
-    bench.add_argument("--out", type=Path, help="output folder (default: cuflash-bench-<date>-<time>)")
+    bench.add_argument("--out", type=Path,
+                       help="output folder (default: cuflash-bench-<date>-<time>); files are named <gpu>-<mode>, "
+                            "e.g. h200-fwd.md, .json, .png, so --out benchmarks/results replaces the current ones")
     return parser
 
 
-def bench(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace, argv: list[str]) -> int:
     reason = gpu_unavailable()
     if reason is not None:
         print(f"python -m cuflash bench needs a CUDA GPU ({reason})", file=sys.stderr)
         return 2
     os.environ["CUFLASH_FAMILY"] = args.family
+    command = f"python -m cuflash {shlex.join(argv)}"
     out = args.out or Path(f"cuflash-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     if args.memory:
         rows = bench_module.memory_report(args.dtype, args.seqlens or bench_module.MEMORY_SEQLENS)
-        table = bench_module.memory_table(rows)
-        (out / "memory.md").write_text(table)
-        (out / "memory.json").write_text(json.dumps(rows, indent=1))
-        print(table + f"wrote {out / 'memory.md'}, {out / 'memory.json'}")
+        print(bench_module.memory_table(rows) + bench_module.write_memory_outputs(rows, command, out))
         return 0
     head_dims = args.head_dims or (bench_module.QUICK_HEAD_DIMS if args.quick else bench_module.STANDARD_HEAD_DIMS)
     seqlens = args.seqlens or (bench_module.QUICK_SEQLENS if args.quick else bench_module.STANDARD_SEQLENS)
     sweep = bench_module.cases(args.dtype, head_dims, seqlens, args.causal, args.mode)
-    report = bench_module.run_sweep(sweep, args.impls, repeats=args.repeats)
+    report = bench_module.run_sweep(sweep, args.impls, repeats=args.repeats, command=command)
     print(bench_module.markdown_table(report))
     for line in bench_module.write_outputs(report, out):
         print(line)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "compile-check":
         return 1 if compile_check(args.arch) else 0
     if args.command == "bench":
-        return bench(args)
+        return bench(args, sys.argv[1:] if argv is None else argv)
 
     print(f"cuflash {cuflash.__version__}")
     reason = gpu_unavailable()

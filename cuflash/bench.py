@@ -1,12 +1,13 @@
 """``python -m cuflash bench``: cuflash next to its peers in one run, and the IO/memory report.
 
-The sweep times the forward pass (or with ``--mode`` the backward, or both) on DESIGN.md's
-standard shapes (batch·seqlen = 16384,
-heads·head_dim = 2048) for cuflash and every peer that is installed: torch SDPA with its
-FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION and EFFICIENT_ATTENTION backends, and standard
-attention in CuPy (S and P written to memory). It writes ``bench.md`` (table with ratios),
-``bench.json`` (every number, the shapes and the environment) and ``bench.png`` (TFLOP/s against
-seqlen, one panel per head_dim and causal setting) when matplotlib is installed.
+The sweep times the forward pass (or with ``--mode`` the backward, or both) on the standard shapes
+(bf16, batch·seqlen = 16384, heads·head_dim = 2048, seqlen 512 to 16384) for cuflash and every
+peer that is installed: torch SDPA with its FLASH_ATTENTION (FlashAttention-2), CUDNN_ATTENTION
+and EFFICIENT_ATTENTION backends, and standard attention in CuPy (S and P written to memory). It
+writes one file set per GPU and mode, named ``<gpu>-<mode>`` (``h200-fwd.md``, ``.json`` and, with
+matplotlib, ``.png``): the table with ratios under a header that gives the command that
+regenerates it, the date, the GPU, the versions and the peers; every number, the shapes and the
+environment; TFLOP/s against seqlen, one panel per head_dim and causal setting.
 
 Honesty rules: every number comes from this run; inputs are random (never zeros) and rotated over
 more than 3x the L2 cache; compilation is reported apart (cold NVRTC compile, warm load from
@@ -19,6 +20,7 @@ import datetime
 import json
 import math
 import platform
+import re
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -37,6 +39,13 @@ IMPLEMENTATIONS = ("cuflash", "cuflash-deterministic", "sdpa-flash", "sdpa-cudnn
 # Implementations that only differ from another in their backward: left out of forward sweeps.
 BACKWARD_VARIANTS = ("cuflash-deterministic",)
 PEERS_FOR_RATIOS = ("sdpa-flash", "sdpa-cudnn")
+DESCRIPTIONS = {
+    "cuflash-deterministic": "cuflash with deterministic=True",
+    "sdpa-flash": "torch SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
+    "sdpa-cudnn": "torch SDPA, CUDNN_ATTENTION backend (cuDNN)",
+    "sdpa-efficient": "torch SDPA, EFFICIENT_ATTENTION backend (memory-efficient)",
+    "standard": "standard attention in CuPy (S and P written to memory)",
+}
 
 
 MODES = ("fwd", "bwd", "fwd_bwd")
@@ -81,6 +90,11 @@ class Report:
     measurements: list[Measurement]
     environment: dict = field(default_factory=dict)
     compile_times: list[dict] = field(default_factory=list)
+    command: str = ""  # the command line that produced the report, written at the top of its file
+
+    @property
+    def mode(self) -> str:
+        return self.measurements[0].case.mode if self.measurements else "fwd"
 
 
 def cases(dtype: str, head_dims, seqlens, causal: str, mode: str = "fwd") -> list[Case]:
@@ -117,10 +131,7 @@ def markdown_table(report: Report) -> str:
         cells = [case.dtype, str(case.head_dim), "yes" if case.causal else "no", str(case.seqlen),
                  *(_fmt(values[i]) for i in impls), *ratios]
         lines.append("| " + " | ".join(cells) + " |")
-    env = report.environment
-    mode = report.measurements[0].case.mode if report.measurements else "fwd"
-    title = (f"{MODE_TITLES[mode]} TFLOP/s, batch*seqlen={TOTAL_TOKENS}, heads*head_dim={HIDDEN}; "
-             + ", ".join(f"{k} {v}" for k, v in env.items()))
+    title = f"{MODE_TITLES[report.mode]} TFLOP/s, batch*seqlen={TOTAL_TOKENS}, heads*head_dim={HIDDEN}"
     notes = [f"- {m.impl} at {m.case}: {m.note}" for m in report.measurements if m.note]
     compile_lines = [f"- {c['kernel']}: cold NVRTC compile {c['cold_compile_s']:.2f} s, "
                      f"warm load from the disk cache {c['warm_load_ms']:.1f} ms" for c in report.compile_times]
@@ -134,6 +145,7 @@ def markdown_table(report: Report) -> str:
 
 def report_json(report: Report) -> str:
     return json.dumps({
+        "command": report.command,
         "environment": report.environment,
         "compile_times": report.compile_times,
         "measurements": [
@@ -181,13 +193,63 @@ def write_plot(report: Report, path: Path) -> str | None:
     return None
 
 
+def gpu_slug(device_name: str) -> str:
+    """The GPU part of a results file name: "NVIDIA H200" -> "h200"."""
+    name = device_name.lower().removeprefix("nvidia ")
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def file_stem(report: Report) -> str:
+    """``<gpu>-<mode>``: one current file set per GPU and mode (``h200-fwd``, ``h200-bwd``)."""
+    return f"{gpu_slug(report.environment.get('device', ''))}-{report.mode}"
+
+
+def _cuda_version(code: int) -> str:
+    return f"{code // 1000}.{code % 1000 // 10}"
+
+
+def _cudnn_version(code: int) -> str:
+    major, rest = divmod(code, 10000 if code >= 90000 else 1000)  # cuDNN 9 widened the minor field
+    return f"{major}.{rest // 100}.{rest % 100}"
+
+
+VERSION_LABELS = {"driver": ("CUDA driver", _cuda_version), "cuda runtime": ("CUDA runtime", _cuda_version),
+                  "cuDNN": ("cuDNN", _cudnn_version)}
+
+
+def document_header(title: str, environment: dict, command: str, peers=()) -> str:
+    """The top of a results file: what it is, the command that regenerates it, date, GPU, versions
+    and the peers timed beside cuflash."""
+    versions = []
+    for key, value in environment.items():
+        if key not in ("date", "device"):
+            label, fmt = VERSION_LABELS.get(key, (key, str))
+            versions.append(f"{label} {fmt(value)}")
+    lines = [f"# {title}", "", f"Regenerate: `{command}`", "",
+             f"Measured {environment.get('date', 'n/a')} on {environment.get('device', 'n/a')}; "
+             + ", ".join(versions) + "."]
+    if peers:
+        lines += ["", "Peers, timed in the same run: " + "; ".join(f"{p}: {DESCRIPTIONS[p]}" for p in peers) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_document(report: Report) -> str:
+    """The results file: header, table, plot."""
+    peers = [i for i in IMPLEMENTATIONS if i != "cuflash" and any(m.impl == i for m in report.measurements)]
+    device = report.environment.get("device", "")
+    title = f"cuflash {MODE_TITLES[report.mode].lower()}, {device}".rstrip(", ")
+    return (document_header(title, report.environment, report.command, peers) + "\n"
+            + markdown_table(report) + f"\n![TFLOP/s against seqlen]({file_stem(report)}.png)\n")
+
+
 def write_outputs(report: Report, out_dir: Path) -> list[str]:
-    """Writes bench.md, bench.json and (with matplotlib) bench.png; returns messages to print."""
+    """Writes ``<gpu>-<mode>.md``, ``.json`` and (with matplotlib) ``.png``; returns messages to print."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.md").write_text(markdown_table(report))
-    (out_dir / "bench.json").write_text(report_json(report))
-    why_not = write_plot(report, out_dir / "bench.png")
-    written = ["bench.md", "bench.json"] + (["bench.png"] if why_not is None else [])
+    stem = file_stem(report)
+    (out_dir / f"{stem}.md").write_text(markdown_document(report))
+    (out_dir / f"{stem}.json").write_text(report_json(report))
+    why_not = write_plot(report, out_dir / f"{stem}.png")
+    written = [f"{stem}.md", f"{stem}.json"] + ([f"{stem}.png"] if why_not is None else [])
     return [f"wrote {', '.join(str(out_dir / f) for f in written)}"] + ([why_not] if why_not else [])
 
 
@@ -357,11 +419,11 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
     return rows
 
 
-def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, progress=sys.stderr) -> Report:
+def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, command: str = "", progress=sys.stderr) -> Report:
     if sweep and sweep[0].mode == "fwd":
         impl_names = [name for name in impl_names if name not in BACKWARD_VARIANTS]
     impls = implementations(impl_names)
-    report = Report([], environment())
+    report = Report([], environment(), command=command)
     total = len(sweep) * len(impls)
     done = 0
     for case in sweep:
@@ -440,6 +502,17 @@ def memory_report(dtype: str = "bfloat16", seqlens=MEMORY_SEQLENS, progress=sys.
         rows.append(_memory_row("scaling", 1, seqlen, 8, 128, dtype))
     print(file=progress)
     return rows
+
+
+def write_memory_outputs(rows: list[dict], command: str, out_dir: Path) -> str:
+    """Writes ``<gpu>-memory.md`` (header and table) and ``.json``; returns the message to print."""
+    env = environment()
+    title = f"cuflash memory and HBM traffic, {env['device']}"
+    stem = f"{gpu_slug(env['device'])}-memory"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(document_header(title, env, command) + "\n" + memory_table(rows))
+    (out_dir / f"{stem}.json").write_text(json.dumps({"command": command, "environment": env, "rows": rows}, indent=1))
+    return f"wrote {out_dir / (stem + '.md')}, {out_dir / (stem + '.json')}"
 
 
 def memory_table(rows: list[dict]) -> str:

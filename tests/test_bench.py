@@ -59,8 +59,10 @@ def _synthetic_report() -> bench.Report:
     measurements = [bench.Measurement(name, case, t * (4 if case is slow else 1))
                     for case in (fast, slow) for name, t in ms.items()]
     measurements.append(bench.Measurement("standard", fast, None, "OutOfMemoryError: synthetic"))
-    return bench.Report(measurements, {"date": "2026-11-30", "device": "Synthetic GPU"},
-                        [{"kernel": "k<128>", "arch": "sm_90", "cold_compile_s": 0.4, "warm_load_ms": 2.5}])
+    return bench.Report(measurements, {"date": "2026-11-30", "device": "NVIDIA Synthetic GPU", "driver": 13000,
+                                       "cuDNN": 91900},
+                        [{"kernel": "k<128>", "arch": "sm_90", "cold_compile_s": 0.4, "warm_load_ms": 2.5}],
+                        command="python -m cuflash bench --out results")
 
 
 def test_markdown_table_has_ratios_failures_and_compile_times():
@@ -71,7 +73,19 @@ def test_markdown_table_has_ratios_failures_and_compile_times():
     assert cells[4] == f"{tflops:.1f}" and cells[-2] == "1.25" and cells[-1] == "0.50"
     assert "n/a" in cells  # the failed standard run
     assert "OutOfMemoryError: synthetic" in text and "cold NVRTC compile 0.40 s" in text
-    assert "Synthetic GPU" in text
+
+
+def test_results_file_names_its_command_date_gpu_versions_and_peers():
+    report = _synthetic_report()
+    assert bench.file_stem(report) == "synthetic-gpu-fwd"
+    text = bench.markdown_document(report)
+    assert text.startswith("# cuflash forward, NVIDIA Synthetic GPU\n")
+    assert "Regenerate: `python -m cuflash bench --out results`" in text
+    assert "Measured 2026-11-30 on NVIDIA Synthetic GPU; CUDA driver 13.0, cuDNN 9.19.0." in text
+    assert "sdpa-cudnn: torch SDPA, CUDNN_ATTENTION backend (cuDNN)" in text
+    assert "standard: standard attention in CuPy" in text
+    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+    assert "| bfloat16 | 128 | no | 1024 |" in text and "![TFLOP/s against seqlen](synthetic-gpu-fwd.png)" in text
 
 
 def test_table_title_names_the_mode():
@@ -83,18 +97,19 @@ def test_table_title_names_the_mode():
 def test_json_and_plot_written(tmp_path):
     pytest.importorskip("matplotlib")
     messages = bench.write_outputs(_synthetic_report(), tmp_path)
-    data = json.loads((tmp_path / "bench.json").read_text())
+    data = json.loads((tmp_path / "synthetic-gpu-fwd.json").read_text())
     assert {m["impl"] for m in data["measurements"]} == {"cuflash", "sdpa-flash", "sdpa-cudnn", "standard"}
-    assert data["measurements"][0]["tflops"] > 0 and data["environment"]["device"] == "Synthetic GPU"
-    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert (tmp_path / "bench.md").read_text().startswith("Forward TFLOP/s")
-    assert "bench.png" in messages[0]
+    assert data["measurements"][0]["tflops"] > 0 and data["environment"]["device"] == "NVIDIA Synthetic GPU"
+    assert data["command"] == "python -m cuflash bench --out results"
+    assert (tmp_path / "synthetic-gpu-fwd.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "synthetic-gpu-fwd.md").read_text().startswith("# cuflash forward")
+    assert "synthetic-gpu-fwd.png" in messages[0]
 
 
 def test_plot_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     messages = bench.write_outputs(_synthetic_report(), tmp_path)
-    assert not (tmp_path / "bench.png").exists()
+    assert not (tmp_path / "synthetic-gpu-fwd.png").exists()
     assert any("matplotlib is not installed" in m for m in messages)
 
 
@@ -123,7 +138,9 @@ def test_bench_quick_end_to_end(tmp_path, mode):
     result = subprocess.run([sys.executable, "-m", "cuflash", "bench", "--quick", "--repeats", "3",
                              "--mode", mode, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    for name in ("bench.md", "bench.json", "bench.png"):
-        assert (tmp_path / name).stat().st_size > 0, name
-    data = json.loads((tmp_path / "bench.json").read_text())
+    (table,) = tmp_path.glob(f"*-{mode}.md")
+    for suffix in (".md", ".json", ".png"):
+        assert table.with_suffix(suffix).stat().st_size > 0, suffix
+    assert f"Regenerate: `python -m cuflash bench --quick --repeats 3 --mode {mode} --out " in table.read_text()
+    data = json.loads(table.with_suffix(".json").read_text())
     assert any(m["impl"] == "cuflash" and (m["tflops"] or 0) > 0 for m in data["measurements"])
