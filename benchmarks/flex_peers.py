@@ -2,7 +2,7 @@
 flex_attention (compiled by torch.compile with Triton). bf16, head_dim 128 and 16 heads (or
 --head-dim d and 2048 / d heads), batch 1 x 16k tokens, forward and backward, in TFLOP/s of useful
 FLOPs, and each library's window ratio: its window time over its own full attention's, against the
-FLOPs share (issue 5 asks cuflash for at most 1.2x), and its softcap cost against its own causal
+FLOPs share (cuflash's target is at most 1.2x), and its softcap cost against its own causal
 call without one.
 
     PYTHONPATH=. python benchmarks/flex_peers.py [--head-dim 64]

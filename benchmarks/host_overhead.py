@@ -1,5 +1,5 @@
 """Host cost per call of cuflash's entry points on a GPU: a tiny shape, so the kernels take a few
-microseconds and the figure is the Python and driver work of one call (issue 6: < 20 us per
+microseconds and the figure is the Python and driver work of one call (the target: < 20 us per
 launch; torch SDPA ~10-20 us per call). CuPy inputs always; torch inputs and torch SDPA next to
 them when torch is installed.
 

@@ -1,11 +1,11 @@
 """The forward at 512-2k against torch SDPA's cuDNN backend, each cell measured alternately five
-times in one process (issue 6 asks >= 0.9x cuDNN there). At these lengths a single pass of
+times in one process (the target is >= 0.9x cuDNN there). At these lengths a single pass of
 ``python -m cuflash bench`` moves 5-15% between runs, cuDNN's side most, so one pass can put a cell
 either side of the bar; the median over alternating rounds and the per-round range say where it is.
 
     PYTHONPATH=. python benchmarks/short_repeated.py [--rounds N]
 
-Standard shapes of DESIGN.md (batch * seqlen = 16384, heads * head_dim = 2048), bf16; each
+The standard shapes (batch * seqlen = 16384, heads * head_dim = 2048), bf16; each
 measurement is bench.measure's (median of 5 samples of ten calls). Without a GPU it says so and
 exits 0.
 """

@@ -1,10 +1,10 @@
 """Forward, backward and both, pytest-benchmark: ``pytest benchmarks/ --benchmark-only`` on a GPU.
 
 cuflash and its peers (cuflash.bench.IMPLEMENTATIONS: torch SDPA's FlashAttention-2, cuDNN and
-memory-efficient backends, standard attention in CuPy) on DESIGN.md's standard shapes. Each round
+memory-efficient backends, standard attention in CuPy) on the standard shapes. Each round
 runs one call per rotated input set (together over 3x the L2) and synchronises, so rounds time
 queued kernels, not the cache or one launch's host cost; compilation happens in the warm-up
-rounds. ``extra_info`` carries TFLOP/s (DESIGN.md's count), the shape, the kernel family and the
+rounds. ``extra_info`` carries TFLOP/s (counted as docs/measuring.md says), the shape, the kernel family and the
 device, so ``--benchmark-json`` output describes itself.
 """
 

@@ -1,9 +1,9 @@
-"""Issue 5's measurements on one GPU (bf16, head_dim 128, 16 heads), in useful-FLOP TFLOP/s:
+"""Packed batches, windows and softcap on one GPU (bf16, head_dim 128, 16 heads), in useful-FLOP TFLOP/s:
 
 (a) a packed batch of random lengths (uniform 128..4096, about 16k tokens) against a fixed-length
     batch of equal work, the same sequences padded to the longest, and the sequences one by one;
 (b) windows over seqlen 16k against full attention: the time ratio over the FLOPs-proportional
-    share (the issue asks for at most 1.2x), and the cost of a softcap.
+    share (the target is at most 1.2x), and the cost of a softcap.
 
     PYTHONPATH=. python benchmarks/varlen_window.py [--mode fwd|bwd|both]
 
@@ -13,7 +13,7 @@ allocation, launch) overlaps the previous kernel as in a model, not idle GPU tim
 kernel first runs alone for half a second: the H200 runs every kernel here at its power limit, and
 its clock takes longer than a short sample to settle after the kernel before, so without this a
 short window kernel timed right after full attention reads 5-15% slower than it runs
-(benchmarks/NOTES.md, session 11). Without a GPU it says so and exits 0.
+(docs/measuring.md). Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def window_table(mode: str) -> None:
         return timed_call(mode, lambda **lse: cuflash.attention(q, k, v, **options, **lse),
                           lambda out, lse: cuflash.attention_backward(dout, q, k, v, out, lse, **options))
 
-    print(f"(b) {mode}: seqlen {seqlen}, batch 1: window time / full time against the FLOPs share (issue: <= 1.2x)")
+    print(f"(b) {mode}: seqlen {seqlen}, batch 1: window time / full time against the FLOPs share (target: <= 1.2x)")
     for causal, window in ((False, (1024, 1024)), (True, (1024, 0)), (True, (1024, -1))):
         full = settled_ms(call(causal=causal))
         t = settled_ms(call(causal=causal, window=window))

@@ -1,5 +1,5 @@
-"""The floor under issue 5's window bar: what a query tile's short walk over keys costs each
-library, with no mask and no band edge at all.
+"""The floor under the window bar (at most 1.2x the FLOPs share): what a query tile's short walk
+over keys costs each library, with no mask and no band edge at all.
 
 A 1024-key window over 16k tokens gives every 128-row query tile of the forward a walk of about
 1024 + 128 + 1024 = 2,176 keys ((1024, 1024)) or 1024 + 128 = 1,152 keys (causal (1024, 0)), and
@@ -14,7 +14,7 @@ and FlashAttention-2 backends, and cuflash's windows themselves, all settled (va
 
     PYTHONPATH=. python benchmarks/walk_floor.py
 
-bf16, head_dim 128, 16 heads, batch 1, as issue 5's table. Without a GPU it says so and exits 0.
+bf16, head_dim 128, 16 heads, batch 1, as varlen_window.py's table. Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
