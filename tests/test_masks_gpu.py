@@ -1,5 +1,5 @@
 """Sliding windows and softcap in the forward and backward kernels against the float64
-reference with DESIGN.md's rule, on the GPU."""
+reference with docs/measuring.md's rule, on the GPU."""
 
 from __future__ import annotations
 

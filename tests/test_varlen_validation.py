@@ -1,5 +1,5 @@
 """attention(window=, softcap=) and attention_varlen on the CPU reference path, and their bad
-inputs: each a TypeError or ValueError naming the argument (issue 5's list)."""
+inputs: each a TypeError or ValueError naming the argument."""
 
 from __future__ import annotations
 
