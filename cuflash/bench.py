@@ -233,22 +233,22 @@ def document_header(title: str, environment: dict, command: str, peers=()) -> st
     return "\n".join(lines) + "\n"
 
 
-def markdown_document(report: Report) -> str:
-    """The results file: header, table, plot."""
+def markdown_document(report: Report, with_plot: bool = True) -> str:
+    """The results file: header, table and, ``with_plot``, the plot beside it."""
     peers = [i for i in IMPLEMENTATIONS if i != "cuflash" and any(m.impl == i for m in report.measurements)]
     device = report.environment.get("device", "")
     title = f"cuflash {MODE_TITLES[report.mode].lower()}, {device}".rstrip(", ")
-    return (document_header(title, report.environment, report.command, peers) + "\n"
-            + markdown_table(report) + f"\n![TFLOP/s against seqlen]({file_stem(report)}.png)\n")
+    plot = f"\n![TFLOP/s against seqlen]({file_stem(report)}.png)\n" if with_plot else ""
+    return document_header(title, report.environment, report.command, peers) + "\n" + markdown_table(report) + plot
 
 
 def write_outputs(report: Report, out_dir: Path) -> list[str]:
     """Writes ``<gpu>-<mode>.md``, ``.json`` and (with matplotlib) ``.png``; returns messages to print."""
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = file_stem(report)
-    (out_dir / f"{stem}.md").write_text(markdown_document(report))
-    (out_dir / f"{stem}.json").write_text(report_json(report))
     why_not = write_plot(report, out_dir / f"{stem}.png")
+    (out_dir / f"{stem}.md").write_text(markdown_document(report, with_plot=why_not is None))
+    (out_dir / f"{stem}.json").write_text(report_json(report))
     written = [f"{stem}.md", f"{stem}.json"] + ([f"{stem}.png"] if why_not is None else [])
     return [f"wrote {', '.join(str(out_dir / f) for f in written)}"] + ([why_not] if why_not else [])
 

@@ -110,6 +110,7 @@ def test_plot_skipped_with_a_message_without_matplotlib(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
     messages = bench.write_outputs(_synthetic_report(), tmp_path)
     assert not (tmp_path / "synthetic-gpu-fwd.png").exists()
+    assert "![" not in (tmp_path / "synthetic-gpu-fwd.md").read_text()
     assert any("matplotlib is not installed" in m for m in messages)
 
 
