@@ -87,7 +87,7 @@ def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1) -> None:
     if head_dim < 8 or head_dim % 8 != 0 or head_dim > 256:
         raise ValueError(f"q: head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if element_strides(x)[3] != 1:
+        if element_strides(x)[3] != 1 and 0 not in x.shape:  # an empty tensor's strides are arbitrary
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, stride is "
                              f"{element_strides(x)[3]} elements")
     if on_device:
@@ -184,7 +184,7 @@ def _check_like(name: str, t, expected_shape: tuple[int, ...], like, on_device: 
         raise ValueError(f"{name}: expected shape {tuple(expected_shape)}, got {tuple(t.shape)}")
     if dtype_name(t) != dtype_name(like):
         raise TypeError(f"{name}: expected dtype {dtype_name(like)} like q, got {dtype_name(t)}")
-    if element_strides(t)[-1] != 1:
+    if element_strides(t)[-1] != 1 and 0 not in t.shape:
         raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
     if on_device and t.device != like.device:
         raise ValueError(f"{name}: on device {t.device}, but q is on device {like.device}")
@@ -209,7 +209,8 @@ def check_backward_inputs(tensors: dict, lse_shape: tuple[int, ...], on_device: 
         raise TypeError(f"lse: expected float32 (as the forward's return_lse=True gives it), got {dtype_name(lse_t)}")
     if tuple(lse_t.shape) != tuple(lse_shape):
         raise ValueError(f"lse: expected shape {tuple(lse_shape)}, got {tuple(lse_t.shape)}")
-    if element_strides(lse_t) != tuple(math.prod(lse_shape[i + 1:]) for i in range(len(lse_shape))):
+    if (element_strides(lse_t) != tuple(math.prod(lse_shape[i + 1:]) for i in range(len(lse_shape)))
+            and 0 not in lse_shape):
         raise ValueError("lse: must be contiguous")
     if on_device and lse_t.device != qt.device:
         raise ValueError(f"lse: on device {lse_t.device}, but q is on device {qt.device}")
