@@ -7,12 +7,12 @@ A is the given cuda_src tree, B this checkout's; the Python side (dispatch, plan
 checkout's for both, so a change to dispatch.py applies to both versions. Each version keeps its
 own compiled modules and launch plans, swapped in before each of its rounds. Under the H200's
 power cap a kernel's clock depends on what ran before it and takes hundreds of milliseconds to
-settle (benchmarks/NOTES.md, sessions 8 and 11), so two versions are compared alternately in one
+settle, so two versions are compared alternately in one
 process, each round first running its call alone for ``--settle`` seconds, the order of A and B
 reversed every round; the table gives the median over the rounds and each version's range.
 
 A case is ``fwd|bwd:head_dim:seqlen:causal|full:left:right[:det][:capN][:gqaN]``: bf16, batch *
-seqlen = 16384 and heads * head_dim = 2048 (DESIGN.md's standard shapes), a window (left, right)
+seqlen = 16384 and heads * head_dim = 2048 (the standard shapes), a window (left, right)
 (-1 unbounded), deterministic mode, softcap N, N query heads per K/V head. The last column says
 whether the two versions' results on the same inputs are bitwise equal, else their largest
 difference over the largest value (for dq in default mode the order of the sums differs between
@@ -97,16 +97,18 @@ class Versions:
     """Each cuda_src tree with its own loaded modules and launch plans."""
 
     def __init__(self, trees: dict[str, Path]):
+        from cuflash import plan
+
         self.trees = trees
-        self.state = {name: ({}, {}) for name in trees}
+        self.state = {name: ({}, plan.PlanCache()) for name in trees}
 
     def use(self, name: str) -> None:
-        from cuflash import api, kernels
+        from cuflash import kernels, plan
 
         root = self.trees[name]
         kernels.source_root = lambda: root
         kernels.sources_fingerprint.cache_clear()
-        kernels._loaded, api._PLANS = self.state[name]
+        kernels._loaded, plan.PLANS = self.state[name]
 
 
 def compare_results(a: tuple, b: tuple) -> str:

@@ -1,4 +1,4 @@
-"""The floor under issue 5's window bar: what a query tile's short walk over keys costs each
+"""The floor under the window target (at most 1.2x a window's FLOPs share): what a query tile's short walk over keys costs each
 library, with no mask and no band edge at all.
 
 A 1024-key window over 16k tokens gives every 128-row query tile of the forward a walk of about
@@ -14,7 +14,7 @@ and FlashAttention-2 backends, and cuflash's windows themselves, all settled (va
 
     PYTHONPATH=. python benchmarks/walk_floor.py
 
-bf16, head_dim 128, 16 heads, batch 1, as issue 5's table. Without a GPU it says so and exits 0.
+bf16, head_dim 128, 16 heads, batch 1, as varlen_window.py's table. Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def dense_shape(walk: int, mode: str) -> tuple[int, int]:
 
 
 def near_full_window(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    """A window that keeps the mask kernel (api._kernel_window would turn a window that bounds no
+    """A window that keeps the mask kernel (dispatch.make_mask would turn a window that bounds no
     row into the unmasked kernel) but hides one key from one row: the window kernel's own cost on
     the dense shape."""
     return (-1, seqlen_q - 2) if seqlen_q > seqlen_k else (seqlen_k - 2, -1)

@@ -34,10 +34,6 @@ KEY_SCALARS = frozenset({int, float, type(None)})
 _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocation would
 
 
-def _pointer(t) -> int:
-    return t.ptr if t is not None else 0
-
-
 @dataclass(frozen=True, eq=False)
 class ForwardPlan:
     target: tuple[str, tuple[int, int]]  # (family, compute capability) it was built for
@@ -57,7 +53,8 @@ class ForwardPlan:
             out, out_ptr = (given[0], out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
             lse, lse_ptr = (interop.allocate(framework, qt, self.lse_shape, "float32") if return_lse else (None, 0))
             cu_q, cu_k = cu_seqlens
-            argument = self.argument.fill(qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, _pointer(cu_q), _pointer(cu_k))
+            argument = self.argument.fill(qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, cu_q.ptr if cu_q is not None else 0,
+                                          cu_k.ptr if cu_k is not None else 0)
             kernels.launch(self.kernel, stream, argument)
         return out, lse
 
@@ -97,7 +94,8 @@ class BackwardPlan:
                                                              for offset in self.offsets)
             cu_q, cu_k = cu_seqlens
             pointers = (qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum, dk_ptr, dv_ptr,
-                        dk_accum, dv_accum, dq_turns, _pointer(cu_q), _pointer(cu_k))
+                        dk_accum, dv_accum, dq_turns, cu_q.ptr if cu_q is not None else 0,
+                        cu_k.ptr if cu_k is not None else 0)
             argument = self.argument.fill(*pointers)
             kernels.launch(self.preprocess, stream, argument)
             kernels.launch(self.main, stream,

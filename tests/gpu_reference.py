@@ -130,7 +130,7 @@ def attention_varlen_backward(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, **optio
 
 
 def check_rule(name: str, got, ref, lowp_ref, dtype_name: str) -> None:
-    """DESIGN.md: max|got - ref| <= 2 max|lowp_ref - ref| + atol, with atol the rounding error
+    """The correctness rule: max|got - ref| <= 2 max|lowp_ref - ref| + atol, with atol the rounding error
     of representing the reference in the low-precision dtype (flash-attn's test rule)."""
     got = as_float64(got) if got.dtype != cp.float32 else got.astype(cp.float64)
     both_inf = cp.isneginf(got) & cp.isneginf(ref)
@@ -152,7 +152,7 @@ def poison_pool():
 
 def check_forward(q, k, v, causal, dtype_name, scale=None, window=(-1, -1), softcap=0.0):
     """cuflash.attention on fixed-length CuPy inputs, into a NaN-filled ``out`` from a poisoned
-    pool, against the float64 reference with the DESIGN.md rule (out and lse)."""
+    pool, against the float64 reference with the 2x + atol rule (out and lse)."""
     import cuflash
 
     poison_pool()
@@ -171,7 +171,7 @@ def check_forward(q, k, v, causal, dtype_name, scale=None, window=(-1, -1), soft
 def check_backward(q, k, v, causal, dtype_name, rng, scale=None, window=(-1, -1), softcap=0.0,
                    deterministic=False):
     """cuflash.attention_backward on fixed-length CuPy inputs (a fresh random dout), into
-    NaN-filled gradients, against the float64 reference gradients with the DESIGN.md rule."""
+    NaN-filled gradients, against the float64 reference gradients with the 2x + atol rule."""
     import cuflash
 
     options = {"causal": causal, "window": window, "softcap": softcap}

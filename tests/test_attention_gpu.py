@@ -1,4 +1,4 @@
-"""Forward kernels against the float64 reference with DESIGN.md's rule, on the GPU."""
+"""Forward kernels against the float64 reference with the 2x + atol rule, on the GPU."""
 
 from __future__ import annotations
 

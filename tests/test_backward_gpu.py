@@ -1,4 +1,4 @@
-"""Backward kernels against float64 reference gradients with DESIGN.md's rule, on the GPU; the
+"""Backward kernels against float64 reference gradients with the 2x + atol rule, on the GPU; the
 PyTorch autograd / torch.compile / flash-attn entry points."""
 
 from __future__ import annotations
@@ -104,8 +104,7 @@ def test_deterministic_matches_reference_and_repeats_bitwise(head_dim, causal, s
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_backward_long_sequence(head_dim, causal, deterministic, rng):
     """16k keys in float16: a dQ reduction whose error grows with the number of key blocks (as a
-    fixed-point quantum does: benchmarks/results/2026-11-30-h200-quantised-dq-accuracy-session9.md)
-    shows here, where dq itself is small, and not at the sweep's lengths."""
+    fixed-point quantum does) shows here, where dq itself is small, and not at the sweep's lengths."""
     from tests import gpu_reference as ref
 
     q, k, v = (ref.random_bshd((1, 16384, 2, head_dim), "float16", rng) for _ in range(3))

@@ -1,5 +1,5 @@
 """Sliding windows and softcap in the forward and backward kernels against the float64
-reference with DESIGN.md's rule, on the GPU."""
+reference with the 2x + atol rule, on the GPU."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Sliding windows, softcap and variable-length batches in the NumPy reference (CPU): the mask
 against flash-attn's rule written out per element, softcap gradients against finite
 differences, the blockwise CPU path against the naive reference, packed batches against their
-sequences one by one, and the edge cases issue 5 lists (empty sequences, rows left with no key)."""
+sequences one by one, and the edge cases (empty sequences, rows left with no key)."""
 
 from __future__ import annotations
 

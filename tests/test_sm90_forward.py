@@ -33,7 +33,7 @@ def test_sm90_kernels_compile_without_spills(choice):
     resources = compiled.resources()
     assert resources["registers"] == 65536 // choice.threads // 8 * 8
     # Nothing goes to local memory: the backward's d128 spills, none of them between its first and
-    # last wgmma, cost 2-8% of a call (benchmarks/NOTES.md, session 13).
+    # last wgmma, cost 2-8% of a call.
     assert (resources["spill_stores"], resources["spill_loads"], resources["stack_frame"]) == (0, 0, 0), compiled.log
     static_smem = int(re.search(r"(\d+) bytes smem", compiled.log).group(1))
     assert choice.smem_bytes + static_smem <= 227 * 1024
