@@ -71,8 +71,10 @@ def _mask_flags(mask: str, softcap_in_window: bool) -> tuple[bool, bool]:
     """The CAUSAL and WINDOW template flags of the kernels for ``mask``; ``softcap_in_window``: a
     softcap runs every mask in the window kernel, from the run-time bounds. So run sm80's forward
     (one instantiation instead of three) and every backward: sm90's causal backward kernel with
-    softcap measured 2-14% slower than the window kernel. sm90's forward caps scores in each mask's own kernel, where causal keeps its grid order and unmasked
-    steps, and d64 its third consumer (forward_kernel)."""
+    softcap measured 2-14% slower than the window kernel. sm90's forward caps scores in each
+    mask's own kernel, where causal keeps its grid order and unmasked steps (key blocks that no
+    row's mask cuts, which skip the per-element mask), and d64 its third consumer
+    (forward_kernel)."""
     return mask == "causal" and not softcap_in_window, mask == "window" or softcap_in_window
 
 
@@ -137,7 +139,8 @@ SM90_SHORT_ROWS = 1024
 # Two stages of them fit next to Q, three at none. Per consumer thread S is block_n / 2 fp32
 # registers, its 16-bit copy for P V block_n / 4 and O head_dim / 2: 196, 168 and 188 of the 240,
 # and ptxas spills nothing. Measured on the H200 (bf16, against the tiles above in one run):
-# d128 1.00-1.12x from 1k, d192 1.09-1.33x, d256 1.06-1.22x; d192 at 112 keys (216 KB, 28 B spilled: offsets of the epilogue's stores kept on the stack) ran below 96. Masked
+# d128 1.00-1.12x from 1k, d192 1.09-1.33x, d256 1.06-1.22x; d192 at 112 keys (216 KB, 28 B
+# spilled: offsets of the epilogue's stores kept on the stack) ran below 96. Masked
 # kernels keep the tiles above: with these ptxas spills 4 B (d128 causal) to 132 B (d256 softcap),
 # and with softcap some of it in the main loop. Short d128 calls (``short``) keep 128 keys: the
 # wide tile measured 0.96x at 512 and 1.00x at 1k.

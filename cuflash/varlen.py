@@ -90,8 +90,8 @@ def attention_varlen(
     out_t = tensors.get("out")
     total_q, heads, _ = qt.shape
     if total_q == 0 or kt.shape[0] == 0:  # no work: out is empty, or zero with lse -inf
-        out, lse = plan.fill_empty(framework, qt, (out,), (out_t,), (qt.shape,), (heads, total_q))
-        return (out, lse) if return_lse else out
+        filled = plan.fill_empty(framework, qt, (out,), (out_t,), (qt.shape,), (heads, total_q) if return_lse else None)
+        return filled if return_lse else filled[0]
     # Windows normalised against the packed lengths, which bound every sequence's.
     mask = dispatch.make_mask(causal, window, softcap, total_q, kt.shape[0])
     max_seqlen_q = int(lengths.max_seqlen_q)

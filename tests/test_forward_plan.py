@@ -104,8 +104,8 @@ def test_packed_launch(launches):
     q, k = _tensor((700, 8, 64)), _tensor((900, 8, 64), ptr=3 << 20)
     cu_q, cu_k = _tensor((4,), "int32", ptr=5 << 20), _tensor((4,), "int32", ptr=6 << 20)
     views = (checks.as_batch_of_one(t) for t in (q, k, k, q))
-    built = plan.build_forward(*views, _tensor((8, 700), "float32"), 0.125, dispatch.make_mask(True, (-1, -1), 0.0, 700, 900),
-                               3, 500, (cu_q, cu_k))
+    mask = dispatch.make_mask(True, (-1, -1), 0.0, 700, 900)
+    built = plan.build_forward(*views, _tensor((8, 700), "float32"), 0.125, mask, 3, 500, (cu_q, cu_k))
     out, lse = built.launch("cupy", (q, k, k), (None,), (None,), True, (cu_q, cu_k))
     (kernel, params), = launches
     assert lse.shape == (8, 700) and out.shape == q.shape

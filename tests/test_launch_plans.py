@@ -271,7 +271,8 @@ def test_cache_is_bounded(gpu, monkeypatch):
     for seqlen in range(1, 11):
         cuflash.attention(*[FakeCupyArray((1, seqlen, 1, 64))] * 3)
     assert len(plan.PLANS) == 4
-    assert all(key[1][0] == (1, seqlen, 1, 64) for key, seqlen in zip((key for key, _ in plan.PLANS.items()), range(7, 11)))
+    keys = [key for key, _ in plan.PLANS.items()]
+    assert all(key[1][0] == (1, seqlen, 1, 64) for key, seqlen in zip(keys, range(7, 11)))
 
 
 def test_backward_scratch_layout(gpu):
@@ -338,3 +339,17 @@ def test_backward_fields_key_separate_plans(gpu):
         variant()
     assert len(plan.PLANS) == len(variants)
     _assert_transparent(gpu, variants + variants[::-1])
+
+
+def test_total_length_zero_fills_and_launches_nothing(gpu, monkeypatch):
+    """A packed batch whose keys are all empty: out filled with 0 and lse with -inf, the
+    gradients with 0, by the framework's fill; nothing launched, nothing planned."""
+    filled = []
+    monkeypatch.setattr(FakeCupyArray, "fill", lambda self, value: filled.append((self.shape, value)), raising=False)
+    q, empty, cu = FakeCupyArray((50, 2, 64)), FakeCupyArray((0, 2, 64)), FakeCupyArray((3,), "int32")
+    out, lse = cuflash.attention_varlen(q, empty, empty, cu, cu, 30, 0, return_lse=True, validate=False)
+    assert filled == [((50, 2, 64), 0.0), ((2, 50), -math.inf)] and (out.shape, lse.shape) == ((50, 2, 64), (2, 50))
+    filled.clear()
+    dq, dk, dv = cuflash.attention_varlen_backward(out, q, empty, empty, out, lse, cu, cu, 30, 0, validate=False)
+    assert filled == [((50, 2, 64), 0.0), ((0, 2, 64), 0.0), ((0, 2, 64), 0.0)]
+    assert not gpu.launches and not gpu.memsets and not gpu.builds and len(plan.PLANS) == 0
