@@ -100,10 +100,7 @@ def attention(
     causal, return_lse = checks.resolve_flag("causal", causal), checks.resolve_flag("return_lse", return_lse)
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
     if framework == "numpy":
-        checks.check_qkv(q, k, v, on_device=False)
-        scale = checks.resolve_scale(softmax_scale, q.shape[3])
-        if out is not None:
-            checks.check_out("out", out, tuple(q.shape), q, on_device=False)
+        scale = checks.check_forward(q, k, v, out, softmax_scale, on_device=False)
         return host.attention(q, k, v, causal, scale, window, softcap, return_lse, out)
 
     # One call each: a generator over the three costs ~0.4 us more.
@@ -123,10 +120,7 @@ def _prepare_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_sc
     """attention's checks and plan: (plan, the tensors to launch on, whether to cache the plan).
     A tensor whose pointer or strides are not 16-byte aligned is copied once, and such a call is
     not cached."""
-    checks.check_qkv(qt, kt, vt, on_device=True)
-    scale = checks.resolve_scale(softmax_scale, qt.shape[3])
-    if out_t is not None:
-        checks.check_out("out", out_t, qt.shape, qt, on_device=True)
+    scale = checks.check_forward(qt, kt, vt, out_t, softmax_scale, on_device=True)
     aligned = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
     if not aligned:
         qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
@@ -210,11 +204,7 @@ def attention_backward(
     framework = checks.framework(arrays)
     causal, deterministic = checks.resolve_flag("causal", causal), checks.resolve_flag("deterministic", deterministic)
     if framework == "numpy":
-        checks.check_qkv(q, k, v, on_device=False)
-        scale = checks.resolve_scale(softmax_scale, q.shape[3])
-        batch, seqlen_q, heads, _ = q.shape
-        checks.check_backward_inputs(arrays, (batch, heads, seqlen_q), on_device=False)
-        window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
+        scale, window, softcap = checks.check_backward(arrays, softmax_scale, window, softcap, on_device=False)
         return host.attention_backward(arrays, causal, scale, window, softcap)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
     # Item getters, not generators over the names (~0.5 us).
@@ -235,12 +225,9 @@ def attention_backward(
 def _prepare_backward(framework: str, tensors: dict, given_t: tuple, causal: bool, softmax_scale, window, softcap,
                       deterministic: bool):
     """attention_backward's checks and plan, as _prepare_forward's."""
+    scale, window, softcap = checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
-    batch, seqlen_q, heads = qt.shape[:3]
-    checks.check_qkv(qt, kt, vt, on_device=True)
-    scale = checks.resolve_scale(softmax_scale, qt.shape[3])
-    checks.check_backward_inputs(tensors, (batch, heads, seqlen_q), on_device=True)
-    window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
+    batch, seqlen_q = qt.shape[:2]
     aligned = all(t.aligned_16 for t in (qt, kt, vt, dout_t, out_t))
     if not aligned:
         qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)

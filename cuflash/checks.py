@@ -19,7 +19,9 @@ __all__ = [
     "MAX_GRID_YZ",
     "Lengths",
     "as_batch_of_one",
+    "check_backward",
     "check_backward_inputs",
+    "check_forward",
     "check_out",
     "check_qkv",
     "check_varlen",
@@ -217,6 +219,28 @@ def check_backward_inputs(tensors: dict, lse_shape: tuple[int, ...], on_device: 
     for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
         if name in tensors:
             check_out(name, tensors[name], like_shape, qt, on_device)
+
+
+def check_forward(q, k, v, out, softmax_scale: Any, on_device: bool) -> float:
+    """attention's arrays (DeviceTensors, or NumPy arrays; ``out`` None when not given), checked
+    alike on both paths; returns the softmax scale."""
+    check_qkv(q, k, v, on_device)
+    scale = resolve_scale(softmax_scale, q.shape[3])
+    if out is not None:
+        check_out("out", out, tuple(q.shape), q, on_device)
+    return scale
+
+
+def check_backward(arrays: dict, softmax_scale: Any, window: Any, softcap: Any,
+                   on_device: bool) -> tuple[float, tuple[int, int], float]:
+    """attention_backward's arrays by name (DeviceTensors, or NumPy arrays), checked alike on both
+    paths; returns the softmax scale, window and softcap."""
+    q = arrays["q"]
+    check_qkv(q, arrays["k"], arrays["v"], on_device)
+    scale = resolve_scale(softmax_scale, q.shape[3])
+    batch, seqlen_q, heads = q.shape[:3]
+    check_backward_inputs(arrays, (batch, heads, seqlen_q), on_device)
+    return scale, resolve_window(window), resolve_softcap(softcap)
 
 
 # Packed batches (varlen.py).
