@@ -3,9 +3,10 @@ cumulative sequence lengths, flash-attn's ``*_varlen`` layout.
 
 Sequence ``i`` owns query rows ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and key rows
 ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` and attends only to its own keys (causal and window
-alignment per sequence). Either length may be 0. NumPy inputs run the float64 reference on the
-CPU; GPU inputs run the forward kernel, and the backward's kernels, over all sequences in one
-launch each.
+alignment per sequence). Either length may be 0, and so may all of one side's (a packed total
+of 0 rows): then nothing runs and the outputs are empty, or zero with lse -inf, as in
+flash-attn. NumPy inputs run the float64 reference on the CPU; GPU inputs run the forward
+kernel, and the backward's kernels, over all sequences in one launch each.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ def attention_varlen(
     Returns
     -------
     out or (out, lse)
-        In the caller's framework, as for :func:`cuflash.attention`.
+        In the caller's framework, as for :func:`cuflash.attention`. Where every key sequence is
+        empty, out is zero and lse -inf.
 
     Raises
     ------
@@ -141,7 +143,8 @@ def attention_varlen_backward(
 ) -> tuple[Any, Any, Any]:
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, arguments as there and as for
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
-    reference path is deterministic whatever ``deterministic`` says.
+    reference path is deterministic whatever ``deterministic`` says. Where one side's sequences
+    are all empty, the gradients are zero (or empty).
     """
     given = dq, dk, dv
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
