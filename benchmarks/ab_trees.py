@@ -97,16 +97,18 @@ class Versions:
     """Each cuda_src tree with its own loaded modules and launch plans."""
 
     def __init__(self, trees: dict[str, Path]):
+        from cuflash import plan
+
         self.trees = trees
-        self.state = {name: ({}, {}) for name in trees}
+        self.state = {name: ({}, plan.PlanCache()) for name in trees}
 
     def use(self, name: str) -> None:
-        from cuflash import api, kernels
+        from cuflash import kernels, plan
 
         root = self.trees[name]
         kernels.source_root = lambda: root
         kernels.sources_fingerprint.cache_clear()
-        kernels._loaded, api._PLANS = self.state[name]
+        kernels._loaded, plan.PLANS = self.state[name]
 
 
 def compare_results(a: tuple, b: tuple) -> str:

@@ -87,15 +87,13 @@ def main() -> None:
     sys.modules["cupy"], sys.modules["cupy.cuda"] = cupy, cupy.cuda
 
     import cuflash
-    from cuflash import api, kernels
+    from cuflash import kernels
 
     kernels.get_function = lambda choice, arch, device_id: types.SimpleNamespace(ptr=1)
     with contextlib.suppress(ImportError):  # versions with the sm90 family: the stand-in device is 9.0
         from cuflash import tma
 
         tma.encode_tiled = lambda args: bytes(128)  # the driver's encoder (once per new buffer, then cached)
-    with contextlib.suppress(AttributeError):  # only in versions that cache plans
-        api._PLANS.clear()
     print(f"cuflash from {cuflash.__file__}; Python {sys.version.split()[0]}; {args.calls} calls per row")
 
     def tensor(shape, dtype=np.float16):

@@ -25,8 +25,6 @@ from cuflash import bench, dispatch
 def test_attention(benchmark, family, dtype, head_dim, causal, seqlen, mode, impl, monkeypatch):
     import cupy as cp
 
-    from cuflash.api import _device_plan
-
     if impl == "standard" and (seqlen > 8192 or mode != "fwd"):
         pytest.skip("standard attention: forward only (CuPy has no autograd), and not at 16k (minutes)")
     if not impl.startswith("cuflash") and family != dispatch.FAMILIES[0]:
@@ -34,7 +32,7 @@ def test_attention(benchmark, family, dtype, head_dim, causal, seqlen, mode, imp
     if impl in bench.BACKWARD_VARIANTS and mode == "fwd":
         pytest.skip(f"{impl} differs from cuflash only in the backward")
     monkeypatch.setenv("CUFLASH_FAMILY", family)
-    _device_plan.cache_clear()
+    dispatch.device_target.cache_clear()
     run = bench.implementations([impl]).get(impl)
     if run is None:
         pytest.skip(f"{impl} is not installed")
@@ -50,7 +48,7 @@ def test_attention(benchmark, family, dtype, head_dim, causal, seqlen, mode, imp
     seconds = benchmark.stats.stats.median / len(calls)
     benchmark.extra_info.update(
         tflops=case.flops() / seconds / 1e12, batch=case.batch, seqlen=seqlen, heads=case.heads,
-        head_dim=head_dim, causal=causal, mode=mode, dtype=dtype, family=_device_plan(0)[0] if impl.startswith("cuflash") else None,
+        head_dim=head_dim, causal=causal, mode=mode, dtype=dtype, family=dispatch.device_target(0)[0] if impl.startswith("cuflash") else None,
         device=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
     )
-    _device_plan.cache_clear()
+    dispatch.device_target.cache_clear()

@@ -46,7 +46,7 @@ def dense_shape(walk: int, mode: str) -> tuple[int, int]:
 
 
 def near_full_window(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
-    """A window that keeps the mask kernel (api._kernel_window would turn a window that bounds no
+    """A window that keeps the mask kernel (dispatch.make_mask would turn a window that bounds no
     row into the unmasked kernel) but hides one key from one row: the window kernel's own cost on
     the dense shape."""
     return (-1, seqlen_q - 2) if seqlen_q > seqlen_k else (seqlen_k - 2, -1)

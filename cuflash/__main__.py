@@ -66,13 +66,13 @@ def gpu_report() -> None:
     import cupy as cp
     import ml_dtypes
 
-    from cuflash.api import _device_plan
+    from cuflash.dispatch import device_target
     from cuflash.baseline import standard_attention
     from cuflash.timing import PeakMemory, format_table, time_ms, tflops
 
     device = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(device.id)
-    family, capability = _device_plan(device.id)
+    family, capability = device_target(device.id)
     print(f"device {device.id}: {props['name'].decode()}, compute capability "
           f"{device.compute_capability[:-1]}.{device.compute_capability[-1]}, family {family} "
           f"({dispatch.compile_arch(family, capability)}), "

@@ -279,12 +279,10 @@ def environment() -> dict:
     env = {"date": datetime.date.today().isoformat(), "device": props["name"].decode(),
            "driver": cp.cuda.runtime.driverGetVersion(), "cuda runtime": cp.cuda.runtime.runtimeGetVersion(),
            "CuPy": cp.__version__, "Python": platform.python_version()}
-    from cuflash import __version__, nvrtc
-
-    from cuflash.api import _device_plan
+    from cuflash import __version__, dispatch, nvrtc
 
     env["cuflash"] = __version__
-    env["cuflash family"] = _device_plan(cp.cuda.Device().id)[0]
+    env["cuflash family"] = dispatch.device_target(cp.cuda.Device().id)[0]
     env["NVRTC"] = ".".join(map(str, nvrtc.version()))
     try:
         import torch
@@ -396,9 +394,8 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
     from cupy.cuda import function as cuda_function
 
     from cuflash import dispatch, kernels
-    from cuflash.api import _device_plan
 
-    family, capability = _device_plan(cp.cuda.Device().id)
+    family, capability = dispatch.device_target(cp.cuda.Device().id)
     rows = []
     for head_dim in head_dims:
         for causal in causals:

@@ -1,14 +1,27 @@
-"""Device -> kernel family, head_dim -> bucket, and the tables of tile sizes.
+"""All launch policy: device -> family, head_dim -> bucket, the tile tables, and for one call the
+kernels, grid, persistence and dQ order, answered from one ``Mask``.
 
 Like vLLM's choice between FlashAttention versions, the family follows the compute capability:
 9.x runs ``sm90``, other devices from 8.0 up run ``sm80``; anything older than 8.0 is refused.
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
-every head-dim bucket (api._forward_choice still runs sm80's for tensors that no tensor map can
+every head-dim bucket (forward_launch still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). Its backward main kernel serves
 head dims up to 128, in either mode (backward_family); sm80's preprocess and convert kernels run
 around it, and sm80's main kernel everywhere else.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
+
+Words used below:
+
+* persistent grid: one CTA per SM that walks the forward's query tiles round robin, instead of
+  one CTA per tile.
+* unequal tiles: query tiles whose key ranges differ in length (a causal mask, a one-sided
+  window, a packed batch), which a static round robin cannot balance.
+* walk: the backward's CTAs each take a fixed share of a head's key blocks, in order, adding dQ
+  into a split of their own; the splits are summed in order, so the result repeats bitwise.
+* turns: the backward's key blocks add their dQ terms to a query block one after the other,
+  waited for through a counter per (batch, head, query block); also bitwise repeatable.
+* short: sequences of at most SM90_SHORT_ROWS query rows, where some tile choices differ.
 """
 
 from __future__ import annotations
@@ -16,17 +29,29 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
+
+from cuflash.params import tma_ready
 
 __all__ = [
     "FAMILIES",
     "HEAD_DIM_BUCKETS",
     "MASKS",
+    "BackwardLaunch",
+    "ForwardLaunch",
     "KernelChoice",
+    "Mask",
     "Tile",
     "all_kernels",
     "backward_kernels",
+    "backward_launch",
+    "device_target",
+    "forward_choice",
     "forward_kernel",
+    "forward_launch",
+    "helper_grid",
     "head_dim_bucket",
+    "make_mask",
     "select_family",
 ]
 
@@ -46,15 +71,16 @@ def _mask_flags(mask: str, softcap_in_window: bool) -> tuple[bool, bool]:
     """The CAUSAL and WINDOW template flags of the kernels for ``mask``; ``softcap_in_window``: a
     softcap runs every mask in the window kernel, from the run-time bounds. So run sm80's forward
     (one instantiation instead of three) and every backward: sm90's causal backward kernel with
-    softcap measured 2-14% slower than the window kernel (benchmarks/NOTES.md, session 15). sm90's
-    forward caps scores in each mask's own kernel, where causal keeps its grid order and unmasked
-    steps, and d64 its third consumer (forward_kernel)."""
+    softcap measured 2-14% slower than the window kernel. sm90's forward caps scores in each
+    mask's own kernel, where causal keeps its grid order and unmasked steps (key blocks that no
+    row's mask cuts, which skip the per-element mask), and d64 its third consumer
+    (forward_kernel)."""
     return mask == "causal" and not softcap_in_window, mask == "window" or softcap_in_window
 
 
 def dq_orders(family: str, mask: str, softcap: bool) -> tuple[str, ...]:
     """The DQ_ORDERS a family's backward main kernel has for ``mask`` and ``softcap``: sm80 no
-    turns, and sm90 walks only in its causal kernel (api._dq_order takes the walk there for short
+    turns, and sm90 walks only in its causal kernel (dq_order takes the walk there for short
     sequences, and nowhere else)."""
     if family != "sm90":
         return DQ_ORDERS[:2]
@@ -105,17 +131,16 @@ SM90_FWD_TILES = {
 # d64 with two consumers (128-row tiles) where a third does not pay: softcap in the window kernel,
 # whose tanh and bounds push three consumers past their 160 registers (132 B of spills), and for
 # causal masks over short sequences (``short``: at most SM90_SHORT_ROWS query rows), where the
-# 192-row tiles waste more on the diagonal than the third warpgroup gains (benchmarks/NOTES.md,
-# sm90 v5).
+# 192-row tiles waste more on the diagonal than the third warpgroup gains.
 SM90_NARROW_TILES = {64: Tile(128, 128, 12, stages=4)}
 SM90_SHORT_ROWS = 1024
 # Unmasked kernels (mask "none", no softcap) at d128, d192 and d256 take wider key blocks: fewer
 # main-loop steps, each a longer Q K^T and P V between the same barriers and softmax reductions.
 # Two stages of them fit next to Q, three at none. Per consumer thread S is block_n / 2 fp32
 # registers, its 16-bit copy for P V block_n / 4 and O head_dim / 2: 196, 168 and 188 of the 240,
-# and ptxas spills nothing. Measured on the H200 (bf16, session 6 call 3, against the tiles above
-# in one run): d128 1.00-1.12x from 1k, d192 1.09-1.33x, d256 1.06-1.22x; d192 at 112 keys (216
-# KB, 28 B spilled: offsets of the epilogue's stores kept on the stack) ran below 96. Masked
+# and ptxas spills nothing. Measured on the H200 (bf16, against the tiles above in one run):
+# d128 1.00-1.12x from 1k, d192 1.09-1.33x, d256 1.06-1.22x; d192 at 112 keys (216 KB, 28 B
+# spilled: offsets of the epilogue's stores kept on the stack) ran below 96. Masked
 # kernels keep the tiles above: with these ptxas spills 4 B (d128 causal) to 132 B (d256 softcap),
 # and with softcap some of it in the main loop. Short d128 calls (``short``) keep 128 keys: the
 # wide tile measured 0.96x at 512 and 1.00x at 1k.
@@ -258,7 +283,7 @@ def forward_kernel(
 # FLOP against 64; heads wider than 128 drop to 64 keys to fit K, V and two Q/dO buffers in 227 KB.
 # head_dim 64 runs two CTAs per SM (97 KB of shared memory each) at 128 registers: S, dP, dK and
 # dV alone are 128 fp32 registers, so ~170 B spill, and still 3-7% faster than one CTA at 241
-# registers (benchmarks/NOTES.md, backward v4): the second CTA's warps cover the barriers.
+# registers: the second CTA's warps cover the barriers.
 SM80_BWD_TILES = {
     64: Tile(64, 128, 8, ctas_per_sm=2),
     96: Tile(64, 128, 8),
@@ -358,3 +383,192 @@ def all_kernels(family: str) -> list[KernelChoice]:
                             if choice.family == family:
                                 found.setdefault(choice.name_expression, choice)
     return list(found.values())
+
+
+# One call's launch policy.
+
+# CUDA's limit on grid.y and grid.z, which index batches, heads, and query or key blocks.
+MAX_GRID_YZ = 65535
+
+
+class Mask(NamedTuple):
+    """Which keys each query row sees, the one form every launch decision reads: ``kind`` one of
+    MASKS, the kernels' run-time bounds ``left`` and ``right`` (cuda_src/common/mask.cuh; -1
+    unbounded, causal is right = 0), and ``softcap`` (0: none). A tuple, as it is built per
+    packed-batch call (0.25 us against 0.8 for a frozen dataclass)."""
+
+    kind: str
+    left: int
+    right: int
+    softcap: float
+
+    @property
+    def window(self) -> tuple[int, int]:
+        return self.left, self.right
+
+
+_MASK_KINDS = {(-1, -1): "none", (-1, 0): "causal"}  # other bounds: "window"
+_new_tuple = tuple.__new__
+
+
+def make_mask(causal: bool, window: tuple[int, int], softcap: float, seqlen_q: int, seqlen_k: int) -> Mask:
+    """The Mask of resolved options over sequences of at most ``seqlen_q`` queries and ``seqlen_k``
+    keys: causal folded in as right = 0, and a side that bounds no row made -1 (left >=
+    seqlen_k - 1, right >= seqlen_q - 1), so that such windows run the plain or causal kernel and
+    every bound fits an int32."""
+    left, right = window
+    if causal:
+        right = 0
+    left, right = (-1 if left >= seqlen_k - 1 else left), (-1 if right >= seqlen_q - 1 else right)
+    # tuple.__new__ skips the NamedTuple's Python-level constructor (~0.2 us per packed-batch call).
+    return _new_tuple(Mask, (_MASK_KINDS.get((left, right), "window"), left, right, softcap))
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+@functools.lru_cache(maxsize=None)
+def device_target(device_id: int) -> tuple[str, tuple[int, int]]:
+    """(kernel family, compute capability) of a device; the family as CUFLASH_FAMILY was when
+    first asked (cache_clear() to re-read it)."""
+    import cupy
+
+    capability = divmod(int(cupy.cuda.Device(device_id).compute_capability), 10)  # "90" -> (9, 0)
+    return select_family(capability), capability
+
+
+def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int) -> KernelChoice:
+    """The forward kernel for DeviceTensors q, k, v on a device of ``family``: that family's, or
+    sm80's where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast
+    or reversed dimension; the sm80 kernel reads any strides)."""
+    short = max_seqlen_q <= SM90_SHORT_ROWS
+    choice = forward_kernel(family, q.shape[3], mask.kind, q.dtype, bool(mask.softcap), short=short)
+    if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
+        choice = forward_kernel("sm80", q.shape[3], mask.kind, q.dtype, bool(mask.softcap))
+    return choice
+
+
+# Keys per sequence up to which unequal tiles run persistent too (sm90_ctas).
+PERSISTENT_UNEQUAL_KEYS = 1024
+# Band width (left + right, in keys) up to which a band's tiles run persistent (sm90_tiles_unequal).
+PERSISTENT_BAND_KEYS = 1024
+
+
+def sm90_ctas(unequal: bool, max_seqlen_k: int, tiles: int, device: int) -> int:
+    """CTAs of the sm90 forward's grid over ``tiles`` tiles. Persistent (the tile's shared memory
+    allows no second CTA per SM) where the tiles are equal (sm90_tiles_unequal), and over
+    sequences of at most PERSISTENT_UNEQUAL_KEYS keys, where the tiles are short and hiding each
+    one's prologue and epilogue pays most (causal 1k: +3% at d128, +11% at d64). Longer unequal
+    tiles get one CTA per tile, longest first, and the hardware's block scheduler balances them
+    (measured 5-9% faster at 4k-16k causal)."""
+    if unequal and max_seqlen_k > PERSISTENT_UNEQUAL_KEYS:
+        return tiles
+    return min(tiles, multiprocessors(device))
+
+
+def sm90_tiles_unequal(mask: Mask, packed: bool) -> bool:
+    """Whether the sm90 forward's tiles are unequal for sm90_ctas: under a causal mask or a
+    one-sided window a tile's keys grow or shrink with its rows, and a packed batch's sequences
+    differ. A narrow band (both sides bounded, at most PERSISTENT_BAND_KEYS wide) gives every tile
+    the same few key blocks but near the sequence's ends, and runs persistent like an unmasked
+    grid: measured at 16k keys, 4-10% less time than one CTA per tile for widths 256-1024 at
+    head_dim 64-256, while (1024, 1024) was even and (4096, 0) 1-6% slower. Softcap kernels keep
+    one CTA per tile, as measured when the policy was set."""
+    narrow_band = 0 <= mask.left and 0 <= mask.right and mask.left + mask.right <= PERSISTENT_BAND_KEYS
+    return (mask.kind != "none" and not narrow_band) or bool(mask.softcap) or packed
+
+
+class ForwardLaunch(NamedTuple):
+    kernel: KernelChoice
+    grid: tuple[int, int, int]
+    m_blocks: int  # query blocks per (sequence, head)
+
+
+def forward_launch(family: str, q, k, v, mask: Mask, batch: int, max_seqlen_q: int, packed: bool,
+                   device: int) -> ForwardLaunch:
+    """The forward's kernel and grid over ``batch`` sequences of at most ``max_seqlen_q`` rows
+    (q, k, v DeviceTensors, BSHD; a packed batch as batch-of-one views, whose total length then
+    bounds the longest sequence's keys)."""
+    choice = forward_choice(family, q, k, v, mask, max_seqlen_q)
+    m_blocks = -(-max_seqlen_q // choice.tile.block_m)
+    heads = q.shape[2]
+    if choice.family == "sm90":
+        tiles = m_blocks * heads * batch
+        if tiles >= 2**31:
+            raise ValueError(f"q: {tiles} query tiles exceed the sm90 forward's int32 tile index")
+        # A packed batch may have no rows at all: still one CTA.
+        grid = (max(1, sm90_ctas(sm90_tiles_unequal(mask, packed), k.shape[1], tiles, device)), 1, 1)
+    else:
+        grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
+    return ForwardLaunch(choice, grid, m_blocks)
+
+
+# sm90 walks for causal backwards over at most this many keys, in either mode.
+WALK_CAUSAL_KEYS = 2048
+
+
+def dq_order(family: str, mask: Mask, max_seqlen_k: int, deterministic: bool) -> str:
+    """DQ_ORDERS entry of a backward whose main kernel is ``family``'s. sm90 walks rather than
+    running one CTA per key block, in either mode, for causal sequences up to WALK_CAUSAL_KEYS
+    keys, whose key blocks are few and of unequal length, so that walking them amortises each
+    CTA's start and balances the work (causal 512 and 1k: +4-10% at d64 and d128, 2k even). A
+    softcap runs the window kernel, which does not walk. Otherwise default mode takes any order,
+    and deterministic mode takes turns where the family has them, else walks."""
+    orders = dq_orders(family, mask.kind, bool(mask.softcap))
+    if family == "sm90" and "walk" in orders and max_seqlen_k <= WALK_CAUSAL_KEYS:
+        return "walk"
+    if not deterministic:
+        return "any"
+    return "turns" if "turns" in orders else "walk"
+
+
+class BackwardLaunch(NamedTuple):
+    preprocess: KernelChoice
+    main: KernelChoice
+    convert: KernelChoice
+    dq_order: str
+    splits: int  # dQ splits: one per walking CTA of a (batch, head), else 1
+    turn_heads: int  # heads whose key blocks one grid row interleaves when taking turns (params.cuh)
+    grid: tuple[int, int, int]  # of the main kernel
+
+
+def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seqlen_k: int, deterministic: bool,
+                    device: int) -> BackwardLaunch:
+    """The backward's kernels, dQ order and main grid (DeviceTensors as for forward_launch): sm90's
+    main kernel where it serves the head dim and tensor maps can describe the tensors."""
+    heads, head_dim = q.shape[2], q.shape[3]
+    main_family = backward_family(family, head_dim)
+    if main_family == "sm90" and not all(tma_ready(t) for t in (q, k, v, dout)):
+        main_family = "sm80"
+    order = dq_order(main_family, mask, max_seqlen_k, deterministic)
+    preprocess, main, convert = backward_kernels(main_family, head_dim, mask.kind, q.dtype, bool(mask.softcap),
+                                                 order)
+    n_blocks = -(-max_seqlen_k // main.tile.block_n)
+    if n_blocks > MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
+        raise ValueError(f"k: sequences must be at most {MAX_GRID_YZ * main.tile.block_n} keys long for the "
+                         f"backward at head_dim {head_dim}, got {max_seqlen_k}")
+    # Walk: as many CTAs per (batch, head) as fill the resident slots in one wave (rounding up
+    # would leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s).
+    slots = multiprocessors(device) * main.tile.ctas_per_sm
+    splits = max(1, min(n_blocks, slots // (batch * heads))) if order == "walk" else 1
+    # Turns without a causal mask: the key blocks of turn_heads heads interleaved (flash_bwd.cu),
+    # as many heads as make one wave of their key blocks.
+    grouped = order == "turns" and not main.blocks_slowest
+    turn_heads = max(1, min(heads, slots // n_blocks)) if grouped else 1
+    # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
+    if order == "walk":
+        grid = (splits, heads, batch)
+    elif grouped:
+        grid = (n_blocks * turn_heads, -(-heads // turn_heads), batch)
+    else:
+        grid = (heads, batch, n_blocks) if main.blocks_slowest else (n_blocks, heads, batch)
+    return BackwardLaunch(preprocess, main, convert, order, splits, turn_heads, grid)
+
+
+def helper_grid(rows: int, heads: int, batch: int, head_dim: int) -> tuple[int, int, int]:
+    """Grid of the backward's preprocess or convert kernel over ``rows`` rows per (batch, head)."""
+    return -(-rows // helper_rows_per_block(head_dim)), heads, batch

@@ -7,7 +7,7 @@ Everything here is NumPy only (no CuPy), so it runs anywhere and serves three ro
 * :func:`attention_blockwise` -- the FlashAttention-2 forward loop (running max, running sum,
   unnormalised accumulator, ``exp2`` domain, causal block skipping), the library's CPU path;
 * :func:`attention_flops` and :func:`max_error_bound` -- the FLOP count and the ``2x + atol``
-  rule of DESIGN.md.
+  correctness rule.
 
 Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``k`` and ``v`` may have
 ``heads_kv`` heads with ``heads_q % heads_kv == 0``; query head ``h`` uses kv head
@@ -407,7 +407,7 @@ def attention_flops(
     causal: bool = False,
     mode: str = "fwd",
 ) -> float:
-    """FLOPs of attention as DESIGN.md counts them.
+    """FLOPs of attention as the benchmarks count them.
 
     ``4 * batch * heads * seqlen_q * seqlen_k * head_dim`` for the forward (two GEMMs of
     ``2*sq*sk*d``), half that when ``causal``, times 2.5 for ``mode="bwd"`` and 3.5 for

@@ -15,7 +15,7 @@ import math
 import torch
 
 import cuflash
-from cuflash import api
+from cuflash import checks
 
 __all__ = ["attention", "attention_varlen", "flash_attn_func", "flash_attn_varlen_func"]
 
@@ -109,9 +109,9 @@ def _flags_and_options(q: torch.Tensor, causal, softmax_scale, window, softcap,
     """(causal, scale, left, right, softcap, deterministic) in the ops' argument order, validated
     before they reach an op's schema."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    left, right = api._resolve_window(window)
-    return (api._resolve_flag("causal", causal), scale, left, right, api._resolve_softcap(softcap),
-            api._resolve_flag("deterministic", deterministic))
+    left, right = checks.resolve_window(window)
+    return (checks.resolve_flag("causal", causal), scale, left, right, checks.resolve_softcap(softcap),
+            checks.resolve_flag("deterministic", deterministic))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

@@ -37,7 +37,7 @@ def family(request, monkeypatch):
     cached device plan re-read); sm90 needs compute capability 9.x."""
     import cupy
 
-    from cuflash import api, dispatch
+    from cuflash import dispatch
 
     capability = divmod(int(cupy.cuda.Device().compute_capability), 10)
     try:
@@ -45,19 +45,19 @@ def family(request, monkeypatch):
     except ValueError as error:
         pytest.skip(str(error))
     monkeypatch.setenv("CUFLASH_FAMILY", request.param)
-    api._device_plan.cache_clear()
+    dispatch.device_target.cache_clear()
     yield request.param
-    api._device_plan.cache_clear()
+    dispatch.device_target.cache_clear()
 
 
 @pytest.fixture(params=["walk", "turns"])
 def causal_dq_order(request, monkeypatch):
     """Runs a deterministic-mode test once per way sm90 orders dQ for short causal sequences: the
-    walk (taken up to api._WALK_CAUSAL_KEYS keys) and turns per query block (taken beyond it,
+    walk (taken up to dispatch.WALK_CAUSAL_KEYS keys) and turns per query block (taken beyond it,
     here from zero keys on). sm80 walks in both runs."""
-    from cuflash import api
+    from cuflash import dispatch, plan
 
     if request.param == "turns":
-        monkeypatch.setattr(api, "_WALK_CAUSAL_KEYS", 0)
-    monkeypatch.setattr(api, "_PLANS", {})  # no plan built under the other setting
+        monkeypatch.setattr(dispatch, "WALK_CAUSAL_KEYS", 0)
+    monkeypatch.setattr(plan, "PLANS", plan.PlanCache())  # no plan built under the other setting
     return request.param

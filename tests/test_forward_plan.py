@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import api, dispatch, interop, kernels, varlen
+from cuflash import checks, dispatch, interop, kernels, plan
 from cuflash.params import FWD_PARAMS, ArgumentBuffer
 from cuflash.reference import allowed_keys
 
@@ -26,18 +26,21 @@ def test_kernel_window_keeps_the_mask(seqlen_q, seqlen_k):
     for causal, left, right in itertools.product((False, True), WINDOW_SIDES, WINDOW_SIDES):
         expected = allowed_keys(seqlen_q, seqlen_k, causal=causal, window=(left, right))
         for bound_q, bound_k in ((seqlen_q, seqlen_k), (seqlen_q + 5, seqlen_k + 9)):
-            window = api._kernel_window(causal, (left, right), bound_q, bound_k)
+            window = dispatch.make_mask(causal, (left, right), 0.0, bound_q, bound_k).window
             assert np.array_equal(allowed_keys(seqlen_q, seqlen_k, window=window), expected), (causal, left, right)
 
 
 def test_kernel_window_picks_the_cheapest_mask():
-    assert api._mask_kind(api._kernel_window(False, (-1, -1), 100, 100)) == "none"
-    assert api._mask_kind(api._kernel_window(False, (99, 150), 100, 100)) == "none"
-    assert api._mask_kind(api._kernel_window(True, (-1, 5), 100, 100)) == "causal"
-    assert api._mask_kind(api._kernel_window(False, (-1, 0), 100, 100)) == "causal"
-    assert api._mask_kind(api._kernel_window(True, (10**12, -1), 100, 100)) == "causal"  # fits int32
-    assert api._kernel_window(True, (1, 0), 1, 100) == (1, -1)  # one query sees the last key: no right bound
-    assert api._mask_kind(api._kernel_window(True, (98, -1), 100, 100)) == "window"
+    def mask(causal, window, seqlen_q, seqlen_k):
+        return dispatch.make_mask(causal, window, 0.0, seqlen_q, seqlen_k)
+
+    assert mask(False, (-1, -1), 100, 100).kind == "none"
+    assert mask(False, (99, 150), 100, 100).kind == "none"
+    assert mask(True, (-1, 5), 100, 100).kind == "causal"
+    assert mask(False, (-1, 0), 100, 100).kind == "causal"
+    assert mask(True, (10**12, -1), 100, 100).kind == "causal"  # fits int32
+    assert mask(True, (1, 0), 1, 100).window == (1, -1)  # one query sees the last key: no right bound
+    assert mask(True, (98, -1), 100, 100).kind == "window"
 
 
 def test_forward_kernel_flags():
@@ -67,8 +70,8 @@ def launches(monkeypatch):
     """kernels.launch replaced by a recorder of (kernel, FwdParams); new arrays are fake
     DeviceTensors."""
     calls = []
-    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", (9, 0)))
-    monkeypatch.setattr(api, "_PLANS", {})
+    monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm80", (9, 0)))
+    monkeypatch.setattr(plan, "PLANS", plan.PlanCache())
     monkeypatch.setattr(kernels, "get_function",
                         lambda choice, arch, device: SimpleNamespace(ptr=hash(choice.name_expression)))
     monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: calls.append(
@@ -83,9 +86,8 @@ def launches(monkeypatch):
 def test_fixed_length_launch(launches):
     q, k = _tensor((2, 300, 8, 128)), _tensor((2, 1000, 2, 128), ptr=3 << 20)
     lse = _tensor((2, 8, 300), "float32", ptr=4 << 20)
-    window = api._kernel_window(True, (256, -1), 300, 1000)
-    plan = api._forward_plan(q, k, k, q, lse, 0.1, window, 30.0, 2, 300)
-    api._run_forward(plan, 0, q, k, k, q.ptr, lse.ptr)
+    built = plan.build_forward(q, k, k, q, lse, 0.1, dispatch.make_mask(True, (256, -1), 30.0, 300, 1000), 2, 300)
+    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, k.ptr, q.ptr, lse.ptr, 0, 0))
     (kernel, params), = launches
     choice = dispatch.forward_kernel("sm80", 128, "window", "bfloat16", True)
     assert kernel.function == hash(choice.name_expression) and kernel.grid == (3, 8, 2)
@@ -101,9 +103,10 @@ def test_fixed_length_launch(launches):
 def test_packed_launch(launches):
     q, k = _tensor((700, 8, 64)), _tensor((900, 8, 64), ptr=3 << 20)
     cu_q, cu_k = _tensor((4,), "int32", ptr=5 << 20), _tensor((4,), "int32", ptr=6 << 20)
-    tensors = {"q": q, "k": k, "v": k}
-    lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=500)
-    out, lse = varlen._forward_on_device("cupy", tensors, lengths, True, 0.125, (-1, -1), 0.0, True)
+    views = (checks.as_batch_of_one(t) for t in (q, k, k, q))
+    mask = dispatch.make_mask(True, (-1, -1), 0.0, 700, 900)
+    built = plan.build_forward(*views, _tensor((8, 700), "float32"), 0.125, mask, 3, 500, (cu_q, cu_k))
+    out, lse = built.launch("cupy", (q, k, k), (None,), (None,), True, (cu_q, cu_k))
     (kernel, params), = launches
     assert lse.shape == (8, 700) and out.shape == q.shape
     assert kernel.grid == (8, 3, 4)  # causal: heads, batch, ceil(500 / 128) query blocks
@@ -129,6 +132,7 @@ def test_packed_launch(launches):
 ])
 def test_sm90_forward_grid_policy(window, softcap, packed, unequal, monkeypatch):
     """Which sm90 forward grids run persistent (one CTA per SM) over 16k keys: 2048 tiles."""
-    monkeypatch.setattr(api, "_multiprocessors", lambda device: 132)
-    assert api._sm90_tiles_unequal(window, softcap, packed) is unequal
-    assert api._sm90_ctas(unequal, 16384, 2048, device=0) == (2048 if unequal else 132)
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
+    mask = dispatch.make_mask(False, window, softcap, 16384, 16384)
+    assert dispatch.sm90_tiles_unequal(mask, packed) is unequal
+    assert dispatch.sm90_ctas(unequal, 16384, 2048, device=0) == (2048 if unequal else 132)

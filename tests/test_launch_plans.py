@@ -1,4 +1,4 @@
-"""The launch-plan cache (api._PLANS) without a GPU: CuPy-like stand-in arrays, the kernels and
+"""The launch-plan cache (plan.PLANS) without a GPU: CuPy-like stand-in arrays, the kernels and
 allocations stubbed, every launch recorded as (kernel, grid, block, shared memory, argument
 bytes). A cache hit must launch exactly what a fresh computation launches, so a key that missed a
 field that shapes a kernel or its arguments would show up here as a difference."""
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import api, dispatch, interop, kernels
+from cuflash import dispatch, interop, kernels, plan
 from cuflash.params import FWD_PARAMS, FWD_POINTERS, ArgumentBuffer, pack_fwd_params
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -62,11 +62,11 @@ def gpu(monkeypatch):
         return wrapper
 
     state.reset = reset
-    monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", (9, 0)))
-    monkeypatch.setattr(api, "_multiprocessors", lambda device: 132)
-    monkeypatch.setattr(api, "_forward_plan", counted(api._forward_plan))
-    monkeypatch.setattr(api, "_backward_plan", counted(api._backward_plan))
+    monkeypatch.setattr(plan, "PLANS", plan.PlanCache())
+    monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm80", (9, 0)))
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
+    monkeypatch.setattr(plan, "build_forward", counted(plan.build_forward))
+    monkeypatch.setattr(plan, "build_backward", counted(plan.build_backward))
     monkeypatch.setattr(kernels, "get_function",
                         lambda choice, arch, device: SimpleNamespace(ptr=hash((choice.name_expression, arch, device))))
     monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: state.launches.append(
@@ -90,10 +90,9 @@ def _assert_transparent(gpu, calls):
     """Each call launches the same with the cache warm (earlier calls cached) as computed afresh."""
     for call in calls:
         cached = _run(gpu, call)
-        saved = dict(api._PLANS)
-        api._PLANS.clear()
+        warm, plan.PLANS = plan.PLANS, plan.PlanCache()
         fresh = _run(gpu, call)
-        api._PLANS.update(saved)
+        plan.PLANS = warm
         assert cached == fresh
         assert cached[0], "nothing launched"
 
@@ -130,7 +129,7 @@ def _forward_calls(seed=0, count=120):
 
 def test_forward_cache_is_transparent(gpu):
     _assert_transparent(gpu, _forward_calls())
-    assert 0 < len(api._PLANS) < 120
+    assert 0 < len(plan.PLANS) < 120
 
 
 def _backward_call(rng):
@@ -177,10 +176,10 @@ def test_varlen_cache_is_transparent(gpu):
 def test_hit_skips_the_build_and_writes_the_new_pointers(gpu):
     q = FakeCupyArray((1, 64, 2, 64))
     cuflash.attention(q, q, q)
-    assert gpu.builds == ["_forward_plan"] and len(api._PLANS) == 1
+    assert gpu.builds == ["build_forward"] and len(plan.PLANS) == 1
     moved = FakeCupyArray((1, 64, 2, 64), ptr=9 << 30)
     launches, _ = _run(gpu, lambda: cuflash.attention(moved, moved, moved))
-    assert gpu.builds == ["_forward_plan"]  # no second build
+    assert gpu.builds == ["build_forward"]  # no second build
     params = np.frombuffer(launches[0][1], FWD_PARAMS)[0]
     assert params["q"] == params["k"] == params["v"] == 9 << 30 and params["o"] == 5 << 30 and params["lse"] == 0
 
@@ -221,7 +220,7 @@ def test_layouts_and_options_key_separate_plans(gpu):
         launches, _ = _run(gpu, variant)
         kernel, argument = launches[0]
         seen.add((kernel.function, kernel.grid, argument[8 * len(FWD_POINTERS):]))  # all but the pointers
-    assert len(seen) == len(variants) == len(api._PLANS)
+    assert len(seen) == len(variants) == len(plan.PLANS)
     _assert_transparent(gpu, variants + variants[::-1])
 
 
@@ -253,26 +252,27 @@ def test_misaligned_inputs_are_copied_and_not_cached(gpu):
     cuflash.attention(q, q, q)
     launches, _ = _run(gpu, lambda: cuflash.attention(FakeCupyArray((1, 64, 2, 64), ptr=(1 << 30) + 2), q, q))
     assert np.frombuffer(launches[0][1], FWD_PARAMS)[0]["q"] == 7 << 30  # the realigned copy
-    assert gpu.builds == ["_forward_plan"] * 2 and len(api._PLANS) == 1
+    assert gpu.builds == ["build_forward"] * 2 and len(plan.PLANS) == 1
 
 
 def test_a_new_device_plan_rebuilds(gpu, monkeypatch):
     q = FakeCupyArray((1, 64, 2, 64))
     cuflash.attention(q, q, q)
-    monkeypatch.setattr(api, "_device_plan", lambda device: ("sm80", (8, 0)))  # e.g. after cache_clear()
+    monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm80", (8, 0)))  # e.g. after cache_clear()
     launches, _ = _run(gpu, lambda: cuflash.attention(q, q, q))
-    assert gpu.builds == ["_forward_plan"] * 2
+    assert gpu.builds == ["build_forward"] * 2
     name = dispatch.forward_kernel("sm80", 64, "none", "float16").name_expression
     assert launches[0][0].function == hash((name, "sm_80", 0))  # the kernel compiled for the new arch
-    assert api._PLANS[next(iter(api._PLANS))].device_plan == ("sm80", (8, 0))
+    assert plan.PLANS.items()[0][1].target == ("sm80", (8, 0))
 
 
 def test_cache_is_bounded(gpu, monkeypatch):
-    monkeypatch.setattr(api, "_PLANS_MAX", 4)
+    monkeypatch.setattr(plan.PLANS, "max_size", 4)
     for seqlen in range(1, 11):
         cuflash.attention(*[FakeCupyArray((1, seqlen, 1, 64))] * 3)
-    assert len(api._PLANS) == 4
-    assert all(key[1][0] == (1, seqlen, 1, 64) for key, seqlen in zip(api._PLANS, range(7, 11)))
+    assert len(plan.PLANS) == 4
+    keys = [key for key, _ in plan.PLANS.items()]
+    assert all(key[1][0] == (1, seqlen, 1, 64) for key, seqlen in zip(keys, range(7, 11)))
 
 
 def test_backward_scratch_layout(gpu):
@@ -284,7 +284,7 @@ def test_backward_scratch_layout(gpu):
     plans = {}
     for deterministic in (False, True):
         cuflash.attention_backward(q, q, k, k, q, lse, deterministic=deterministic)
-        plans[deterministic] = api._PLANS[next(reversed(api._PLANS))]
+        plans[deterministic] = plan.PLANS.items()[-1][1]
     dq_bytes = 4 * 2 * 4 * 100 * 64  # splits 1, (batch, heads, rows, bucket)
     atomic = plans[False]
     assert atomic.offsets[1] == 0 and atomic.offsets[2] == dq_bytes
@@ -293,7 +293,7 @@ def test_backward_scratch_layout(gpu):
     ordered = plans[True]
     assert ordered.zeroed_bytes == ordered.offsets[2]  # dq_accum only
     assert atomic.offsets[4] is None and ordered.offsets[4] is None  # sm80 walks: no turn counters
-    assert all(offset % 512 == 0 for plan in plans.values() for offset in plan.offsets if offset is not None)
+    assert all(offset % 512 == 0 for built in plans.values() for offset in built.offsets if offset is not None)
 
 
 def test_argument_buffer_matches_numpy_packing():
@@ -337,5 +337,19 @@ def test_backward_fields_key_separate_plans(gpu):
     ]
     for variant in variants:
         variant()
-    assert len(api._PLANS) == len(variants)
+    assert len(plan.PLANS) == len(variants)
     _assert_transparent(gpu, variants + variants[::-1])
+
+
+def test_total_length_zero_fills_and_launches_nothing(gpu, monkeypatch):
+    """A packed batch whose keys are all empty: out filled with 0 and lse with -inf, the
+    gradients with 0, by the framework's fill; nothing launched, nothing planned."""
+    filled = []
+    monkeypatch.setattr(FakeCupyArray, "fill", lambda self, value: filled.append((self.shape, value)), raising=False)
+    q, empty, cu = FakeCupyArray((50, 2, 64)), FakeCupyArray((0, 2, 64)), FakeCupyArray((3,), "int32")
+    out, lse = cuflash.attention_varlen(q, empty, empty, cu, cu, 30, 0, return_lse=True, validate=False)
+    assert filled == [((50, 2, 64), 0.0), ((2, 50), -math.inf)] and (out.shape, lse.shape) == ((50, 2, 64), (2, 50))
+    filled.clear()
+    dq, dk, dv = cuflash.attention_varlen_backward(out, q, empty, empty, out, lse, cu, cu, 30, 0, validate=False)
+    assert filled == [((50, 2, 64), 0.0), ((0, 2, 64), 0.0), ((0, 2, 64), 0.0)]
+    assert not gpu.launches and not gpu.memsets and not gpu.builds and len(plan.PLANS) == 0

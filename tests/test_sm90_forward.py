@@ -14,7 +14,7 @@ import numpy as np
 
 import pytest
 
-from cuflash import api, dispatch, interop, kernels, params, tma, varlen
+from cuflash import checks, dispatch, interop, kernels, params, plan, tma
 from cuflash.params import (BWD_PARAMS, BWD_PARAMS_SM90, BWD_PARAMS_SM90_SIZE, FWD_PARAMS, FWD_PARAMS_SM90,
                             FWD_PARAMS_SM90_SIZE, FWD_POINTERS, ArgumentBuffer)
 
@@ -171,9 +171,9 @@ def _launcher(monkeypatch, family):
         loaded[id(choice)] = (choice, arch)
         return SimpleNamespace(ptr=id(choice))
 
-    monkeypatch.setattr(api, "_PLANS", {})
-    monkeypatch.setattr(api, "_device_plan", lambda device: (family, (9, 0)))
-    monkeypatch.setattr(api, "_multiprocessors", lambda device: 132)
+    monkeypatch.setattr(plan, "PLANS", plan.PlanCache())
+    monkeypatch.setattr(dispatch, "device_target", lambda device: (family, (9, 0)))
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
     monkeypatch.setattr(kernels, "get_function", get_function)
     monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: calls.append(
         (*loaded[kernel.function], kernel.grid, ArgumentBuffer.struct_bytes(argument))))
@@ -203,9 +203,18 @@ def sm90_launches(monkeypatch):
     params._tensor_map.cache_clear()  # no fake map may outlive the test
 
 
-def _forward(q, k, v, out, lse, scale, window, softcap, batch, max_seqlen_q, cu_seqlens=(None, None)):
-    plan = api._forward_plan(q, k, v, out, lse, scale, window, softcap, batch, max_seqlen_q, cu_seqlens)
-    api._run_forward(plan, 0, q, k, v, out.ptr, lse.ptr, cu_seqlens)
+def _mask(window, softcap):
+    """The Mask of a window whose sides all bound some row (as the kernels take it)."""
+    return dispatch.make_mask(False, window, softcap, 1 << 30, 1 << 30)
+
+
+def _launch(built, q, k, v, out_ptr, lse_ptr):
+    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, v.ptr, out_ptr, lse_ptr, 0, 0))
+
+
+def _forward(q, k, v, out, lse, scale, window, softcap, batch, max_seqlen_q):
+    _launch(plan.build_forward(q, k, v, out, lse, scale, _mask(window, softcap), batch, max_seqlen_q), q, k, v,
+            out.ptr, lse.ptr)
 
 
 def test_sm90_fixed_length_launch(sm90_launches):
@@ -250,9 +259,9 @@ def test_sm90_plan_reencodes_maps_for_new_addresses(sm90_launches):
     """A cached plan launched on other buffers of the same layout gets maps of those buffers."""
     calls, encoded = sm90_launches
     q, lse = _tensor((2, 300, 8, 128)), _tensor((2, 8, 300), "float32", ptr=6 << 20)
-    plan = api._forward_plan(q, q, q, q, lse, 0.1, (-1, -1), 0.0, 2, 300)
+    built = plan.build_forward(q, q, q, q, lse, 0.1, _mask((-1, -1), 0.0), 2, 300)
     q2, k2 = _tensor((2, 300, 8, 128), ptr=7 << 20), _tensor((2, 300, 8, 128), ptr=8 << 20)
-    api._run_forward(plan, 0, q2, k2, k2, q2.ptr, lse.ptr)
+    _launch(built, q2, k2, k2, q2.ptr, lse.ptr)
     p = np.frombuffer(calls[-1][3], FWD_PARAMS_SM90)[0]
     assert [bytes(p[name])[:8] for name in ("q", "k", "v")] == [(a).to_bytes(8, "little") for a in
                                                                  (7 << 20, 8 << 20, 8 << 20)]
@@ -261,12 +270,20 @@ def test_sm90_plan_reencodes_maps_for_new_addresses(sm90_launches):
     assert encoded[-1].global_dim == (128, 8, 300, 2) and encoded[-1].box_dim == (64, 1, 128, 1)
 
 
+def _packed_forward(q, k, cu_q, cu_k, max_seqlen_q):
+    """An unmasked forward over three packed sequences, launched as attention_varlen does."""
+    views = [checks.as_batch_of_one(t) for t in (q, k, k, q)]
+    lse = _tensor((q.shape[1], q.shape[0]), "float32")
+    built = plan.build_forward(*views, lse, 0.125, dispatch.make_mask(False, (-1, -1), 0.0, q.shape[0], k.shape[0]),
+                               3, max_seqlen_q, (cu_q, cu_k))
+    built.launch("cupy", (q, k, k), (None,), (None,), False, (cu_q, cu_k))
+
+
 def test_sm90_packed_launch(sm90_launches):
     calls, encoded = sm90_launches
     q, k = _tensor((700, 8, 64)), _tensor((900, 8, 64), ptr=3 << 20)
     cu_q, cu_k = _tensor((4,), "int32", ptr=5 << 20), _tensor((4,), "int32", ptr=6 << 20)
-    lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=500)
-    varlen._forward_on_device("cupy", {"q": q, "k": k, "v": k}, lengths, False, 0.125, (-1, -1), 0.0, False)
+    _packed_forward(q, k, cu_q, cu_k, 500)
     (choice, arch, grid, struct), = calls
     p = np.frombuffer(struct, FWD_PARAMS_SM90)[0]
     # ceil(500 / 192) query blocks x 8 heads x 3 sequences.
@@ -278,8 +295,7 @@ def test_sm90_packed_launch(sm90_launches):
     # A packed batch's sequences differ in length, so do its tiles: over 1024 keys, one CTA per
     # tile (ceil(2000 / 192) query blocks x 8 heads x 3 sequences), as for a mask.
     q, k = _tensor((3000, 8, 64)), _tensor((3000, 8, 64), ptr=3 << 20)
-    lengths = varlen._Lengths(None, None, cu_q, cu_k, batch=3, max_seqlen_q=2000)
-    varlen._forward_on_device("cupy", {"q": q, "k": k, "v": k}, lengths, False, 0.125, (-1, -1), 0.0, False)
+    _packed_forward(q, k, cu_q, cu_k, 2000)
     assert calls[-1][2] == (264, 1, 1)
 
 
@@ -309,38 +325,38 @@ def test_sm90_backward_plan(monkeypatch):
                         or SimpleNamespace(ptr=len(loaded)))
     q, k = _tensor((2, 300, 4, 128)), _tensor((2, 300, 2, 128), ptr=3 << 20)
     lse = _tensor((2, 4, 300), "float32", ptr=6 << 20)
-    plan = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (-1, 0), 0.0, False, 2, 300, 300)
-    assert plan.device_plan == ("sm90", (9, 0))
-    main_choice, main_arch = loaded[plan.main.function - 1]
+    built = plan.build_backward(q, k, k, q, q, lse, (q, k, k), 0.1, _mask((-1, 0), 0.0), False, 2, 300, 300)
+    assert built.target == ("sm90", (9, 0))
+    main_choice, main_arch = loaded[built.main.function - 1]
     assert main_choice.family == "sm90" and main_arch == "sm_90a"
     # The preprocess and the converts of dQ, dK and dV (GQA): sm80's, built for the device.
     assert sorted((c.family, arch) for c, arch in loaded) == [("sm80", "sm_90")] * 4 + [("sm90", "sm_90a")]
     # Causal over at most 2048 keys: the ordered grid (splits, heads, batch), each of the
     # ceil(300 / 128) key blocks a split here (the mock device's SMs fill with 3 x 4 x 2 CTAs).
-    assert plan.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, false, 1, cuflash::bf16>")
+    assert built.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, false, 1, cuflash::bf16>")
     pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 13, 0, 0)
-    main = np.frombuffer(ArgumentBuffer.struct_bytes(plan.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
-    shared = ArgumentBuffer.struct_bytes(plan.argument.fill(*pointers))
+    main = np.frombuffer(ArgumentBuffer.struct_bytes(built.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
+    shared = ArgumentBuffer.struct_bytes(built.argument.fill(*pointers))
     base = np.frombuffer(shared, BWD_PARAMS)[0]
     assert all(main["base"][name] == base[name] for name in BWD_PARAMS.names) and base["kv_group"] == 2
     assert [bytes(main[name])[:8] for name in ("q", "k", "v", "dout")] == [
         (a).to_bytes(8, "little") for a in (1 << 20, 3 << 20, 3 << 20, 1 << 20)]
     # The helpers: 16 lanes per 128-column row, 16 rows per block, over (rows, heads, batch) of
     # their own tensor (dK and dV have the two K/V heads).
-    assert plan.preprocess.grid == (19, 4, 2)
-    assert [launch.grid for launch, *_ in plan.converts] == [(19, 4, 2), (19, 2, 2), (19, 2, 2)]
+    assert built.preprocess.grid == (19, 4, 2)
+    assert [launch.grid for launch, *_ in built.converts] == [(19, 4, 2), (19, 2, 2), (19, 2, 2)]
     # Longer: one CTA per key block, causal blocks slowest (heads, batch, ceil(3000 / 128)).
     q_long, k_long = _tensor((2, 3000, 4, 128)), _tensor((2, 3000, 2, 128), ptr=3 << 20)
     lse_long = _tensor((2, 4, 3000), "float32", ptr=6 << 20)
-    long = api._backward_plan(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
-                              (-1, 0), 0.0, False, 2, 3000, 3000)
+    long = plan.build_backward(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
+                               _mask((-1, 0), 0.0), False, 2, 3000, 3000)
     assert long.main.grid == (4, 2, 24)
     # Deterministic over the same: taking turns on that grid, the turn counters (one int32 per
     # (batch, head, 64 query rows)) zeroed right after dq_accum (rows of 128 + 4 columns), the
     # per-query-head dK/dV slices after them, not zeroed.
     loaded.clear()
-    turns = api._backward_plan(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
-                               (-1, 0), 0.0, True, 2, 3000, 3000)
+    turns = plan.build_backward(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
+                                _mask((-1, 0), 0.0), True, 2, 3000, 3000)
     assert turns.main.grid == (4, 2, 24)
     assert loaded[turns.main.function - 1][0].name_expression.endswith("true, false, false, 2, cuflash::bf16>")
     dq_bytes = 4 * 2 * 4 * 3000 * 132
@@ -353,15 +369,15 @@ def test_sm90_backward_plan(monkeypatch):
     # block slowest, two groups (the second's sixth to tenth heads past the tensor leave at once).
     q_six = _tensor((2, 3000, 6, 128))
     lse_six = _tensor((2, 6, 3000), "float32", ptr=6 << 20)
-    grouped = api._backward_plan(q_six, k_long, k_long, q_six, q_six, lse_six, (q_six, k_long, k_long), 0.1,
-                                 (-1, -1), 0.0, True, 2, 3000, 3000)
+    grouped = plan.build_backward(q_six, k_long, k_long, q_six, q_six, lse_six, (q_six, k_long, k_long), 0.1,
+                                  _mask((-1, -1), 0.0), True, 2, 3000, 3000)
     assert grouped.main.grid == (24 * 5, 2, 2)
     assert np.frombuffer(ArgumentBuffer.struct_bytes(grouped.argument.fill(*pointers)), BWD_PARAMS)[0][
         "turn_heads"] == 5
     loaded.clear()
     # A softcap runs the window kernel, which does not walk, even over a short causal call: one CTA
     # per key block in any order.
-    softcap = api._backward_plan(q, k, k, q, q, lse, (q, k, k), 0.1, (-1, 0), 5.0, False, 2, 300, 300)
+    softcap = plan.build_backward(q, k, k, q, q, lse, (q, k, k), 0.1, _mask((-1, 0), 5.0), False, 2, 300, 300)
     assert softcap.main_argument is not None and softcap.main.grid == (3, 4, 2)
     assert loaded[softcap.main.function - 1][0].name_expression.endswith("false, true, true, 0, cuflash::bf16>")
     params._tensor_map.cache_clear()

@@ -2,7 +2,7 @@
 (its K/V ring, Q buffer and ping-pong turns carried from tile to tile), gives bitwise the out and
 lse of one CTA per tile, and passes the float64 reference. The other GPU tests mostly have fewer
 tiles than SMs, so one CTA per tile; here the CTA count is forced down, for masked kernels over
-long sequences too (which users run at one CTA per tile, api._sm90_ctas)."""
+long sequences too (which users run at one CTA per tile, dispatch.sm90_ctas)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def sm90(monkeypatch):
     ``ctas`` CTAs (the plan cache emptied so the grid is rebuilt)."""
     import cupy
 
-    from cuflash import api, dispatch
+    from cuflash import dispatch, plan
 
     capability = divmod(int(cupy.cuda.Device().compute_capability), 10)
     try:
@@ -29,19 +29,19 @@ def sm90(monkeypatch):
     except ValueError as error:
         pytest.skip(str(error))
     monkeypatch.setenv("CUFLASH_FAMILY", "sm90")
-    api._device_plan.cache_clear()
+    dispatch.device_target.cache_clear()
 
     def run(ctas, call):
         # Every mask, not only the unmasked grids that run persistent for users: the kernel's loop
         # over tiles is one code path.
-        monkeypatch.setattr(api, "_sm90_ctas", lambda unequal, max_seqlen_k, tiles, device: min(tiles, ctas))
-        monkeypatch.setattr(api, "_PLANS", {})
+        monkeypatch.setattr(dispatch, "sm90_ctas", lambda unequal, max_seqlen_k, tiles, device: min(tiles, ctas))
+        monkeypatch.setattr(plan, "PLANS", plan.PlanCache())
         result = call()
         cupy.cuda.Device().synchronize()
         return result
 
     yield run
-    api._device_plan.cache_clear()
+    dispatch.device_target.cache_clear()
 
 
 def _bitwise_equal(a, b) -> bool:

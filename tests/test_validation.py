@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import api, dispatch, interop
+from cuflash import checks, dispatch, interop
 from cuflash.params import (BWD_PARAMS, BWD_PARAMS_SIZE, CONVERT_PARAMS, CONVERT_PARAMS_SIZE, FWD_PARAMS,
                             FWD_PARAMS_SIZE)
 
@@ -114,31 +114,31 @@ def _tensor(shape, dtype="float16", device=0, ptr=1 << 20, strides=None):
 def test_device_float32_suggests_cast():
     t = _tensor((1, 8, 2, 64), "float32")
     with pytest.raises(TypeError, match="q: dtype float32.*cast to float16 or bfloat16"):
-        api._check_qkv(t, t, t, on_device=True)
+        checks.check_qkv(t, t, t, on_device=True)
 
 
 def test_device_mismatch():
     q = _tensor((1, 8, 2, 64))
     with pytest.raises(ValueError, match="k: on device 1, but q is on device 0"):
-        api._check_qkv(q, _tensor((1, 8, 2, 64), device=1), q, on_device=True)
+        checks.check_qkv(q, _tensor((1, 8, 2, 64), device=1), q, on_device=True)
 
 
 def test_device_batch_above_grid_limit():
     q = _tensor((70000, 8, 2, 64))
     with pytest.raises(ValueError, match="at most 65535"):
-        api._check_qkv(q, q, q, on_device=True)
+        checks.check_qkv(q, q, q, on_device=True)
 
 
 def test_device_seqlen_above_grid_limit():
     q = _tensor((1, 65535 * 128 + 1, 1, 8))
     with pytest.raises(ValueError, match="seqlen_q must be at most"):
-        api._check_qkv(q, _tensor((1, 8, 1, 8)), _tensor((1, 8, 1, 8)), on_device=True)
+        checks.check_qkv(q, _tensor((1, 8, 1, 8)), _tensor((1, 8, 1, 8)), on_device=True)
 
 
 def test_misaligned_out_is_refused():
     q = _tensor((1, 8, 2, 64))
     with pytest.raises(ValueError, match="out: data pointer"):
-        api._check_out("out", _tensor((1, 8, 2, 64), ptr=(1 << 20) + 2), q.shape, q, on_device=True)
+        checks.check_out("out", _tensor((1, 8, 2, 64), ptr=(1 << 20) + 2), q.shape, q, on_device=True)
 
 
 def test_alignment_rule():

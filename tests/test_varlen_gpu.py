@@ -1,6 +1,6 @@
 """attention_varlen and attention_varlen_backward on the GPU: packed batches against the float64
 reference of each sequence with docs/measuring.md's rule (out, lse, dq, dk, dv), the edge
-cases (empty sequences, rows left with no key), and the torch entry points."""
+cases (empty sequences, a total length of 0, rows left with no key), and the torch entry points."""
 
 from __future__ import annotations
 
@@ -185,3 +185,29 @@ def test_deterministic_backward_repeats_bitwise(rng):
                                                   deterministic=True)
         for name, a, b in zip(("dq", "dk", "dv"), first, again):
             assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)), name
+
+
+@pytest.mark.parametrize("lengths_q, lengths_k", [((0, 0, 0), (7, 3, 2)), ((5, 0, 9), (0, 0, 0))])
+def test_total_length_zero(lengths_q, lengths_k, rng, monkeypatch):
+    """All sequences empty on one side: no kernel of cuflash's launches; out (given, NaN-filled)
+    becomes zeros, lse -inf, and the gradients given NaN-filled become zeros."""
+    import cupy as cp
+
+    import cuflash
+    from cuflash import kernels
+
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 4, 2, 64, "float16", rng)
+    monkeypatch.setattr(kernels, "launch", lambda *args: pytest.fail("a kernel was launched"))
+    out = cp.full(q.shape, cp.nan, dtype=q.dtype)
+    result, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, out=out)
+    assert result is out and lse.shape == (4, q.shape[0]) and lse.dtype == cp.float32
+    assert not bool(cp.isnan(out.astype(cp.float32)).any() or out.astype(cp.float32).any())
+    assert bool(cp.all(lse == -cp.inf))
+    grads = tuple(cp.full(x.shape, cp.nan, dtype=q.dtype) for x in (q, k, v))
+    dq, dk, dv = cuflash.attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_k, dq=grads[0], dk=grads[1],
+                                                   dv=grads[2])
+    for given, got in zip(grads, (dq, dk, dv)):
+        assert got is given and not bool(cp.isnan(got.astype(cp.float32)).any() or got.astype(cp.float32).any())
+    dq, dk, dv = cuflash.attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_k)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert not any(bool(g.astype(cp.float32).any()) for g in (dq, dk, dv))

@@ -67,10 +67,10 @@ def test_attention_varlen_host_path_matches_reference():
         ({"softcap": -1.0}, ValueError, "softcap: must be finite and >= 0"),
         ({"softcap": "30"}, TypeError, "softcap: expected a real number"),
         ({"causal": "false"}, TypeError, "causal: expected a bool"),
-        ({"q": np.zeros((0, 4, 16), np.float32), "cu_seqlens_q": np.array([0, 0, 0, 0], np.int32)}, ValueError,
-         "q: the packed batch must hold at least one token"),
-        ({"k": np.zeros((0, 2, 16), np.float32), "v": np.zeros((0, 2, 16), np.float32),
-          "cu_seqlens_k": np.array([0, 0, 0, 0], np.int32)}, ValueError, "k: the packed batch must hold at least one"),
+        ({"validate": "no"}, TypeError, "validate: expected a bool"),
+        ({"return_lse": "no"}, TypeError, "return_lse: expected a bool"),
+        ({"q": np.zeros((0, 4, 16), np.float32), "cu_seqlens_q": np.array([0, 0, 0, 0], np.int32),
+          "max_seqlen_q": -1}, ValueError, "max_seqlen_q: must be at least 0"),
         ({"q": np.zeros((14, 4), np.float32)}, ValueError, "q: expected 3 dims"),
         ({"k": np.zeros((12, 3, 16), np.float32), "v": np.zeros((12, 3, 16), np.float32)}, ValueError,
          "heads_kv \\(3\\) must divide"),
@@ -115,3 +115,34 @@ def test_attention_varlen_backward_bad_lse():
         cuflash.attention_varlen_backward(q, q, k, v, out, lse[:, :3], cu_q, cu_k)
     with pytest.raises(TypeError, match="lse: expected float32"):
         cuflash.attention_varlen_backward(q, q, k, v, out, lse.astype(np.float64), cu_q, cu_k)
+
+
+@pytest.mark.parametrize("lengths_q, lengths_k", [((0, 0, 0), (7, 3, 2)), ((5, 0, 9), (0, 0, 0))])
+def test_packed_batch_of_total_length_zero(lengths_q, lengths_k):
+    """All sequences empty on one side: empty outputs, or zeros with lse -inf (flash-attn's
+    answer), and gradients empty or zero, as the reference gives them row by row."""
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, dtype=np.float64)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, q.shape[0])
+    assert np.all(out == 0) and np.all(lse == -np.inf)
+    dout = np.random.default_rng(5).standard_normal(q.shape)
+    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert not (dq.any() or dk.any() or dv.any())
+
+
+def test_return_lse_must_be_a_bool():
+    q = np.zeros((1, 8, 2, 16), np.float32)
+    with pytest.raises(TypeError, match="return_lse: expected a bool"):
+        cuflash.attention(q, q, q, return_lse="no")
+
+
+@pytest.mark.parametrize("name, shape", [("out", (1, 7, 2, 16)), ("lse", (1, 2, 7))])
+def test_cpu_backward_checks_out_and_lse_shapes(name, shape):
+    """The CPU backward refuses the out and lse shapes the GPU path refuses."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 8, 2, 16))
+    out, lse = cuflash.attention(q, q, q, return_lse=True)
+    arrays = {"out": out, "lse": lse, name: np.zeros(shape, out.dtype if name == "out" else np.float32)}
+    with pytest.raises(ValueError, match=f"{name}: expected shape"):
+        cuflash.attention_backward(q, q, q, q, arrays["out"], arrays["lse"])

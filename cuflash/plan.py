@@ -1,0 +1,291 @@
+"""Launch plans: everything a launch needs that follows from the tensors' layouts and the options,
+computed once per distinct call, cached, and launched.
+
+A plan holds the kernels, grids, scratch layout and argument structs but for their pointers; a
+repeated call fills in the pointers and launches. Every entry point runs the same pipeline:
+describe its tensors (interop), take a key of everything its checks and its plan read but
+pointers, then ``run``: the plan cached under the key, or ``prepare`` (the entry point's checks,
+then build_forward / build_backward) on a miss, and the plan's ``launch``. Where the key is
+taken before validation, a hit also skips the checks that call passed before: each check reads
+only what the key holds, and errors are never cached, so a bad input always runs the full checks
+and raises as it would without the cache.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from cuflash import dispatch, interop, kernels
+from cuflash.params import (BWD_POINTERS, CONVERT_POINTERS, FWD_POINTERS, ArgumentBuffer, pack_bwd_params,
+                            pack_convert_params, pack_fwd_params, sm90_backward_argument, sm90_forward_argument)
+
+__all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "ForwardPlan", "PlanCache", "aligned_pointers", "build_backward",
+           "build_forward", "fill_empty", "run"]
+
+# cu_seqlens of a fixed-length batch: none.
+NO_LENGTHS = (None, None)
+# Option types whose values alone decide validation: a key holds a scalar only if its type is one
+# of these, because True == 1 and hash(True) == hash(1), yet softmax_scale=True or window=(True, 0)
+# must raise TypeError where 1 and (1, 0) pass. Other types run uncached (and work).
+KEY_SCALARS = frozenset({int, float, type(None)})
+_SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocation would
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardPlan:
+    target: tuple[str, tuple[int, int]]  # (family, compute capability) it was built for
+    kernel: kernels.Launch
+    argument: ArgumentBuffer  # FwdParams, or FwdParamsSm90 (maps encoded per fill); pointers in FWD_POINTERS order
+    lse_shape: tuple[int, ...]  # of the float32 lse a call writes when the caller wants it
+
+    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
+               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
+        """(out, lse) of one launch on ``tensors`` (q, k, v), into ``given`` (out, or None) whose
+        DeviceTensor is ``given_t``; lse is None unless ``return_lse``: the kernels skip the lse
+        stores for a null pointer, so nothing is allocated for it."""
+        qt, kt, vt = tensors
+        out_t = given_t[0]
+        with interop.on_device(qt.device):
+            stream = interop.stream_handle(framework, qt.device)
+            out, out_ptr = (given[0], out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
+            lse, lse_ptr = (interop.allocate(framework, qt, self.lse_shape, "float32") if return_lse else (None, 0))
+            cu_q, cu_k = cu_seqlens
+            argument = self.argument.fill(qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, cu_q.ptr if cu_q is not None else 0,
+                                          cu_k.ptr if cu_k is not None else 0)
+            kernels.launch(self.kernel, stream, argument)
+        return out, lse
+
+
+@dataclass(frozen=True, eq=False)
+class BackwardPlan:
+    target: tuple[str, tuple[int, int]]
+    preprocess: kernels.Launch
+    main: kernels.Launch
+    argument: ArgumentBuffer  # BwdParams, shared by preprocess and main; pointers in BWD_POINTERS order
+    main_argument: ArgumentBuffer | None  # an sm90 main kernel's BwdParamsSm90 (same pointers), else None
+    # Scratch carved from one allocation: offsets of delta, dq_accum, dk_accum and dv_accum (None
+    # without GQA) and dq_turns (None unless taking turns), its size, and the length of its prefix
+    # to zero (the accumulators that are added to, and the turn counters).
+    offsets: tuple[int, int, int | None, int | None, int | None]
+    scratch_bytes: int
+    zeroed_bytes: int
+    # (kernel, ConvertParams, source offset in the scratch, index of the gradient in (dq, dk, dv))
+    converts: tuple[tuple[kernels.Launch, ArgumentBuffer, int, int], ...]
+
+    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, _unused: bool = False,
+               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any, Any]:
+        """(dq, dk, dv) of one run on ``tensors`` (q, k, v, out, dout, lse), into ``given`` (dq,
+        dk, dv, each or None) whose DeviceTensors are ``given_t``: the scratch allocated and
+        zeroed, then the preprocess, main and convert kernels."""
+        qt, kt, vt, out_t, dout_t, lse_t = tensors
+        dq, dk, dv = given
+        dq_t, dk_t, dv_t = given_t
+        with interop.on_device(qt.device):
+            stream = interop.stream_handle(framework, qt.device)
+            dq, dq_ptr = (dq, dq_t.ptr) if dq_t is not None else interop.allocate(framework, qt, qt.shape)
+            dk, dk_ptr = (dk, dk_t.ptr) if dk_t is not None else interop.allocate(framework, qt, kt.shape)
+            dv, dv_ptr = (dv, dv_t.ptr) if dv_t is not None else interop.allocate(framework, qt, kt.shape)
+            owner, base = interop.scratch(framework, qt, self.scratch_bytes)  # referenced until the launches are queued
+            interop.zero(base, self.zeroed_bytes, stream)
+            delta, dq_accum, dk_accum, dv_accum, dq_turns = (base + offset if offset is not None else 0
+                                                             for offset in self.offsets)
+            cu_q, cu_k = cu_seqlens
+            pointers = (qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum, dk_ptr, dv_ptr,
+                        dk_accum, dv_accum, dq_turns, cu_q.ptr if cu_q is not None else 0,
+                        cu_k.ptr if cu_k is not None else 0)
+            argument = self.argument.fill(*pointers)
+            kernels.launch(self.preprocess, stream, argument)
+            kernels.launch(self.main, stream,
+                           argument if self.main_argument is None else self.main_argument.fill(*pointers))
+            grad_ptrs = (dq_ptr, dk_ptr, dv_ptr)
+            for kernel, convert, src_offset, index in self.converts:
+                kernels.launch(kernel, stream, convert.fill(base + src_offset, grad_ptrs[index]))
+            del owner
+        return dq, dk, dv
+
+
+class PlanCache:
+    """Plans by key, oldest evicted first past ``max_size``: that bounds the memory when shapes
+    keep changing (a growing KV cache makes a new key per step); 1024 plans are well under a
+    megabyte. A plan is returned only if it was built for the family and arch the device has now
+    (``dispatch.device_target.cache_clear()`` and a new CUFLASH_FAMILY must not run a stale
+    kernel)."""
+
+    def __init__(self, max_size: int = 1024):
+        self.max_size = max_size
+        self._plans: dict[tuple, ForwardPlan | BackwardPlan] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple | None, device: int) -> ForwardPlan | BackwardPlan | None:
+        plan = self._plans.get(key)
+        return plan if plan is not None and plan.target == dispatch.device_target(device) else None
+
+    def put(self, key: tuple, plan: ForwardPlan | BackwardPlan) -> None:
+        with self._lock:
+            if len(self._plans) >= self.max_size and key not in self._plans:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def items(self) -> list[tuple[tuple, ForwardPlan | BackwardPlan]]:
+        """(key, plan) pairs, oldest first."""
+        return list(self._plans.items())
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+PLANS = PlanCache()
+
+
+def aligned_pointers(*tensors) -> bool:
+    """The pointers of ``tensors`` (DeviceTensors or None) on 16-byte boundaries; their strides'
+    alignment is part of a plan key."""
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.ptr
+    return bits % 16 == 0
+
+
+def run(key: tuple | None, device: int, reusable: bool, prepare: Callable, args: tuple, framework: str,
+        tensors: tuple, given: tuple, given_t: tuple, flag: bool = False, cu_seqlens=NO_LENGTHS) -> tuple:
+    """The one pipeline of every entry point, after its tensors are described and its key taken:
+    the plan cached under ``key`` if the call is ``reusable`` (its pointers as aligned as the key
+    assumes), else ``prepare(*args)`` -> (plan, tensors to launch on, whether to cache it); then
+    the plan's launch on ``tensors``, into ``given`` (see ForwardPlan.launch and
+    BackwardPlan.launch; ``flag`` is the forward's return_lse)."""
+    plan = PLANS.get(key, device) if reusable else None
+    if plan is None:
+        plan, tensors, cacheable = prepare(*args)
+        if cacheable and key is not None:
+            PLANS.put(key, plan)
+    return plan.launch(framework, tensors, given, given_t, flag, cu_seqlens)
+
+
+def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, batch: int, max_seqlen_q: int,
+                  cu_seqlens=NO_LENGTHS) -> ForwardPlan:
+    """The forward launch over a fixed-length batch (q, k, v, out BSHD) or a packed one
+    (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), for validated tensors. out
+    and lse may be interop.contiguous records."""
+    family, capability = target = dispatch.device_target(qt.device)
+    launch = dispatch.forward_launch(family, qt, kt, vt, mask, batch, max_seqlen_q, cu_seqlens[0] is not None,
+                                     qt.device)
+    choice = launch.kernel
+    packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens)
+    if choice.family == "sm90":
+        argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n,
+                                         (launch.m_blocks, qt.shape[2], batch))
+    else:
+        argument = ArgumentBuffer(packed, FWD_POINTERS)
+    arch = dispatch.compile_arch(choice.family, capability)
+    return ForwardPlan(target, kernels.prepare(choice, arch, qt.device, launch.grid), argument, lse_t.shape)
+
+
+def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, mask: dispatch.Mask,
+                   deterministic: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                   cu_seqlens=NO_LENGTHS) -> BackwardPlan:
+    """The backward's three kernels over a fixed-length batch (BSHD tensors) or a packed one
+    (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), writing the 16-bit
+    gradients ``grads`` (dq, dk, dv: DeviceTensors or interop.contiguous records)."""
+    _, rows_q, heads, head_dim = qt.shape
+    target = (family, capability) = dispatch.device_target(qt.device)
+    launch = dispatch.backward_launch(family, qt, kt, vt, dout_t, mask, batch, max_seqlen_k, deterministic,
+                                      qt.device)
+    main, splits = launch.main, launch.splits
+    walk, turns = launch.dq_order == "walk", launch.dq_order == "turns"
+    arch = dispatch.compile_arch("sm80", capability)  # the preprocess and convert kernels
+    group = heads // kt.shape[2]
+    # Scratch, one allocation: fp32 dq_accum, [int32 dq_turns,] [fp32 dk_accum, dv_accum,] fp32
+    # delta, the zeroed ones first. dq_accum rows are padded to the head-dim bucket so the
+    # kernel's reductions need no column checks (flash_bwd.cu), sm90's by a few columns more
+    # (dispatch.SM90_BWD_DQ_ROW_PAD), the rows of one head contiguous. dq_turns: a counter per
+    # (batch, head, query block). GQA: the walk and turns (the orders that repeat bitwise) keep
+    # one dK/dV slice per query head, plainly stored and summed by the convert kernel; otherwise
+    # heads_kv slices added to atomically, so zeroed.
+    per_query_head = walk or turns
+    bucket = dispatch.head_dim_bucket(head_dim)
+    dq_row = bucket + (dispatch.SM90_BWD_DQ_ROW_PAD if main.family == "sm90" else 0)
+    arrays = [((splits, qt.shape[0], heads, rows_q, dq_row), "float32")]
+    if turns:
+        arrays.append(((batch, heads, -(-max_seqlen_q // main.tile.block_m)), "int32"))
+    if group > 1:
+        arrays += [((*kt.shape[:2], heads if per_query_head else kt.shape[2], head_dim), "float32")] * 2
+    arrays.append((lse_t.shape, "float32"))  # delta
+    records, end = [], 0
+    for shape, dtype in arrays:
+        record = interop.contiguous(shape, qt, dtype)._replace(ptr=end)
+        records.append(record)
+        end += -(-record.itemsize * math.prod(shape) // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    dq_accum, delta = records[0], records[-1]
+    dq_turns = records[1] if turns else None
+    dk_accum, dv_accum = records[1 + turns:3 + turns] if group > 1 else (None, None)
+    zeroed = records[1 + turns + (2 if group > 1 and not per_query_head else 0)].ptr
+
+    packed = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2], dk_accum,
+                             dv_accum, dq_turns, scale, mask.window, mask.softcap, *cu_seqlens,
+                             turn_heads=launch.turn_heads)
+    argument = ArgumentBuffer(packed, BWD_POINTERS)
+    main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.block_m, main.tile.block_n)
+                     if main.family == "sm90" else None)
+    # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
+    # scale): dQ sums its splits and takes the softmax scale; per-query-head GQA dK/dV sum the
+    # group's adjacent query-head slices (dK already scaled by the main kernel).
+    dq_strides = (heads * rows_q * dq_row, dq_row, rows_q * dq_row)
+    converts = [(dq_accum, 0, dq_strides, splits, math.prod(dq_accum.shape[1:]), scale)]
+    if group > 1:
+        slices = dk_accum.shape[2]  # heads_kv, or heads
+        kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
+                      group * head_dim if per_query_head else head_dim)
+        summands = (group, head_dim) if per_query_head else (1, 0)
+        converts += [(src, index, kv_strides, *summands, 1.0) for src, index in ((dk_accum, 1), (dv_accum, 2))]
+    convert_launches = []
+    for src, index, src_strides, summands, summand_stride, factor in converts:
+        grad_batch, grad_rows, grad_heads = grads[index].shape[:3]
+        convert_launches.append((
+            kernels.prepare(launch.convert, arch, qt.device, dispatch.helper_grid(grad_rows, grad_heads, grad_batch,
+                                                                                   head_dim)),
+            ArgumentBuffer(pack_convert_params(src, grads[index], src_strides, summands, summand_stride, factor),
+                           CONVERT_POINTERS),
+            src.ptr, index))
+    return BackwardPlan(
+        target, kernels.prepare(launch.preprocess, arch, qt.device,
+                                dispatch.helper_grid(max_seqlen_q, heads, batch, head_dim)),
+        kernels.prepare(main, dispatch.compile_arch(main.family, capability), qt.device, launch.grid), argument,
+        main_argument,
+        (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None,
+         dq_turns.ptr if dq_turns else None),
+        end, zeroed, tuple(convert_launches))
+
+
+def fill_empty(framework: str, like, given: tuple, given_t: tuple, shapes: tuple, lse_shape: tuple | None = None
+               ) -> tuple:
+    """Outputs of a call with no work (a packed batch of total length 0 on one side): each of
+    ``given`` (or a new array of its entry in ``shapes``) filled with zeros, and, unless
+    ``lse_shape`` is None, a float32 lse of it filled with -inf. No kernel of ours is launched;
+    the framework's own fill writes the values, on its current stream."""
+    results = []
+    with interop.on_device(like.device):
+        for out, out_t, shape in zip(given, given_t, shapes):
+            if out_t is None:
+                out = interop.allocate(framework, like, shape)[0]
+            _fill(framework, out_t.native if out_t is not None else out, 0.0)
+            results.append(out)
+        if lse_shape is not None:
+            lse = interop.allocate(framework, like, lse_shape, "float32")[0]
+            _fill(framework, lse, -math.inf)
+            results.append(lse)
+    return tuple(results)
+
+
+def _fill(framework: str, native: Any, value: float) -> None:
+    if framework == "torch":
+        native.fill_(value)
+    else:
+        native.fill(value)
