@@ -29,7 +29,7 @@ def check_all_kernels(arch: str, jobs: int | None, details: bool) -> int:
     sm_90a; print the verdict (and each kernel's registers and spills with ``details``); 1 for a
     problem, else 0."""
     choices = [c for family in compile_check.families(arch) for c in dispatch.all_kernels(family)]
-    print(f"NVRTC {'.'.join(map(str, nvrtc.version()))}, target {arch}, {len(choices)} kernels, "
+    print(f"NVRTC {nvrtc.version_text()}, target {arch}, {len(choices)} kernels, "
           f"sources {kernels.source_root()}")
     start = time.perf_counter()
     outcomes = compile_check.compile_all(choices, arch, jobs)
@@ -51,10 +51,10 @@ def check_one_kernel() -> int:
     choice = compile_check.representative_kernel()
     [outcome] = compile_check.compile_all([choice], "sm_80", jobs=1)
     if outcome.compiled is None:
-        print(f"NVRTC {'.'.join(map(str, nvrtc.version()))} failed to compile {choice.name_expression} "
+        print(f"NVRTC {nvrtc.version_text()} failed to compile {choice.name_expression} "
               f"for sm_80:\n{outcome.error}")
         return 1
-    print(f"NVRTC {'.'.join(map(str, nvrtc.version()))} compiled {choice.name_expression} for sm_80 in "
+    print(f"NVRTC {nvrtc.version_text()} compiled {choice.name_expression} for sm_80 in "
           f"{outcome.compiled.seconds:.1f} s ({outcome.compiled.resources()['registers']} registers); "
           f"`python -m cuflash compile-check --arch sm_80` compiles all {len(dispatch.all_kernels('sm80'))}")
     return 0
@@ -73,17 +73,17 @@ def gpu_report() -> None:
     import cupy as cp
     import ml_dtypes
 
-    from cuflash.api import _device_plan
     from cuflash.baseline import standard_attention
     from cuflash.timing import PeakMemory, format_table, time_ms, tflops
 
     device = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(device.id)
-    family, capability = _device_plan(device.id)
+    capability = divmod(int(device.compute_capability), 10)  # "90" -> (9, 0)
+    family = dispatch.select_family(capability)
     print(f"device {device.id}: {props['name'].decode()}, compute capability "
-          f"{device.compute_capability[:-1]}.{device.compute_capability[-1]}, family {family} "
+          f"{capability[0]}.{capability[1]}, family {family} "
           f"({dispatch.compile_arch(family, capability)}), "
-          f"NVRTC {'.'.join(map(str, nvrtc.version()))}, cache {kernels.cache_dir()}")
+          f"NVRTC {nvrtc.version_text()}, cache {kernels.cache_dir()}")
 
     rng = np.random.default_rng()
     bf16 = np.dtype(ml_dtypes.bfloat16)

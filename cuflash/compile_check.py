@@ -46,7 +46,7 @@ def check_arch(arch: str) -> str:
         names = ", ".join(f"sm_{a}" for a in known)
         raise ValueError(f"arch: expected one of {names} (or sm_90a and newer with the 'a' suffix), "
                          f"the targets of compute capability 8.0 or newer that NVRTC "
-                         f"{'.'.join(map(str, nvrtc.version()))} compiles for; got {arch!r}")
+                         f"{nvrtc.version_text()} compiles for; got {arch!r}")
     return arch
 
 
