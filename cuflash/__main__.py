@@ -49,7 +49,7 @@ def check_all_kernels(arch: str, jobs: int | None, details: bool) -> int:
 def check_one_kernel() -> int:
     """Compile compile_check.representative_kernel() for sm_80; 1 if NVRTC fails, else 0."""
     choice = compile_check.representative_kernel()
-    [outcome] = compile_check.compile_all([choice], "sm_80", jobs=1)
+    [outcome] = compile_check.compile_all([choice], "sm_80")
     if outcome.compiled is None:
         print(f"NVRTC {nvrtc.version_text()} failed to compile {choice.name_expression} "
               f"for sm_80:\n{outcome.error}")
@@ -128,6 +128,13 @@ def _positive_ints(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    values = _positive_ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive whole number, got {text!r}")
+    return values[0]
+
+
 def _arch(text: str) -> str:
     try:
         return compile_check.check_arch(text)
@@ -150,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "(no GPU needed), and a verdict on the spills")
     check.add_argument("--arch", type=_arch, default="sm_80",
                        help="sm_80, sm_86, sm_90, sm_90a (adds the sm90 family), ...")
-    check.add_argument("--jobs", type=lambda text: _positive_ints(text)[0],
+    check.add_argument("--jobs", type=_positive_int,
                        help="compiler processes (default: one per CPU)")
     check.add_argument("--details", action="store_true", help="each kernel's registers, spills and compile time")
     bench = sub.add_parser("bench", help="cuflash next to its peers (TFLOP/s table, JSON, plot), or --memory")

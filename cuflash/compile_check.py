@@ -106,9 +106,10 @@ def _compile(choice: dispatch.KernelChoice, arch: str) -> Outcome:
 
 def compile_all(choices: list[dispatch.KernelChoice], arch: str, jobs: int | None = None) -> list[Outcome]:
     """Compile every one of ``choices`` for ``arch`` (no disk cache) in ``jobs`` processes (default:
-    one per CPU this process may use); the outcomes in the order of ``choices``."""
-    jobs = jobs or len(os.sched_getaffinity(0))
-    if jobs == 1:
+    one per CPU this process may use; none for a single kernel); the outcomes in the order of
+    ``choices``."""
+    jobs = min(jobs or len(os.sched_getaffinity(0)), len(choices))
+    if jobs <= 1:
         return [_compile(choice, arch) for choice in choices]
     # spawn: NVRTC is already loaded in this process, and a forked copy of a loaded library is
     # not guaranteed to work.
