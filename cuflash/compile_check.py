@@ -107,12 +107,13 @@ def _compile(choice: dispatch.KernelChoice, arch: str) -> Outcome:
 def compile_all(choices: list[dispatch.KernelChoice], arch: str, jobs: int | None = None) -> list[Outcome]:
     """Compile every one of ``choices`` for ``arch`` (no disk cache) in ``jobs`` processes (default:
     one per CPU this process may use; none for a single kernel); the outcomes in the order of
-    ``choices``."""
+    ``choices``. The processes are spawned, so a script that calls this needs the usual
+    ``if __name__ == "__main__":`` guard."""
     jobs = min(jobs or len(os.sched_getaffinity(0)), len(choices))
     if jobs <= 1:
         return [_compile(choice, arch) for choice in choices]
-    # spawn: NVRTC is already loaded in this process, and a forked copy of a loaded library is
-    # not guaranteed to work.
+    # spawn, not fork: the caller may run threads (torch's, a BLAS pool), and a child forked from a
+    # multi-threaded process can deadlock on a lock one of them held.
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(_compile, choices, [arch] * len(choices)))
 
