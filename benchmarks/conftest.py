@@ -1,17 +1,14 @@
-"""Benchmarks need a GPU; without one they are skipped with the reason (tests/conftest.py)."""
+"""Benchmarks need a GPU; without one they are skipped with the reason (cuflash.device)."""
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import pytest
 
-from tests.conftest import gpu_unavailable_reason  # noqa: E402
-
-import pytest  # noqa: E402
+from cuflash.device import gpu_unavailable
 
 
 def pytest_collection_modifyitems(config, items):
-    reason = gpu_unavailable_reason()
+    reason = gpu_unavailable()
     if reason is not None:
         here = Path(__file__).resolve().parent
         for item in items:

@@ -11,7 +11,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-__all__ = ["CompileError", "CompiledProgram", "compile_program", "version"]
+__all__ = ["CompileError", "CompiledProgram", "compile_program", "supported_archs", "version", "version_text"]
 
 
 class CompileError(RuntimeError):
@@ -44,6 +44,22 @@ def version() -> tuple[int, int]:
     major, minor = ctypes.c_int(), ctypes.c_int()
     _check(_library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
     return major.value, minor.value
+
+
+def version_text() -> str:
+    """NVRTC's version as ``major.minor``."""
+    return ".".join(map(str, version()))
+
+
+@functools.lru_cache(maxsize=None)
+def supported_archs() -> tuple[int, ...]:
+    """The real architectures this NVRTC compiles for, as numbers: 80 for ``sm_80``, ..."""
+    lib = _library()
+    count = ctypes.c_int()
+    _check(lib.nvrtcGetNumSupportedArchs(ctypes.byref(count)), "nvrtcGetNumSupportedArchs")
+    archs = (ctypes.c_int * count.value)()
+    _check(lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
+    return tuple(archs)
 
 
 def _read(getter_size, getter, prog: ctypes.c_void_p) -> bytes:

@@ -2,16 +2,20 @@
 
 ``cuflash.torch.attention`` is a ``torch.library.custom_op`` pair (forward, backward) with fake
 implementations and a registered autograd formula, so it trains like any op and traces under
-``torch.compile(fullgraph=True)`` without a graph break. ``flash_attn_func`` takes flash-attn's
-signature and return convention, so ``from cuflash.torch import flash_attn_func`` replaces
-``from flash_attn import flash_attn_func``, and ``flash_attn_varlen_func`` its packed-batch twin
-(``attention_varlen`` the cuflash-style one); arguments cuflash does not support yet raise
-NotImplementedError naming them, never silently ignored.
+``torch.compile(fullgraph=True)`` without a graph break. CUDA tensors run the kernels; CPU tensors
+run cuflash's CPU path, as NumPy arrays do (the float64 reference, cast to the inputs' dtype).
+``flash_attn_func`` takes flash-attn's signature and return convention, so
+``from cuflash.torch import flash_attn_func`` replaces ``from flash_attn import flash_attn_func``,
+and ``flash_attn_varlen_func`` its packed-batch twin (``attention_varlen`` the cuflash-style one);
+arguments cuflash does not support yet raise NotImplementedError naming them, never silently
+ignored.
 """
 
 # No `from __future__ import annotations`: custom_op reads the signature's real types.
 import math
 
+import ml_dtypes
+import numpy as np
 import torch
 
 import cuflash
@@ -20,13 +24,48 @@ from cuflash import checks
 __all__ = ["attention", "attention_varlen", "flash_attn_func", "flash_attn_varlen_func"]
 
 
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor; bfloat16, which NumPy lacks, viewed through ml_dtypes."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _from_numpy(a: np.ndarray) -> torch.Tensor:
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _on_host(body):
+    """``body`` for CPU tensors: it runs on NumPy views of them, so cuflash takes its CPU path (the
+    float64 reference, cast to the inputs' dtype), and its NumPy results come back as tensors."""
+
+    def run(*args):
+        arrays = (_numpy_view(a) if isinstance(a, torch.Tensor) else a for a in args)
+        return tuple(_from_numpy(result) for result in body(*arrays))
+
+    return run
+
+
+def _op(name: str, body):
+    """The custom op ``name``: ``body`` on CUDA tensors, and on CPU tensors through _on_host."""
+    op = torch.library.custom_op(name, body, mutates_args=(), device_types="cuda")
+    op.register_kernel("cpu", _on_host(body))
+    return op
+
+
 # Fixed-length batches (batch, seqlen, heads, head_dim). deterministic only shapes the backward;
 # it is an input of the forward op so that autograd's context receives it.
-@torch.library.custom_op("cuflash::attention_forward", mutates_args=(), device_types="cuda")
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float, window_left: int,
-             window_right: int, softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+                       window_left: int, window_right: int, softcap: float,
+                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right),
                              softcap=softcap, return_lse=True)
+
+
+_forward = _op("cuflash::attention_forward", _attention_forward)
 
 
 @_forward.register_fake
@@ -34,12 +73,14 @@ def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, determ
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuflash::attention_backward", mutates_args=(), device_types="cuda")
-def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-              softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                        softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                       window=(window_left, window_right), softcap=softcap, deterministic=deterministic)
+
+
+_backward = _op("cuflash::attention_backward", _attention_backward)
 
 
 @_backward.register_fake
@@ -48,14 +89,16 @@ def _(dout, q, k, v, out, lse, causal, softmax_scale, window_left, window_right,
 
 
 # Packed batches (total_tokens, heads, head_dim) with int32 cumulative lengths.
-@torch.library.custom_op("cuflash::attention_varlen_forward", mutates_args=(), device_types="cuda")
-def _varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
-                    softmax_scale: float, window_left: int, window_right: int, softcap: float,
-                    deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _attention_varlen_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                              cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                              softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                     softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
                                     return_lse=True)
+
+
+_varlen_forward = _op("cuflash::attention_varlen_forward", _attention_varlen_forward)
 
 
 @_varlen_forward.register_fake
@@ -64,15 +107,18 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-@torch.library.custom_op("cuflash::attention_varlen_backward", mutates_args=(), device_types="cuda")
-def _varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                     max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int, window_right: int,
-                     softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
+                               softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                                              window=(window_left, window_right), softcap=softcap,
                                              deterministic=deterministic)
+
+
+_varlen_backward = _op("cuflash::attention_varlen_backward", _attention_varlen_backward)
 
 
 @_varlen_backward.register_fake
@@ -117,7 +163,8 @@ def _flags_and_options(q: torch.Tensor, causal, softmax_scale, window, softcap,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               deterministic: bool = False) -> torch.Tensor:
-    """Differentiable :func:`cuflash.attention` on torch CUDA tensors (batch, seqlen, heads, head_dim).
+    """Differentiable :func:`cuflash.attention` on torch tensors (batch, seqlen, heads, head_dim), CUDA
+    or CPU.
 
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
     when ``deterministic`` (see there for the cost).
@@ -130,7 +177,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *,
                      causal: bool = False, softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1),
                      softcap: float = 0.0, deterministic: bool = False) -> torch.Tensor:
-    """Differentiable :func:`cuflash.attention_varlen` on packed torch CUDA tensors
+    """Differentiable :func:`cuflash.attention_varlen` on packed torch tensors, CUDA or CPU,
     (total_tokens, heads, head_dim) with int32 ``cu_seqlens_*`` (batch + 1,).
 
     Omitted ``max_seqlen_*`` are read from the lengths (a device-to-host copy, and a graph break

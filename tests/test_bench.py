@@ -11,6 +11,7 @@ import pytest
 
 from cuflash import bench
 from cuflash.__main__ import build_parser, main
+from cuflash.device import gpu_unavailable
 
 
 def test_parser_defaults_and_quick():
@@ -31,9 +32,7 @@ def test_parser_rejects(argv, capsys):
 
 
 def test_bench_without_gpu_says_so(capsys):
-    from tests.conftest import gpu_unavailable_reason
-
-    if gpu_unavailable_reason() is None:
+    if gpu_unavailable() is None:
         pytest.skip("this machine has a GPU")
     assert main(["bench", "--quick", "--mode", "fwd_bwd"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -1,17 +1,95 @@
-"""Every kernel instantiation compiles with NVRTC, without a GPU, for sm_80 and sm_90a."""
+"""Kernel instantiations compile with NVRTC, without a GPU, for sm_80 and sm_90a: a representative
+few by default, every one (in parallel processes) under ``-m compile_all``; the compile check's
+verdict, its --arch validation and ``python -m cuflash`` without a GPU."""
+
+import ctypes
+from dataclasses import replace
 
 import pytest
 
-from cuflash import dispatch, kernels, nvrtc
+from cuflash import __main__ as cli
+from cuflash import compile_check, device, dispatch, kernels, nvrtc
+
+
+def assert_compiled_within_allowance(outcomes, arch):
+    for outcome in outcomes:
+        assert outcome.compiled is not None, outcome.error
+        assert outcome.compiled.cubin[:4] == b"\x7fELF"
+        assert outcome.compiled.symbol.startswith("_ZN7cuflash")
+        assert outcome.compiled.resources()["registers"] > 0
+    problems, line = compile_check.verdict(outcomes, arch)
+    assert problems == [] and line.endswith("ok"), (problems, line)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_representative_kernels_compile(arch):
+    outcomes = compile_check.compile_all(compile_check.representative_kernels("sm80"), arch)
+    assert_compiled_within_allowance(outcomes, arch)
+
+
+@pytest.mark.compile_all
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_every_kernel_compiles(arch):
-    for choice in dispatch.all_kernels("sm80"):
-        compiled = kernels.compile_kernel(choice, arch, use_cache=False)
-        assert compiled.cubin[:4] == b"\x7fELF"
-        assert compiled.symbol.startswith("_ZN7cuflash")
-        assert compiled.resources()["registers"] > 0
+    assert_compiled_within_allowance(compile_check.compile_all(dispatch.all_kernels("sm80"), arch), arch)
+
+
+def test_representative_kernels_are_instantiations_of_the_family():
+    for family in dispatch.FAMILIES:
+        names = {choice.name_expression for choice in dispatch.all_kernels(family)}
+        chosen = compile_check.representative_kernels(family)
+        assert {choice.name_expression for choice in chosen} <= names
+        assert {choice.source for choice in chosen} == {choice.source for choice in dispatch.all_kernels(family)}
+
+
+def test_verdict_names_failures_and_spills_over_the_allowance():
+    backward = dispatch.backward_kernels("sm80", 64, "causal", "float16")[1]
+    forward = dispatch.forward_kernel("sm80", 192, "none", "float16")
+    allowed = compile_check.spill_allowance(backward)
+    assert allowed > 0 and compile_check.spill_allowance(forward) == 0
+
+    def outcome(choice, spill_bytes):
+        log = f"Used 128 registers, {spill_bytes} bytes spill stores, 0 bytes spill loads"
+        return compile_check.Outcome(choice, kernels.CompiledKernel(b"", "symbol", log, 1.0))
+
+    problems, line = compile_check.verdict([outcome(backward, allowed), outcome(forward, 0)], "sm_80")
+    assert problems == [] and line == ("sm_80: 2 of 2 kernels compiled; 1 spill, 1 of them within the sm80 "
+                                       "register-ceiling allowance; ok")
+    failed = compile_check.Outcome(replace(forward, name_expression="cuflash::missing<1>"), None, "error: no")
+    problems, line = compile_check.verdict([outcome(backward, allowed + 4), outcome(forward, 4), failed], "sm_80")
+    assert problems == ["FAILED cuflash::missing<1>\nerror: no",
+                        f"SPILLS {backward.name_expression}: {allowed + 4} B, allowed {allowed} B",
+                        f"SPILLS {forward.name_expression}: 4 B, allowed 0 B"]
+    assert line.endswith("PROBLEM: 1 failed, 2 spill too much")
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_80a", "sm80", "compute_80", "sm_9999", 80])
+def test_unknown_arch_is_refused(arch):
+    with pytest.raises(ValueError, match=f"arch: expected one of sm_80, .*got {arch!r}"):
+        compile_check.check_arch(arch)
+
+
+def test_compile_check_refuses_an_unknown_arch_before_compiling(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["compile-check", "--arch", "sm_75"])
+    assert exit_info.value.code == 2 and "argument --arch: arch: expected one of" in capsys.readouterr().err
+
+
+def test_no_gpu_message_says_the_driver_is_missing(monkeypatch):
+    def no_library(name, *args, **kwargs):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    reason = device.gpu_unavailable()
+    assert reason.startswith("no NVIDIA driver found") and "insufficient" not in reason
+
+
+@pytest.mark.skipif(device.gpu_unavailable() is None, reason="a GPU is present: python -m cuflash runs the GPU report")
+def test_main_without_gpu_checks_the_cpu_path_and_one_compile(capsys):
+    assert cli.main([]) == 0
+    report = capsys.readouterr().out
+    assert f"No CUDA GPU: {device.gpu_unavailable()}." in report
+    assert f"compiled {compile_check.representative_kernel().name_expression} for sm_80" in report
+    assert report.endswith("ok: the CPU path and the kernel compiler work here\n")
 
 
 def test_disk_cache_key_follows_header_content(tmp_path, monkeypatch):

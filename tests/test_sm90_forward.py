@@ -1,6 +1,7 @@
-"""The sm90 forward's host side without a GPU: NVRTC compiles every instantiation for sm_90a
-without spills or stack, the parameter struct matches cuda_src/sm90/fwd_params.cuh, the dispatch table
-sends what sm90 cannot serve to sm80 visibly, and a launch gets the grid, tensor maps and
+"""The sm90 forward's host side without a GPU: NVRTC compiles the instantiations for sm_90a
+without spills or stack (a representative few by default, every one under ``-m compile_all``), the
+parameter struct matches cuda_src/sm90/fwd_params.cuh, the dispatch table sends what sm90 cannot
+serve to sm80 visibly, and a launch gets the grid, tensor maps and
 parameters it needs (kernels.launch and the driver's map encoder replaced by recorders)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 
 import pytest
 
-from cuflash import checks, dispatch, interop, kernels, params, plan, tma
+from cuflash import checks, compile_check, dispatch, interop, kernels, params, plan, tma
 from cuflash.params import (BWD_PARAMS, BWD_PARAMS_SM90, BWD_PARAMS_SM90_SIZE, FWD_PARAMS, FWD_PARAMS_SM90,
                             FWD_PARAMS_SM90_SIZE, FWD_POINTERS, ArgumentBuffer)
 
@@ -22,21 +23,32 @@ SM90_KERNELS = dispatch.all_kernels("sm90")
 SM90_FORWARD = [c for c in SM90_KERNELS if c.source == "sm90/flash_fwd.cu"]
 
 
-@pytest.mark.parametrize("choice", SM90_KERNELS, ids=lambda c: c.name_expression.removeprefix("cuflash::sm90::"))
-def test_sm90_kernels_compile_without_spills(choice):
-    compiled = kernels.compile_kernel(choice, "sm_90a", use_cache=False)
-    assert compiled.cubin[:4] == b"\x7fELF"
-    # No ptxas warning: a serialised wgmma pipeline (C7510...) or an ignored setmaxnreg (C7508).
-    assert "warning" not in compiled.log.lower(), compiled.log
-    # The registers at entry are the launch bounds' 65536 / threads (168 for 384 threads, 128 for
-    # 512), which the setmaxnreg split (producer 24, consumers 240 or 160) assumes.
-    resources = compiled.resources()
-    assert resources["registers"] == 65536 // choice.threads // 8 * 8
-    # Nothing goes to local memory: the backward's d128 spills, none of them between its first and
-    # last wgmma, cost 2-8% of a call (docs/kernels.md, backward sm90).
-    assert (resources["spill_stores"], resources["spill_loads"], resources["stack_frame"]) == (0, 0, 0), compiled.log
-    static_smem = int(re.search(r"(\d+) bytes smem", compiled.log).group(1))
-    assert choice.smem_bytes + static_smem <= 227 * 1024
+def assert_compiled_without_spills(outcomes):
+    for outcome in outcomes:
+        assert outcome.compiled is not None, outcome.error
+        compiled = outcome.compiled
+        assert compiled.cubin[:4] == b"\x7fELF"
+        # No ptxas warning: a serialised wgmma pipeline (C7510...) or an ignored setmaxnreg (C7508).
+        assert "warning" not in compiled.log.lower(), compiled.log
+        # The registers at entry are the launch bounds' 65536 / threads (168 for 384 threads, 128 for
+        # 512), which the setmaxnreg split (producer 24, consumers 240 or 160) assumes.
+        resources = compiled.resources()
+        assert resources["registers"] == 65536 // outcome.choice.threads // 8 * 8
+        # Nothing goes to local memory: spills in the backward at head_dim 128, none of them between
+        # its first and last wgmma, cost 2-8% of a call on the H200 (docs/kernels.md, backward sm90).
+        assert (resources["spill_stores"], resources["spill_loads"], resources["stack_frame"]) == (0, 0, 0), \
+            compiled.log
+        static_smem = int(re.search(r"(\d+) bytes smem", compiled.log).group(1))
+        assert outcome.choice.smem_bytes + static_smem <= 227 * 1024
+
+
+def test_sm90_representative_kernels_compile_without_spills():
+    assert_compiled_without_spills(compile_check.compile_all(compile_check.representative_kernels("sm90"), "sm_90a"))
+
+
+@pytest.mark.compile_all
+def test_sm90_kernels_compile_without_spills():
+    assert_compiled_without_spills(compile_check.compile_all(SM90_KERNELS, "sm_90a"))
 
 
 def test_sm90_param_struct_layout():

@@ -1,0 +1,141 @@
+"""The ahead-of-time compile check: kernel instantiations compiled with NVRTC for one architecture
+(no GPU needed), in parallel processes, and a verdict on what ptxas spilled to local memory.
+
+The sm80 kernels are tuned at their register ceiling: 255 per thread, or 128 for the head_dim 64
+backward, which runs two CTAs per SM (dispatch.SM80_BWD_TILES says why that pays). There ptxas
+keeps a few values in local memory, and dispatch.py's tiles were measured fastest with those
+spills. SPILL_ALLOWANCE bounds them per kernel and head-dim bucket; a kernel that spills more, or
+one outside the table that spills at all (the whole sm90 family, whose warpgroups' register split
+must hold everything), is a problem.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import re
+from dataclasses import dataclass
+
+from cuflash import dispatch, kernels, nvrtc
+
+__all__ = ["SPILL_ALLOWANCE", "Outcome", "check_arch", "compile_all", "families", "representative_kernel",
+           "representative_kernels", "spill_allowance", "verdict"]
+
+# Bytes of spill stores plus loads that an instantiation of (kernel template, head-dim bucket) may
+# have, over every dtype, mask, softcap and dQ order: the most NVRTC 13.5 spilled for sm_80 or
+# sm_90a, rounded up to 64 bytes (its sm_90 code stays within these too).
+SPILL_ALLOWANCE = {
+    ("cuflash::flash_fwd_sm80", 64): 128,
+    ("cuflash::flash_fwd_sm80", 96): 192,
+    ("cuflash::flash_fwd_sm80", 128): 128,
+    ("cuflash::flash_bwd_sm80", 64): 512,
+    ("cuflash::flash_bwd_sm80", 96): 128,
+    ("cuflash::flash_bwd_sm80", 128): 256,
+    ("cuflash::flash_bwd_sm80", 192): 128,
+    ("cuflash::flash_bwd_sm80", 256): 832,
+}
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` if it names a target of compute capability 8.0 or newer that this NVRTC compiles
+    for (``sm_80``, ``sm_86``, ``sm_90``, ``sm_90a``, ...); ValueError naming it otherwise."""
+    match = re.fullmatch(r"sm_(\d+)(a?)", arch) if isinstance(arch, str) else None
+    known = [a for a in nvrtc.supported_archs() if a >= 80]
+    if match is None or int(match[1]) not in known or (match[2] and int(match[1]) < 90):
+        names = ", ".join(f"sm_{a}" for a in known)
+        raise ValueError(f"arch: expected one of {names} (or sm_90a and newer with the 'a' suffix), "
+                         f"the targets of compute capability 8.0 or newer that NVRTC "
+                         f"{nvrtc.version_text()} compiles for; got {arch!r}")
+    return arch
+
+
+def families(arch: str) -> tuple[str, ...]:
+    """The kernel families compiled for ``arch``: sm80's everywhere, sm90's (wgmma, setmaxnreg)
+    only for sm_90a."""
+    return ("sm80", "sm90") if arch == "sm_90a" else ("sm80",)
+
+
+def representative_kernel() -> dispatch.KernelChoice:
+    """The one compile ``python -m cuflash`` runs without a GPU: the sm80 forward kernel most calls
+    take (head_dim 128, bfloat16, causal)."""
+    return dispatch.forward_kernel("sm80", 128, "causal", "bfloat16")
+
+
+def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
+    """A few instantiations of ``family`` that between them reach every kernel source and template
+    switch: the smallest and largest head dims, both dtypes, each mask, softcap, each dQ order,
+    and sm80's two-CTA backward tile."""
+    if family == "sm80":
+        return [
+            dispatch.forward_kernel("sm80", 64, "none", "float16"),
+            representative_kernel(),
+            dispatch.forward_kernel("sm80", 256, "window", "bfloat16", softcap=True),
+            *dispatch.backward_kernels("sm80", 64, "causal", "float16", dq_order="walk"),
+            dispatch.backward_kernels("sm80", 256, "window", "bfloat16", softcap=True)[1],
+        ]
+    return [
+        dispatch.forward_kernel("sm90", 64, "causal", "float16", short=True),
+        dispatch.forward_kernel("sm90", 128, "none", "bfloat16"),
+        dispatch.forward_kernel("sm90", 256, "window", "bfloat16", softcap=True),
+        dispatch.backward_kernels("sm90", 64, "causal", "float16", dq_order="walk")[1],
+        dispatch.backward_kernels("sm90", 128, "window", "bfloat16", softcap=True, dq_order="turns")[1],
+    ]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One instantiation compiled: the kernel, or NVRTC's error message."""
+
+    choice: dispatch.KernelChoice
+    compiled: kernels.CompiledKernel | None
+    error: str | None = None
+
+    @property
+    def spill_bytes(self) -> int:
+        resources = self.compiled.resources()
+        return resources["spill_stores"] + resources["spill_loads"]
+
+
+def _compile(choice: dispatch.KernelChoice, arch: str) -> Outcome:
+    try:
+        return Outcome(choice, kernels.compile_kernel(choice, arch, use_cache=False))
+    except nvrtc.CompileError as error:
+        return Outcome(choice, None, str(error))
+
+
+def compile_all(choices: list[dispatch.KernelChoice], arch: str, jobs: int | None = None) -> list[Outcome]:
+    """Compile every one of ``choices`` for ``arch`` (no disk cache) in ``jobs`` processes (default:
+    one per CPU this process may use; none for a single kernel); the outcomes in the order of
+    ``choices``. The processes are spawned, so a script that calls this needs the usual
+    ``if __name__ == "__main__":`` guard."""
+    jobs = min(jobs or len(os.sched_getaffinity(0)), len(choices))
+    if jobs <= 1:
+        return [_compile(choice, arch) for choice in choices]
+    # spawn, not fork: the caller may run threads (torch's, a BLAS pool), and a child forked from a
+    # multi-threaded process can deadlock on a lock one of them held.
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_compile, choices, [arch] * len(choices)))
+
+
+def spill_allowance(choice: dispatch.KernelChoice) -> int:
+    """The spill bytes ``choice`` may have (SPILL_ALLOWANCE; 0 for a kernel not in it)."""
+    template, _, arguments = choice.name_expression.partition("<")
+    bucket = arguments.split(",")[0]
+    return SPILL_ALLOWANCE.get((template, int(bucket)), 0) if bucket.isdigit() else 0
+
+
+def verdict(outcomes: list[Outcome], arch: str) -> tuple[list[str], str]:
+    """(one line per problem: a failed compile or a spill over its allowance, the one-line
+    verdict)."""
+    problems = [f"FAILED {o.choice.name_expression}\n{o.error}" for o in outcomes if o.compiled is None]
+    compiled = [o for o in outcomes if o.compiled is not None]
+    over = [o for o in compiled if o.spill_bytes > spill_allowance(o.choice)]
+    problems += [f"SPILLS {o.choice.name_expression}: {o.spill_bytes} B, allowed {spill_allowance(o.choice)} B"
+                 for o in over]
+    spilling = sum(1 for o in compiled if o.spill_bytes)
+    summary = (f"{arch}: {len(compiled)} of {len(outcomes)} kernels compiled; {spilling} spill, "
+               f"{spilling - len(over)} of them within the sm80 register-ceiling allowance")
+    if problems:
+        return problems, f"{summary}; PROBLEM: {len(outcomes) - len(compiled)} failed, {len(over)} spill too much"
+    return problems, f"{summary}; ok"

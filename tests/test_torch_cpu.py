@@ -1,0 +1,121 @@
+"""cuflash.torch on CPU tensors: the custom ops run cuflash's CPU path (as NumPy arrays do), forward
+and backward through autograd, checked against the float64 reference with the correctness rule:
+``max|got - ref| <= 2 * max|lowp - ref| + atol``, lowp the naive attention computed by torch in
+the inputs' dtype."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import reference
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch, a CPU build is enough)")
+ct = pytest.importorskip("cuflash.torch")
+
+ATOL = 1e-5
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def random_tensor(rng, shape, dtype):
+    return torch.from_numpy(rng.standard_normal(shape)).to(dtype).requires_grad_()
+
+
+def float64(t: torch.Tensor) -> np.ndarray:
+    return t.detach().double().numpy()
+
+
+def naive_attention(q, k, v, causal, scale):
+    """The same-dtype baseline, with autograd: S = q k^T * scale in float32 rounded to the inputs'
+    dtype, softmax in float32, P rounded, P v; GQA heads repeated; flash-attn's bottom-right
+    causal mask; rows that see no key give 0."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (x.repeat_interleave(group, dim=2) for x in (k, v))
+    scores = (torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale).to(q.dtype).float()
+    allowed = torch.from_numpy(reference.allowed_keys(q.shape[1], k.shape[1], causal=causal))
+    # A finite fill, not -inf, so that a row with no key gives no NaN forward or backward.
+    probs = torch.softmax(scores.masked_fill(~allowed, -1e30), dim=-1) * allowed
+    return torch.einsum("bhqk,bkhd->bqhd", probs.to(q.dtype), v)
+
+
+def assert_rule(name, got, ref, lowp):
+    ok, err, bound = reference.max_error_bound(float64(got), ref, float64(lowp), atol=ATOL)
+    assert ok, f"{name}: max error {err:.3e} over the bound {bound:.3e}"
+
+
+def lowp_gradients(q, k, v, dout, causal, scale):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = naive_attention(*leaves, causal, scale)
+    out.backward(dout)
+    return out, [x.grad for x in leaves]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens, heads", [((17, 113), (4, 4)), ((113, 17), (4, 2)), ((1, 64), (6, 1))])
+def test_attention_forward_and_backward_on_cpu(dtype, causal, seqlens, heads):
+    rng = np.random.default_rng()
+    (seqlen_q, seqlen_k), (heads_q, heads_kv) = seqlens, heads
+    q = random_tensor(rng, (2, seqlen_q, heads_q, 64), dtype)
+    k, v = (random_tensor(rng, (2, seqlen_k, heads_kv, 64), dtype) for _ in range(2))
+    dout = torch.from_numpy(rng.standard_normal(q.shape)).to(dtype)
+    scale = 1 / math.sqrt(64)
+
+    out = ct.attention(q, k, v, causal=causal)
+    out.backward(dout)
+    assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
+
+    ref_out, _ = reference.attention_reference(float64(q), float64(k), float64(v), causal=causal)
+    ref_grads = reference.attention_backward_reference(float64(dout), float64(q), float64(k), float64(v),
+                                                       causal=causal)
+    lowp_out, lowp_grads = lowp_gradients(q, k, v, dout, causal, scale)
+    assert_rule("out", out, ref_out, lowp_out)
+    for name, got, ref, lowp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads, lowp_grads):
+        assert_rule(name, got, ref, lowp)
+
+
+def test_flash_attn_varlen_func_on_cpu():
+    rng = np.random.default_rng()
+    lengths_q, lengths_k = [5, 0, 33], [40, 7, 33]
+    cu_q, cu_k = (torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32) for n in (lengths_q, lengths_k))
+    q = random_tensor(rng, (sum(lengths_q), 4, 64), torch.bfloat16)
+    k, v = (random_tensor(rng, (sum(lengths_k), 2, 64), torch.bfloat16) for _ in range(2))
+    dout = torch.from_numpy(rng.standard_normal(q.shape)).to(torch.bfloat16)
+
+    out = ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True)
+    out.backward(dout)
+
+    ref_out, _ = reference.attention_varlen_reference(float64(q), float64(k), float64(v), cu_q.numpy(),
+                                                      cu_k.numpy(), causal=True)
+    ref_grads = reference.attention_varlen_backward_reference(float64(dout), float64(q), float64(k), float64(v),
+                                                              cu_q.numpy(), cu_k.numpy(), causal=True)
+    lowp_grads = [torch.zeros_like(x) for x in (q, k, v)]
+    lowp_out = torch.zeros_like(q)
+    for i in range(len(lengths_q)):
+        rows, keys = slice(*cu_q[i:i + 2].tolist()), slice(*cu_k[i:i + 2].tolist())
+        o, grads = lowp_gradients(q[None, rows], k[None, keys], v[None, keys], dout[None, rows], True, 1 / 8)
+        lowp_out[rows] = o[0].detach()
+        for lowp, grad, part in zip(lowp_grads, grads, (rows, keys, keys)):
+            lowp[part] = grad[0]
+    assert_rule("out", out, ref_out, lowp_out)
+    for name, got, ref, lowp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads, lowp_grads):
+        assert_rule(name, got, ref, lowp)
+
+
+def test_flash_attn_func_on_cpu_matches_attention_bitwise():
+    rng = np.random.default_rng()
+    q, k, v = (random_tensor(rng, (1, 31, 2, 128), torch.float16) for _ in range(3))
+    expected = ct.attention(q, k, v, causal=True, window=(8, 0), softcap=5.0)
+    got = ct.flash_attn_func(q, k, v, causal=True, window_size=(8, 0), softcap=5.0)
+    assert torch.equal(got, expected)
+
+
+def test_cpu_tensors_get_the_same_errors_as_numpy_arrays():
+    q = torch.randn(1, 4, 2, 64, dtype=torch.float16)
+    k = torch.randn(1, 4, 3, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="heads"):
+        ct.attention(q, k, k)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        ct.flash_attn_func(q, q, q, dropout_p=0.1)
