@@ -127,15 +127,16 @@ SM90_WIDE_TILES = {
 }
 
 
-# The backward's preprocess and convert kernels (sm80/flash_bwd.cu, kHelperThreads), which every
-# family runs around its main kernel.
+# Threads per block of the backward's preprocess and convert kernels (common/flash_bwd_helpers.cu,
+# their THREADS), which every family runs around its main kernel.
 HELPER_THREADS = 256
+HELPERS_SOURCE = "common/flash_bwd_helpers.cu"
 
 
 def helper_rows_per_block(head_dim: int) -> int:
     """Rows (of one head) that a block of the backward's preprocess and convert kernels covers:
     one thread per 8 columns, rounded up to a power of two and at least 8 per row, as
-    helper_row_threads in sm80/flash_bwd.cu."""
+    helper_row_threads in common/flash_bwd_helpers.cu."""
     row_threads = max(8, 1 << (-(-head_dim // 8) - 1).bit_length())
     return HELPER_THREADS // row_threads
 
@@ -309,10 +310,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     causal, window = _mask_flags(mask, softcap)
-    helpers = (
-        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", HELPER_THREADS, 0),
-        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", HELPER_THREADS, 0),
-    )
+    helpers = tuple(KernelChoice("sm80", HELPERS_SOURCE, f"cuflash::flash_bwd_{step}<{HELPER_THREADS}, {elem}>",
+                                 HELPER_THREADS, 0) for step in ("preprocess", "convert"))
     if family == "sm90":
         if backward_family(family, head_dim) != "sm90":
             raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}")

@@ -1,9 +1,10 @@
-// FlashAttention-3-style backward for Hopper (sm_90a), the main kernel between sm80's preprocess
-// (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels. One CTA per (block of 128
-// keys, head, batch) of three warpgroups. Warpgroup 0 is the producer: one thread loads K and V
-// once and streams the Q and dO blocks of 64 query rows by TMA through a ring of STAGES stages.
-// Warpgroups 1 and 2 are consumers, each owning 64 of the keys, with dK and dV in registers for
-// the whole loop. Per query block, in the transposed orientation so that the keys are wgmma's M:
+// FlashAttention-3-style backward for Hopper (sm_90a), the main kernel between the preprocess
+// (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels of common/flash_bwd_helpers.cu.
+// One CTA per (block of 128 keys, head, batch) of three warpgroups. Warpgroup 0 is the producer:
+// one thread loads K and V once and streams the Q and dO blocks of 64 query rows by TMA through a
+// ring of STAGES stages. Warpgroups 1 and 2 are consumers, each owning 64 of the keys, with dK and
+// dV in registers for the whole loop. Per query block, in the transposed orientation so that the
+// keys are wgmma's M:
 //   S^T = K Q^T and dP^T = V dO^T   (shared-memory wgmma),
 //   P^T = exp2(S^T scale log2(e) - lse log2(e)), dS^T = P^T (dP^T - delta)   (registers),
 //   dV += P^T dO and dK += dS^T Q   (register-A wgmma, Q and dO read MN-major as stored),
