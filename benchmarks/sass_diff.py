@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/sass_diff.py /tmp/main [--jobs 2] [--limit N] [--family sm80]
 
 The old tree is a checkout root holding ``cuda_src/`` and ``cuflash/dispatch.py``; the new one is
-this checkout. Each tree's own ``dispatch.all_kernels`` lists its instantiations (sm80's compiled
+this checkout unless ``--new-root`` names another (the sources must not change during a run). Each tree's own ``dispatch.all_kernels`` lists its instantiations (sm80's compiled
 for sm_80, sm90's for sm_90a, with the options cuflash compiles with), paired by position: the
 lists enumerate the same switches in the same order, so a kernel that changes its template
 arguments or its name still meets its counterpart. Each cubin's code (``nvdisasm -c -hex``: instructions
@@ -94,6 +94,7 @@ def cache_file(cache: Path, fingerprint: str, source: str, expression: str, arch
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("old_root", type=Path, help="checkout root of the old version (cuda_src/, cuflash/)")
+    parser.add_argument("--new-root", type=Path, default=CHECKOUT, help="of the new version (default: this checkout)")
     parser.add_argument("--family", choices=sorted(ARCHES), action="append", help="default: both")
     parser.add_argument("--limit", type=int, help="only the first N kernels of each family")
     parser.add_argument("--jobs", type=int, default=2, help="parallel NVRTC processes (default 2)")
@@ -102,7 +103,7 @@ def main() -> int:
     parser.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "cuflash-sass")
     args = parser.parse_args()
     args.cache.mkdir(parents=True, exist_ok=True)
-    roots = (args.old_root.resolve(), CHECKOUT)
+    roots = (args.old_root.resolve(), args.new_root.resolve())
     prints = [tree_fingerprint(root) for root in roots]
 
     pairs, jobs = [], {}

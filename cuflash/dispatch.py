@@ -243,12 +243,12 @@ def forward_kernel(
         q_buffers = 2 if _sm90_fwd_smem(tile, kernel_dim, 2) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN else 1
         smem = _sm90_fwd_smem(tile, kernel_dim, q_buffers)
         expr = (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {q_buffers}, "
-                f"{flags}>")
+                f"{smem}, {flags}>")
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
-    expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {flags}>"
     # Q tile plus one K and one V tile.
     smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2
+    expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, {flags}>"
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
 
 
@@ -316,23 +316,23 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
         if backward_family(family, head_dim) != "sm90":
             raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}")
         tile = tile or SM90_BWD_TILES[bucket]
-        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(causal)}, {_cpp(window)}, "
-                f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
         # 64 queries), the fp32 dQ block, plus 1 KiB to align the window to the swizzle's
         # 1024-byte period.
         smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + 1024)
+        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {smem}, {_cpp(causal)}, {_cpp(window)}, "
+                f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
                                    blocks_slowest=causal and dq_order != "walk")
         return helpers[0], main_choice, helpers[1]
     tile = tile or SM80_BWD_TILES[bucket]
-    main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
-            f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, {elem}>")
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
     # buffers each of the rows' fp32 log-sum-exp and delta.
     smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
             + 4 * tile.block_m * 4)
+    main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
+            f"{smem}, {_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, {elem}>")
     return (helpers[0], KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
                                      blocks_slowest=causal and dq_order != "walk"), helpers[1])
 

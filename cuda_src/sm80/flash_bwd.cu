@@ -73,8 +73,10 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
 //                               accumulators living in registers for the whole loop;
 //   dQ = dS K:                 warps as Q_ROW_WARPS (rows) x Q_D_WARPS (head_dim slices).
 // P and dS go through shared memory between the layouts.
-// CAUSAL, WINDOW: the mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh).
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, bool CAUSAL, bool WINDOW, bool SOFTCAP,
+// SMEM_BYTES: the dynamic shared memory the host launches with (dispatch.backward_kernels), checked
+// against the tiles below. CAUSAL, WINDOW: the mask (common/mask.cuh); SOFTCAP: tanh-capped scores
+// (common/softcap.cuh).
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP,
           bool DETERMINISTIC, class Elem>
 __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
   constexpr int THREADS = WARPS * 32;
@@ -105,6 +107,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
   // with two warps per scheduler to hide it.
   float* const sLse = reinterpret_cast<float*>(sdS + BLOCK_M * BLOCK_N);
   float* const sDelta = sLse + 2 * BLOCK_M;
+  static_assert(SMEM_BYTES == ((2 * BLOCK_N + 4 * BLOCK_M) * ROW_ELEMS + 2 * BLOCK_M * BLOCK_N) * sizeof(u16) +
+                                  4 * BLOCK_M * sizeof(float),
+                "the host's shared memory differs from the tiles and statistics");
   constexpr u32 kQBufferBytes = BLOCK_M * ROW_ELEMS * 2;
 
   // Default mode: one key block per CTA. Causal key blocks differ in length, so the grid puts

@@ -14,9 +14,10 @@ namespace cuflash {
 
 // HEAD_DIM: the head-dim bucket (the real head_dim may be smaller; the rest is zero-filled).
 // BLOCK_M query rows per CTA, BLOCK_N keys per step, WARPS warps each owning BLOCK_M / WARPS
-// query rows. CAUSAL, WINDOW: the mask (common/mask.cuh). SOFTCAP: tanh-capped scores
-// (common/softcap.cuh). Elem: f16 or bf16.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
+// query rows. SMEM_BYTES: the dynamic shared memory the host launches with
+// (dispatch.forward_kernel), checked against the tiles below. CAUSAL, WINDOW: the mask
+// (common/mask.cuh). SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
 __global__ void __launch_bounds__(WARPS * 32)
     flash_fwd_sm80(const __grid_constant__ FwdParams p) {
   constexpr int THREADS = WARPS * 32;
@@ -32,6 +33,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   u16* const sQ = reinterpret_cast<u16*>(smem);
   u16* const sK = sQ + BLOCK_M * ROW_ELEMS;
   u16* const sV = sK + BLOCK_N * ROW_ELEMS;
+  static_assert(SMEM_BYTES == (BLOCK_M + 2 * BLOCK_N) * ROW_ELEMS * sizeof(u16),
+                "the host's shared memory differs from the Q, K and V tiles");
 
   // Grid (m_blocks, heads, batch), or (heads, batch, m_blocks) when causal: causal query blocks
   // near the end of the sequence see the most keys, and with the block index slowest and

@@ -113,10 +113,12 @@ __device__ __forceinline__ void pass_turn(int* counter) {
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
 // blocks see only the query blocks its range reaches); SOFTCAP: tanh-capped scores
 // (common/softcap.cuh), which run the window kernel for every mask (dispatch._mask_flags).
-// DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16.
-template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER, class Elem>
+// DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16. SMEM_BYTES: the dynamic
+// shared memory the host launches with (dispatch.backward_kernels), checked against BwdSmem.
+template <int HEAD_DIM, int STAGES, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
   using Smem = BwdSmem<HEAD_DIM, STAGES>;
+  static_assert(SMEM_BYTES == Smem::BYTES + kSmemAlignSlack, "the host's shared memory differs from BwdSmem");
   constexpr bool WALK = DQ_ORDER == kDqWalk;
   constexpr bool TURNS = DQ_ORDER == kDqTurns;
   // The consumer warpgroups computing dQ (at head_dim 64 only the first) and the writer warp.
@@ -132,7 +134,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   __shared__ u64 kv_full, kv_empty;
   __shared__ u64 qd_full[STAGES], qd_empty[STAGES];
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* const smem = aligned_smem_base(smem_raw);
 
   // As sm80's backward: one key block per CTA, causal key blocks slowest in the grid, the first
   // (seeing the most queries) dispatched first; walking CTAs walk theirs (above). Taking turns

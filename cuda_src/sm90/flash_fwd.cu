@@ -135,15 +135,17 @@ __device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile
 // tile's Q arrives during this tile's main loop instead of after its epilogue, a latency that
 // short tiles (short causal rows, windows) otherwise pay once per tile. Every role walks the
 // same tiles and key blocks, so the ring positions, buffers and barrier phases agree without any
-// other exchange.
-template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, bool CAUSAL, bool WINDOW, bool SOFTCAP,
-          class Elem>
+// other exchange. SMEM_BYTES: the dynamic shared memory the host launches with
+// (dispatch.forward_kernel), checked against Smem below.
+template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
+          bool SOFTCAP, class Elem>
 __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
   using Groups = Warpgroups<CONSUMERS>;
   constexpr int kBlockM = Groups::BLOCK_M;
   using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS>;
   static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");
+  static_assert(SMEM_BYTES == Smem::BYTES + kSmemAlignSlack, "the host's shared memory differs from FwdSmem");
   constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S (and NT / 2 k-slices of P V)
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of O
   const FwdParams& a = p.base;
@@ -153,9 +155,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
   // wgmma have read the stage; for Q: its epilogue has read O back out of Q's buffer).
   __shared__ u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
   __shared__ u64 k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
-  // The dynamic window's alignment is not promised; the host adds 1 KiB of slack to round up.
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* const smem = aligned_smem_base(smem_raw);
 
   if (threadIdx.x == 0) {
 #pragma unroll
