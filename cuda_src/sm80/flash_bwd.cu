@@ -13,6 +13,7 @@
 #include "common/smem.cuh"
 #include "common/softcap.cuh"
 #include "common/types.cuh"
+#include "sm80/warp_gemm.cuh"
 
 namespace cuflash {
 
@@ -76,8 +77,8 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
 // SMEM_BYTES: the dynamic shared memory the host launches with (dispatch.backward_kernels), checked
 // against the tiles below. CAUSAL, WINDOW: the mask (common/mask.cuh); SOFTCAP: tanh-capped scores
 // (common/softcap.cuh).
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP,
-          bool DETERMINISTIC, class Elem>
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
+          bool SOFTCAP, bool DETERMINISTIC, class Elem>
 __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
   constexpr int THREADS = WARPS * 32;
   constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;
@@ -202,12 +203,8 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
     cp_async_commit();
 
     float dk[2][KV_NT][4], dv[2][KV_NT][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < KV_NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[mt][nt][e] = dv[mt][nt][e] = 0.f;
+    clear(dk);
+    clear(dv);
 
     for (int step = 0; step < steps; ++step) {
       const int m = schedule.block_at(step);
@@ -221,34 +218,13 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 
       // S = Q K^T and dP = dO V^T: S_MT x 16 rows by 32 keys per warp.
       float s[S_MT][4][4], dp[S_MT][4][4];
-#pragma unroll
-      for (int mt = 0; mt < S_MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        u32 aq[S_MT][4], ado[S_MT][4];
-#pragma unroll
-        for (int mt = 0; mt < S_MT; ++mt) {
-          ldmatrix_x4(aq[mt], q_a.at(mt * 16, ks * 16) + buffer_offset);
-          ldmatrix_x4(ado[mt], do_a.at(mt * 16, ks * 16) + buffer_offset);
-        }
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          u32 bk[4], bv[4];
-          ldmatrix_x4(bk, k_b.at(np * 16, ks * 16));
-          ldmatrix_x4(bv, v_b.at(np * 16, ks * 16));
-#pragma unroll
-          for (int mt = 0; mt < S_MT; ++mt) {
-            Elem::mma(s[mt][2 * np], aq[mt], bk[0], bk[1]);
-            Elem::mma(s[mt][2 * np + 1], aq[mt], bk[2], bk[3]);
-            Elem::mma(dp[mt][2 * np], ado[mt], bv[0], bv[1]);
-            Elem::mma(dp[mt][2 * np + 1], ado[mt], bv[2], bv[3]);
-          }
-        }
-      }
+      clear(s);
+      clear(dp);
+      u32 q_tiles[S_MT][4], do_tiles[S_MT][4], k_tiles[4], v_tiles[4];
+      warp_gemm<KSTEPS>(warp_product<Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_a, buffer_offset),
+                                           smem_operand<false>(k_b)),
+                        warp_product<Elem>(dp, do_tiles, v_tiles, smem_operand<false>(do_a, buffer_offset),
+                                           smem_operand<false>(v_b)));
 
       // Only blocks at the key sequence's end, on the causal diagonal or at a window's edges pay
       // for the mask.
@@ -265,53 +241,18 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
       __syncthreads();
 
       // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
-#pragma unroll
-      for (int kt = 0; kt < BLOCK_M / 16; ++kt) {
-        u32 apt[2][4], adst[2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          ldmatrix_x4_trans(apt[mt], p_t.at(kt * 16, mt * 16));
-          ldmatrix_x4_trans(adst[mt], ds_t.at(kt * 16, mt * 16));
-        }
-#pragma unroll
-        for (int np = 0; np < KV_NT / 2; ++np) {
-          u32 bdo[4], bq[4];
-          ldmatrix_x4_trans(bdo, do_bt.at(kt * 16, np * 16) + buffer_offset);
-          ldmatrix_x4_trans(bq, q_bt.at(kt * 16, np * 16) + buffer_offset);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            Elem::mma(dv[mt][2 * np], apt[mt], bdo[0], bdo[1]);
-            Elem::mma(dv[mt][2 * np + 1], apt[mt], bdo[2], bdo[3]);
-            Elem::mma(dk[mt][2 * np], adst[mt], bq[0], bq[1]);
-            Elem::mma(dk[mt][2 * np + 1], adst[mt], bq[2], bq[3]);
-          }
-        }
-      }
+      u32 pt_tiles[2][4], dst_tiles[2][4], dot_tiles[4], qt_tiles[4];
+      warp_gemm<BLOCK_M / 16>(warp_product<Elem>(dv, pt_tiles, dot_tiles, smem_operand<true>(p_t),
+                                                 smem_operand<true>(do_bt, buffer_offset)),
+                              warp_product<Elem>(dk, dst_tiles, qt_tiles, smem_operand<true>(ds_t),
+                                                 smem_operand<true>(q_bt, buffer_offset)));
 
       // dQ = dS K: Q_ROWS x Q_COLS per warp, k over the BLOCK_N keys.
       float dq[Q_MT][Q_NT][4];
-#pragma unroll
-      for (int mt = 0; mt < Q_MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Q_NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dq[mt][nt][e] = 0.f;
-#pragma unroll
-      for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
-        u32 ads[Q_MT][4];
-#pragma unroll
-        for (int mt = 0; mt < Q_MT; ++mt) ldmatrix_x4(ads[mt], ds_a.at(mt * 16, kt * 16));
-#pragma unroll
-        for (int np = 0; np < Q_NT / 2; ++np) {
-          u32 bk[4];
-          ldmatrix_x4_trans(bk, k_bt.at(kt * 16, np * 16));
-#pragma unroll
-          for (int mt = 0; mt < Q_MT; ++mt) {
-            Elem::mma(dq[mt][2 * np], ads[mt], bk[0], bk[1]);
-            Elem::mma(dq[mt][2 * np + 1], ads[mt], bk[2], bk[3]);
-          }
-        }
-      }
+      clear(dq);
+      u32 ds_tiles[Q_MT][4], kt_tiles[4];
+      warp_gemm<BLOCK_N / 16>(
+          warp_product<Elem>(dq, ds_tiles, kt_tiles, smem_operand<false>(ds_a), smem_operand<true>(k_bt)));
 
       // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode),
       // unscaled (the convert kernel applies the softmax scale once per element). The buffer's
