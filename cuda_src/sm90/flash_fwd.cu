@@ -126,9 +126,9 @@ __device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile
 // warpgroups, 64 query rows each. BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the
 // mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
 //
-// Persistent: the CTAs walk the tiles round robin (tile_coord); the host sizes the grid
-// (api._sm90_ctas: one CTA per SM for equal tiles, one per tile where a mask makes them unequal
-// and the hardware's block scheduler balances them better). The producer runs ahead across
+// Persistent: the CTAs walk the tiles round robin (tile_coord); the host sizes the grid (one CTA
+// per SM for equal tiles, one per tile where a mask makes them unequal and the hardware's block
+// scheduler balances them better). The producer runs ahead across
 // tiles: the next tile's K and V stream into the ring while the consumers finish this one.
 // Q_BUFFERS (1 or 2) Q buffers take the tiles in turn, and a tile's Q waits only for the epilogue
 // of the last tile that used its buffer, which stages O there (q_empty): with two, the next
@@ -251,10 +251,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       unsigned char* const q_tile = smem + q_buffer * Smem::Q_BYTES;
 
       float o[1][DT][4];
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
+      clear(o);
       OnlineSoftmax<1> softmax;
       softmax.init();
       if (n_range.begin < n_range.end) {
@@ -293,7 +290,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         // intra-warpgroup overlap): the softmax of block n runs while the tensor cores still
         // multiply P V, and the rescale of o waits for that product. The two calls below inline
         // the step twice, with the mask and without: a mask test inside the step (even one that
-        // never passes) cost 4-5% at long causal lengths (benchmarks/NOTES.md, unmasked steps).
+        // never passes) cost 4-5% at long causal lengths.
         const auto step = [&](bool masked) {
           mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
           mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
