@@ -221,10 +221,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
       clear(s);
       clear(dp);
       u32 q_tiles[S_MT][4], do_tiles[S_MT][4], k_tiles[4], v_tiles[4];
-      warp_gemm<KSTEPS>(warp_product<Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_a, buffer_offset),
-                                           smem_operand<false>(k_b)),
-                        warp_product<Elem>(dp, do_tiles, v_tiles, smem_operand<false>(do_a, buffer_offset),
-                                           smem_operand<false>(v_b)));
+      warp_gemm_fused<KSTEPS, Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_a, buffer_offset),
+                                    smem_operand<false>(k_b), dp, do_tiles, v_tiles,
+                                    smem_operand<false>(do_a, buffer_offset), smem_operand<false>(v_b));
 
       // Only blocks at the key sequence's end, on the causal diagonal or at a window's edges pay
       // for the mask.
@@ -242,17 +241,15 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 
       // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
       u32 pt_tiles[2][4], dst_tiles[2][4], dot_tiles[4], qt_tiles[4];
-      warp_gemm<BLOCK_M / 16>(warp_product<Elem>(dv, pt_tiles, dot_tiles, smem_operand<true>(p_t),
-                                                 smem_operand<true>(do_bt, buffer_offset)),
-                              warp_product<Elem>(dk, dst_tiles, qt_tiles, smem_operand<true>(ds_t),
-                                                 smem_operand<true>(q_bt, buffer_offset)));
+      warp_gemm_fused<BLOCK_M / 16, Elem>(dv, pt_tiles, dot_tiles, smem_operand<true>(p_t),
+                                          smem_operand<true>(do_bt, buffer_offset), dk, dst_tiles, qt_tiles,
+                                          smem_operand<true>(ds_t), smem_operand<true>(q_bt, buffer_offset));
 
       // dQ = dS K: Q_ROWS x Q_COLS per warp, k over the BLOCK_N keys.
       float dq[Q_MT][Q_NT][4];
       clear(dq);
       u32 ds_tiles[Q_MT][4], kt_tiles[4];
-      warp_gemm<BLOCK_N / 16>(
-          warp_product<Elem>(dq, ds_tiles, kt_tiles, smem_operand<false>(ds_a), smem_operand<true>(k_bt)));
+      warp_gemm<BLOCK_N / 16, Elem>(dq, ds_tiles, kt_tiles, smem_operand<false>(ds_a), smem_operand<true>(k_bt));
 
       // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode),
       // unscaled (the convert kernel applies the softmax scale once per element). The buffer's

@@ -100,8 +100,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       float s[MT][NT][4];
       clear(s);
       u32 q_tiles[MT][4], k_tiles[4];
-      warp_gemm<KSTEPS>(
-          warp_product<Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag)));
+      warp_gemm<KSTEPS, Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag));
 
       if (SOFTCAP) softcap_scores(s, p.softcap_tanh_scale);
       if (needs_mask<BLOCK_M, BLOCK_N>(mask, m_block, n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
@@ -121,8 +120,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 
       // O += P V: P straight from the S registers; V (keys x d, row-major) read k-major.
       u32 p_tiles[MT][4], v_tiles[4];
-      warp_gemm<BLOCK_N / 16>(
-          warp_product<Elem>(o, p_tiles, v_tiles, register_operand<Elem>(s), smem_operand<true>(v_frag)));
+      warp_gemm<BLOCK_N / 16, Elem>(o, p_tiles, v_tiles, register_operand<Elem>(s), smem_operand<true>(v_frag));
     }
   }
 

@@ -1,8 +1,7 @@
 // The sm80 kernels' warp-level products: acc += A B per warp with mma.sync m16n8k16, A as MT tiles
 // of 16 rows, B as NT tiles of 8 columns, k in steps of 16. Each step loads every A tile once and
 // B 16 columns (two n8 tiles) at a time with one ldmatrix.x4, so each B fragment feeds 2 * MT
-// mma.sync. Products over the same k run fused, operand by operand (warp_gemm's pack), so that
-// each ldmatrix has several mma to hide behind.
+// mma.sync.
 #pragma once
 #include "common/smem.cuh"
 #include "common/types.cuh"
@@ -50,58 +49,60 @@ __device__ __forceinline__ RegisterOperand<Elem, MT, NT> register_operand(const 
   return {acc};
 }
 
-// acc += A B for one warp. a_tiles and b_tiles hold the fragments of the k step in flight, and the
-// caller declares them: arrays local to an inlined helper are laid out ahead of the caller's, and
-// that reorders ptxas's register assignment (the SASS changes; the instruction count does not).
-template <class Elem, int MT, int NT, class A, class B>
-struct WarpProduct {
-  float (&acc)[MT][NT][4];
-  u32 (&a_tiles)[MT][4];
-  u32 (&b_tiles)[4];
-  A a;
-  B b;
-
-  // Functions rather than static data members, which NVRTC would emit as unused globals.
-  __device__ static constexpr int m_tiles() { return MT; }
-  __device__ static constexpr int n_tiles() { return NT; }
-  __device__ __forceinline__ void load_a(int mt, int k) { a.load(a_tiles[mt], mt, k); }
-  __device__ __forceinline__ void load_b(int np, int k) { b.load(b_tiles, np, k); }
-  // Both n8 tiles of B's 16 columns np.
-  __device__ __forceinline__ void mma(int mt, int np) {
-    Elem::mma(acc[mt][2 * np], a_tiles[mt], b_tiles[0], b_tiles[1]);
-    Elem::mma(acc[mt][2 * np + 1], a_tiles[mt], b_tiles[2], b_tiles[3]);
-  }
-};
-
-template <class Elem, int MT, int NT, class A, class B>
-__device__ __forceinline__ WarpProduct<Elem, MT, NT, A, B> warp_product(float (&acc)[MT][NT][4], u32 (&a_tiles)[MT][4],
-                                                                        u32 (&b_tiles)[4], A a, B b) {
-  return {acc, a_tiles, b_tiles, a, b};
+// Both n8 tiles of B's 16 columns np times A tile mt.
+template <class Elem, int MT, int NT>
+__device__ __forceinline__ void mma_16_columns(float (&acc)[MT][NT][4], const u32 (&a)[4], const u32 (&b)[4], int mt,
+                                               int np) {
+  Elem::mma(acc[mt][2 * np], a, b[0], b[1]);
+  Elem::mma(acc[mt][2 * np + 1], a, b[2], b[3]);
 }
 
-// Runs K_STEPS k steps of one or more products (warp_product temporaries) of the same tile counts,
-// fused: per step each product's A tiles (tile by tile, product by product), then per 16 columns of
-// B each product's B fragment and its mma.sync.
-template <int K_STEPS, class First, class... Rest>
-__device__ __forceinline__ void warp_gemm(First&& first, Rest&&... rest) {
-  constexpr int MT = First::m_tiles(), NT = First::n_tiles();
-  static_assert(((Rest::m_tiles() == MT && Rest::n_tiles() == NT) && ...), "fused products share their tiles");
+// acc += A B over K_STEPS k steps, for one warp: per step the MT A tiles, then per 16 columns of B
+// its fragment and 2 * MT mma.sync. a_tiles and b_tiles hold the fragments of the step in flight;
+// the caller declares them, and passes everything by reference: arrays local to an inlined helper
+// are laid out ahead of the caller's, and a struct holding a reference to the accumulator delays
+// its promotion to registers; either reorders ptxas's register assignment (the SASS changes; the
+// instruction count does not).
+template <int K_STEPS, class Elem, int MT, int NT, class A, class B>
+__device__ __forceinline__ void warp_gemm(float (&acc)[MT][NT][4], u32 (&a_tiles)[MT][4], u32 (&b_tiles)[4], const A& a,
+                                          const B& b) {
+  static_assert(NT % 2 == 0, "B loads 16 columns at a time");
+#pragma unroll
+  for (int k = 0; k < K_STEPS; ++k) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) a.load(a_tiles[mt], mt, k);
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      b.load(b_tiles, np, k);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) mma_16_columns<Elem>(acc, a_tiles[mt], b_tiles, mt, np);
+    }
+  }
+}
+
+// Two products over the same k steps, fused operand by operand (A tile mt of each, then B of each
+// and their mma.sync), so that each ldmatrix has twice the mma.sync to hide behind.
+template <int K_STEPS, class Elem, int MT, int NT, class A1, class B1, class A2, class B2>
+__device__ __forceinline__ void warp_gemm_fused(float (&acc1)[MT][NT][4], u32 (&a1_tiles)[MT][4], u32 (&b1_tiles)[4],
+                                                const A1& a1, const B1& b1, float (&acc2)[MT][NT][4],
+                                                u32 (&a2_tiles)[MT][4], u32 (&b2_tiles)[4], const A2& a2,
+                                                const B2& b2) {
   static_assert(NT % 2 == 0, "B loads 16 columns at a time");
 #pragma unroll
   for (int k = 0; k < K_STEPS; ++k) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      first.load_a(mt, k);
-      (rest.load_a(mt, k), ...);
+      a1.load(a1_tiles[mt], mt, k);
+      a2.load(a2_tiles[mt], mt, k);
     }
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
-      first.load_b(np, k);
-      (rest.load_b(np, k), ...);
+      b1.load(b1_tiles, np, k);
+      b2.load(b2_tiles, np, k);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        first.mma(mt, np);
-        (rest.mma(mt, np), ...);
+        mma_16_columns<Elem>(acc1, a1_tiles[mt], b1_tiles, mt, np);
+        mma_16_columns<Elem>(acc2, a2_tiles[mt], b2_tiles, mt, np);
       }
     }
   }

@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   __shared__ u64 kv_full, kv_empty;
   __shared__ u64 qd_full[STAGES], qd_empty[STAGES];
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* const smem = aligned_smem_base(smem_raw);
+  unsigned char* const smem =
+      smem_raw + ((kSmemAlignSlack - (smem_addr(smem_raw) & (kSmemAlignSlack - 1))) & (kSmemAlignSlack - 1));
 
   // As sm80's backward: one key block per CTA, causal key blocks slowest in the grid, the first
   // (seeing the most queries) dispatched first; walking CTAs walk theirs (above). Taking turns

@@ -156,7 +156,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
   __shared__ u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
   __shared__ u64 k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* const smem = aligned_smem_base(smem_raw);
+  unsigned char* const smem =
+      smem_raw + ((kSmemAlignSlack - (smem_addr(smem_raw) & (kSmemAlignSlack - 1))) & (kSmemAlignSlack - 1));
 
   if (threadIdx.x == 0) {
 #pragma unroll
