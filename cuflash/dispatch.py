@@ -280,7 +280,9 @@ SM90_BWD_TILES = {
 
 
 # The sm90 backward's fp32 dQ rows are 4 columns wider than the bucket (kDqRowPad in
-# cuda_src/sm90/flash_bwd.cu: bank skew for the block it stages in shared memory).
+# cuda_src/sm90/flash_bwd.cu: bank skew for the block it stages in shared memory). The block is
+# part of the shared memory the kernel checks against its template argument, so the compile check
+# fails if the two pads differ.
 SM90_BWD_DQ_ROW_PAD = 4
 
 

@@ -55,7 +55,7 @@ constexpr int kDqWalk = 1;
 constexpr int kDqTurns = 2;
 // fp32 dQ rows (global and staged) are the head-dim bucket plus 4 unused columns: 16 bytes of skew
 // put the 8 rows a warp's accumulator stores touch at once in different banks. Mirrored by
-// dispatch.SM90_BWD_DQ_ROW_PAD.
+// dispatch.SM90_BWD_DQ_ROW_PAD, which the host's shared-memory size (SMEM_BYTES) checks.
 constexpr int kDqRowPad = 4;
 // Registers after setmaxnreg, as in the forward: 168 at entry, the producer's freed 144 x 128
 // are the consumers' extra 72 x 256.
