@@ -152,15 +152,16 @@ SM90_WIDE_TILES = {
 }
 
 
-# The backward's preprocess and convert kernels (sm80/flash_bwd.cu, kHelperThreads), which every
-# family runs around its main kernel.
+# Threads per block of the backward's preprocess and convert kernels (common/flash_bwd_helpers.cu,
+# their THREADS), which every family runs around its main kernel.
 HELPER_THREADS = 256
+HELPERS_SOURCE = "common/flash_bwd_helpers.cu"
 
 
 def helper_rows_per_block(head_dim: int) -> int:
     """Rows (of one head) that a block of the backward's preprocess and convert kernels covers:
     one thread per 8 columns, rounded up to a power of two and at least 8 per row, as
-    helper_row_threads in sm80/flash_bwd.cu."""
+    helper_row_threads in common/flash_bwd_helpers.cu."""
     row_threads = max(8, 1 << (-(-head_dim // 8) - 1).bit_length())
     return HELPER_THREADS // row_threads
 
@@ -267,12 +268,12 @@ def forward_kernel(
         q_buffers = 2 if _sm90_fwd_smem(tile, kernel_dim, 2) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN else 1
         smem = _sm90_fwd_smem(tile, kernel_dim, q_buffers)
         expr = (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {q_buffers}, "
-                f"{flags}>")
+                f"{smem}, {flags}>")
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
-    expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {flags}>"
     # Q tile plus one K and one V tile.
     smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2
+    expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, {flags}>"
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
 
 
@@ -304,7 +305,9 @@ SM90_BWD_TILES = {
 
 
 # The sm90 backward's fp32 dQ rows are 4 columns wider than the bucket (kDqRowPad in
-# cuda_src/sm90/flash_bwd.cu: bank skew for the block it stages in shared memory).
+# cuda_src/sm90/flash_bwd.cu: bank skew for the block it stages in shared memory). The block is
+# part of the shared memory the kernel checks against its template argument, so the compile check
+# fails if the two pads differ.
 SM90_BWD_DQ_ROW_PAD = 4
 
 
@@ -334,31 +337,29 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     bucket = head_dim_bucket(head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     causal, window = _mask_flags(mask, softcap)
-    helpers = (
-        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_preprocess_sm80<{elem}>", HELPER_THREADS, 0),
-        KernelChoice("sm80", "sm80/flash_bwd.cu", f"cuflash::flash_bwd_convert_sm80<{elem}>", HELPER_THREADS, 0),
-    )
+    helpers = tuple(KernelChoice("sm80", HELPERS_SOURCE, f"cuflash::flash_bwd_{step}<{HELPER_THREADS}, {elem}>",
+                                 HELPER_THREADS, 0) for step in ("preprocess", "convert"))
     if family == "sm90":
         if backward_family(family, head_dim) != "sm90":
             raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}")
         tile = tile or SM90_BWD_TILES[bucket]
-        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {_cpp(causal)}, {_cpp(window)}, "
-                f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
         # 64 queries), the fp32 dQ block, plus 1 KiB to align the window to the swizzle's
         # 1024-byte period.
         smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + 1024)
+        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {smem}, {_cpp(causal)}, {_cpp(window)}, "
+                f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
                                    blocks_slowest=causal and dq_order != "walk")
         return helpers[0], main_choice, helpers[1]
     tile = tile or SM80_BWD_TILES[bucket]
-    main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
-            f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, {elem}>")
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
     # buffers each of the rows' fp32 log-sum-exp and delta.
     smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
             + 4 * tile.block_m * 4)
+    main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
+            f"{smem}, {_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, {elem}>")
     return (helpers[0], KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
                                      blocks_slowest=causal and dq_order != "walk"), helpers[1])
 

@@ -5,6 +5,8 @@ verdict, its --arch validation and ``python -m cuflash`` without a GPU."""
 import ctypes
 from dataclasses import replace
 
+import dataclasses
+
 import pytest
 
 from cuflash import __main__ as cli
@@ -108,3 +110,14 @@ def test_disk_cache_key_follows_header_content(tmp_path, monkeypatch):
 def test_compile_error_carries_the_log():
     with pytest.raises(nvrtc.CompileError, match="error"):
         nvrtc.compile_program("this is not C++", "bad.cu", ["-arch=sm_80"], [])
+
+
+@pytest.mark.parametrize("family, arch", [("sm80", "sm_80"), ("sm90", "sm_90a")])
+def test_shared_memory_the_host_and_a_kernel_disagree_on_fails_the_compile(family, arch):
+    # Every main kernel takes the bytes the host launches with and static_asserts its own layout.
+    for choice in (dispatch.forward_kernel(family, 64, "causal", "float16"),
+                   dispatch.backward_kernels(family, 64, "causal", "float16")[1]):
+        wrong = choice.name_expression.replace(f", {choice.smem_bytes}, ", f", {choice.smem_bytes + 128}, ")
+        assert wrong != choice.name_expression
+        with pytest.raises(nvrtc.CompileError, match="shared memory differs"):
+            kernels.compile_kernel(dataclasses.replace(choice, name_expression=wrong), arch, use_cache=False)

@@ -78,7 +78,7 @@ def test_sm90_dispatch():
         assert choice.family == "sm90" and choice.source == "sm90/flash_fwd.cu"
         assert choice.threads == 128 * (consumers + 1) and choice.tile.block_m == block_m
         assert choice.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{bucket}, {consumers}, {block_n}, {stages}, "
-                                          f"{q_buffers}, true, false, false, cuflash::bf16>")
+                                          f"{q_buffers}, {choice.smem_bytes}, true, false, false, cuflash::bf16>")
         assert choice.blocks_slowest
         room = dispatch.SM90_SMEM_BYTES - dispatch.SM90_STATIC_SMEM_MARGIN  # 226 KiB
         assert choice.smem_bytes == (q_buffers * block_m + 2 * stages * block_n) * bucket * 2 + 1024 <= room
@@ -92,7 +92,7 @@ def test_sm90_dispatch():
     assert dispatch.forward_kernel("sm90", 128, "causal", "float16", True).name_expression.endswith(
         "true, false, true, cuflash::f16>")
     assert dispatch.forward_kernel("sm90", 64, "none", "bfloat16", True).name_expression == (
-        "cuflash::sm90::flash_fwd_sm90<64, 3, 128, 4, 2, false, false, true, cuflash::bf16>")
+        "cuflash::sm90::flash_fwd_sm90<64, 3, 128, 4, 2, 181248, false, false, true, cuflash::bf16>")
     assert dispatch.forward_kernel("sm90", 64, "window", "bfloat16", True).tile.block_m == 128
     # Causal d64 over short sequences: two consumers; other masks and head dims keep their tiles.
     assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16", short=True).tile.block_m == 128
@@ -111,7 +111,7 @@ def test_sm90_dispatch():
             assert wide.tile == dispatch.Tile(128, block_n, 12, stages=2)
             # One Q buffer: a second would not fit beside the wide K and V stages.
             assert wide.name_expression == (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, 2, {block_n}, 2, 1, "
-                                            f"false, false, false, cuflash::f16>")
+                                            f"{wide.smem_bytes}, false, false, false, cuflash::f16>")
             assert wide.smem_bytes == (128 + 2 * 2 * block_n) * kernel_dim * 2 + 1024 <= 227 * 1024
         for mask, softcap in (("causal", False), ("window", False), ("none", True), ("causal", True)):
             tile = dispatch.forward_kernel("sm90", bucket, mask, "bfloat16", softcap).tile
@@ -127,7 +127,7 @@ def test_sm90_dispatch():
     # The sm90 backward main kernel: head dims up to 128, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
-    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, true, false, false, 0, cuflash::f16>"
+    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, 198656, true, false, false, 0, cuflash::f16>"
     assert main.threads == 384 and main.blocks_slowest
     assert not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
     walk = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", dq_order="walk")[1]
@@ -139,8 +139,8 @@ def test_sm90_dispatch():
     for mask in ("none", "causal", "window"):
         for dq_order in ("any", "turns"):
             capped = dispatch.backward_kernels("sm90", 64, mask, "bfloat16", True, dq_order)[1]
-            assert capped.name_expression == (f"cuflash::sm90::flash_bwd_sm90<64, 4, false, true, true, "
-                                              f"{dispatch.DQ_ORDERS.index(dq_order)}, cuflash::bf16>")
+            assert capped.name_expression == (f"cuflash::sm90::flash_bwd_sm90<64, 4, {capped.smem_bytes}, false, true, "
+                                              f"true, {dispatch.DQ_ORDERS.index(dq_order)}, cuflash::bf16>")
             assert not capped.blocks_slowest
     assert dispatch.dq_orders("sm90", "causal", softcap=True) == ("any", "turns")
     with pytest.raises(ValueError, match="dq_order"):

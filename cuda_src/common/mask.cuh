@@ -112,8 +112,9 @@ __device__ __forceinline__ BlockRange query_blocks(const Mask<CAUSAL, WINDOW>& m
 }
 
 // Whether some (query, key) pair of tile (m_block, n_block) with query < seqlen_q is masked,
-// keys past seqlen_k included. Other tiles skip Mask::apply. Rows past seqlen_q do not count:
-// their results are never stored.
+// keys past seqlen_k included. Rows past seqlen_q do not count: their results are never stored.
+// The other tiles are the kernels' unmasked steps: they skip Mask::apply, and the sm90 kernels run
+// them in a copy of the step compiled without the mask.
 template <int BLOCK_M, int BLOCK_N, bool CAUSAL, bool WINDOW>
 __device__ __forceinline__ bool needs_mask(const Mask<CAUSAL, WINDOW>& mask, int m_block, int n_block) {
   const int first_row = m_block * BLOCK_M;

@@ -86,7 +86,7 @@ struct BwdParams {
 static_assert(sizeof(BwdParams) == 392, "cuflash/params.py packs 392 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
-// `scale` times the in-order sum of `group` source values (flash_bwd_convert_sm80).
+// `scale` times the in-order sum of `group` source values (flash_bwd_convert).
 struct ConvertParams {
   const float* src;
   void* dst;

@@ -11,8 +11,7 @@ namespace cuflash {
 // forward was bound by those issue slots (1.43x the call without softcap at d128, 1.19x with
 // this). Its error, up to 2^-11 relative, is that of rounding the score to fp16, far inside what
 // the correctness rule's low-precision baseline spends on rounding S: measured against float64,
-// err / bound of out, dq, dk and dv did not grow in any of 24 cases (benchmarks/NOTES.md,
-// session 14).
+// err / bound of out, dq, dk and dv did not grow in any of 24 cases.
 // Saturates to exactly +-1 for large |y|; masks are applied after it, so it never sees -inf.
 template <int MT, int NT>
 __device__ __forceinline__ void softcap_scores(float (&s)[MT][NT][4], float tanh_scale) {

@@ -1,12 +1,10 @@
-// FlashAttention-2 backward for compute capability 8.0 and newer, in three launches:
-//   flash_bwd_preprocess_sm80: delta = rowsum(dO * O), a few lanes per query row;
+// FlashAttention-2 backward for compute capability 8.0 and newer, the main kernel between the
+// preprocess (delta = rowsum(dO * O)) and convert kernels of common/flash_bwd_helpers.cu:
 //   flash_bwd_sm80: a CTA keeps one key block's K and V in shared memory, walks the query blocks
 //     that can see them, recomputes P = exp(S - lse) from the forward's log-sum-exp (no stored P,
 //     nothing that grows with seqlen_q x seqlen_k), accumulates dK and dV in registers and adds
 //     its share of dQ into an fp32 buffer with reductions (deterministic mode: several key blocks
-//     per CTA, in order, into the CTA's own buffer);
-//   flash_bwd_convert_sm80: fp32 accumulators -> the gradients' dtype (dQ, summing the
-//     deterministic splits; dK and dV when several query heads share a K/V head).
+//     per CTA, in order, into the CTA's own buffer).
 #include "common/atomics.cuh"
 #include "common/bwd_schedule.cuh"
 #include "common/mask.cuh"
@@ -15,50 +13,9 @@
 #include "common/smem.cuh"
 #include "common/softcap.cuh"
 #include "common/types.cuh"
+#include "sm80/warp_gemm.cuh"
 
 namespace cuflash {
-
-// The preprocess and convert kernels give each row of a (row, head) head_dim / 8 threads, one
-// 16-byte vector of 16-bit elements each, rounded up to a power of two (a row's threads are then
-// aligned lanes of one warp, reduced with shuffles) and at least 8, so that one 256-thread block
-// covers 256 / row_threads rows (dispatch.helper_rows_per_block computes the same for the grid).
-// These kernels are bound by memory, and a warp per row would leave 16 or 24 of its 32 lanes
-// idle below head_dim 256 (benchmarks/NOTES.md, backward helpers v2).
-constexpr int kHelperThreads = 256;
-__device__ __forceinline__ int helper_row_threads(int head_dim) {
-  const int vectors = (head_dim + 7) / 8;
-  return vectors <= 8 ? 8 : 1 << (32 - __clz(vectors - 1));
-}
-
-template <class Elem>
-__global__ void __launch_bounds__(kHelperThreads) flash_bwd_preprocess_sm80(const __grid_constant__ BwdParams p) {
-  const int row_threads = helper_row_threads(p.head_dim);
-  const int col = (threadIdx.x & (row_threads - 1)) * 8;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const Sequence seq = sequence_of(p, batch);
-  const int row = blockIdx.x * (kHelperThreads / row_threads) + threadIdx.x / row_threads;
-  // Every lane stays to the shuffles (a full-warp mask); rows past the sequence add zeros.
-  const bool inside = row < seq.seqlen_q;
-  float sum = 0.f;
-  if (inside && col < p.head_dim) {
-    const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.o) + batch * p.o_batch_stride +
-                                                    (seq.q_begin + row) * p.o_row_stride + head * p.o_head_stride + col);
-    const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.dout) + batch * p.do_batch_stride +
-                                                    (seq.q_begin + row) * p.do_row_stride + head * p.do_head_stride +
-                                                    col);
-    const u32 ow[4] = {o.x, o.y, o.z, o.w};
-    const u32 dw[4] = {d.x, d.y, d.z, d.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 a = Elem::unpack(ow[i]);
-      const float2 b = Elem::unpack(dw[i]);
-      sum = fmaf(a.x, b.x, fmaf(a.y, b.y, sum));
-    }
-  }
-  for (int offset = row_threads / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-  if (inside && col == 0) p.delta[batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin + row] = sum;
-}
 
 // P = exp2(S * scale * log2(e) - lse * log2(e)) recomputed from the forward's LSE, 0 where masked
 // (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
@@ -117,9 +74,11 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
 //                               accumulators living in registers for the whole loop;
 //   dQ = dS K:                 warps as Q_ROW_WARPS (rows) x Q_D_WARPS (head_dim slices).
 // P and dS go through shared memory between the layouts.
-// CAUSAL, WINDOW: the mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh).
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, bool CAUSAL, bool WINDOW, bool SOFTCAP,
-          bool DETERMINISTIC, class Elem>
+// SMEM_BYTES: the dynamic shared memory the host launches with (dispatch.backward_kernels), checked
+// against the tiles below. CAUSAL, WINDOW: the mask (common/mask.cuh); SOFTCAP: tanh-capped scores
+// (common/softcap.cuh).
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
+          bool SOFTCAP, bool DETERMINISTIC, class Elem>
 __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
   constexpr int THREADS = WARPS * 32;
   constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;
@@ -149,6 +108,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
   // with two warps per scheduler to hide it.
   float* const sLse = reinterpret_cast<float*>(sdS + BLOCK_M * BLOCK_N);
   float* const sDelta = sLse + 2 * BLOCK_M;
+  static_assert(SMEM_BYTES == ((2 * BLOCK_N + 4 * BLOCK_M) * ROW_ELEMS + 2 * BLOCK_M * BLOCK_N) * sizeof(u16) +
+                                  4 * BLOCK_M * sizeof(float),
+                "the host's shared memory differs from the tiles and statistics");
   constexpr u32 kQBufferBytes = BLOCK_M * ROW_ELEMS * 2;
 
   // Default mode: one key block per CTA. Causal key blocks differ in length, so the grid puts
@@ -241,12 +203,8 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
     cp_async_commit();
 
     float dk[2][KV_NT][4], dv[2][KV_NT][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < KV_NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[mt][nt][e] = dv[mt][nt][e] = 0.f;
+    clear(dk);
+    clear(dv);
 
     for (int step = 0; step < steps; ++step) {
       const int m = schedule.block_at(step);
@@ -260,34 +218,12 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 
       // S = Q K^T and dP = dO V^T: S_MT x 16 rows by 32 keys per warp.
       float s[S_MT][4][4], dp[S_MT][4][4];
-#pragma unroll
-      for (int mt = 0; mt < S_MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] = dp[mt][nt][e] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        u32 aq[S_MT][4], ado[S_MT][4];
-#pragma unroll
-        for (int mt = 0; mt < S_MT; ++mt) {
-          ldmatrix_x4(aq[mt], q_a.at(mt * 16, ks * 16) + buffer_offset);
-          ldmatrix_x4(ado[mt], do_a.at(mt * 16, ks * 16) + buffer_offset);
-        }
-#pragma unroll
-        for (int np = 0; np < 2; ++np) {
-          u32 bk[4], bv[4];
-          ldmatrix_x4(bk, k_b.at(np * 16, ks * 16));
-          ldmatrix_x4(bv, v_b.at(np * 16, ks * 16));
-#pragma unroll
-          for (int mt = 0; mt < S_MT; ++mt) {
-            Elem::mma(s[mt][2 * np], aq[mt], bk[0], bk[1]);
-            Elem::mma(s[mt][2 * np + 1], aq[mt], bk[2], bk[3]);
-            Elem::mma(dp[mt][2 * np], ado[mt], bv[0], bv[1]);
-            Elem::mma(dp[mt][2 * np + 1], ado[mt], bv[2], bv[3]);
-          }
-        }
-      }
+      clear(s);
+      clear(dp);
+      u32 q_tiles[S_MT][4], do_tiles[S_MT][4], k_tiles[4], v_tiles[4];
+      warp_gemm_fused<KSTEPS, Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_a, buffer_offset),
+                                    smem_operand<false>(k_b), dp, do_tiles, v_tiles,
+                                    smem_operand<false>(do_a, buffer_offset), smem_operand<false>(v_b));
 
       // Only blocks at the key sequence's end, on the causal diagonal or at a window's edges pay
       // for the mask.
@@ -304,53 +240,16 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
       __syncthreads();
 
       // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
-#pragma unroll
-      for (int kt = 0; kt < BLOCK_M / 16; ++kt) {
-        u32 apt[2][4], adst[2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-          ldmatrix_x4_trans(apt[mt], p_t.at(kt * 16, mt * 16));
-          ldmatrix_x4_trans(adst[mt], ds_t.at(kt * 16, mt * 16));
-        }
-#pragma unroll
-        for (int np = 0; np < KV_NT / 2; ++np) {
-          u32 bdo[4], bq[4];
-          ldmatrix_x4_trans(bdo, do_bt.at(kt * 16, np * 16) + buffer_offset);
-          ldmatrix_x4_trans(bq, q_bt.at(kt * 16, np * 16) + buffer_offset);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            Elem::mma(dv[mt][2 * np], apt[mt], bdo[0], bdo[1]);
-            Elem::mma(dv[mt][2 * np + 1], apt[mt], bdo[2], bdo[3]);
-            Elem::mma(dk[mt][2 * np], adst[mt], bq[0], bq[1]);
-            Elem::mma(dk[mt][2 * np + 1], adst[mt], bq[2], bq[3]);
-          }
-        }
-      }
+      u32 pt_tiles[2][4], dst_tiles[2][4], dot_tiles[4], qt_tiles[4];
+      warp_gemm_fused<BLOCK_M / 16, Elem>(dv, pt_tiles, dot_tiles, smem_operand<true>(p_t),
+                                          smem_operand<true>(do_bt, buffer_offset), dk, dst_tiles, qt_tiles,
+                                          smem_operand<true>(ds_t), smem_operand<true>(q_bt, buffer_offset));
 
       // dQ = dS K: Q_ROWS x Q_COLS per warp, k over the BLOCK_N keys.
       float dq[Q_MT][Q_NT][4];
-#pragma unroll
-      for (int mt = 0; mt < Q_MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < Q_NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) dq[mt][nt][e] = 0.f;
-#pragma unroll
-      for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
-        u32 ads[Q_MT][4];
-#pragma unroll
-        for (int mt = 0; mt < Q_MT; ++mt) ldmatrix_x4(ads[mt], ds_a.at(mt * 16, kt * 16));
-#pragma unroll
-        for (int np = 0; np < Q_NT / 2; ++np) {
-          u32 bk[4];
-          ldmatrix_x4_trans(bk, k_bt.at(kt * 16, np * 16));
-#pragma unroll
-          for (int mt = 0; mt < Q_MT; ++mt) {
-            Elem::mma(dq[mt][2 * np], ads[mt], bk[0], bk[1]);
-            Elem::mma(dq[mt][2 * np + 1], ads[mt], bk[2], bk[3]);
-          }
-        }
-      }
+      clear(dq);
+      u32 ds_tiles[Q_MT][4], kt_tiles[4];
+      warp_gemm<BLOCK_N / 16, Elem>(dq, ds_tiles, kt_tiles, smem_operand<false>(ds_a), smem_operand<true>(k_bt));
 
       // Every key block adds into the same fp32 dQ rows (of its split in deterministic mode),
       // unscaled (the convert kernel applies the softmax scale once per element). The buffer's
@@ -414,39 +313,6 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
       }
     }
   }  // key blocks
-}
-
-// fp32 accumulators -> the gradient's dtype, times `scale`. Output element (batch, row, head, col)
-// is scale times the sum, in index order, of `group` fp32 values at src + batch * src_batch_stride
-// + row * src_row_stride + head * src_head_stride + g * group_stride + col (dQ splits, or
-// deterministic GQA dK/dV per query head).
-template <class Elem>
-__global__ void __launch_bounds__(kHelperThreads) flash_bwd_convert_sm80(const __grid_constant__ ConvertParams p) {
-  const int row_threads = helper_row_threads(p.head_dim);
-  const int col = (threadIdx.x & (row_threads - 1)) * 8;
-  const int row = blockIdx.x * (kHelperThreads / row_threads) + threadIdx.x / row_threads;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  if (row >= p.seqlen || col >= p.head_dim) return;
-  // Eight columns per thread: the sources are the backward's own fp32 buffers, whose strides
-  // and summand stride are whole 16-byte vectors (api._backward_plan).
-  const float* const src = p.src + batch * p.src_batch_stride + row * p.src_row_stride + head * p.src_head_stride + col;
-  float sum[8] = {};
-  for (int g = 0; g < p.group; ++g) {
-    const float4 lo = *reinterpret_cast<const float4*>(src + g * p.group_stride);
-    const float4 hi = *reinterpret_cast<const float4*>(src + g * p.group_stride + 4);
-    const float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum[i] += v[i];
-  }
-  u32 packed[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) packed[i] = Elem::pack(sum[2 * i] * p.scale, sum[2 * i + 1] * p.scale);
-  // The gradients are 16-byte aligned with strides of whole 16-byte vectors (api._check_out
-  // refuses others): one vector store.
-  u16* const dst = static_cast<u16*>(p.dst) + batch * p.dst_batch_stride + row * p.dst_row_stride +
-                   head * p.dst_head_stride + col;
-  *reinterpret_cast<uint4*>(dst) = make_uint4(packed[0], packed[1], packed[2], packed[3]);
 }
 
 }  // namespace cuflash

@@ -9,14 +9,17 @@
 #include "common/softcap.cuh"
 #include "common/softmax.cuh"
 #include "common/types.cuh"
+#include "sm80/warp_gemm.cuh"
 
 namespace cuflash {
 
 // HEAD_DIM: the head-dim bucket (the real head_dim may be smaller; the rest is zero-filled).
 // BLOCK_M query rows per CTA, BLOCK_N keys per step, WARPS warps each owning BLOCK_M / WARPS
-// query rows. CAUSAL, WINDOW: the mask (common/mask.cuh). SOFTCAP: tanh-capped scores
-// (common/softcap.cuh). Elem: f16 or bf16.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, bool CAUSAL, bool WINDOW, bool SOFTCAP, class Elem>
+// query rows. SMEM_BYTES: the dynamic shared memory the host launches with
+// (dispatch.forward_kernel), checked against the tiles below. CAUSAL, WINDOW: the mask
+// (common/mask.cuh). SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP,
+          class Elem>
 __global__ void __launch_bounds__(WARPS * 32)
     flash_fwd_sm80(const __grid_constant__ FwdParams p) {
   constexpr int THREADS = WARPS * 32;
@@ -32,6 +35,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   u16* const sQ = reinterpret_cast<u16*>(smem);
   u16* const sK = sQ + BLOCK_M * ROW_ELEMS;
   u16* const sV = sK + BLOCK_N * ROW_ELEMS;
+  static_assert(SMEM_BYTES == (BLOCK_M + 2 * BLOCK_N) * ROW_ELEMS * sizeof(u16),
+                "the host's shared memory differs from the Q, K and V tiles");
 
   // Grid (m_blocks, heads, batch), or (heads, batch, m_blocks) when causal: causal query blocks
   // near the end of the sequence see the most keys, and with the block index slowest and
@@ -66,12 +71,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const FragmentAddress<ROW_ELEMS> v_frag(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
   float o[MT][DT][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.f;
+  clear(o);
   OnlineSoftmax<MT> softmax;
   softmax.init();
 
@@ -95,32 +95,12 @@ __global__ void __launch_bounds__(WARPS * 32)
           sV, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n * BLOCK_N, p.head_dim);
       cp_async_commit();
 
-      float s[MT][NT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-
       // S = Q K^T. A fragments of Q (rows x k) and B fragments of K (keys x k, i.e. K^T
       // column-major) both come from row-major tiles with plain ldmatrix.
-#pragma unroll
-      for (int ks = 0; ks < KSTEPS; ++ks) {
-        u32 a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], q_frag.at(mt * 16, ks * 16));
-#pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          u32 b[4];
-          ldmatrix_x4(b, k_frag.at(np * 16, ks * 16));
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            Elem::mma(s[mt][2 * np], a[mt], b[0], b[1]);
-            Elem::mma(s[mt][2 * np + 1], a[mt], b[2], b[3]);
-          }
-        }
-      }
+      float s[MT][NT][4];
+      clear(s);
+      u32 q_tiles[MT][4], k_tiles[4];
+      warp_gemm<KSTEPS, Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag));
 
       if (SOFTCAP) softcap_scores(s, p.softcap_tanh_scale);
       if (needs_mask<BLOCK_M, BLOCK_N>(mask, m_block, n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
@@ -138,30 +118,9 @@ __global__ void __launch_bounds__(WARPS * 32)
 
       softmax.update(s, o, p.scale_log2);
 
-      // O += P V. The S accumulator of key tiles 2t and 2t+1 is, element for element, the A
-      // fragment of k-step t, so P never leaves registers. V (keys x d, row-major) gives the B
-      // fragments through ldmatrix.trans.
-#pragma unroll
-      for (int kt = 0; kt < BLOCK_N / 16; ++kt) {
-        u32 a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          a[mt][0] = Elem::pack(s[mt][2 * kt][0], s[mt][2 * kt][1]);
-          a[mt][1] = Elem::pack(s[mt][2 * kt][2], s[mt][2 * kt][3]);
-          a[mt][2] = Elem::pack(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
-          a[mt][3] = Elem::pack(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
-        }
-#pragma unroll
-        for (int dp = 0; dp < DT / 2; ++dp) {
-          u32 b[4];
-          ldmatrix_x4_trans(b, v_frag.at(kt * 16, dp * 16));
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            Elem::mma(o[mt][2 * dp], a[mt], b[0], b[1]);
-            Elem::mma(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-          }
-        }
-      }
+      // O += P V: P straight from the S registers; V (keys x d, row-major) read k-major.
+      u32 p_tiles[MT][4], v_tiles[4];
+      warp_gemm<BLOCK_N / 16, Elem>(o, p_tiles, v_tiles, register_operand<Elem>(s), smem_operand<true>(v_frag));
     }
   }
 

@@ -1,9 +1,10 @@
-// FlashAttention-3-style backward for Hopper (sm_90a), the main kernel between sm80's preprocess
-// (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels. One CTA per (block of 128
-// keys, head, batch) of three warpgroups. Warpgroup 0 is the producer: one thread loads K and V
-// once and streams the Q and dO blocks of 64 query rows by TMA through a ring of STAGES stages.
-// Warpgroups 1 and 2 are consumers, each owning 64 of the keys, with dK and dV in registers for
-// the whole loop. Per query block, in the transposed orientation so that the keys are wgmma's M:
+// FlashAttention-3-style backward for Hopper (sm_90a), the main kernel between the preprocess
+// (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels of common/flash_bwd_helpers.cu.
+// One CTA per (block of 128 keys, head, batch) of three warpgroups. Warpgroup 0 is the producer:
+// one thread loads K and V once and streams the Q and dO blocks of 64 query rows by TMA through a
+// ring of STAGES stages. Warpgroups 1 and 2 are consumers, each owning 64 of the keys, with dK and
+// dV in registers for the whole loop. Per query block, in the transposed orientation so that the
+// keys are wgmma's M:
 //   S^T = K Q^T and dP^T = V dO^T   (shared-memory wgmma),
 //   P^T = exp2(S^T scale log2(e) - lse log2(e)), dS^T = P^T (dP^T - delta)   (registers),
 //   dV += P^T dO and dK += dS^T Q   (register-A wgmma, Q and dO read MN-major as stored),
@@ -21,10 +22,10 @@
 //    key-block order. A counter per (batch, head, query block) holds how many key blocks have
 //    added theirs; the writer warp waits for its CTA's turn before each reduction and passes the
 //    turn on once the reduction is complete. The CTAs of a head share one dQ, which stays in L2
-//    (the walk's per-CTA splits miss it on long sequences: benchmarks/NOTES.md). Query blocks run
-//    from the last, which every causal key block sees, so each key block trails the one before it
-//    by a reduction rather than by the query blocks only that one sees. GQA's dK and dV are
-//    stored per query head and summed in order by the convert kernel.
+//    (the walk's per-CTA splits miss it on long sequences). Query blocks run from the last, which
+//    every causal key block sees, so each key block trails the one before it by a reduction
+//    rather than by the query blocks only that one sees. GQA's dK and dV are stored per query
+//    head and summed in order by the convert kernel.
 // The walk and turns repeat bitwise; deterministic mode takes turns, and walks short causal
 // sequences as default mode does.
 #include "common/mask.cuh"
@@ -54,7 +55,7 @@ constexpr int kDqWalk = 1;
 constexpr int kDqTurns = 2;
 // fp32 dQ rows (global and staged) are the head-dim bucket plus 4 unused columns: 16 bytes of skew
 // put the 8 rows a warp's accumulator stores touch at once in different banks. Mirrored by
-// dispatch.SM90_BWD_DQ_ROW_PAD.
+// dispatch.SM90_BWD_DQ_ROW_PAD, which the host's shared-memory size (SMEM_BYTES) checks.
 constexpr int kDqRowPad = 4;
 // Registers after setmaxnreg, as in the forward: 168 at entry, the producer's freed 144 x 128
 // are the consumers' extra 72 x 256.
@@ -111,11 +112,13 @@ __device__ __forceinline__ void pass_turn(int* counter) {
 // HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
 // blocks see only the query blocks its range reaches); SOFTCAP: tanh-capped scores
-// (common/softcap.cuh), which run the window kernel for every mask (dispatch._mask_flags).
-// DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16.
-template <int HEAD_DIM, int STAGES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER, class Elem>
+// (common/softcap.cuh), which run the window kernel for every mask (dispatch.backward_kernels).
+// DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16. SMEM_BYTES: the dynamic
+// shared memory the host launches with (dispatch.backward_kernels), checked against BwdSmem.
+template <int HEAD_DIM, int STAGES, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
   using Smem = BwdSmem<HEAD_DIM, STAGES>;
+  static_assert(SMEM_BYTES == Smem::BYTES + kSmemAlignSlack, "the host's shared memory differs from BwdSmem");
   constexpr bool WALK = DQ_ORDER == kDqWalk;
   constexpr bool TURNS = DQ_ORDER == kDqTurns;
   // The consumer warpgroups computing dQ (at head_dim 64 only the first) and the writer warp.
@@ -131,7 +134,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   __shared__ u64 kv_full, kv_empty;
   __shared__ u64 qd_full[STAGES], qd_empty[STAGES];
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* const smem =
+      smem_raw + ((kSmemAlignSlack - (smem_addr(smem_raw) & (kSmemAlignSlack - 1))) & (kSmemAlignSlack - 1));
 
   // As sm80's backward: one key block per CTA, causal key blocks slowest in the grid, the first
   // (seeing the most queries) dispatched first; walking CTAs walk theirs (above). Taking turns
@@ -140,7 +144,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   // block slowest: grid (key blocks x turn_heads, head groups, batch). CTAs that start together
   // then belong to different heads or are a head's consecutive key blocks, started in order, so
   // no head's CTAs queue at their first query block behind each other (measured with one head's
-  // key blocks adjacent in the grid: 17-19% over default mode at d64 1k-4k; benchmarks/NOTES.md).
+  // key blocks adjacent in the grid: 17-19% over default mode at d64 1k-4k).
   // A packed batch's CTAs past a shorter sequence, and a last group's past the heads, leave at once.
   constexpr bool GROUPED = TURNS && !CAUSAL;
   const int head = CAUSAL && !WALK ? blockIdx.x
@@ -184,7 +188,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     if (threadIdx.x / 32 == 1) {
       // The dQ writer: adds each staged block into global memory, so that the consumers only
       // stage it (measured against a consumer thread issuing the reductions: 6.5% less time at
-      // d64, 1.5% at d128; benchmarks/NOTES.md). The walk's split and the turn counters as above.
+      // d64, 1.5% at d128). The walk's split and the turn counters as above.
       const int split = WALK ? blockIdx.x : 0;
       float* const dq = a.dq_accum + split * a.dq_split_stride + batch * a.dq_batch_stride + head * a.dq_head_stride;
       int* const turns = TURNS ? a.dq_turns + (static_cast<i64>(batch) * a.heads + head) * a.dq_turn_blocks : nullptr;
@@ -269,7 +273,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   // A constant at head_dim 128: with the test `consumer < PANELS` there (always true), ptxas spilled
-  // 200-240 bytes in every d128 kernel, which cost 2-8% of a call (benchmarks/NOTES.md).
+  // 200-240 bytes in every d128 kernel, which cost 2-8% of a call.
   const bool computes_dq = Smem::PANELS == 2 || consumer == 0;
   // The pad columns are reduced into global's pad columns, which nothing reads: zeros, not
   // whatever shared memory held.
@@ -284,10 +288,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     // The two keys of this thread's accumulator rows, inside the sequence.
     const int key0 = n_block * kBwdBlockN + group_row + warp * 16 + lane / 4;
     float dk[1][DT][4], dv[1][DT][4];
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[0][dt][e] = dv[0][dt][e] = 0.f;
+    clear(dk);
+    clear(dv);
 
     if (m_range.begin < m_range.end) {
       // The query range each of this thread's two keys is seen by (mask.query_begin/end); none
@@ -314,7 +316,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // warps of the warpgroup; this one was last read two steps ago, before the previous
         // barrier): thread t copies lse (t < 64) or delta (t >= 64) of row t % 64, asynchronously,
         // before the products; they are waited for once those run. Staged before them, their L2
-        // latency stood between every step's start and its first product (benchmarks/NOTES.md).
+        // latency stood between every step's start and its first product.
         // A row past the sequence copies nothing (zero): the masked copy of the step, which the
         // sequence's last block takes, leaves its P at 0.
         float* const step_stats = stats[consumer][step % 2];
@@ -431,8 +433,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // dQ = dS K: M = the 64 queries, K = the 128 keys (8 k16 steps of 16 rows), N = 64 columns
         // of the head dim per warpgroup (panel `consumer` of K; at head_dim 64 only consumer 0).
         // Split by columns rather than by keys, each element has one writer: measured with
-        // per-thread reductions, two warpgroups adding into the same elements cost 20-30%
-        // (benchmarks/NOTES.md, sm90 backward v2).
+        // per-thread reductions, two warpgroups adding into the same elements cost 20-30%.
         float dq_part[1][8][4];
         if (computes_dq) {
           wgmma_fence();
@@ -482,9 +483,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys and
     // columns past head_dim are not written. Each key's stores go through one row pointer at
     // constant offsets (8 columns apart): recomputing a 64-bit address and reloading parameters per
-    // 4-byte store made the epilogue ~2,900 instructions against ~300 (benchmarks/NOTES.md,
-    // session 14). GQA: the group's query heads add into fp32 slices, or, in the orders that
-    // repeat bitwise (walk, turns), each stores its own slice (summed in order by the convert).
+    // 4-byte store made the epilogue ~2,900 instructions against ~300. GQA: the group's query
+    // heads add into fp32 slices, or, in the orders that repeat bitwise (walk, turns), each stores
+    // its own slice (summed in order by the convert).
     const int col = 2 * (lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

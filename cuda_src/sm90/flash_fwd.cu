@@ -126,24 +126,26 @@ __device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile
 // warpgroups, 64 query rows each. BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the
 // mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
 //
-// Persistent: the CTAs walk the tiles round robin (tile_coord); the host sizes the grid
-// (api._sm90_ctas: one CTA per SM for equal tiles, one per tile where a mask makes them unequal
-// and the hardware's block scheduler balances them better). The producer runs ahead across
+// Persistent: the CTAs walk the tiles round robin (tile_coord); the host sizes the grid (one CTA
+// per SM for equal tiles, one per tile where a mask makes them unequal and the hardware's block
+// scheduler balances them better). The producer runs ahead across
 // tiles: the next tile's K and V stream into the ring while the consumers finish this one.
 // Q_BUFFERS (1 or 2) Q buffers take the tiles in turn, and a tile's Q waits only for the epilogue
 // of the last tile that used its buffer, which stages O there (q_empty): with two, the next
 // tile's Q arrives during this tile's main loop instead of after its epilogue, a latency that
 // short tiles (short causal rows, windows) otherwise pay once per tile. Every role walks the
 // same tiles and key blocks, so the ring positions, buffers and barrier phases agree without any
-// other exchange.
-template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, bool CAUSAL, bool WINDOW, bool SOFTCAP,
-          class Elem>
+// other exchange. SMEM_BYTES: the dynamic shared memory the host launches with
+// (dispatch.forward_kernel), checked against Smem below.
+template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
+          bool SOFTCAP, class Elem>
 __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
   using Groups = Warpgroups<CONSUMERS>;
   constexpr int kBlockM = Groups::BLOCK_M;
   using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS>;
   static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");
+  static_assert(SMEM_BYTES == Smem::BYTES + kSmemAlignSlack, "the host's shared memory differs from FwdSmem");
   constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S (and NT / 2 k-slices of P V)
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of O
   const FwdParams& a = p.base;
@@ -153,9 +155,9 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
   // wgmma have read the stage; for Q: its epilogue has read O back out of Q's buffer).
   __shared__ u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
   __shared__ u64 k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
-  // The dynamic window's alignment is not promised; the host adds 1 KiB of slack to round up.
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* const smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  unsigned char* const smem =
+      smem_raw + ((kSmemAlignSlack - (smem_addr(smem_raw) & (kSmemAlignSlack - 1))) & (kSmemAlignSlack - 1));
 
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -250,10 +252,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       unsigned char* const q_tile = smem + q_buffer * Smem::Q_BYTES;
 
       float o[1][DT][4];
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[0][dt][e] = 0.f;
+      clear(o);
       OnlineSoftmax<1> softmax;
       softmax.init();
       if (n_range.begin < n_range.end) {
@@ -292,7 +291,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         // intra-warpgroup overlap): the softmax of block n runs while the tensor cores still
         // multiply P V, and the rescale of o waits for that product. The two calls below inline
         // the step twice, with the mask and without: a mask test inside the step (even one that
-        // never passes) cost 4-5% at long causal lengths (benchmarks/NOTES.md, unmasked steps).
+        // never passes) cost 4-5% at long causal lengths.
         const auto step = [&](bool masked) {
           mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
           mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);

@@ -1,11 +1,18 @@
 // Register and shared-memory tile helpers the sm90 kernels share: the 128-byte swizzle as TMA
 // stores it, the wgmma accumulator seen as the common headers' m16n8 layout, accumulators packed
-// into register-A operands, and the position in an mbarrier-guarded ring.
+// into register-A operands, the position in an mbarrier-guarded ring, and the alignment of the
+// dynamic shared memory.
 #pragma once
 #include "common/types.cuh"
 
 namespace cuflash {
 namespace sm90 {
+
+// TMA's and wgmma's 128-byte swizzle repeats every 1024 bytes, so the kernels' tiles start on a
+// 1024-byte boundary. The dynamic shared-memory window's alignment is not promised: the host
+// launches with this much slack beyond a kernel's layout, and the kernel rounds its base up (in
+// the kernel itself: the same rounding in an inlined helper changes the generated code).
+constexpr u32 kSmemAlignSlack = 1024;
 
 // Byte offset of 16-bit element (row, col) in a tile of panels `panel_bytes` apart, 128-byte
 // swizzled as TMA stores it: 16-byte chunk c of a row at chunk c ^ (row % 8).
