@@ -4,7 +4,9 @@
     PYTHONPATH=. python benchmarks/ab_trees.py /tmp/main/cuda_src [--mode bwd] [--cases SPEC ...]
 
 A is the given cuda_src tree, B this checkout's; the Python side (dispatch, plans, launch) is this
-checkout's for both, so a change to dispatch.py applies to both versions. Each version keeps its
+checkout's for both, so a change to dispatch.py applies to both versions, and both trees must
+take the template arguments this checkout's name expressions give (where they differ,
+benchmarks/sass_diff.py compares the generated code instead). Each version keeps its
 own compiled modules and launch plans, swapped in before each of its rounds. Under the H200's
 power cap a kernel's clock depends on what ran before it and takes hundreds of milliseconds to
 settle (docs/measuring.md), so two versions are compared alternately in one
@@ -108,7 +110,7 @@ class Versions:
         root = self.trees[name]
         kernels.source_root = lambda: root
         kernels.sources_fingerprint.cache_clear()
-        kernels._loaded, plan.PLANS = self.state[name]
+        kernels.LOADED, plan.PLANS = self.state[name]
 
 
 def compare_results(a: tuple, b: tuple) -> str:

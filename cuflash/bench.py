@@ -38,6 +38,8 @@ QUICK_HEAD_DIMS = (128,)
 IMPLEMENTATIONS = ("cuflash", "cuflash-deterministic", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "standard")
 # Implementations that only differ from another in their backward: left out of forward sweeps.
 BACKWARD_VARIANTS = ("cuflash-deterministic",)
+# Implementations without a backward: left out of backward sweeps.
+FORWARD_ONLY = ("standard",)
 PEERS_FOR_RATIOS = ("sdpa-flash", "sdpa-cudnn")
 DESCRIPTIONS = {
     "cuflash-deterministic": "cuflash with deterministic=True",
@@ -417,8 +419,9 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
 
 
 def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, command: str = "", progress=sys.stderr) -> Report:
-    if sweep and sweep[0].mode == "fwd":
-        impl_names = [name for name in impl_names if name not in BACKWARD_VARIANTS]
+    if sweep:
+        skipped = BACKWARD_VARIANTS if sweep[0].mode == "fwd" else FORWARD_ONLY
+        impl_names = [name for name in impl_names if name not in skipped]
     impls = implementations(impl_names)
     report = Report([], environment(), command=command)
     total = len(sweep) * len(impls)

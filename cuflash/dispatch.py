@@ -6,8 +6,9 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
 every head-dim bucket (forward_launch still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). Its backward main kernel serves
-head dims up to 128, in either mode (backward_family); sm80's preprocess and convert kernels run
-around it, and sm80's main kernel everywhere else.
+head dims up to 128, in either mode (backward_family), and sm80's main kernel everywhere else;
+the preprocess and convert kernels that run around either (common/flash_bwd_helpers.cu) are
+built for the sm80 target on every device.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
 
@@ -228,12 +229,15 @@ def _cpp(flag: bool) -> str:
 # mbarriers when it chooses its Q buffers.
 SM90_SMEM_BYTES = 227 * 1024
 SM90_STATIC_SMEM_MARGIN = 1024
+# Slack the sm90 kernels take to round their shared-memory window up to the 128-byte swizzle's
+# 1024-byte period (kSmemAlignSlack in sm90/tiles.cuh; each kernel static_asserts the sum).
+SM90_SMEM_ALIGN_SLACK = 1024
 
 
 def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int) -> int:
     """Dynamic shared memory of the sm90 forward: ``q_buffers`` Q tiles, the K and V stages and
-    1 KiB of alignment slack (flash_fwd.cu, FwdSmem)."""
-    return (q_buffers * tile.block_m + 2 * tile.stages * tile.block_n) * kernel_dim * 2 + 1024
+    alignment slack (flash_fwd.cu, FwdSmem)."""
+    return (q_buffers * tile.block_m + 2 * tile.stages * tile.block_n) * kernel_dim * 2 + SM90_SMEM_ALIGN_SLACK
 
 
 @functools.lru_cache(maxsize=None)
@@ -325,8 +329,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
     forward_kernel (softcap runs in the window kernel, _mask_flags), ``dq_order`` one of DQ_ORDERS,
     ``tile`` overrides the table, for tuning. The sm90 family has its own main kernel where
-    backward_family says so, between sm80's preprocess and convert kernels; otherwise the family
-    raises ValueError."""
+    backward_family says so, between the shared preprocess and convert kernels; otherwise the
+    family raises ValueError."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -344,10 +348,9 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
             raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}")
         tile = tile or SM90_BWD_TILES[bucket]
         # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
-        # 64 queries), the fp32 dQ block, plus 1 KiB to align the window to the swizzle's
-        # 1024-byte period.
+        # 64 queries), the fp32 dQ block, and the alignment slack.
         smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
-                + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + 1024)
+                + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + SM90_SMEM_ALIGN_SLACK)
         main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {smem}, {_cpp(causal)}, {_cpp(window)}, "
                 f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
@@ -366,8 +369,9 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
 
 def all_kernels(family: str) -> list[KernelChoice]:
     """Every instantiation of a family, for the ahead-of-time compile check: its forward and
-    backward kernels (sm90's devices run sm80's preprocess and convert kernels, and sm80's main
-    backward kernel where backward_family says so: those are sm80's instantiations)."""
+    backward kernels (sm90's devices also run the shared preprocess and convert kernels, built for
+    the sm80 target, and sm80's main backward kernel where backward_family says so: those are
+    sm80's instantiations)."""
     found: dict[str, KernelChoice] = {}
     buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
     for bucket in buckets:

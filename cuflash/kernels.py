@@ -117,7 +117,9 @@ def compile_kernel(choice: KernelChoice, arch: str, use_cache: bool = True) -> C
     return compiled
 
 
-_loaded: dict[tuple[int, str, str], object] = {}
+# Loaded functions by (device, arch, name expression). Public so that a harness timing two source
+# trees in one process (benchmarks/ab_trees.py) can give each tree its own.
+LOADED: dict[tuple[int, str, str], object] = {}
 _lock = threading.Lock()
 
 
@@ -125,11 +127,11 @@ def get_function(choice: KernelChoice, arch: str, device_id: int):
     """The loaded ``cupy.cuda.function.Function`` for ``choice`` on device ``device_id``, with its
     dynamic shared-memory limit raised to what the tile needs."""
     key = (device_id, arch, choice.name_expression)
-    function = _loaded.get(key)
+    function = LOADED.get(key)
     if function is not None:
         return function
     with _lock:
-        function = _loaded.get(key)
+        function = LOADED.get(key)
         if function is None:
             import cupy
             from cupy.cuda import driver, function as cuda_function
@@ -144,7 +146,7 @@ def get_function(choice: KernelChoice, arch: str, device_id: int):
                     driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     choice.smem_bytes,
                 )
-            _loaded[key] = function
+            LOADED[key] = function
     return function
 
 
