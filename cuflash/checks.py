@@ -11,12 +11,15 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from cuflash import dispatch, interop
 
 __all__ = [
     "MAX_GRID_YZ",
+    "FP8_DTYPE",
+    "Fp8",
     "Lengths",
     "as_batch_of_one",
     "check_backward",
@@ -26,16 +29,21 @@ __all__ = [
     "check_qkv",
     "check_varlen",
     "check_varlen_grid",
+    "declared_dtype",
     "framework",
     "plain_window",
+    "refuse_fp8_on_gpu",
+    "resolve_fp8",
     "resolve_flag",
     "resolve_scale",
     "resolve_softcap",
     "resolve_window",
 ]
 
-DEVICE_DTYPES = ("float16", "bfloat16")
-HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
+FP8_DTYPE = "float8_e4m3fn"  # the name torch and ml_dtypes give e4m3 (no infinities, max 448)
+DEVICE_DTYPES = ("float16", "bfloat16", FP8_DTYPE)
+HOST_DTYPES = ("float16", "bfloat16", "float32", "float64", FP8_DTYPE)
+FP8_OUT_DTYPES = ("bfloat16", "float16")
 MAX_GRID_YZ = dispatch.MAX_GRID_YZ
 # Query rows per block in the grids whose grid.z counts query blocks.
 _GRID_Z_ROWS = 128
@@ -56,6 +64,7 @@ def _check_dtype(name: str, x: Any, allowed: tuple[str, ...], on_device: bool) -
             "; cast to float16 or bfloat16 first (x.astype(ml_dtypes.bfloat16) in CuPy, "
             "x.to(torch.bfloat16) in torch)"
             if on_device and dtype in ("float32", "float64")
+            else "; of the FP8 formats only e4m3 (float8_e4m3fn) is supported" if dtype.startswith("float8")
             else ""
         )
         raise TypeError(f"{name}: dtype {dtype} is not supported (expected one of {', '.join(allowed)}){hint}")
@@ -352,3 +361,109 @@ def check_varlen_grid(lengths: Lengths) -> None:
         raise ValueError(f"cu_seqlens_q: at most {MAX_GRID_YZ} sequences, got {lengths.batch}")
     if lengths.max_seqlen_q > MAX_GRID_YZ * _GRID_Z_ROWS:
         raise ValueError(f"max_seqlen_q: must be at most {MAX_GRID_YZ * _GRID_Z_ROWS}, got {lengths.max_seqlen_q}")
+
+
+# FP8 (e4m3) inputs.
+
+class Fp8(NamedTuple):
+    """An FP8 call's resolved options. Each descale is a float (a scalar, 1.0 for None) or a
+    contiguous float32 array of shape (batch, heads_kv) -- (num_sequences, heads_kv) for a
+    packed batch -- whose entry [b, h] multiplies kv head h of sequence b (and, for descale_q,
+    every query head of that group): a DeviceTensor on the GPU, a NumPy array on the host.
+    The effective inputs are ``x.astype(float) * descale``; the kernels fold descale_q *
+    descale_k into the softmax scale and descale_v into the final normalisation."""
+
+    out_dtype: str  # "bfloat16" or "float16"
+    descale_q: Any
+    descale_k: Any
+    descale_v: Any
+
+
+def resolve_fp8(q, k, v, descale_q: Any, descale_k: Any, descale_v: Any, out_dtype: Any, on_device: bool,
+                batch: int | None = None) -> Fp8 | None:
+    """The FP8 options of a call whose q, k, v passed check_qkv (DeviceTensors or NumPy arrays,
+    fixed-length 4-dim or packed 3-dim); None for 16-bit (or host float32/64) inputs.
+
+    ``batch``: the descales' first dimension, q's batch when None (a packed batch passes its
+    number of sequences). For FP8 inputs: ``out_dtype`` None (bfloat16), "bfloat16" or
+    "float16" (NumPy/torch/CuPy dtypes naming those accepted too); each descale None, a real
+    number (finite, > 0) or a float32 (batch, heads_kv) contiguous array on q's side and
+    device. A host (NumPy) descale array is checked finite and positive; a device array's
+    values are not checked (that would need a device-to-host copy and a synchronisation):
+    NaN, infinite or non-positive entries there give NaN or wrong outputs, not an error.
+    For inputs that are not FP8, any descale or out_dtype given is a ValueError (nothing is
+    silently ignored). Raises TypeError/ValueError naming the argument, before any launch.
+    """
+    if dtype_name(q) != FP8_DTYPE:
+        for name, value in (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v),
+                            ("out_dtype", out_dtype)):
+            if value is not None:
+                raise ValueError(f"{name}: only FP8 (float8_e4m3fn) inputs take it, but q is {dtype_name(q)}")
+        return None
+    shape = (q.shape[0] if batch is None else batch, k.shape[-2])
+    descales = (_resolve_descale(name, value, shape, q, on_device)
+                for name, value in (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v)))
+    return Fp8(_resolve_out_dtype(out_dtype), *descales)
+
+
+def _resolve_out_dtype(out_dtype: Any) -> str:
+    if out_dtype is None:
+        return "bfloat16"
+    name = out_dtype if isinstance(out_dtype, str) else str(getattr(out_dtype, "name", out_dtype))
+    name = name.removeprefix("torch.")
+    if name not in FP8_OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected bfloat16 or float16 for FP8 inputs, got {out_dtype!r}")
+    return name
+
+
+def _resolve_descale(name: str, value: Any, shape: tuple[int, int], q, on_device: bool) -> Any:
+    """A descale: a float, or the checked (batch, heads_kv) float32 array (see resolve_fp8)."""
+    if value is None:
+        return 1.0
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        scalar = float(value)
+        if not math.isfinite(scalar) or scalar <= 0:
+            raise ValueError(f"{name}: must be finite and positive, got {value}")
+        return scalar
+    kind = interop.framework_of(value, name)
+    if (kind == "numpy") == on_device:
+        raise TypeError(f"{name}: must be on the same side as q ({'GPU' if on_device else 'NumPy'}), or a number")
+    t = interop.describe(value, kind, name) if on_device else value
+    if dtype_name(t) != "float32":
+        raise TypeError(f"{name}: expected float32, got {dtype_name(t)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape (batch, heads_kv) = {shape}, got {tuple(t.shape)}")
+    if element_strides(t) != (shape[1], 1) and 0 not in shape:
+        raise ValueError(f"{name}: must be contiguous (the kernel indexes it directly)")
+    if on_device:
+        if t.device != q.device:
+            raise ValueError(f"{name}: on device {t.device}, but q is on device {q.device}")
+    elif not (np.isfinite(t).all() and (t > 0).all()):
+        raise ValueError(f"{name}: every entry must be finite and positive")
+    return t
+
+
+def declared_dtype(name: str, x: Any, dtype: Any) -> Any:
+    """``x`` (a DeviceTensor or NumPy array) as the entry point's ``dtype`` argument declares it:
+    None leaves it as it is; ``"e4m3"`` reads a uint8 array as float8_e4m3fn bytes (CuPy cannot
+    hold an ml_dtypes float8 array, so a CuPy caller passes the bytes as uint8), a view, no copy."""
+    if dtype is None:
+        return x
+    if dtype not in ("e4m3", FP8_DTYPE):
+        raise ValueError(f"dtype: expected None or 'e4m3', got {dtype!r}")
+    given = dtype_name(x)
+    if given == FP8_DTYPE:
+        return x
+    if given != "uint8":
+        raise TypeError(f"{name}: dtype='e4m3' reads uint8 (or float8_e4m3fn) arrays as e4m3, got {given}")
+    if isinstance(x, interop.DeviceTensor):
+        return x._replace(dtype=FP8_DTYPE)
+    return x.view(ml_dtypes.float8_e4m3fn)
+
+
+def refuse_fp8_on_gpu(fp8: Fp8 | None) -> None:
+    """The GPU attention path has no FP8 kernels yet: FP8 device inputs end here, after every
+    check, so that a bad argument still gets its own error."""
+    if fp8 is not None:
+        raise TypeError("q: float8_e4m3 on the GPU is not supported yet (no FP8 attention kernel); "
+                        "cast q, k, v to bfloat16 (dequantized), or pass NumPy arrays for the CPU path")
