@@ -41,8 +41,8 @@ __all__ = [
 ]
 
 FP8_DTYPE = "float8_e4m3fn"  # the name torch and ml_dtypes give e4m3 (no infinities, max 448)
-DEVICE_DTYPES = ("float16", "bfloat16", FP8_DTYPE)
-HOST_DTYPES = ("float16", "bfloat16", "float32", "float64", FP8_DTYPE)
+DEVICE_DTYPES = ("float16", "bfloat16")
+HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
 FP8_OUT_DTYPES = ("bfloat16", "float16")
 MAX_GRID_YZ = dispatch.MAX_GRID_YZ
 # Query rows per block in the grids whose grid.z counts query blocks.
@@ -60,21 +60,24 @@ def element_strides(x: Any) -> tuple[int, ...]:
 def _check_dtype(name: str, x: Any, allowed: tuple[str, ...], on_device: bool) -> str:
     dtype = dtype_name(x)
     if dtype not in allowed:
-        hint = (
-            "; cast to float16 or bfloat16 first (x.astype(ml_dtypes.bfloat16) in CuPy, "
-            "x.to(torch.bfloat16) in torch)"
-            if on_device and dtype in ("float32", "float64")
-            else "; of the FP8 formats only e4m3 (float8_e4m3fn) is supported" if dtype.startswith("float8")
-            else ""
-        )
+        if on_device and dtype in ("float32", "float64"):
+            hint = ("; cast to float16 or bfloat16 first (x.astype(ml_dtypes.bfloat16) in CuPy, "
+                    "x.to(torch.bfloat16) in torch)")
+        elif dtype == FP8_DTYPE:
+            hint = "; FP8 inputs have a forward path only"
+        elif dtype.startswith("float8"):
+            hint = "; of the FP8 formats only e4m3 (float8_e4m3fn) is supported"
+        else:
+            hint = ""
         raise TypeError(f"{name}: dtype {dtype} is not supported (expected one of {', '.join(allowed)}){hint}")
     return dtype
 
 
-def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1) -> None:
+def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1, fp8: bool = False) -> None:
     """Shapes, dtypes, strides and devices of q, k, v (DeviceTensors, or NumPy arrays);
-    ``min_seqlen`` 0 for a packed batch, whose total length may be 0."""
-    allowed = DEVICE_DTYPES if on_device else HOST_DTYPES
+    ``min_seqlen`` 0 for a packed batch, whose total length may be 0; ``fp8``: the caller (a
+    forward) also takes float8_e4m3fn."""
+    allowed = (DEVICE_DTYPES if on_device else HOST_DTYPES) + ((FP8_DTYPE,) if fp8 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(x.shape)}")
@@ -188,22 +191,24 @@ def framework(arrays: dict[str, Any]) -> str:
     return found["q"]
 
 
-def _check_like(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
-    """``t`` (an output or a forward tensor) must have ``expected_shape``, ``like``'s dtype and
-    device, and a contiguous last dimension."""
+def _check_like(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool, dtype: str | None = None) -> None:
+    """``t`` (an output or a forward tensor) must have ``expected_shape``, ``dtype`` (default
+    ``like``'s), ``like``'s device, and a contiguous last dimension."""
     if tuple(t.shape) != tuple(expected_shape):
         raise ValueError(f"{name}: expected shape {tuple(expected_shape)}, got {tuple(t.shape)}")
-    if dtype_name(t) != dtype_name(like):
+    if dtype is None and dtype_name(t) != dtype_name(like):
         raise TypeError(f"{name}: expected dtype {dtype_name(like)} like q, got {dtype_name(t)}")
+    if dtype is not None and dtype_name(t) != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (out_dtype), got {dtype_name(t)}")
     if element_strides(t)[-1] != 1 and 0 not in t.shape:
         raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
     if on_device and t.device != like.device:
         raise ValueError(f"{name}: on device {t.device}, but q is on device {like.device}")
 
 
-def check_out(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
-    """An output the kernels write with 16-byte stores."""
-    _check_like(name, t, expected_shape, like, on_device)
+def check_out(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool, dtype: str | None = None) -> None:
+    """An output the kernels write with 16-byte stores; ``dtype`` as for _check_like."""
+    _check_like(name, t, expected_shape, like, on_device, dtype)
     if on_device and not t.aligned_16:
         raise ValueError(f"{name}: data pointer and strides must be 16-byte aligned (the kernel "
                          f"writes 16-byte vectors)")
@@ -230,14 +235,16 @@ def check_backward_inputs(tensors: dict, lse_shape: tuple[int, ...], on_device: 
             check_out(name, tensors[name], like_shape, qt, on_device)
 
 
-def check_forward(q, k, v, out, softmax_scale: Any, on_device: bool) -> float:
+def check_forward(q, k, v, out, softmax_scale: Any, on_device: bool, descales: tuple = (None, None, None),
+                  out_dtype: Any = None) -> tuple[float, Fp8 | None]:
     """attention's arrays (DeviceTensors, or NumPy arrays; ``out`` None when not given), checked
-    alike on both paths; returns the softmax scale."""
-    check_qkv(q, k, v, on_device)
+    alike on both paths; returns the softmax scale and the FP8 options (resolve_fp8)."""
+    check_qkv(q, k, v, on_device, fp8=True)
     scale = resolve_scale(softmax_scale, q.shape[3])
+    fp8 = resolve_fp8(q, k, v, *descales, out_dtype, on_device)
     if out is not None:
-        check_out("out", out, tuple(q.shape), q, on_device)
-    return scale
+        check_out("out", out, tuple(q.shape), q, on_device, fp8 and fp8.out_dtype)
+    return scale, fp8
 
 
 def check_backward(arrays: dict, softmax_scale: Any, window: Any, softcap: Any,
@@ -326,19 +333,23 @@ def _check_lengths(name: str, cu: np.ndarray | None, total: int, max_seqlen: Any
 
 
 def check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 validate: bool, need_max_k: bool = False) -> tuple[str, dict, Lengths]:
+                 validate: bool, need_max_k: bool = False, dtype: Any = None) -> tuple[str, dict, Lengths]:
     """Framework, validated tensors (packed, checked as a batch of one) and the lengths. GPU
     lengths reach the host only to be validated or to find an omitted max_seqlen_q (which every
-    kernel needs) or, with ``need_max_k`` (the backward), an omitted max_seqlen_k."""
+    kernel needs) or, with ``need_max_k`` (the backward), an omitted max_seqlen_k. ``dtype``:
+    the forward's declared dtype of q, k, v (declared_dtype); FP8 is taken only with the
+    forward's ``need_max_k`` False."""
     kind = framework(arrays)
     on_device = kind != "numpy"
     tensors = {name: interop.describe(x, kind, name) if on_device else x for name, x in arrays.items()}
+    for name in ("q", "k", "v"):
+        tensors[name] = declared_dtype(name, tensors[name], dtype)
     for name in ("q", "k", "v"):
         if tensors[name].ndim != 3:
             raise ValueError(f"{name}: expected 3 dims (total_tokens, heads, head_dim), got shape "
                              f"{tuple(tensors[name].shape)}")
     qt, kt, vt = (as_batch_of_one(tensors[name]) for name in ("q", "k", "v"))
-    check_qkv(qt, kt, vt, on_device=on_device, min_seqlen=0)
+    check_qkv(qt, kt, vt, on_device=on_device, min_seqlen=0, fp8=not need_max_k)
     device = tensors["q"].device if on_device else None
     cu_q, cu_q_t, batch = _cumulative_lengths("cu_seqlens_q", cu_seqlens_q, on_device, device,
                                               validate or max_seqlen_q is None)

@@ -147,10 +147,13 @@ def describe(x: Any, framework: str, name: str) -> DeviceTensor:
 
 
 def realign(t: DeviceTensor, framework: str) -> DeviceTensor:
-    """A 16-byte-aligned contiguous copy of ``t`` (same framework)."""
+    """A 16-byte-aligned contiguous copy of ``t`` (same framework), keeping ``t``'s dtype name
+    (uint8 bytes declared e4m3 stay e4m3)."""
     if framework == "torch":
-        return describe(t.native.clone(memory_format=_torch().contiguous_format), "torch", "")
-    return describe(t.native.copy(), "cupy", "")
+        copy = describe(t.native.clone(memory_format=_torch().contiguous_format), "torch", "")
+    else:
+        copy = describe(t.native.copy(), "cupy", "")
+    return copy if copy.dtype == t.dtype else copy._replace(dtype=t.dtype)
 
 
 def contiguous(shape: tuple[int, ...], like: DeviceTensor, dtype: str | None = None) -> DeviceTensor:
