@@ -1,5 +1,5 @@
 // cuflash.quantize_fp8 on the GPU: one CTA per quantization group (the whole tensor, one
-// (batch, head), or one block of rows of a (batch, head)), in one launch. The CTA reads its group
+// (batch, head group), or one block of rows of a (batch, head group)), in one launch. The CTA reads its group
 // twice: once for the absolute maximum, once to scale, saturate and round to e4m3. With a
 // rotation, each row of head_dim values is multiplied by random signs and by block-diagonal
 // Hadamard matrices (a butterfly in shared memory) before both passes.
@@ -52,12 +52,14 @@ struct QuantizeArgs {
   const float* signs;   // head_dim random signs; read only when rotate_block > 0
   i64 x_batch_stride, x_row_stride, x_head_stride;  // in elements; head_dim is contiguous
   int batch, seqlen, heads, head_dim;
-  int granularity;      // 0: tensor, 1: (batch, head), 2: (batch, head, block of block_size rows)
+  int granularity;      // 0: tensor, 1: (batch, head group), 2: (batch, head group, block of block_size rows)
+  int group_heads;      // heads per head group: the query heads that share a kv head, or 1
   int block_size, blocks_per_head;
   int descales_per_group;
   int rotate_block;     // Hadamard block size (a power of two dividing head_dim), 0: no rotation
   float rotate_norm;    // 1 / sqrt(rotate_block) in float32
 };
+static_assert(sizeof(QuantizeArgs) == 104, "cuflash/quantize.py packs QuantizeArgs in 104 bytes");
 
 // Row `row` of the group (batch_count x row_count x head_count rows from batch0, row0, head0) into
 // `values` (this warp's head_dim floats in shared memory), rotated when asked; returns its
@@ -102,9 +104,10 @@ __global__ void __launch_bounds__(THREADS) quantize_fp8(const __grid_constant__ 
   const int group = blockIdx.x;
   int batch0 = 0, batch_count = a.batch, row0 = 0, row_count = a.seqlen, head0 = 0, head_count = a.heads;
   if (a.granularity > 0) {
+    const int head_groups = a.heads / a.group_heads;
     const int head_index = a.granularity == 2 ? group / a.blocks_per_head : group;
-    batch0 = head_index / a.heads, batch_count = 1;
-    head0 = head_index % a.heads, head_count = 1;
+    batch0 = head_index / head_groups, batch_count = 1;
+    head0 = (head_index % head_groups) * a.group_heads, head_count = a.group_heads;
     if (a.granularity == 2) {
       row0 = (group % a.blocks_per_head) * a.block_size;
       row_count = min(a.block_size, a.seqlen - row0);
