@@ -42,6 +42,11 @@ def attention(
     softcap: float = 0.0,
     return_lse: bool = False,
     out: Any = None,
+    descale_q: Any = None,
+    descale_k: Any = None,
+    descale_v: Any = None,
+    out_dtype: Any = None,
+    dtype: str | None = None,
 ) -> Any:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile.
 
@@ -49,7 +54,9 @@ def attention(
     ----------
     q : array, shape (batch, seqlen_q, heads, head_dim)
         CuPy array, torch CUDA tensor, other DLPack tensor (float16 or bfloat16), or NumPy array
-        (float16, bfloat16, float32 or float64: the CPU reference path).
+        (float16, bfloat16, float32 or float64: the CPU reference path). FP8 (e4m3): torch
+        ``float8_e4m3fn``, NumPy ``ml_dtypes.float8_e4m3fn``, or uint8 bytes with
+        ``dtype="e4m3"`` (CuPy cannot hold a float8 dtype); see docs/fp8.md.
     k, v : array, shape (batch, seqlen_k, heads_kv, head_dim)
         Same dtype and device as q; ``heads % heads_kv == 0`` (GQA; MQA when heads_kv is 1).
     causal : bool
@@ -68,7 +75,17 @@ def attention(
         Also return the log-sum-exp of the scaled scores, float32 (batch, heads, seqlen_q),
         natural log; ``-inf`` for a row that sees no key (its output row is 0).
     out : array, optional
-        Where to write the output, shape and dtype of q, same framework and device.
+        Where to write the output, shape and dtype of q (``out_dtype`` for FP8 inputs), same
+        framework and device.
+    descale_q, descale_k, descale_v : float or array, optional
+        FP8 inputs only: the factors that turn the stored e4m3 values into the values they
+        stand for (``x * descale``): None (1), a positive number, or float32 of shape
+        (batch, heads_kv), on q's side and device, entry [b, h] for kv head h of batch b (and
+        for the query heads of its group), as FlashAttention-3 takes them.
+    out_dtype : optional
+        FP8 inputs only: the output's dtype, bfloat16 (default) or float16.
+    dtype : str, optional
+        ``"e4m3"``: q, k, v are uint8 arrays holding e4m3 bytes. None: their own dtype.
 
     Returns
     -------
@@ -79,13 +96,16 @@ def attention(
     Raises
     ------
     TypeError
-        Unsupported array type or dtype (float32/float64 on the GPU: cast first), mixed dtypes,
+        Unsupported array type or dtype (float32/float64 on the GPU: cast first; FP8 e5m2), mixed
+        dtypes (FP8 with 16-bit included), a descale that is not float32, an out_dtype that is not
+        bfloat16 or float16, FP8 inputs on the GPU (no FP8 kernel yet),
         CPU and GPU arrays mixed, a softmax_scale that is not a real number, a causal or
         return_lse that is not a bool (or 0 / 1).
     ValueError
         Wrong rank, mismatched shapes, heads not a multiple of heads_kv, head_dim not a positive
         multiple of 8 or above 256, a non-contiguous last dimension, arrays on different devices, a bad
-        ``out``, a non-finite or non-positive softmax_scale.
+        ``out``, a non-finite or non-positive softmax_scale or descale, a descale array of the
+        wrong shape or device, a descale or out_dtype given with inputs that are not FP8.
 
     Notes
     -----
@@ -99,14 +119,20 @@ def attention(
     framework = checks.framework(arrays)
     causal, return_lse = checks.resolve_flag("causal", causal), checks.resolve_flag("return_lse", return_lse)
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
+    descales = descale_q, descale_k, descale_v
     if framework == "numpy":
-        scale = checks.check_forward(q, k, v, out, softmax_scale, on_device=False)
-        return host.attention(q, k, v, causal, scale, window, softcap, return_lse, out)
+        q, k, v = (checks.declared_dtype(name, x, dtype) for name, x in (("q", q), ("k", k), ("v", v)))
+        scale, fp8 = checks.check_forward(q, k, v, out, softmax_scale, False, descales, out_dtype)
+        return host.attention(q, k, v, causal, scale, window, softcap, return_lse, out, fp8)
 
     # One call each: a generator over the three costs ~0.4 us more.
     qt, kt = interop.describe(q, framework, "q"), interop.describe(k, framework, "k")
     vt = interop.describe(v, framework, "v")
     out_t = interop.describe(out, interop.framework_of(out, "out"), "out") if out is not None else None
+    if (qt.dtype == checks.FP8_DTYPE or dtype is not None or out_dtype is not None or descale_q is not None
+            or descale_k is not None or descale_v is not None):
+        qt, kt, vt = (checks.declared_dtype(name, t, dtype) for name, t in (("q", qt), ("k", kt), ("v", vt)))
+        checks.refuse_fp8_on_gpu(checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)[1])
     # Everything _prepare_forward reads, but pointers; the window and softcap are already resolved.
     key = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
             softcap) if type(softmax_scale) in plan.KEY_SCALARS else None)
@@ -120,7 +146,7 @@ def _prepare_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_sc
     """attention's checks and plan: (plan, the tensors to launch on, whether to cache the plan).
     A tensor whose pointer or strides are not 16-byte aligned is copied once, and such a call is
     not cached."""
-    scale = checks.check_forward(qt, kt, vt, out_t, softmax_scale, on_device=True)
+    scale = checks.check_forward(qt, kt, vt, out_t, softmax_scale, on_device=True)[0]
     aligned = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
     if not aligned:
         qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))

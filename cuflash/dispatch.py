@@ -55,6 +55,7 @@ __all__ = [
     "forward_kernel",
     "forward_launch",
     "helper_grid",
+    "quantize_kernel",
     "head_dim_bucket",
     "make_mask",
     "select_family",
@@ -605,3 +606,16 @@ def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seql
 def helper_grid(rows: int, heads: int, batch: int, head_dim: int) -> tuple[int, int, int]:
     """Grid of the backward's preprocess or convert kernel over ``rows`` rows per (batch, head)."""
     return -(-rows // helper_rows_per_block(head_dim)), heads, batch
+
+
+# cuflash.quantize_fp8's kernel (common/quantize_fp8.cu): one CTA of QUANTIZE_THREADS per group.
+QUANTIZE_THREADS = 256
+_QUANTIZE_LOADS = {"float16": "cuflash::load_f16", "bfloat16": "cuflash::load_bf16", "float32": "cuflash::load_f32"}
+
+
+def quantize_kernel(dtype_name: str) -> KernelChoice:
+    """The FP8 quantizing kernel for inputs of ``dtype_name`` (float16, bfloat16 or float32),
+    built for the sm80 target on every device (it needs no Hopper instruction)."""
+    return KernelChoice("sm80", "common/quantize_fp8.cu",
+                        f"cuflash::quantize_fp8<{QUANTIZE_THREADS}, {HEAD_DIM_BUCKETS[-1]}, {_QUANTIZE_LOADS[dtype_name]}>",
+                        QUANTIZE_THREADS, 0)

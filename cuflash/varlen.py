@@ -34,6 +34,11 @@ def attention_varlen(
     return_lse: bool = False,
     out: Any = None,
     validate: bool = True,
+    descale_q: Any = None,
+    descale_k: Any = None,
+    descale_v: Any = None,
+    out_dtype: Any = None,
+    dtype: str | None = None,
 ) -> Any:
     """Attention over a packed batch of sequences of different lengths.
 
@@ -54,12 +59,15 @@ def attention_varlen(
     return_lse : bool
         Also return lse, float32 (heads, total_q); -inf for rows that see no key.
     out : array, optional
-        Where to write the output (shape and dtype of q).
+        Where to write the output (shape and dtype of q; ``out_dtype`` for FP8 inputs).
     validate : bool
         Check that the cumulative lengths start at 0, do not decrease and end at the packed length,
         and that max_seqlen_* are not smaller than a real sequence: a device-to-host copy and
         synchronisation for GPU arrays. False skips the checks (wrong lengths then give wrong
         results); with max_seqlen_q given, the call then never waits for the GPU.
+    descale_q, descale_k, descale_v, out_dtype, dtype
+        FP8 (e4m3) inputs, as for :func:`cuflash.attention`; a descale array has shape
+        (num_sequences, heads_kv).
 
     Returns
     -------
@@ -78,15 +86,20 @@ def attention_varlen(
     if type(validate) is not bool or type(return_lse) is not bool:  # plain bools skip two calls (~0.2 us)
         validate, return_lse = checks.resolve_flag("validate", validate), checks.resolve_flag("return_lse", return_lse)
     framework, tensors, lengths = checks.check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                      validate)
+                                                      validate, dtype=dtype)
     causal = checks.resolve_flag("causal", causal)
     scale = checks.resolve_scale(softmax_scale, tensors["q"].shape[2])
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
+    on_device = framework != "numpy"
+    fp8 = checks.resolve_fp8(tensors["q"], tensors["k"], tensors["v"], descale_q, descale_k, descale_v, out_dtype,
+                             on_device, lengths.batch)
     if out is not None:
-        checks.check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
-    if framework == "numpy":
-        return host.attention_varlen(q, k, v, lengths.host_q, lengths.host_k, causal, scale, window, softcap,
-                                     return_lse, out)
+        checks.check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], on_device,
+                         fp8 and fp8.out_dtype)
+    if not on_device:
+        return host.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
+                                     scale, window, softcap, return_lse, out, fp8)
+    checks.refuse_fp8_on_gpu(fp8)
     checks.check_varlen_grid(lengths)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
