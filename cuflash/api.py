@@ -15,20 +15,24 @@ _BACKWARD_INPUTS = operator.itemgetter("q", "k", "v", "dout", "out", "lse")
 
 
 def explain(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, int] = (-1, -1),
-            softcap: float = 0.0) -> dispatch.KernelChoice:
+            softcap: float = 0.0, out_dtype: Any = None, dtype: str | None = None) -> dispatch.KernelChoice:
     """The forward kernel ``attention(q, k, v, causal=..., window=..., softcap=...)`` runs for
     these GPU arrays on their device: its family (``sm90``, or ``sm80`` where no tensor map can
-    describe a tensor's strides), instantiation name, threads, shared memory and tile. Launches
-    nothing."""
+    describe a tensor's strides), instantiation name, threads, shared memory and tile. FP8 inputs
+    (``out_dtype`` and ``dtype`` as for attention) run sm80's kernel on every device, Hopper
+    included, until an sm90 FP8 kernel exists. Launches nothing."""
     framework = checks.framework({"q": q, "k": k, "v": v})
     if framework == "numpy":
         raise TypeError("q: explain describes GPU kernels; NumPy arrays run the CPU reference")
-    qt, kt, vt = (interop.describe(x, framework, name) for name, x in (("q", q), ("k", k), ("v", v)))
-    checks.check_qkv(qt, kt, vt, on_device=True)
+    qt, kt, vt = (checks.declared_dtype(name, interop.describe(x, framework, name), dtype)
+                  for name, x in (("q", q), ("k", k), ("v", v)))
+    checks.check_qkv(qt, kt, vt, on_device=True, fp8=True)
+    fp8 = checks.resolve_fp8(qt, kt, vt, None, None, None, out_dtype, True)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
     mask = dispatch.make_mask(checks.resolve_flag("causal", causal), checks.resolve_window(window),
                               checks.resolve_softcap(softcap), qt.shape[1], kt.shape[1])
-    return dispatch.forward_choice(dispatch.device_target(qt.device)[0], qt, kt, vt, mask, qt.shape[1])
+    return dispatch.forward_choice(dispatch.device_target(qt.device)[0], qt, kt, vt, mask, qt.shape[1],
+                                   fp8 and fp8.out_dtype)
 
 
 def attention(
@@ -132,7 +136,11 @@ def attention(
     if (qt.dtype == checks.FP8_DTYPE or dtype is not None or out_dtype is not None or descale_q is not None
             or descale_k is not None or descale_v is not None):
         qt, kt, vt = (checks.declared_dtype(name, t, dtype) for name, t in (("q", qt), ("k", kt), ("v", vt)))
-        checks.refuse_fp8_on_gpu(checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)[1])
+        scale, fp8 = checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
+        if fp8 is not None:
+            result, lse = _attention_fp8(framework, qt, kt, vt, out, out_t, causal, scale, window, softcap, return_lse,
+                                         fp8)
+            return (result, lse) if return_lse else result
     # Everything _prepare_forward reads, but pointers; the window and softcap are already resolved.
     key = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
             softcap) if type(softmax_scale) in plan.KEY_SCALARS else None)
@@ -140,6 +148,33 @@ def attention(
                            (framework, qt, kt, vt, out_t, causal, softmax_scale, window, softcap), framework,
                            (qt, kt, vt), (out,), (out_t,), return_lse)
     return (result, lse) if return_lse else result
+
+
+def _attention_fp8(framework: str, qt, kt, vt, out, out_t, causal: bool, scale: float, window, softcap: float,
+                   return_lse: bool, fp8: checks.Fp8) -> tuple[Any, Any]:
+    """attention on checked FP8 GPU inputs: (out, lse or None). The checks run on every call
+    (they read the descales), so the plan key holds only what the plan reads."""
+    descales = fp8.descale_q, fp8.descale_k, fp8.descale_v
+    key = ("attention_fp8", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, scale, window, softcap,
+           plan.fp8_key(fp8))
+    return plan.run(key, qt.device, plan.aligned_pointers(qt, kt, vt, out_t), _prepare_forward_fp8,
+                    (framework, qt, kt, vt, out_t, causal, scale, window, softcap, fp8), framework,
+                    (qt, kt, vt, *descales), (out,), (out_t,), return_lse)
+
+
+def _prepare_forward_fp8(framework: str, qt, kt, vt, out_t, causal: bool, scale: float, window, softcap: float,
+                         fp8: checks.Fp8):
+    """The FP8 forward's plan, as _prepare_forward's for checked inputs; out is fp8.out_dtype."""
+    aligned = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
+    if not aligned:
+        qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
+    batch, seqlen_q, heads = qt.shape[:3]
+    mask = dispatch.make_mask(causal, window, softcap, seqlen_q, kt.shape[1])
+    descales = fp8.descale_q, fp8.descale_k, fp8.descale_v
+    built = plan.build_forward(qt, kt, vt, out_t or interop.contiguous(qt.shape, qt, fp8.out_dtype),
+                               interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale, mask, batch,
+                               seqlen_q, descales=descales)
+    return built, (qt, kt, vt, *descales), aligned
 
 
 def _prepare_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_scale, window, softcap: float):

@@ -3,10 +3,43 @@
 // and mma.sync see the same swizzled 16-bit tiles as for fp16 and bf16 inputs. Every e4m3 value is
 // exact in fp16 and in bf16.
 #pragma once
+#include "common/params.cuh"
 #include "common/smem.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
+
+// The softmax's score scales for a CTA of (batch, head_kv): FwdParams' scale_log2 and
+// softcap_tanh_scale, read where they are used, as the 16-bit kernels always have.
+template <class Params, bool SOFTCAP>
+struct ScoreScales {
+  const Params& p;
+  __device__ __forceinline__ ScoreScales(const Params& params, int, int) : p(params) {}
+  __device__ __forceinline__ float log2() const { return p.scale_log2; }
+  __device__ __forceinline__ float tanh_scale() const { return p.softcap_tanh_scale; }
+};
+
+// e4m3 inputs: those times the CTA's q and k descales, which scale the raw scores (inside the
+// softcap's tanh when there is one).
+template <bool SOFTCAP>
+struct ScoreScales<FwdParamsFp8, SOFTCAP> {
+  float log2_, tanh_;
+  __device__ __forceinline__ ScoreScales(const FwdParamsFp8& p, int batch, int kv_head) {
+    const float descale =
+        (p.descale_q ? p.descale_q[batch * p.descale_q_batch_stride + kv_head * p.descale_q_head_stride] : 1.f) *
+        (p.descale_k ? p.descale_k[batch * p.descale_k_batch_stride + kv_head * p.descale_k_head_stride] : 1.f);
+    log2_ = SOFTCAP ? p.scale_log2 : p.scale_log2 * descale;
+    tanh_ = SOFTCAP ? p.softcap_tanh_scale * descale : p.softcap_tanh_scale;
+  }
+  __device__ __forceinline__ float log2() const { return log2_; }
+  __device__ __forceinline__ float tanh_scale() const { return tanh_; }
+};
+
+// The factor of O for e4m3 inputs: the scalar v descale times the CTA's entry of the array.
+__device__ __forceinline__ float v_descale(const FwdParamsFp8& p, int batch, int kv_head) {
+  return p.v_scale *
+         (p.descale_v ? p.descale_v[batch * p.descale_v_batch_stride + kv_head * p.descale_v_head_stride] : 1.f);
+}
 
 // Widening of packed e4m3 pairs. Each byte is moved to the top of a 16-bit lane, its exponent and
 // mantissa bits shifted right by kShift into the 16-bit format's fields, and one multiply by

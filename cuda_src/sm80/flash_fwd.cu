@@ -82,15 +82,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const FragmentAddress<ROW_ELEMS> k_frag(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const FragmentAddress<ROW_ELEMS> v_frag(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
-  // The score scales: the host's, times this (batch, head_kv)'s q and k descales for e4m3 inputs
-  // (they scale the raw scores, inside the softcap's tanh when there is one).
-  float scale_log2 = p.scale_log2, softcap_tanh_scale = p.softcap_tanh_scale;
-  if constexpr (FP8) {
-    const float score_descale =
-        (p.descale_q ? p.descale_q[batch * p.descale_q_batch_stride + kv_head * p.descale_q_head_stride] : 1.f) *
-        (p.descale_k ? p.descale_k[batch * p.descale_k_batch_stride + kv_head * p.descale_k_head_stride] : 1.f);
-    (SOFTCAP ? softcap_tanh_scale : scale_log2) *= score_descale;
-  }
+  const ScoreScales<typename FwdArgs<Input>::type, SOFTCAP> scales(p, batch, kv_head);
 
   float o[MT][DT][4];
   clear(o);
@@ -132,7 +124,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       u32 q_tiles[MT][4], k_tiles[4];
       warp_gemm<KSTEPS, Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag));
 
-      if (SOFTCAP) softcap_scores(s, softcap_tanh_scale);
+      if (SOFTCAP) softcap_scores(s, scales.tanh_scale());
       if (needs_mask<BLOCK_M, BLOCK_N>(mask, m_block, n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
 
       // V[n] has landed and every warp is done reading K[n]: prefetch K[n-1] under the softmax
@@ -147,7 +139,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         cp_async_commit();
       }
 
-      softmax.update(s, o, scale_log2);
+      softmax.update(s, o, scales.log2());
 
       // O += P V: P straight from the S registers; V (keys x d, row-major) read k-major.
       u32 p_tiles[MT][4], v_tiles[4];
@@ -156,12 +148,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 
   float lse[MT][2];
-  softmax.finalize(o, scale_log2, lse);
+  softmax.finalize(o, scales.log2(), lse);
   if constexpr (FP8) {
-    // v's descale, read here rather than held across the main loop.
-    const float out_scale =
-        p.v_scale * (p.descale_v ? p.descale_v[batch * p.descale_v_batch_stride + kv_head * p.descale_v_head_stride]
-                                 : 1.f);
+    // Read here rather than held across the main loop.
+    const float out_scale = v_descale(p, batch, kv_head);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
