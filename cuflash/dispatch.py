@@ -292,7 +292,7 @@ def forward_kernel(
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
     # Q tile plus one K and one V tile; FP8 also stages K's and V's bytes (flash_fwd.cu).
-    smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2 + (2 * tile.block_n * bucket if fp8 else 0)
+    smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2 + (2 * tile.block_n * _row_elems(bucket) if fp8 else 0)
     expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, {flags}>"
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
 

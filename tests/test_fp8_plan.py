@@ -26,7 +26,7 @@ def test_fp8_kernel_is_the_sm80_forward_with_e4m3_input():
     for out_dtype, elem in (("bfloat16", "bf16"), ("float16", "f16")):
         choice = dispatch.forward_kernel("sm80", 128, "causal", FP8, out_dtype=out_dtype)
         same_16bit = dispatch.forward_kernel("sm80", 128, "causal", out_dtype)
-        # The 16-bit tiles plus the K and V staging bytes.
+        # The 16-bit tiles plus the K and V staging bytes (rows of the 64-column-padded bucket).
         tile = dispatch.SM80_FWD_TILES[128]
         assert choice.smem_bytes == same_16bit.smem_bytes + 2 * tile.block_n * 128
         assert choice.name_expression == (same_16bit.name_expression[:-1] + ", cuflash::e4m3>").replace(

@@ -44,11 +44,11 @@ __global__ void __launch_bounds__(WARPS * 32)
   // e4m3: staging for the K and V bytes after the tiles; Q's bytes are staged in sV, free until
   // the first V tile.
   u8* const k_staging = reinterpret_cast<u8*>(sV + BLOCK_N * ROW_ELEMS);
-  u8* const v_staging = k_staging + BLOCK_N * HEAD_DIM;
+  u8* const v_staging = k_staging + BLOCK_N * ROW_ELEMS;
   u8* const q_staging = reinterpret_cast<u8*>(sV);
-  static_assert(SMEM_BYTES == (BLOCK_M + 2 * BLOCK_N) * ROW_ELEMS * sizeof(u16) + (FP8 ? 2 * BLOCK_N * HEAD_DIM : 0),
+  static_assert(SMEM_BYTES == (BLOCK_M + 2 * BLOCK_N) * ROW_ELEMS * sizeof(u16) + (FP8 ? 2 * BLOCK_N * ROW_ELEMS : 0),
                 "the host's shared memory differs from the Q, K and V tiles");
-  static_assert(BLOCK_M * HEAD_DIM <= BLOCK_N * ROW_ELEMS * sizeof(u16), "Q's bytes must fit in sV");
+  static_assert(BLOCK_M * ROW_ELEMS <= BLOCK_N * ROW_ELEMS * sizeof(u16), "Q's bytes must fit in sV");
 
   // Grid (m_blocks, heads, batch), or (heads, batch, m_blocks) when causal: causal query blocks
   // near the end of the sequence see the most keys, and with the block index slowest and
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       // Widened now, by the thread that staged each chunk; the loop's first barrier publishes sQ
       // and frees sV for V[last].
       cp_async_wait<0>();
-      land_tile<Input, BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS, Elem>(sQ, q_staging);
+      land_tile<Input, BLOCK_M, ROW_ELEMS, THREADS, Elem>(sQ, q_staging);
     }
 
     // Key blocks run from the last to the first, so the blocks that need masking (the diagonal
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       // K[n] (and Q) have landed, and every warp has finished P.V of the previous step, so the
       // single V buffer is free for V[n].
       cp_async_wait<0>();
-      land_tile<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS, Elem>(sK, k_staging);
+      land_tile<Input, BLOCK_N, ROW_ELEMS, THREADS, Elem>(sK, k_staging);
       __syncthreads();
       fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
           sV, v_staging, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n * BLOCK_N, p.head_dim);
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       // V[n] has landed and every warp is done reading K[n]: prefetch K[n-1] under the softmax
       // and P.V below.
       cp_async_wait<0>();
-      land_tile<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS, Elem>(sV, v_staging);
+      land_tile<Input, BLOCK_N, ROW_ELEMS, THREADS, Elem>(sV, v_staging);
       __syncthreads();
       if (n > n_range.begin) {
         fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
