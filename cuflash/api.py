@@ -102,18 +102,21 @@ def attention(
     TypeError
         Unsupported array type or dtype (float32/float64 on the GPU: cast first; FP8 e5m2), mixed
         dtypes (FP8 with 16-bit included), a descale that is not float32, an out_dtype that is not
-        bfloat16 or float16, FP8 inputs on the GPU (no FP8 kernel yet),
-        CPU and GPU arrays mixed, a softmax_scale that is not a real number, a causal or
+        bfloat16 or float16, CPU and GPU arrays mixed, a softmax_scale that is not a real number, a causal or
         return_lse that is not a bool (or 0 / 1).
     ValueError
         Wrong rank, mismatched shapes, heads not a multiple of heads_kv, head_dim not a positive
         multiple of 8 or above 256, a non-contiguous last dimension, arrays on different devices, a bad
         ``out``, a non-finite or non-positive softmax_scale or descale, a descale array of the
-        wrong shape or device, a descale or out_dtype given with inputs that are not FP8.
+        wrong shape or device, a descale or out_dtype given with inputs that are not FP8, FP8
+        GPU inputs whose head_dim is not a multiple of 16.
 
     Notes
     -----
-    head_dim is served from a bucket of 64, 96, 128, 192 or 256. q, k and v may have any
+    head_dim is served from a bucket of 64, 96, 128, 192 or 256. FP8 GPU inputs run the sm80
+    family's forward on every device (Hopper included, until an sm90 FP8 kernel exists): e4m3
+    bytes are read (half the bytes of bf16) and widened exactly to ``out_dtype`` for bf16/fp16
+    tensor-core products; there is no FP8 backward. q, k and v may have any
     strides with a contiguous last dimension; a tensor whose pointer or strides are not 16-byte
     aligned is copied once, because the kernel loads 16-byte vectors.
     """

@@ -478,6 +478,9 @@ def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtyp
     or reversed dimension; the sm80 kernel reads any strides). FP8 inputs, writing ``out_dtype``,
     run sm80's kernel on every family: there is no sm90 FP8 kernel yet."""
     if q.dtype in FP8_TYPES:
+        if q.shape[3] % 16:
+            raise ValueError(f"q: FP8 inputs need a head_dim that is a multiple of 16 (the kernel copies rows in "
+                             f"16-byte chunks), got {q.shape[3]}")
         return forward_kernel("sm80", q.shape[3], mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
     short = max_seqlen_q <= SM90_SHORT_ROWS
     choice = forward_kernel(family, q.shape[3], mask.kind, q.dtype, bool(mask.softcap), short=short)

@@ -46,6 +46,9 @@ def test_fp8_runs_sm80_on_the_sm90_family():
     mask = dispatch.make_mask(False, (-1, -1), 0.0, 4096, 4096)
     choice = dispatch.forward_choice("sm90", q, q, q, mask, 4096, "float16")
     assert choice == dispatch.forward_kernel("sm80", 128, "none", FP8, out_dtype="float16")
+    narrow = _tensor((2, 4096, 8, 72))
+    with pytest.raises(ValueError, match="q: FP8 inputs need a head_dim that is a multiple of 16"):
+        dispatch.forward_choice("sm80", narrow, narrow, narrow, mask, 4096, "float16")
 
 
 def test_every_fp8_instantiation_is_listed_after_the_16bit_kernels():
