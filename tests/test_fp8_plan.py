@@ -1,17 +1,14 @@
 """The FP8 forward's launch policy and argument struct, without a GPU: the sm80 kernel on every
 family, its shared memory, FwdParamsFp8's layout, the descales folded into it or filled per call,
-and the plan key's FP8 part."""
+and the plan key's FP8 part. An FP8 launch's struct: tests/test_forward_plan.py."""
 
 from __future__ import annotations
 
-import contextlib
 import math
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
-from cuflash import checks, dispatch, interop, kernels, params, plan
+from cuflash import checks, dispatch, interop, params, plan
 
 FP8 = "float8_e4m3fn"
 
@@ -95,40 +92,6 @@ def test_descale_arrays_keep_their_strides_and_the_scalar_scale():
     assert (struct["descale_k_batch_stride"], struct["descale_k_head_stride"]) == (0, 0)
     assert struct["scale_log2"] == pytest.approx(0.125 * 2.0 * math.log2(math.e))
     assert struct["v_scale"] == 1.0
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """kernels.launch replaced by a recorder of (kernel, FwdParamsFp8); new arrays are fake."""
-    calls = []
-    monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm90", (9, 0)))
-    monkeypatch.setattr(plan, "PLANS", plan.PlanCache())
-    monkeypatch.setattr(kernels, "get_function",
-                        lambda choice, arch, device: SimpleNamespace(ptr=hash(choice.name_expression)))
-    monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: calls.append(
-        (kernel, np.frombuffer(params.ArgumentBuffer.struct_bytes(argument), params.FWD_PARAMS_FP8)[0])))
-    monkeypatch.setattr(interop, "on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(interop, "stream_handle", lambda framework, device: 0)
-    monkeypatch.setattr(interop, "allocate", lambda framework, like, shape, dtype=None:
-                        (_tensor(shape, dtype or like.dtype, ptr=2 << 20), 2 << 20))
-    return calls
-
-
-def test_fp8_launch_fills_the_descale_pointers(launches):
-    q, k = _tensor((2, 300, 8, 64)), _tensor((2, 500, 2, 64), ptr=3 << 20)
-    descale_q, descale_v = _tensor((2, 2), "float32", ptr=5 << 20), _tensor((2, 2), "float32", ptr=6 << 20)
-    mask = dispatch.make_mask(True, (-1, -1), 0.0, 300, 500)
-    built = plan.build_forward(q, k, k, interop.contiguous(q.shape, q, "float16"),
-                               _tensor((2, 8, 300), "float32"), 0.125, mask, 2, 300,
-                               descales=(descale_q, 0.5, descale_v))
-    out, lse = built.launch("cupy", (q, k, k, descale_q, 0.5, descale_v), (None,), (None,), False)
-    (kernel, struct), = launches
-    assert out.dtype == "float16" and lse is None
-    assert kernel.function == hash(dispatch.forward_kernel("sm80", 64, "causal", FP8, out_dtype="float16")
-                                   .name_expression)
-    assert (struct["q"], struct["k"], struct["o"]) == (1 << 20, 3 << 20, 2 << 20)
-    assert (struct["descale_q"], struct["descale_k"], struct["descale_v"]) == (5 << 20, 0, 6 << 20)
-    assert struct["scale_log2"] == pytest.approx(0.125 * 0.5 * math.log2(math.e))
 
 
 def test_fp8_key_holds_out_dtype_scalars_and_array_layouts():
