@@ -93,7 +93,7 @@ def run(q, k, v, out_dtype="bfloat16", **options):
     from tests.gpu_reference import poison_pool
 
     poison_pool()
-    out = cp.full(q[0].shape, cp.nan, dtype=getattr(ml_dtypes, out_dtype) if out_dtype == "bfloat16" else cp.float16)
+    out = cp.full(q[0].shape, cp.nan, dtype=np.dtype(getattr(ml_dtypes, out_dtype, out_dtype)))
     result, lse = cuflash.attention(q[0], k[0], v[0], descale_q=q[1], descale_k=k[1], descale_v=v[1], dtype="e4m3",
                                     out_dtype=out_dtype, out=out, return_lse=True, **options)
     assert result is out
@@ -143,14 +143,16 @@ def test_fp8_heads_out_dtype_and_descale_kinds(heads, out_dtype, per_head, rng):
 def test_fp8_default_descales_and_output(rng):
     """No descale (1) and no out_dtype: a bfloat16 output."""
     import cupy as cp
+    import ml_dtypes
 
     import cuflash
 
-    q, k, v = inputs(rng, 1, 129, 129, 2, 2, 64, per_head=False)
-    out, lse = cuflash.attention(q[0], k[0], v[0], dtype="e4m3", return_lse=True)
-    assert out.dtype.name == "bfloat16" and out.shape == q[0].shape
+    q, k, v = (cp.asarray(rng.standard_normal((1, 129, 2, 64)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+               for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, dtype="e4m3", return_lse=True)
+    assert out.dtype.name == "bfloat16" and out.shape == q.shape
     assert bool(cp.isfinite(lse).all())
-    check(out, lse, (q[0], 1.0), (k[0], 1.0), (v[0], 1.0), "bfloat16")
+    check(out, lse, (q, 1.0), (k, 1.0), (v, 1.0), "bfloat16")
 
 
 @pytest.mark.parametrize("tensor", ["q", "k", "v"])
@@ -168,7 +170,8 @@ def test_fp8_descale_of_the_wrong_head_fails(tensor, rng):
 
 @pytest.mark.parametrize("out_dtype", ["float16", "bfloat16"])
 def test_every_e4m3_value_is_widened_exactly(out_dtype):
-    """One key (P = 1): out is v's 256 byte values as they are, NaN for e4m3's two NaNs."""
+    """One key (P = 1): out is v's 256 byte values as they are, NaN for e4m3's two NaNs (zeros of
+    either sign come out +0: the accumulator starts at +0)."""
     import cupy as cp
     import ml_dtypes
 
@@ -183,7 +186,6 @@ def test_every_e4m3_value_is_widened_exactly(out_dtype):
     got = got.astype(np.float64).ravel()
     assert np.array_equal(np.isnan(got), np.isnan(want))
     assert np.array_equal(got[~np.isnan(want)], want[~np.isnan(want)])
-    assert np.array_equal(np.signbit(got[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -252,4 +254,5 @@ def test_torch_float8_with_fa3_keywords_runs_the_cupy_path_bitwise(rng):
     assert got.dtype == torch.bfloat16
     want = cuflash.attention(q[0], k[0], v[0], causal=True, descale_q=q[1], descale_k=k[1], descale_v=v[1],
                              dtype="e4m3")
+    torch.cuda.synchronize()
     assert bool(cp.all(cp.from_dlpack(got.view(torch.int16)) == want.view(cp.int16)))
