@@ -102,8 +102,8 @@ def attention(
     TypeError
         Unsupported array type or dtype (float32/float64 on the GPU: cast first; FP8 e5m2), mixed
         dtypes (FP8 with 16-bit included), a descale that is not float32, an out_dtype that is not
-        bfloat16 or float16, CPU and GPU arrays mixed, a softmax_scale that is not a real number, a causal or
-        return_lse that is not a bool (or 0 / 1).
+        bfloat16 or float16, CPU and GPU arrays mixed, a softmax_scale that is not a real number,
+        a causal or return_lse that is not a bool (or 0 / 1).
     ValueError
         Wrong rank, mismatched shapes, heads not a multiple of heads_kv, head_dim not a positive
         multiple of 8 or above 256, a non-contiguous last dimension, arrays on different devices, a bad
@@ -113,12 +113,12 @@ def attention(
 
     Notes
     -----
-    head_dim is served from a bucket of 64, 96, 128, 192 or 256. FP8 GPU inputs run the sm80
-    family's forward on every device (Hopper included, until an sm90 FP8 kernel exists): e4m3
-    bytes are read (half the bytes of bf16) and widened exactly to ``out_dtype`` for bf16/fp16
-    tensor-core products; there is no FP8 backward. q, k and v may have any
+    head_dim is served from a bucket of 64, 96, 128, 192 or 256. q, k and v may have any
     strides with a contiguous last dimension; a tensor whose pointer or strides are not 16-byte
-    aligned is copied once, because the kernel loads 16-byte vectors.
+    aligned is copied once, because the kernel loads 16-byte vectors. FP8 GPU inputs run the
+    sm80 family's forward on every device (Hopper included, until an sm90 FP8 kernel exists): it
+    reads the e4m3 bytes (half the bytes of bf16) and widens them exactly to ``out_dtype`` for
+    bf16/fp16 tensor-core products; there is no FP8 backward.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
