@@ -272,9 +272,11 @@ def forward_kernel(
     if fp8 and family != "sm80":
         raise ValueError(f"family: FP8 inputs run the sm80 forward on every device, not {family!r}")
     if fp8 and out_dtype not in ELEMENT_TYPES:
-        raise ValueError(f"out_dtype: expected one of {tuple(ELEMENT_TYPES)} for {dtype_name} inputs, got {out_dtype!r}")
-    input_type = f", {FP8_TYPES[dtype_name]}" if fp8 else ""
-    flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[out_dtype if fp8 else dtype_name]}{input_type}"
+        raise ValueError(f"out_dtype: expected one of {tuple(ELEMENT_TYPES)} for {dtype_name} inputs, "
+                         f"got {out_dtype!r}")
+    # The output's element type, then, for FP8, the input's (flash_fwd.cu's Elem and Input).
+    types = f"{ELEMENT_TYPES[out_dtype]}, {FP8_TYPES[dtype_name]}" if fp8 else ELEMENT_TYPES[dtype_name]
+    flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {types}"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
         narrow = (softcap and window) or (causal and short)
@@ -292,7 +294,8 @@ def forward_kernel(
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
     # Q tile plus one K and one V tile; FP8 also stages K's and V's bytes (flash_fwd.cu).
-    smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2 + (2 * tile.block_n * _row_elems(bucket) if fp8 else 0)
+    row = _row_elems(bucket)
+    smem = (tile.block_m + 2 * tile.block_n) * row * 2 + (2 * tile.block_n * row if fp8 else 0)
     expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, {flags}>"
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
 
