@@ -90,20 +90,25 @@ __device__ __forceinline__ u32 widen_e4m3_pair(u32 bytes, u32 select) {
 
 // Where thread threadIdx.x's i-th 16-byte chunk of a ROWS x COLS e4m3 tile lies: chunk
 // threadIdx.x + i * THREADS of the row-major tile, so a thread's staging bytes are compile-time
-// offsets from its first. A pass of THREADS chunks covers a multiple of 8 whole rows, so a thread
-// keeps its column and its swizzle (as load_tile_async, and for the same reason: per-chunk 64-bit
-// offsets would stay live across the main loop and spill).
+// offsets from its first. Where a pass of THREADS chunks covers a multiple of 8 whole rows
+// (FIXED_COLUMN), a thread keeps its column and its swizzle (as load_tile_async, and for the same
+// reason: per-chunk 64-bit offsets would stay live across the main loop and spill); otherwise
+// (d192: 12 chunks per row, 256 threads, where ptxas spills nothing) each chunk computes its own.
 template <int ROWS, int COLS, int THREADS>
 struct StagedChunks {
   static constexpr int CHUNKS_PER_ROW = COLS / 16;
-  static constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-  static constexpr int PER_THREAD = ROWS / ROWS_PER_PASS;
-  static_assert(COLS % 16 == 0 && THREADS % CHUNKS_PER_ROW == 0 && ROWS_PER_PASS % 8 == 0 &&
-                    ROWS % ROWS_PER_PASS == 0,
-                "a pass of the CTA must cover a multiple of 8 whole rows");
+  static constexpr int PER_THREAD = ROWS * CHUNKS_PER_ROW / THREADS;
+  static constexpr bool FIXED_COLUMN = THREADS % CHUNKS_PER_ROW == 0 && (THREADS / CHUNKS_PER_ROW) % 8 == 0;
+  static constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;  // FIXED_COLUMN only
+  static_assert(COLS % 16 == 0 && ROWS * CHUNKS_PER_ROW % THREADS == 0, "tile must split evenly over the CTA");
 
-  static __device__ __forceinline__ int row(int i) { return threadIdx.x / CHUNKS_PER_ROW + i * ROWS_PER_PASS; }
-  static __device__ __forceinline__ int col() { return threadIdx.x % CHUNKS_PER_ROW * 16; }
+  static __device__ __forceinline__ int row(int i) {
+    return FIXED_COLUMN ? threadIdx.x / CHUNKS_PER_ROW + i * ROWS_PER_PASS
+                        : (threadIdx.x + i * THREADS) / CHUNKS_PER_ROW;
+  }
+  static __device__ __forceinline__ int col(int i) {
+    return (FIXED_COLUMN ? threadIdx.x : threadIdx.x + i * THREADS) % CHUNKS_PER_ROW * 16;
+  }
   static __device__ __forceinline__ int staging_offset(int i) { return (threadIdx.x + i * THREADS) * 16; }
 };
 
@@ -114,14 +119,23 @@ template <int ROWS, int COLS, int THREADS>
 __device__ __forceinline__ void stage_tile_async(u8* staging, const u8* src, i64 row_stride, int rows_valid,
                                                  int cols_valid) {
   typedef StagedChunks<ROWS, COLS, THREADS> C;
-  const int col = C::col();
-  const int bytes = min(16, max(0, cols_valid - col));
-  const u8* from = src + C::row(0) * row_stride + col;
+  if constexpr (C::FIXED_COLUMN) {
+    const int col = C::col(0);
+    const int bytes = min(16, max(0, cols_valid - col));
+    const u8* from = src + C::row(0) * row_stride + col;
 #pragma unroll
-  for (int i = 0; i < C::PER_THREAD; ++i) {
-    const bool inside = bytes > 0 && C::row(i) < rows_valid;
-    cp_async_16(staging + C::staging_offset(i), inside ? from : src, inside ? bytes : 0);
-    from += C::ROWS_PER_PASS * row_stride;
+    for (int i = 0; i < C::PER_THREAD; ++i) {
+      const bool inside = bytes > 0 && C::row(i) < rows_valid;
+      cp_async_16(staging + C::staging_offset(i), inside ? from : src, inside ? bytes : 0);
+      from += C::ROWS_PER_PASS * row_stride;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < C::PER_THREAD; ++i) {
+      const int row = C::row(i), col = C::col(i);
+      const int bytes = row < rows_valid ? min(16, max(0, cols_valid - col)) : 0;
+      cp_async_16(staging + C::staging_offset(i), bytes > 0 ? src + row * row_stride + col : src, bytes);
+    }
   }
 }
 
@@ -140,7 +154,7 @@ __device__ __forceinline__ void widen_staged_tile(u16* tile, const u8* staging) 
       wide[2 * w] = widen_e4m3_pair<Elem>(words[w], 0x1404u);      // bytes 0, 1
       wide[2 * w + 1] = widen_e4m3_pair<Elem>(words[w], 0x3424u);  // bytes 2, 3
     }
-    const int row = C::row(i), col = C::col();
+    const int row = C::row(i), col = C::col(i);
     *reinterpret_cast<uint4*>(tile + swizzle<ROW_ELEMS>(row, col)) = make_uint4(wide[0], wide[1], wide[2], wide[3]);
     *reinterpret_cast<uint4*>(tile + swizzle<ROW_ELEMS>(row, col + 8)) =
         make_uint4(wide[4], wide[5], wide[6], wide[7]);
@@ -149,9 +163,9 @@ __device__ __forceinline__ void widen_staged_tile(u16* tile, const u8* staging) 
 
 // A tile load of a kernel whose inputs are Input: 16-bit inputs straight into the swizzled tile;
 // e4m3 bytes into `staging`, for land_tile to widen into `tile`. e4m3 rows are staged ROW_ELEMS
-// wide (the columns past cols_valid zero-filled): at every head-dim bucket a pass of the CTA then
-// covers whole rows and each thread keeps its column (StagedChunks), where head_dim 96's 6 chunks
-// per row would recompute offsets per chunk and spill past the allowance on sm_90a.
+// wide (the columns past cols_valid zero-filled): head_dim 96 then stages 8 chunks per row, a
+// fixed column per thread (StagedChunks), where 6 chunks per row computed per chunk spilled past
+// the allowance on sm_90a.
 template <class Input, int ROWS, int COLS, int ROW_ELEMS, int THREADS>
 __device__ __forceinline__ void fetch_tile_async(u16* tile, u8* staging, const typename InputStorage<Input>::type* src,
                                                  i64 row_stride, int rows_valid, int cols_valid) {
