@@ -420,8 +420,15 @@ def resolve_fp8(q, k, v, descale_q: Any, descale_k: Any, descale_v: Any, out_dty
 def _resolve_out_dtype(out_dtype: Any) -> str:
     if out_dtype is None:
         return "bfloat16"
-    name = out_dtype if isinstance(out_dtype, str) else str(getattr(out_dtype, "name", out_dtype))
-    name = name.removeprefix("torch.")
+    if isinstance(out_dtype, str):
+        name = out_dtype
+    elif type(out_dtype).__module__.startswith("torch"):
+        name = str(out_dtype).removeprefix("torch.")
+    else:  # NumPy dtypes and scalar types, ml_dtypes.bfloat16
+        try:
+            name = np.dtype(out_dtype).name
+        except TypeError:
+            name = None
     if name not in FP8_OUT_DTYPES:
         raise TypeError(f"out_dtype: expected bfloat16 or float16 for FP8 inputs, got {out_dtype!r}")
     return name
