@@ -342,8 +342,9 @@ def check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     kind = framework(arrays)
     on_device = kind != "numpy"
     tensors = {name: interop.describe(x, kind, name) if on_device else x for name, x in arrays.items()}
-    for name in ("q", "k", "v"):
-        tensors[name] = declared_dtype(name, tensors[name], dtype)
+    if dtype is not None:
+        for name in ("q", "k", "v"):
+            tensors[name] = declared_dtype(name, tensors[name], dtype)
     for name in ("q", "k", "v"):
         if tensors[name].ndim != 3:
             raise ValueError(f"{name}: expected 3 dims (total_tokens, heads, head_dim), got shape "
