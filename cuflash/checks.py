@@ -382,8 +382,7 @@ class Fp8(NamedTuple):
     contiguous float32 array of shape (batch, heads_kv) -- (num_sequences, heads_kv) for a
     packed batch -- whose entry [b, h] multiplies kv head h of sequence b (and, for descale_q,
     every query head of that group): a DeviceTensor on the GPU, a NumPy array on the host.
-    The effective inputs are ``x.astype(float) * descale``; the kernels fold descale_q *
-    descale_k into the softmax scale and descale_v into the final normalisation."""
+    The inputs stand for ``x.astype(float) * descale``."""
 
     out_dtype: str  # "bfloat16" or "float16"
     descale_q: Any
