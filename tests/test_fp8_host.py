@@ -207,13 +207,6 @@ def test_fp8_backward_is_refused():
         cuflash.attention_backward(out, q, k, v, out, lse)
 
 
-def test_fp8_on_the_gpu_is_refused_until_its_kernels_exist():
-    fp8_options = checks.Fp8("bfloat16", 1.0, 1.0, 1.0)
-    with pytest.raises(TypeError, match="q: float8_e4m3 on the GPU"):
-        checks.refuse_fp8_on_gpu(fp8_options)
-    checks.refuse_fp8_on_gpu(None)
-
-
 # quantize_fp8 (NumPy path).
 
 def e4m3_round_like_the_kernel(values: np.ndarray) -> np.ndarray:
