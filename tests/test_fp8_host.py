@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import checks, dispatch, kernels, quantize, reference
+from cuflash import dispatch, kernels, quantize, reference
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
