@@ -108,6 +108,18 @@ def test_varlen_fp8_per_sequence_descales_with_empty_sequences():
     assert np.abs(out.astype(np.float64) - swapped).max() > 1e-2
 
 
+def test_varlen_uint8_bytes_declared_e4m3_into_out():
+    rng = np.random.default_rng()
+    cu = np.array([0, 3, 11], np.int32)
+    q, k, v = (fp8((11, 2, 32), rng) for _ in range(3))
+    dv = descales((2, 2), rng)
+    out = np.full(q.shape, np.nan, np.float16)
+    result = cuflash.attention_varlen(*(x.view(np.uint8) for x in (q, k, v)), cu, cu, dtype="e4m3", descale_v=dv,
+                                      out_dtype="float16", out=out)
+    assert result is out
+    assert_rounded_from(out, exact(q, k, v, 1.0, 1.0, dv, (cu, cu))[0], np.float16)
+
+
 def test_fp8_baseline_rounds_p_to_e4m3():
     rng = np.random.default_rng()
     q, k, v = (rng.standard_normal((1, 6, 1, 16)) for _ in range(3))
