@@ -342,8 +342,9 @@ def check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     kind = framework(arrays)
     on_device = kind != "numpy"
     tensors = {name: interop.describe(x, kind, name) if on_device else x for name, x in arrays.items()}
-    for name in ("q", "k", "v"):
-        tensors[name] = declared_dtype(name, tensors[name], dtype)
+    if dtype is not None:
+        for name in ("q", "k", "v"):
+            tensors[name] = declared_dtype(name, tensors[name], dtype)
     for name in ("q", "k", "v"):
         if tensors[name].ndim != 3:
             raise ValueError(f"{name}: expected 3 dims (total_tokens, heads, head_dim), got shape "
@@ -381,8 +382,7 @@ class Fp8(NamedTuple):
     contiguous float32 array of shape (batch, heads_kv) -- (num_sequences, heads_kv) for a
     packed batch -- whose entry [b, h] multiplies kv head h of sequence b (and, for descale_q,
     every query head of that group): a DeviceTensor on the GPU, a NumPy array on the host.
-    The effective inputs are ``x.astype(float) * descale``; the kernels fold descale_q *
-    descale_k into the softmax scale and descale_v into the final normalisation."""
+    The inputs stand for ``x.astype(float) * descale``."""
 
     out_dtype: str  # "bfloat16" or "float16"
     descale_q: Any
@@ -420,8 +420,15 @@ def resolve_fp8(q, k, v, descale_q: Any, descale_k: Any, descale_v: Any, out_dty
 def _resolve_out_dtype(out_dtype: Any) -> str:
     if out_dtype is None:
         return "bfloat16"
-    name = out_dtype if isinstance(out_dtype, str) else str(getattr(out_dtype, "name", out_dtype))
-    name = name.removeprefix("torch.")
+    if isinstance(out_dtype, str):
+        name = out_dtype
+    elif type(out_dtype).__module__.startswith("torch"):
+        name = str(out_dtype).removeprefix("torch.")
+    else:  # NumPy dtypes and scalar types, ml_dtypes.bfloat16
+        try:
+            name = np.dtype(out_dtype).name
+        except TypeError:
+            name = None
     if name not in FP8_OUT_DTYPES:
         raise TypeError(f"out_dtype: expected bfloat16 or float16 for FP8 inputs, got {out_dtype!r}")
     return name

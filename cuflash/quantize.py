@@ -122,10 +122,9 @@ def _quantize_host(x: np.ndarray, granularity: str, group_heads: int, block_size
         amax = padded.reshape(batch, blocks, block_size, groups, group_heads, head_dim).max(axis=(2, 4, 5))
         per_row = np.repeat(amax, block_size, axis=1)[:, :seqlen, :, None, None]
         amax = amax.transpose(0, 2, 1)  # (batch, head groups, blocks)
-    present = amax > 0
-    descale = np.where(present, amax / np.where(present, _E4M3_MAX, 1), np.float32(1)).astype(np.float32)
-    row_present = per_row > 0
-    scale = np.where(row_present, _E4M3_MAX / np.where(row_present, per_row, 1), np.float32(1)).astype(np.float32)
+    # A group of zeros keeps scale and descale 1.
+    descale = np.divide(amax, _E4M3_MAX, out=np.ones_like(amax), where=amax > 0)
+    scale = np.divide(_E4M3_MAX, per_row, out=np.ones_like(per_row), where=per_row > 0)
     grouped = values.reshape(batch, seqlen, groups, group_heads, head_dim)
     scaled = np.clip(grouped * scale, -_E4M3_MAX, _E4M3_MAX).reshape(x.shape)
     return scaled.astype(ml_dtypes.float8_e4m3fn), descale
