@@ -32,7 +32,6 @@ __all__ = [
     "declared_dtype",
     "framework",
     "plain_window",
-    "refuse_fp8_on_gpu",
     "resolve_fp8",
     "resolve_flag",
     "resolve_scale",
@@ -478,10 +477,3 @@ def declared_dtype(name: str, x: Any, dtype: Any) -> Any:
         return x._replace(dtype=FP8_DTYPE)
     return x.view(ml_dtypes.float8_e4m3fn)
 
-
-def refuse_fp8_on_gpu(fp8: Fp8 | None) -> None:
-    """The GPU attention path has no FP8 kernels yet: FP8 device inputs end here, after every
-    check, so that a bad argument still gets its own error."""
-    if fp8 is not None:
-        raise TypeError("q: float8_e4m3 on the GPU is not supported yet (no FP8 attention kernel); "
-                        "cast q, k, v to bfloat16 (dequantized), or pass NumPy arrays for the CPU path")

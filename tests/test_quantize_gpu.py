@@ -98,15 +98,3 @@ def test_bad_fp8_options_on_gpu_arrays(name, make, error, words):
     q, k, v = fp8_bytes((2, 16, 4, 64), rng), fp8_bytes((2, 16, 2, 64), rng), fp8_bytes((2, 16, 2, 64), rng)
     with pytest.raises(error, match=words):
         cuflash.attention(q, k, v, dtype="e4m3", **{name: make(cp)})
-
-
-def test_fp8_attention_on_the_gpu_is_refused_until_its_kernels_exist():
-    import cupy as cp
-
-    rng = np.random.default_rng()
-    q, k, v = (fp8_bytes((1, 8, 2, 64), rng) for _ in range(3))
-    with pytest.raises(TypeError, match="q: float8_e4m3 on the GPU"):
-        cuflash.attention(q, k, v, dtype="e4m3", descale_k=cp.ones((1, 2), cp.float32))
-    cu = cp.asarray(np.array([0, 8], np.int32))
-    with pytest.raises(TypeError, match="q: float8_e4m3 on the GPU"):
-        cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, dtype="e4m3")
