@@ -227,6 +227,16 @@ def test_fp8_varlen_with_an_empty_sequence(causal, rng):
     check_rule("lse", lse, lse_ref, lse_lowp, "float16")
 
 
+def test_explain_names_the_sm80_fp8_kernel(family, rng):
+    """Either family runs sm80's FP8 forward, into out_dtype."""
+    import cuflash
+
+    q, k, v = inputs(rng, 1, 64, 64, 2, 2, 128)
+    choice = cuflash.explain(q[0], k[0], v[0], causal=True, dtype="e4m3", out_dtype="float16")
+    assert choice.family == "sm80"
+    assert choice.name_expression.endswith("true, false, false, cuflash::f16, cuflash::e4m3>")
+
+
 def test_fp8_has_no_backward():
     torch = pytest.importorskip("torch")
     import cuflash
