@@ -11,12 +11,15 @@ import math
 import numbers
 from typing import Any, NamedTuple
 
+import ml_dtypes
 import numpy as np
 
 from cuflash import dispatch, interop
 
 __all__ = [
     "MAX_GRID_YZ",
+    "FP8_DTYPE",
+    "Fp8",
     "Lengths",
     "as_batch_of_one",
     "check_backward",
@@ -26,16 +29,20 @@ __all__ = [
     "check_qkv",
     "check_varlen",
     "check_varlen_grid",
+    "declared_dtype",
     "framework",
     "plain_window",
+    "resolve_fp8",
     "resolve_flag",
     "resolve_scale",
     "resolve_softcap",
     "resolve_window",
 ]
 
+FP8_DTYPE = "float8_e4m3fn"  # the name torch and ml_dtypes give e4m3 (no infinities, max 448)
 DEVICE_DTYPES = ("float16", "bfloat16")
 HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
+FP8_OUT_DTYPES = ("bfloat16", "float16")
 MAX_GRID_YZ = dispatch.MAX_GRID_YZ
 # Query rows per block in the grids whose grid.z counts query blocks.
 _GRID_Z_ROWS = 128
@@ -52,20 +59,24 @@ def element_strides(x: Any) -> tuple[int, ...]:
 def _check_dtype(name: str, x: Any, allowed: tuple[str, ...], on_device: bool) -> str:
     dtype = dtype_name(x)
     if dtype not in allowed:
-        hint = (
-            "; cast to float16 or bfloat16 first (x.astype(ml_dtypes.bfloat16) in CuPy, "
-            "x.to(torch.bfloat16) in torch)"
-            if on_device and dtype in ("float32", "float64")
-            else ""
-        )
+        if on_device and dtype in ("float32", "float64"):
+            hint = ("; cast to float16 or bfloat16 first (x.astype(ml_dtypes.bfloat16) in CuPy, "
+                    "x.to(torch.bfloat16) in torch)")
+        elif dtype == FP8_DTYPE:
+            hint = "; FP8 inputs have a forward path only"
+        elif dtype.startswith("float8"):
+            hint = "; of the FP8 formats only e4m3 (float8_e4m3fn) is supported"
+        else:
+            hint = ""
         raise TypeError(f"{name}: dtype {dtype} is not supported (expected one of {', '.join(allowed)}){hint}")
     return dtype
 
 
-def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1) -> None:
+def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1, fp8: bool = False) -> None:
     """Shapes, dtypes, strides and devices of q, k, v (DeviceTensors, or NumPy arrays);
-    ``min_seqlen`` 0 for a packed batch, whose total length may be 0."""
-    allowed = DEVICE_DTYPES if on_device else HOST_DTYPES
+    ``min_seqlen`` 0 for a packed batch, whose total length may be 0; ``fp8``: the caller (a
+    forward) also takes float8_e4m3fn."""
+    allowed = (DEVICE_DTYPES if on_device else HOST_DTYPES) + ((FP8_DTYPE,) if fp8 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, seqlen, heads, head_dim), got shape {tuple(x.shape)}")
@@ -179,22 +190,24 @@ def framework(arrays: dict[str, Any]) -> str:
     return found["q"]
 
 
-def _check_like(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
-    """``t`` (an output or a forward tensor) must have ``expected_shape``, ``like``'s dtype and
-    device, and a contiguous last dimension."""
+def _check_like(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool, dtype: str | None = None) -> None:
+    """``t`` (an output or a forward tensor) must have ``expected_shape``, ``dtype`` (default
+    ``like``'s), ``like``'s device, and a contiguous last dimension."""
     if tuple(t.shape) != tuple(expected_shape):
         raise ValueError(f"{name}: expected shape {tuple(expected_shape)}, got {tuple(t.shape)}")
-    if dtype_name(t) != dtype_name(like):
+    if dtype is None and dtype_name(t) != dtype_name(like):
         raise TypeError(f"{name}: expected dtype {dtype_name(like)} like q, got {dtype_name(t)}")
+    if dtype is not None and dtype_name(t) != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype} (out_dtype), got {dtype_name(t)}")
     if element_strides(t)[-1] != 1 and 0 not in t.shape:
         raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
     if on_device and t.device != like.device:
         raise ValueError(f"{name}: on device {t.device}, but q is on device {like.device}")
 
 
-def check_out(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool) -> None:
-    """An output the kernels write with 16-byte stores."""
-    _check_like(name, t, expected_shape, like, on_device)
+def check_out(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool, dtype: str | None = None) -> None:
+    """An output the kernels write with 16-byte stores; ``dtype`` as for _check_like."""
+    _check_like(name, t, expected_shape, like, on_device, dtype)
     if on_device and not t.aligned_16:
         raise ValueError(f"{name}: data pointer and strides must be 16-byte aligned (the kernel "
                          f"writes 16-byte vectors)")
@@ -221,14 +234,16 @@ def check_backward_inputs(tensors: dict, lse_shape: tuple[int, ...], on_device: 
             check_out(name, tensors[name], like_shape, qt, on_device)
 
 
-def check_forward(q, k, v, out, softmax_scale: Any, on_device: bool) -> float:
+def check_forward(q, k, v, out, softmax_scale: Any, on_device: bool, descales: tuple = (None, None, None),
+                  out_dtype: Any = None) -> tuple[float, Fp8 | None]:
     """attention's arrays (DeviceTensors, or NumPy arrays; ``out`` None when not given), checked
-    alike on both paths; returns the softmax scale."""
-    check_qkv(q, k, v, on_device)
+    alike on both paths; returns the softmax scale and the FP8 options (resolve_fp8)."""
+    check_qkv(q, k, v, on_device, fp8=True)
     scale = resolve_scale(softmax_scale, q.shape[3])
+    fp8 = resolve_fp8(q, k, v, *descales, out_dtype, on_device)
     if out is not None:
-        check_out("out", out, tuple(q.shape), q, on_device)
-    return scale
+        check_out("out", out, tuple(q.shape), q, on_device, fp8 and fp8.out_dtype)
+    return scale, fp8
 
 
 def check_backward(arrays: dict, softmax_scale: Any, window: Any, softcap: Any,
@@ -317,19 +332,24 @@ def _check_lengths(name: str, cu: np.ndarray | None, total: int, max_seqlen: Any
 
 
 def check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                 validate: bool, need_max_k: bool = False) -> tuple[str, dict, Lengths]:
+                 validate: bool, need_max_k: bool = False, dtype: Any = None) -> tuple[str, dict, Lengths]:
     """Framework, validated tensors (packed, checked as a batch of one) and the lengths. GPU
     lengths reach the host only to be validated or to find an omitted max_seqlen_q (which every
-    kernel needs) or, with ``need_max_k`` (the backward), an omitted max_seqlen_k."""
+    kernel needs) or, with ``need_max_k`` (the backward), an omitted max_seqlen_k. ``dtype``:
+    the forward's declared dtype of q, k, v (declared_dtype); FP8 is taken only with the
+    forward's ``need_max_k`` False."""
     kind = framework(arrays)
     on_device = kind != "numpy"
     tensors = {name: interop.describe(x, kind, name) if on_device else x for name, x in arrays.items()}
+    if dtype is not None:
+        for name in ("q", "k", "v"):
+            tensors[name] = declared_dtype(name, tensors[name], dtype)
     for name in ("q", "k", "v"):
         if tensors[name].ndim != 3:
             raise ValueError(f"{name}: expected 3 dims (total_tokens, heads, head_dim), got shape "
                              f"{tuple(tensors[name].shape)}")
     qt, kt, vt = (as_batch_of_one(tensors[name]) for name in ("q", "k", "v"))
-    check_qkv(qt, kt, vt, on_device=on_device, min_seqlen=0)
+    check_qkv(qt, kt, vt, on_device=on_device, min_seqlen=0, fp8=not need_max_k)
     device = tensors["q"].device if on_device else None
     cu_q, cu_q_t, batch = _cumulative_lengths("cu_seqlens_q", cu_seqlens_q, on_device, device,
                                               validate or max_seqlen_q is None)
@@ -352,3 +372,108 @@ def check_varlen_grid(lengths: Lengths) -> None:
         raise ValueError(f"cu_seqlens_q: at most {MAX_GRID_YZ} sequences, got {lengths.batch}")
     if lengths.max_seqlen_q > MAX_GRID_YZ * _GRID_Z_ROWS:
         raise ValueError(f"max_seqlen_q: must be at most {MAX_GRID_YZ * _GRID_Z_ROWS}, got {lengths.max_seqlen_q}")
+
+
+# FP8 (e4m3) inputs.
+
+class Fp8(NamedTuple):
+    """An FP8 call's resolved options. Each descale is a float (a scalar, 1.0 for None) or a
+    contiguous float32 array of shape (batch, heads_kv) -- (num_sequences, heads_kv) for a
+    packed batch -- whose entry [b, h] multiplies kv head h of sequence b (and, for descale_q,
+    every query head of that group): a DeviceTensor on the GPU, a NumPy array on the host.
+    The inputs stand for ``x.astype(float) * descale``."""
+
+    out_dtype: str  # "bfloat16" or "float16"
+    descale_q: Any
+    descale_k: Any
+    descale_v: Any
+
+
+def resolve_fp8(q, k, v, descale_q: Any, descale_k: Any, descale_v: Any, out_dtype: Any, on_device: bool,
+                batch: int | None = None) -> Fp8 | None:
+    """The FP8 options of a call whose q, k, v passed check_qkv (DeviceTensors or NumPy arrays,
+    fixed-length 4-dim or packed 3-dim); None for 16-bit (or host float32/64) inputs.
+
+    ``batch``: the descales' first dimension, q's batch when None (a packed batch passes its
+    number of sequences). For FP8 inputs: ``out_dtype`` None (bfloat16), "bfloat16" or
+    "float16" (NumPy/torch/CuPy dtypes naming those accepted too); each descale None, a real
+    number (finite, > 0) or a float32 (batch, heads_kv) contiguous array on q's side and
+    device. A host (NumPy) descale array is checked finite and positive; a device array's
+    values are not checked (that would need a device-to-host copy and a synchronisation):
+    NaN, infinite or non-positive entries there give NaN or wrong outputs, not an error.
+    For inputs that are not FP8, any descale or out_dtype given is a ValueError (nothing is
+    silently ignored). Raises TypeError/ValueError naming the argument, before any launch.
+    """
+    if dtype_name(q) != FP8_DTYPE:
+        for name, value in (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v),
+                            ("out_dtype", out_dtype)):
+            if value is not None:
+                raise ValueError(f"{name}: only FP8 (float8_e4m3fn) inputs take it, but q is {dtype_name(q)}")
+        return None
+    shape = (q.shape[0] if batch is None else batch, k.shape[-2])
+    descales = (_resolve_descale(name, value, shape, q, on_device)
+                for name, value in (("descale_q", descale_q), ("descale_k", descale_k), ("descale_v", descale_v)))
+    return Fp8(_resolve_out_dtype(out_dtype), *descales)
+
+
+def _resolve_out_dtype(out_dtype: Any) -> str:
+    if out_dtype is None:
+        return "bfloat16"
+    if isinstance(out_dtype, str):
+        name = out_dtype
+    elif type(out_dtype).__module__.startswith("torch"):
+        name = str(out_dtype).removeprefix("torch.")
+    else:  # NumPy dtypes and scalar types, ml_dtypes.bfloat16
+        try:
+            name = np.dtype(out_dtype).name
+        except TypeError:
+            name = None
+    if name not in FP8_OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected bfloat16 or float16 for FP8 inputs, got {out_dtype!r}")
+    return name
+
+
+def _resolve_descale(name: str, value: Any, shape: tuple[int, int], q, on_device: bool) -> Any:
+    """A descale: a float, or the checked (batch, heads_kv) float32 array (see resolve_fp8)."""
+    if value is None:
+        return 1.0
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+        scalar = float(value)
+        if not math.isfinite(scalar) or scalar <= 0:
+            raise ValueError(f"{name}: must be finite and positive, got {value}")
+        return scalar
+    kind = interop.framework_of(value, name)
+    if (kind == "numpy") == on_device:
+        raise TypeError(f"{name}: must be on the same side as q ({'GPU' if on_device else 'NumPy'}), or a number")
+    t = interop.describe(value, kind, name) if on_device else value
+    if dtype_name(t) != "float32":
+        raise TypeError(f"{name}: expected float32, got {dtype_name(t)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape (batch, heads_kv) = {shape}, got {tuple(t.shape)}")
+    if element_strides(t) != (shape[1], 1) and 0 not in shape:
+        raise ValueError(f"{name}: must be contiguous (the kernel indexes it directly)")
+    if on_device:
+        if t.device != q.device:
+            raise ValueError(f"{name}: on device {t.device}, but q is on device {q.device}")
+    elif not (np.isfinite(t).all() and (t > 0).all()):
+        raise ValueError(f"{name}: every entry must be finite and positive")
+    return t
+
+
+def declared_dtype(name: str, x: Any, dtype: Any) -> Any:
+    """``x`` (a DeviceTensor or NumPy array) as the entry point's ``dtype`` argument declares it:
+    None leaves it as it is; ``"e4m3"`` reads a uint8 array as float8_e4m3fn bytes (CuPy cannot
+    hold an ml_dtypes float8 array, so a CuPy caller passes the bytes as uint8), a view, no copy."""
+    if dtype is None:
+        return x
+    if dtype not in ("e4m3", FP8_DTYPE):
+        raise ValueError(f"dtype: expected None or 'e4m3', got {dtype!r}")
+    given = dtype_name(x)
+    if given == FP8_DTYPE:
+        return x
+    if given != "uint8":
+        raise TypeError(f"{name}: dtype='e4m3' reads uint8 (or float8_e4m3fn) arrays as e4m3, got {given}")
+    if isinstance(x, interop.DeviceTensor):
+        return x._replace(dtype=FP8_DTYPE)
+    return x.view(ml_dtypes.float8_e4m3fn)
+

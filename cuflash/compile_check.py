@@ -65,12 +65,15 @@ def representative_kernel() -> dispatch.KernelChoice:
 def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
     """A few instantiations of ``family`` that between them reach every kernel source and template
     switch: the smallest and largest head dims, both dtypes, each mask, softcap, each dQ order,
-    and sm80's two-CTA backward tile."""
+    sm80's two-CTA backward tile, and FP8 inputs into either output type (d96 the closest to its
+    spill allowance)."""
     if family == "sm80":
         return [
             dispatch.forward_kernel("sm80", 64, "none", "float16"),
             representative_kernel(),
             dispatch.forward_kernel("sm80", 256, "window", "bfloat16", softcap=True),
+            dispatch.forward_kernel("sm80", 96, "causal", "float8_e4m3fn", out_dtype="float16"),
+            dispatch.forward_kernel("sm80", 256, "window", "float8_e4m3fn", softcap=True, out_dtype="bfloat16"),
             *dispatch.backward_kernels("sm80", 64, "causal", "float16", dq_order="walk"),
             dispatch.backward_kernels("sm80", 256, "window", "bfloat16", softcap=True)[1],
         ]

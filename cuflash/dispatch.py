@@ -9,6 +9,9 @@ describe, and the ``KernelChoice`` names the family that runs). Its backward mai
 head dims up to 128, in either mode (backward_family), and sm80's main kernel everywhere else;
 the preprocess and convert kernels that run around either (common/flash_bwd_helpers.cu) are
 built for the sm80 target on every device.
+FP8 (e4m3) inputs run sm80's forward on every family, 9.x included, until a native sm90 FP8
+kernel exists: it stages the bytes and widens them to the 16-bit output type in shared memory,
+so it reads half the bytes of a bf16 call and computes at bf16 rate. FP8 has no backward.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
 
@@ -36,6 +39,7 @@ from cuflash.params import tma_ready
 
 __all__ = [
     "FAMILIES",
+    "FP8_TYPES",
     "HEAD_DIM_BUCKETS",
     "MASKS",
     "BackwardLaunch",
@@ -51,6 +55,7 @@ __all__ = [
     "forward_kernel",
     "forward_launch",
     "helper_grid",
+    "quantize_kernel",
     "head_dim_bucket",
     "make_mask",
     "select_family",
@@ -59,6 +64,9 @@ __all__ = [
 FAMILIES = ("sm80", "sm90")
 HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
 ELEMENT_TYPES = {"float16": "cuflash::f16", "bfloat16": "cuflash::bf16"}
+# FP8 input dtypes (the DeviceTensor names) and their kernel input types; their products and output
+# run in one of ELEMENT_TYPES (the output dtype).
+FP8_TYPES = {"float8_e4m3fn": "cuflash::e4m3"}
 # Forward masks (cuda_src/common/mask.cuh): every key, the causal diagonal, or a window whose
 # bounds are run-time arguments (causal folded in as right = 0), which serves any mask.
 MASKS = ("none", "causal", "window")
@@ -243,12 +251,14 @@ def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int) -> int:
 @functools.lru_cache(maxsize=None)
 def forward_kernel(
     family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None,
-    short: bool = False,
+    short: bool = False, out_dtype: str | None = None,
 ) -> KernelChoice:
     """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
     MASKS, ``softcap`` whether scores are capped (``tile`` overrides the tables, for tuning),
     ``short`` whether the sequences have at most SM90_SHORT_ROWS query rows (sm90's tile choice;
-    sm90 also takes wider key blocks without a mask or softcap, SM90_WIDE_TILES).
+    sm90 also takes wider key blocks without a mask or softcap, SM90_WIDE_TILES). ``dtype_name``
+    is the inputs' dtype; an FP8_TYPES one (sm80 only) takes ``out_dtype``, float16 or bfloat16,
+    for the products and the output.
 
     Which kernel serves a softcap: _mask_flags.
     """
@@ -258,7 +268,15 @@ def forward_kernel(
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
     causal, window = _mask_flags(mask, softcap and family == "sm80")
-    flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {ELEMENT_TYPES[dtype_name]}"
+    fp8 = dtype_name in FP8_TYPES
+    if fp8 and family != "sm80":
+        raise ValueError(f"family: FP8 inputs run the sm80 forward on every device, not {family!r}")
+    if fp8 and out_dtype not in ELEMENT_TYPES:
+        raise ValueError(f"out_dtype: expected one of {tuple(ELEMENT_TYPES)} for {dtype_name} inputs, "
+                         f"got {out_dtype!r}")
+    # The output's element type, then, for FP8, the input's (flash_fwd.cu's Elem and Input).
+    types = f"{ELEMENT_TYPES[out_dtype]}, {FP8_TYPES[dtype_name]}" if fp8 else ELEMENT_TYPES[dtype_name]
+    flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {types}"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
         narrow = (softcap and window) or (causal and short)
@@ -275,8 +293,9 @@ def forward_kernel(
                 f"{smem}, {flags}>")
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
-    # Q tile plus one K and one V tile.
-    smem = (tile.block_m + 2 * tile.block_n) * _row_elems(bucket) * 2
+    # Q tile plus one K and one V tile; FP8 also stages K's and V's bytes (flash_fwd.cu).
+    row = _row_elems(bucket)
+    smem = (tile.block_m + 2 * tile.block_n) * row * 2 + (2 * tile.block_n * row if fp8 else 0)
     expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, {flags}>"
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
 
@@ -335,6 +354,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
+    if dtype_name in FP8_TYPES:
+        raise ValueError(f"dtype_name: {dtype_name} inputs have a forward only")
     if dq_order not in dq_orders(family, mask, softcap):
         raise ValueError(f"dq_order: expected one of {dq_orders(family, mask, softcap)} for {family}, mask "
                          f"{mask!r} and softcap {softcap}, got {dq_order!r}")
@@ -387,6 +408,13 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, dq_order):
                             if choice.family == family:
                                 found.setdefault(choice.name_expression, choice)
+    if family == "sm80":  # after the 16-bit kernels, so that the lists of older trees pair by position
+        for bucket in buckets:
+            for out_dtype in ELEMENT_TYPES:
+                for mask in MASKS:
+                    for softcap in (False, True):
+                        choice = forward_kernel(family, bucket, mask, "float8_e4m3fn", softcap, out_dtype=out_dtype)
+                        found.setdefault(choice.name_expression, choice)
     return list(found.values())
 
 
@@ -446,10 +474,17 @@ def device_target(device_id: int) -> tuple[str, tuple[int, int]]:
     return select_family(capability), capability
 
 
-def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int) -> KernelChoice:
+def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtype: str | None = None
+                   ) -> KernelChoice:
     """The forward kernel for DeviceTensors q, k, v on a device of ``family``: that family's, or
     sm80's where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast
-    or reversed dimension; the sm80 kernel reads any strides)."""
+    or reversed dimension; the sm80 kernel reads any strides). FP8 inputs, writing ``out_dtype``,
+    run sm80's kernel on every family: there is no sm90 FP8 kernel yet."""
+    if q.dtype in FP8_TYPES:
+        if q.shape[3] % 16:
+            raise ValueError(f"q: FP8 inputs need a head_dim that is a multiple of 16 (the kernel copies rows in "
+                             f"16-byte chunks), got {q.shape[3]}")
+        return forward_kernel("sm80", q.shape[3], mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
     short = max_seqlen_q <= SM90_SHORT_ROWS
     choice = forward_kernel(family, q.shape[3], mask.kind, q.dtype, bool(mask.softcap), short=short)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
@@ -494,11 +529,11 @@ class ForwardLaunch(NamedTuple):
 
 
 def forward_launch(family: str, q, k, v, mask: Mask, batch: int, max_seqlen_q: int, packed: bool,
-                   device: int) -> ForwardLaunch:
+                   device: int, out_dtype: str | None = None) -> ForwardLaunch:
     """The forward's kernel and grid over ``batch`` sequences of at most ``max_seqlen_q`` rows
     (q, k, v DeviceTensors, BSHD; a packed batch as batch-of-one views, whose total length then
-    bounds the longest sequence's keys)."""
-    choice = forward_choice(family, q, k, v, mask, max_seqlen_q)
+    bounds the longest sequence's keys); ``out_dtype`` for FP8 inputs, as forward_choice."""
+    choice = forward_choice(family, q, k, v, mask, max_seqlen_q, out_dtype)
     m_blocks = -(-max_seqlen_q // choice.tile.block_m)
     heads = q.shape[2]
     if choice.family == "sm90":
@@ -577,3 +612,16 @@ def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seql
 def helper_grid(rows: int, heads: int, batch: int, head_dim: int) -> tuple[int, int, int]:
     """Grid of the backward's preprocess or convert kernel over ``rows`` rows per (batch, head)."""
     return -(-rows // helper_rows_per_block(head_dim)), heads, batch
+
+
+# cuflash.quantize_fp8's kernel (common/quantize_fp8.cu): one CTA of QUANTIZE_THREADS per group.
+QUANTIZE_THREADS = 256
+_QUANTIZE_LOADS = {"float16": "cuflash::load_f16", "bfloat16": "cuflash::load_bf16", "float32": "cuflash::load_f32"}
+
+
+def quantize_kernel(dtype_name: str) -> KernelChoice:
+    """The FP8 quantizing kernel for inputs of ``dtype_name`` (float16, bfloat16 or float32),
+    built for the sm80 target on every device (it needs no Hopper instruction)."""
+    return KernelChoice("sm80", "common/quantize_fp8.cu",
+                        f"cuflash::quantize_fp8<{QUANTIZE_THREADS}, {HEAD_DIM_BUCKETS[-1]}, {_QUANTIZE_LOADS[dtype_name]}>",
+                        QUANTIZE_THREADS, 0)

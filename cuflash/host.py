@@ -1,13 +1,18 @@
 """The CPU path: NumPy in, NumPy out, computed by the float64 reference (cuflash.reference) and
-cast to the inputs' dtype. The callers check the arguments exactly as for the GPU (checks.py)."""
+cast to the inputs' dtype. FP8 inputs are dequantized first (x * descale, in float64) and give
+their out_dtype. The callers check the arguments exactly as for the GPU (checks.py)."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
-from cuflash import reference
+from cuflash import checks, reference
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward"]
+
+# An FP8 call's out_dtype (checks.Fp8) as the NumPy dtype of its result.
+_OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
 
 
 def _output(result: np.ndarray, lse: np.ndarray, dtype, out, return_lse: bool):
@@ -31,11 +36,23 @@ def _gradients(result, given: dict, dtype) -> tuple:
     return tuple(grads)
 
 
-def attention(q, k, v, causal: bool, scale: float, window, softcap: float, return_lse: bool, out):
+def _forward_inputs(q, k, v, fp8: checks.Fp8 | None, cu_seqlens: tuple = (None, None)):
+    """(q, k, v, output dtype): FP8 inputs dequantized in float64 (cu_seqlens: a packed batch's
+    (cu_seqlens_q, cu_seqlens_k)), and the dtype the result is cast to."""
+    if fp8 is None:
+        return q, k, v, q.dtype
+    cu_q, cu_k = cu_seqlens
+    return (reference.dequantize(q, fp8.descale_q, cu_q), reference.dequantize(k, fp8.descale_k, cu_k),
+            reference.dequantize(v, fp8.descale_v, cu_k), _OUT_DTYPES[fp8.out_dtype])
+
+
+def attention(q, k, v, causal: bool, scale: float, window, softcap: float, return_lse: bool, out,
+              fp8: checks.Fp8 | None = None):
     """The blockwise online-softmax algorithm in float64."""
+    q, k, v, dtype = _forward_inputs(q, k, v, fp8)
     result, lse = reference.attention_blockwise(q, k, v, causal=causal, softmax_scale=scale, window=window,
                                                 softcap=softcap)
-    return _output(result, lse, q.dtype, out, return_lse)
+    return _output(result, lse, dtype, out, return_lse)
 
 
 def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap: float) -> tuple:
@@ -47,10 +64,11 @@ def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window, softcap: float,
-                     return_lse: bool, out):
+                     return_lse: bool, out, fp8: checks.Fp8 | None = None):
+    q, k, v, dtype = _forward_inputs(q, k, v, fp8, (cu_seqlens_q, cu_seqlens_k))
     result, lse = reference.attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
                                                        softmax_scale=scale, window=window, softcap=softcap)
-    return _output(result, lse, q.dtype, out, return_lse)
+    return _output(result, lse, dtype, out, return_lse)
 
 
 def attention_varlen_backward(arrays: dict, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window,

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 __all__ = ["DeviceTensor", "allocate", "contiguous", "describe", "framework_of", "on_device", "realign", "scratch",
-           "stream_handle", "zero"]
+           "stream_handle", "upload", "zero"]
 
 
 class DeviceTensor(NamedTuple):
@@ -147,10 +147,13 @@ def describe(x: Any, framework: str, name: str) -> DeviceTensor:
 
 
 def realign(t: DeviceTensor, framework: str) -> DeviceTensor:
-    """A 16-byte-aligned contiguous copy of ``t`` (same framework)."""
+    """A 16-byte-aligned contiguous copy of ``t`` (same framework), keeping ``t``'s dtype name
+    (uint8 bytes declared e4m3 stay e4m3)."""
     if framework == "torch":
-        return describe(t.native.clone(memory_format=_torch().contiguous_format), "torch", "")
-    return describe(t.native.copy(), "cupy", "")
+        copy = describe(t.native.clone(memory_format=_torch().contiguous_format), "torch", "")
+    else:
+        copy = describe(t.native.copy(), "cupy", "")
+    return copy if copy.dtype == t.dtype else copy._replace(dtype=t.dtype)
 
 
 def contiguous(shape: tuple[int, ...], like: DeviceTensor, dtype: str | None = None) -> DeviceTensor:
@@ -187,6 +190,16 @@ def scratch(framework: str, like: DeviceTensor, nbytes: int) -> tuple[Any, int]:
         return owner, owner.data_ptr()
     owner = _cupy().cuda.alloc(nbytes)
     return owner, owner.ptr
+
+
+def upload(framework: str, like: DeviceTensor, host: np.ndarray) -> tuple[Any, int]:
+    """(array, pointer): a copy of the NumPy array ``host`` on ``like``'s device, from the same
+    framework and stream as ``allocate`` (the caller holds ``on_device(like.device)``)."""
+    if framework == "torch":
+        native = _torch().from_numpy(host).to(like.native.device)
+        return native, native.data_ptr()
+    native = _cupy().asarray(host)
+    return native, native.data.ptr
 
 
 def zero(ptr: int, nbytes: int, stream: int) -> None:

@@ -21,14 +21,25 @@ from cuflash import tma
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 
 FWD_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")
-FWD_PARAMS = np.dtype(
+_FWD_FIELDS = (
     [(name, np.uint64) for name in FWD_POINTERS]
     + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride"]]
     + [(name, np.int32) for name in ("kv_group", "seqlen_q", "seqlen_k", "head_dim", "window_left", "window_right")]
-    + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32)],
+    + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32)]
+)
+FWD_PARAMS = np.dtype(_FWD_FIELDS, align=True)
+FWD_PARAMS_SIZE = 200  # sizeof(FwdParams) in params.cuh
+# FwdParamsFp8: FwdParams' fields, then the descale arrays' pointers (filled per call after
+# FWD_POINTERS), their (batch, head_kv) strides in elements, and a scalar v descale.
+FWD_DESCALES = ("descale_q", "descale_k", "descale_v")
+FWD_PARAMS_FP8 = np.dtype(
+    _FWD_FIELDS
+    + [(name, np.uint64) for name in FWD_DESCALES]
+    + [(f"{name}_{s}_stride", np.int64) for name in FWD_DESCALES for s in ("batch", "head")]
+    + [("v_scale", np.float32)],
     align=True,
 )
-FWD_PARAMS_SIZE = 200  # sizeof(FwdParams) in params.cuh
+FWD_PARAMS_FP8_SIZE = 280  # sizeof(FwdParamsFp8) in params.cuh
 _LOG2E = math.log2(math.e)
 
 
@@ -60,6 +71,21 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_tanh_scale)],
         dtype=FWD_PARAMS,
     )
+
+
+def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int], softcap: float,
+                        cu_seqlens_q, cu_seqlens_k, descales: tuple) -> np.ndarray:
+    """One FwdParamsFp8 struct for e4m3 q, k, v; arguments as pack_fwd_params, and ``descales``
+    (q's, k's, v's), each a float or a float32 (batch, heads_kv) DeviceTensor (sequences for a
+    packed batch). Scalar q and k descales are folded into the softmax scale here, a scalar v
+    descale is v_scale; the arrays' pointers are left 0 for the per-call fill."""
+    scalar = [d if isinstance(d, (int, float)) else None for d in descales]
+    score_descale = (scalar[0] if scalar[0] is not None else 1.0) * (scalar[1] if scalar[1] is not None else 1.0)
+    base = pack_fwd_params(q, k, v, out, lse, softmax_scale * score_descale, window, softcap, cu_seqlens_q,
+                           cu_seqlens_k)
+    strides = [s for d, value in zip(descales, scalar) for s in ((0, 0) if value is not None else d.strides[:2])]
+    v_scale = scalar[2] if scalar[2] is not None else 1.0
+    return np.array([(*base.item(), 0, 0, 0, *strides, v_scale)], dtype=FWD_PARAMS_FP8)
 
 
 # cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, FwdParams, the persistent grid's tiles.
@@ -212,11 +238,14 @@ class ArgumentBuffer:
     returns, which has copied the argument by then.
     """
 
-    def __init__(self, packed: np.ndarray, pointers: tuple[str, ...], within: str | None = None, tensor_maps=()):
+    def __init__(self, packed: np.ndarray, pointers: tuple[str, ...], within: str | None = None, tensor_maps=(),
+                 more_pointers: tuple[str, ...] = ()):
         """``within``: the field of ``packed`` whose leading fields are the pointers (FwdParamsSm90's
         "base", after its tensor maps), None for ``packed`` itself. ``tensor_maps``: (field, index
         into ``pointers`` of the address it describes, encode(address) -> its 128 bytes) for each
-        tensor map of the struct; every fill encodes them for its own addresses."""
+        tensor map of the struct; every fill encodes them for its own addresses. ``more_pointers``:
+        further uint64 fields of ``packed``, contiguous (FwdParamsFp8's descales), that ``fill``
+        takes after ``pointers``."""
         layout, offset = packed.dtype.fields[within][:2] if within else (packed.dtype, 0)
         fields = layout.fields
         # The pointers are the first fields of ``layout``, contiguous from its start.
@@ -228,12 +257,22 @@ class ArgumentBuffer:
         self._pointer_offset = 8 + offset
         self._maps = tuple((8 + packed.dtype.fields[name][1], index, encode) for name, index, encode in tensor_maps)
         self.pointers = len(pointers)
+        self._more = None
+        if more_pointers:
+            start = packed.dtype.fields[more_pointers[0]][1]
+            assert all(packed.dtype.fields[name][1] == start + 8 * i for i, name in enumerate(more_pointers))
+            self._more = (8 + start, struct.Struct(f"<{len(more_pointers)}Q").pack_into)
 
     def fill(self, *pointers: int):
         """A filled argument buffer; pass ``ctypes.addressof`` of it as ``kernelParams``."""
         buffer = self._buffer_type.from_buffer_copy(self._template)
         buffer[0] = ctypes.addressof(buffer) + 8
-        self._pack_pointers(buffer, self._pointer_offset, *pointers)
+        if self._more is None:
+            self._pack_pointers(buffer, self._pointer_offset, *pointers)
+        else:
+            self._pack_pointers(buffer, self._pointer_offset, *pointers[:self.pointers])
+            offset, pack_more = self._more
+            pack_more(buffer, offset, *pointers[self.pointers:])
         for offset, index, encode in self._maps:
             _pack_map(buffer, offset, encode(pointers[index]))
         return buffer

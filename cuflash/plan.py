@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from cuflash import dispatch, interop, kernels
-from cuflash.params import (BWD_POINTERS, CONVERT_POINTERS, FWD_POINTERS, ArgumentBuffer, pack_bwd_params,
-                            pack_convert_params, pack_fwd_params, sm90_backward_argument, sm90_forward_argument)
+from cuflash.params import (BWD_POINTERS, CONVERT_POINTERS, FWD_DESCALES, FWD_POINTERS, ArgumentBuffer,
+                            pack_bwd_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
+                            sm90_backward_argument, sm90_forward_argument)
 
 __all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "ForwardPlan", "PlanCache", "aligned_pointers", "build_backward",
-           "build_forward", "fill_empty", "run"]
+           "build_forward", "fill_empty", "fp8_key", "run"]
 
 # cu_seqlens of a fixed-length batch: none.
 NO_LENGTHS = (None, None)
@@ -38,24 +39,31 @@ _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocat
 class ForwardPlan:
     target: tuple[str, tuple[int, int]]  # (family, compute capability) it was built for
     kernel: kernels.Launch
-    argument: ArgumentBuffer  # FwdParams, or FwdParamsSm90 (maps encoded per fill); pointers in FWD_POINTERS order
+    # FwdParams, FwdParamsSm90 (maps encoded per fill) or FwdParamsFp8; pointers in FWD_POINTERS order, then
+    # FP8's FWD_DESCALES
+    argument: ArgumentBuffer
     lse_shape: tuple[int, ...]  # of the float32 lse a call writes when the caller wants it
+    out_dtype: str | None = None  # of an FP8 call's output; None: q's dtype
 
     def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
                cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
-        """(out, lse) of one launch on ``tensors`` (q, k, v), into ``given`` (out, or None) whose
+        """(out, lse) of one launch on ``tensors`` (q, k, v, and for FP8 inputs the three descales:
+        DeviceTensors, or floats that the plan holds), into ``given`` (out, or None) whose
         DeviceTensor is ``given_t``; lse is None unless ``return_lse``: the kernels skip the lse
         stores for a null pointer, so nothing is allocated for it."""
-        qt, kt, vt = tensors
+        qt, kt, vt = tensors[:3]
         out_t = given_t[0]
         with interop.on_device(qt.device):
             stream = interop.stream_handle(framework, qt.device)
-            out, out_ptr = (given[0], out_t.ptr) if out_t is not None else interop.allocate(framework, qt, qt.shape)
+            out, out_ptr = ((given[0], out_t.ptr) if out_t is not None
+                            else interop.allocate(framework, qt, qt.shape, self.out_dtype))
             lse, lse_ptr = (interop.allocate(framework, qt, self.lse_shape, "float32") if return_lse else (None, 0))
             cu_q, cu_k = cu_seqlens
-            argument = self.argument.fill(qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, cu_q.ptr if cu_q is not None else 0,
-                                          cu_k.ptr if cu_k is not None else 0)
-            kernels.launch(self.kernel, stream, argument)
+            pointers = (qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, cu_q.ptr if cu_q is not None else 0,
+                        cu_k.ptr if cu_k is not None else 0)
+            if self.out_dtype is not None:
+                pointers += tuple(d.ptr if isinstance(d, interop.DeviceTensor) else 0 for d in tensors[3:])
+            kernels.launch(self.kernel, stream, self.argument.fill(*pointers))
         return out, lse
 
 
@@ -154,6 +162,13 @@ def aligned_pointers(*tensors) -> bool:
     return bits % 16 == 0
 
 
+def fp8_key(fp8) -> tuple:
+    """What a plan reads of checked FP8 options (checks.Fp8): the output dtype, each scalar descale's value
+    (folded into the kernel argument) and each descale array's layout."""
+    return (fp8.out_dtype, *(d.layout if isinstance(d, interop.DeviceTensor) else d
+                             for d in (fp8.descale_q, fp8.descale_k, fp8.descale_v)))
+
+
 def run(key: tuple | None, device: int, reusable: bool, prepare: Callable, args: tuple, framework: str,
         tensors: tuple, given: tuple, given_t: tuple, flag: bool = False, cu_seqlens=NO_LENGTHS) -> tuple:
     """The one pipeline of every entry point, after its tensors are described and its key taken:
@@ -170,22 +185,30 @@ def run(key: tuple | None, device: int, reusable: bool, prepare: Callable, args:
 
 
 def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, batch: int, max_seqlen_q: int,
-                  cu_seqlens=NO_LENGTHS) -> ForwardPlan:
+                  cu_seqlens=NO_LENGTHS, descales: tuple | None = None) -> ForwardPlan:
     """The forward launch over a fixed-length batch (q, k, v, out BSHD) or a packed one
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), for validated tensors. out
-    and lse may be interop.contiguous records."""
+    and lse may be interop.contiguous records. FP8 inputs take ``descales`` (q's, k's, v's: floats
+    or float32 (batch, heads_kv) DeviceTensors, checks.Fp8) and write out's dtype."""
     family, capability = target = dispatch.device_target(qt.device)
+    out_dtype = out_t.dtype if descales is not None else None
     launch = dispatch.forward_launch(family, qt, kt, vt, mask, batch, max_seqlen_q, cu_seqlens[0] is not None,
-                                     qt.device)
+                                     qt.device, out_dtype)
     choice = launch.kernel
-    packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens)
-    if choice.family == "sm90":
+    if descales is not None:
+        packed = pack_fwd_params_fp8(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens,
+                                     descales)
+        argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_DESCALES)
+    elif choice.family == "sm90":
+        packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens)
         argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n,
                                          (launch.m_blocks, qt.shape[2], batch))
     else:
-        argument = ArgumentBuffer(packed, FWD_POINTERS)
+        argument = ArgumentBuffer(pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap,
+                                                  *cu_seqlens), FWD_POINTERS)
     arch = dispatch.compile_arch(choice.family, capability)
-    return ForwardPlan(target, kernels.prepare(choice, arch, qt.device, launch.grid), argument, lse_t.shape)
+    return ForwardPlan(target, kernels.prepare(choice, arch, qt.device, launch.grid), argument, lse_t.shape,
+                       out_dtype)
 
 
 def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, mask: dispatch.Mask,
@@ -264,17 +287,17 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
         end, zeroed, tuple(convert_launches))
 
 
-def fill_empty(framework: str, like, given: tuple, given_t: tuple, shapes: tuple, lse_shape: tuple | None = None
-               ) -> tuple:
+def fill_empty(framework: str, like, given: tuple, given_t: tuple, shapes: tuple, lse_shape: tuple | None = None,
+               dtype: str | None = None) -> tuple:
     """Outputs of a call with no work (a packed batch of total length 0 on one side): each of
-    ``given`` (or a new array of its entry in ``shapes``) filled with zeros, and, unless
-    ``lse_shape`` is None, a float32 lse of it filled with -inf. No kernel of ours is launched;
-    the framework's own fill writes the values, on its current stream."""
+    ``given`` (or a new array of its entry in ``shapes``, of ``dtype``, default ``like``'s) filled
+    with zeros, and, unless ``lse_shape`` is None, a float32 lse of it filled with -inf. No kernel
+    of ours is launched; the framework's own fill writes the values, on its current stream."""
     results = []
     with interop.on_device(like.device):
         for out, out_t, shape in zip(given, given_t, shapes):
             if out_t is None:
-                out = interop.allocate(framework, like, shape)[0]
+                out = interop.allocate(framework, like, shape, dtype)[0]
             _fill(framework, out_t.native if out_t is not None else out, 0.0)
             results.append(out)
         if lse_shape is not None:

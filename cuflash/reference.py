@@ -7,7 +7,10 @@ Everything here is NumPy only (no CuPy), so it runs anywhere and serves three ro
 * :func:`attention_blockwise` -- the FlashAttention-2 forward loop (running max, running sum,
   unnormalised accumulator, ``exp2`` domain, causal block skipping), the library's CPU path;
 * :func:`attention_flops` and :func:`max_error_bound` -- the FLOP count and the ``2x + atol``
-  correctness rule.
+  correctness rule;
+* :func:`dequantize` -- FP8 (e4m3) inputs with their descales as the float64 values they stand
+  for; ``attention_reference(..., p_dtype=ml_dtypes.float8_e4m3fn)`` is FlashAttention-3's FP8
+  baseline (P rounded to e4m3 before ``P @ v``).
 
 Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``k`` and ``v`` may have
 ``heads_kv`` heads with ``heads_q % heads_kv == 0``; query head ``h`` uses kv head
@@ -34,6 +37,7 @@ __all__ = [
     "attention_reference",
     "attention_blockwise",
     "attention_flops",
+    "dequantize",
     "max_error_bound",
 ]
 
@@ -130,6 +134,7 @@ def attention_reference(
     dtype: npt.DTypeLike = np.float64,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    p_dtype: npt.DTypeLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Naive attention ``softmax(q k^T * scale) v``, one (batch, head) at a time.
 
@@ -152,6 +157,10 @@ def attention_reference(
         ``dtype``; ``S = q @ k^T * scale`` accumulated in float32 and rounded to ``dtype``;
         softmax in float32; ``P`` rounded to ``dtype``; ``P @ v`` accumulated in float32;
         ``out`` rounded to ``dtype``.
+    p_dtype : dtype, optional
+        The dtype the normalised ``P`` is rounded to before ``P @ v``; default ``dtype``.
+        ``ml_dtypes.float8_e4m3fn`` (with ``dtype`` bfloat16 or float16 and dequantized inputs)
+        is FlashAttention-3's FP8 baseline, as its tests compute it.
 
     Returns
     -------
@@ -162,11 +171,12 @@ def attention_reference(
     """
     q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
     dtype = np.dtype(dtype)
+    p_dtype = dtype if p_dtype is None else np.dtype(p_dtype)
     acc = np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
-    def rounded(x: np.ndarray) -> np.ndarray:
-        """Round to ``dtype`` and come back to the accumulation dtype."""
-        return x if dtype == acc else x.astype(dtype).astype(acc)
+    def rounded(x: np.ndarray, to: np.dtype = dtype) -> np.ndarray:
+        """Round to ``to`` and come back to the accumulation dtype."""
+        return x if to == acc else x.astype(to).astype(acc)
 
     # (batch, heads, seqlen, dim) in the accumulation dtype, after rounding inputs to ``dtype``.
     qh, kh, vh = (x.astype(dtype).astype(acc).transpose(0, 2, 1, 3) for x in (q, k, v))
@@ -192,7 +202,7 @@ def attention_reference(
             p = np.exp(s, out=s)
             l = p.sum(axis=-1)
             p, lse[bi, h] = _finalize(p, m, l, base2=False)
-            out[bi, h] = (rounded(p) @ vh[bi, h // group]).astype(dtype)
+            out[bi, h] = (rounded(p, p_dtype) @ vh[bi, h // group]).astype(dtype)
     return out.transpose(0, 2, 1, 3), lse
 
 
@@ -336,6 +346,25 @@ def attention_backward_reference(
             dq[bi, h] = ds @ kh[bi, kv] * scale
             dk[bi, kv] += ds.T @ qh[bi, h] * scale
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+def dequantize(x: np.ndarray, descale, cu_seqlens: npt.ArrayLike | None = None) -> np.ndarray:
+    """``x`` (FP8 or any float) in float64 times its descale: a scalar, or an array of shape
+    (batch, heads_kv) whose entry [b, h] scales kv head h of batch entry (or packed sequence) b
+    and, for q, the ``heads // heads_kv`` query heads of that group.
+
+    ``x`` is (batch, seqlen, heads, head_dim), or packed (total, heads, head_dim) with
+    ``cu_seqlens`` saying which sequence each row belongs to.
+    """
+    values = np.asarray(x).astype(np.float64)
+    if np.ndim(descale) == 0:
+        return values * float(descale)
+    descale = np.asarray(descale, np.float64)
+    per_head = np.repeat(descale, values.shape[-2] // descale.shape[1], axis=1)  # (batch, heads)
+    if cu_seqlens is None:
+        return values * per_head[:, None, :, None]
+    sequence_of_row = np.repeat(np.arange(descale.shape[0]), np.diff(np.asarray(cu_seqlens, np.int64)))
+    return values * per_head[sequence_of_row][:, :, None]
 
 
 def _sequences(cu_seqlens_q: npt.ArrayLike, cu_seqlens_k: npt.ArrayLike):

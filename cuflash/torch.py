@@ -202,27 +202,47 @@ def _refuse(function: str, dropout_p, alibi_slopes, return_attn_probs) -> None:
             raise NotImplementedError(f"{function}: cuflash does not support {name} yet")
 
 
+def _fp8_call(q, descales) -> bool:
+    """Whether a flash-attn call takes the FP8 forward: float8_e4m3fn inputs, or descales given
+    (which cuflash then refuses for 16-bit inputs, naming the argument)."""
+    return q.dtype == torch.float8_e4m3fn or any(d is not None for d in descales)
+
+
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, q_descale=None,
+                    k_descale=None, v_descale=None):
     """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, heads, head_dim), k and v
     (batch, seqlen_k, heads_kv, head_dim); returns out (batch, seqlen_q, heads, head_dim).
 
     ``deterministic=True`` makes the backward bitwise reproducible. Raises NotImplementedError,
     naming the argument, for dropout_p != 0, alibi_slopes and return_attn_probs=True.
+    float8_e4m3fn CUDA tensors take FlashAttention-3's ``q_descale``, ``k_descale`` and
+    ``v_descale`` (None, a number, or float32 (batch, heads_kv)) and return bfloat16: a forward
+    only, as in FlashAttention-3, so not differentiable, and called directly rather than as a
+    custom op.
     """
     _refuse("flash_attn_func", dropout_p, alibi_slopes, return_attn_probs)
+    if _fp8_call(q, (q_descale, k_descale, v_descale)):
+        return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
+                                 softcap=softcap, descale_q=q_descale, descale_k=k_descale, descale_v=v_descale)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                      deterministic=deterministic)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False):
+                           deterministic=False, return_attn_probs=False, q_descale=None, k_descale=None,
+                           v_descale=None):
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k and v
     (total_k, heads_kv, head_dim), int32 cu_seqlens (batch + 1,); returns out (total_q, heads,
-    head_dim). Raises NotImplementedError as :func:`flash_attn_func` does.
+    head_dim). Raises NotImplementedError, and takes FP8 inputs with their descales (of shape
+    (batch, heads_kv), batch the number of sequences), as :func:`flash_attn_func` does.
     """
     _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
+    if _fp8_call(q, (q_descale, k_descale, v_descale)):
+        return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                        softmax_scale=softmax_scale, window=window_size, softcap=softcap,
+                                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                             deterministic=deterministic)

@@ -34,6 +34,11 @@ def attention_varlen(
     return_lse: bool = False,
     out: Any = None,
     validate: bool = True,
+    descale_q: Any = None,
+    descale_k: Any = None,
+    descale_v: Any = None,
+    out_dtype: Any = None,
+    dtype: str | None = None,
 ) -> Any:
     """Attention over a packed batch of sequences of different lengths.
 
@@ -54,12 +59,15 @@ def attention_varlen(
     return_lse : bool
         Also return lse, float32 (heads, total_q); -inf for rows that see no key.
     out : array, optional
-        Where to write the output (shape and dtype of q).
+        Where to write the output (shape and dtype of q; ``out_dtype`` for FP8 inputs).
     validate : bool
         Check that the cumulative lengths start at 0, do not decrease and end at the packed length,
         and that max_seqlen_* are not smaller than a real sequence: a device-to-host copy and
         synchronisation for GPU arrays. False skips the checks (wrong lengths then give wrong
         results); with max_seqlen_q given, the call then never waits for the GPU.
+    descale_q, descale_k, descale_v, out_dtype, dtype
+        FP8 (e4m3) inputs, as for :func:`cuflash.attention`; a descale array has shape
+        (num_sequences, heads_kv).
 
     Returns
     -------
@@ -78,45 +86,53 @@ def attention_varlen(
     if type(validate) is not bool or type(return_lse) is not bool:  # plain bools skip two calls (~0.2 us)
         validate, return_lse = checks.resolve_flag("validate", validate), checks.resolve_flag("return_lse", return_lse)
     framework, tensors, lengths = checks.check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                      validate)
+                                                      validate, dtype=dtype)
     causal = checks.resolve_flag("causal", causal)
     scale = checks.resolve_scale(softmax_scale, tensors["q"].shape[2])
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
+    on_device = framework != "numpy"
+    fp8 = checks.resolve_fp8(tensors["q"], tensors["k"], tensors["v"], descale_q, descale_k, descale_v, out_dtype,
+                             on_device, lengths.batch)
     if out is not None:
-        checks.check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], framework != "numpy")
-    if framework == "numpy":
-        return host.attention_varlen(q, k, v, lengths.host_q, lengths.host_k, causal, scale, window, softcap,
-                                     return_lse, out)
+        checks.check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], on_device,
+                         fp8 and fp8.out_dtype)
+    if not on_device:
+        return host.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
+                                     scale, window, softcap, return_lse, out, fp8)
     checks.check_varlen_grid(lengths)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
     out_t = tensors.get("out")
     total_q, heads, _ = qt.shape
     if total_q == 0 or kt.shape[0] == 0:  # no work: out is empty, or zero with lse -inf
-        filled = plan.fill_empty(framework, qt, (out,), (out_t,), (qt.shape,), (heads, total_q) if return_lse else None)
+        filled = plan.fill_empty(framework, qt, (out,), (out_t,), (qt.shape,), (heads, total_q) if return_lse else None,
+                                 fp8 and fp8.out_dtype)
         return filled if return_lse else filled[0]
     # Windows normalised against the packed lengths, which bound every sequence's.
     mask = dispatch.make_mask(causal, window, softcap, total_q, kt.shape[0])
     max_seqlen_q = int(lengths.max_seqlen_q)
     # The plan is cached, the checks above run every call (they read the lengths' values).
     key = ("attention_varlen", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, scale, mask, lengths.batch,
-           max_seqlen_q)
+           max_seqlen_q, fp8 and plan.fp8_key(fp8))
     cu_seqlens = lengths.device_q, lengths.device_k
+    tensors = (qt, kt, vt, fp8.descale_q, fp8.descale_k, fp8.descale_v) if fp8 else (qt, kt, vt)
     out, lse = plan.run(key, qt.device, True, _prepare_forward,
-                        (qt, kt, vt, out_t, scale, mask, lengths.batch, max_seqlen_q, cu_seqlens), framework,
-                        (qt, kt, vt), (out,), (out_t,), return_lse, cu_seqlens)
+                        (tensors, out_t, scale, mask, lengths.batch, max_seqlen_q, cu_seqlens, fp8), framework,
+                        tensors, (out,), (out_t,), return_lse, cu_seqlens)
     return (out, lse) if return_lse else out
 
 
-def _prepare_forward(qt, kt, vt, out_t, scale: float, mask: dispatch.Mask, batch: int, max_seqlen_q: int,
-                     cu_seqlens: tuple):
-    """The forward plan of a checked, aligned packed batch: (plan, tensors, cache it)."""
+def _prepare_forward(tensors: tuple, out_t, scale: float, mask: dispatch.Mask, batch: int, max_seqlen_q: int,
+                     cu_seqlens: tuple, fp8: checks.Fp8 | None):
+    """The forward plan of a checked, aligned packed batch: (plan, tensors, cache it). ``tensors``:
+    q, k, v, and for FP8 inputs (``fp8``, checks.resolve_fp8's) their descales."""
+    qt, kt, vt = tensors[:3]
     heads, total_q = qt.shape[1], qt.shape[0]
     built = plan.build_forward(*(checks.as_batch_of_one(t) for t in
-                                 (qt, kt, vt, out_t or interop.contiguous(qt.shape, qt))),
+                                 (qt, kt, vt, out_t or interop.contiguous(qt.shape, qt, fp8 and fp8.out_dtype))),
                                interop.contiguous((heads, total_q), qt, "float32"), scale, mask, batch,
-                               max_seqlen_q, cu_seqlens)
-    return built, (qt, kt, vt), True
+                               max_seqlen_q, cu_seqlens, tensors[3:] or None)
+    return built, tensors, True
 
 
 def attention_varlen_backward(

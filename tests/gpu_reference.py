@@ -14,7 +14,14 @@ import numpy as np
 
 
 def round_to(x, dtype_name: str):
-    """Round a float32/float64 CuPy array to float16 or bfloat16 and return it as float64."""
+    """Round a float32/float64 CuPy array to float16, bfloat16 or float8_e4m3fn (finite values
+    up to its 448) and return it as float64."""
+    if dtype_name == "float8_e4m3fn":
+        # 3 mantissa bits: a quantum of 2^(exponent - 3), and 2^-9 over the subnormals, rounded
+        # half to even by rint.
+        x = x.astype(cp.float64)
+        quantum = cp.ldexp(1.0, cp.maximum(cp.frexp(x)[1] - 4, -9))
+        return cp.rint(x / quantum) * quantum
     x32 = x.astype(cp.float32)
     if dtype_name == "float16":
         return x32.astype(cp.float16).astype(cp.float64)
@@ -32,8 +39,9 @@ def as_float64(x):
 
 
 def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None, window=(-1, -1),
-              softcap: float = 0.0):
-    """Returns (out, lse) in float64: out (b, sq, h, d), lse (b, h, sq)."""
+              softcap: float = 0.0, p_lowp: str | None = None):
+    """Returns (out, lse) in float64: out (b, sq, h, d), lse (b, h, sq). ``p_lowp``: the dtype P
+    is rounded to before P V, default ``lowp`` (float8_e4m3fn: FlashAttention-3's FP8 baseline)."""
     from cuflash.reference import allowed_keys
 
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, s, d)
@@ -55,8 +63,8 @@ def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None, w
     l = p.sum(axis=-1, keepdims=True)
     empty = l == 0
     p = p / cp.where(empty, 1.0, l)
-    if lowp:
-        p = round_to(p, lowp)
+    if p_lowp or lowp:
+        p = round_to(p, p_lowp or lowp)
     out = cp.matmul(p, v)
     if lowp:
         out = round_to(out, lowp)

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from cuflash import checks, dispatch, interop, kernels, plan
-from cuflash.params import FWD_PARAMS, ArgumentBuffer
+from cuflash.params import FWD_PARAMS, FWD_PARAMS_FP8, ArgumentBuffer
 from cuflash.reference import allowed_keys
 
 WINDOW_SIDES = (-1, 0, 1, 3, 6, 7, 8, 20)
+FP8 = "float8_e4m3fn"
 
 
 @pytest.mark.parametrize("seqlen_q, seqlen_k", [(1, 1), (1, 8), (8, 1), (7, 7), (5, 9), (9, 5)])
@@ -56,26 +57,31 @@ def test_forward_kernel_flags():
     with pytest.raises(ValueError, match="mask"):
         dispatch.forward_kernel("sm80", 128, "local", "bfloat16")
     forward = [c for c in dispatch.all_kernels("sm80") if c.source == "sm80/flash_fwd.cu"]
-    assert len(forward) == len(dispatch.HEAD_DIM_BUCKETS) * len(dispatch.ELEMENT_TYPES) * 4
+    # Four mask kernels per bucket and 16-bit dtype, and as many per bucket and output dtype of FP8 inputs.
+    assert len(forward) == len(dispatch.HEAD_DIM_BUCKETS) * len(dispatch.ELEMENT_TYPES) * 4 * 2
 
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
     strides = strides or tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    itemsize = 4 if dtype in ("float32", "int32") else 2
+    itemsize = {"float32": 4, "int32": 4, "float8_e4m3fn": 1}.get(dtype, 2)
     return interop.DeviceTensor(None, ptr, tuple(shape), strides, dtype, itemsize, 0)
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """kernels.launch replaced by a recorder of (kernel, FwdParams); new arrays are fake
-    DeviceTensors."""
+    """kernels.launch replaced by a recorder of (kernel, FwdParams, or FwdParamsFp8 for FP8
+    inputs); new arrays are fake DeviceTensors."""
     calls = []
     monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm80", (9, 0)))
     monkeypatch.setattr(plan, "PLANS", plan.PlanCache())
     monkeypatch.setattr(kernels, "get_function",
                         lambda choice, arch, device: SimpleNamespace(ptr=hash(choice.name_expression)))
-    monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: calls.append(
-        (kernel, np.frombuffer(ArgumentBuffer.struct_bytes(argument), FWD_PARAMS)[0])))
+    def record(kernel, stream, argument):
+        struct = ArgumentBuffer.struct_bytes(argument)
+        calls.append((kernel, np.frombuffer(struct, FWD_PARAMS_FP8 if len(struct) == FWD_PARAMS_FP8.itemsize
+                                            else FWD_PARAMS)[0]))
+
+    monkeypatch.setattr(kernels, "launch", record)
     monkeypatch.setattr(interop, "on_device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(interop, "stream_handle", lambda framework, device: 0)
     monkeypatch.setattr(interop, "allocate", lambda framework, like, shape, dtype=None:
@@ -114,6 +120,26 @@ def test_packed_launch(launches):
     assert params["q_batch_stride"] == params["k_batch_stride"] == params["o_batch_stride"] == 0
     assert (params["lse_batch_stride"], params["lse_head_stride"]) == (0, 700)
     assert params["scale_log2"] == pytest.approx(0.125 * math.log2(math.e))
+
+
+def test_fp8_launch_fills_the_descale_pointers(launches, monkeypatch):
+    """FP8 inputs on an sm90 device: sm80's kernel, FwdParamsFp8 with the descale arrays' pointers
+    filled per call and the scalar folded into the scale."""
+    monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm90", (9, 0)))
+    q, k = _tensor((2, 300, 8, 64), FP8), _tensor((2, 500, 2, 64), FP8, ptr=3 << 20)
+    descale_q, descale_v = _tensor((2, 2), "float32", ptr=5 << 20), _tensor((2, 2), "float32", ptr=6 << 20)
+    mask = dispatch.make_mask(True, (-1, -1), 0.0, 300, 500)
+    built = plan.build_forward(q, k, k, interop.contiguous(q.shape, q, "float16"),
+                               _tensor((2, 8, 300), "float32"), 0.125, mask, 2, 300,
+                               descales=(descale_q, 0.5, descale_v))
+    out, lse = built.launch("cupy", (q, k, k, descale_q, 0.5, descale_v), (None,), (None,), False)
+    (kernel, struct), = launches
+    assert out.dtype == "float16" and lse is None
+    assert kernel.function == hash(dispatch.forward_kernel("sm80", 64, "causal", FP8, out_dtype="float16")
+                                   .name_expression)
+    assert (struct["q"], struct["k"], struct["o"]) == (1 << 20, 3 << 20, 2 << 20)
+    assert (struct["descale_q"], struct["descale_k"], struct["descale_v"]) == (5 << 20, 0, 6 << 20)
+    assert struct["scale_log2"] == pytest.approx(0.125 * 0.5 * math.log2(math.e))
 
 
 @pytest.mark.parametrize("window, softcap, packed, unequal", [

@@ -35,6 +35,32 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 200, "cuflash/params.py packs 200 bytes");
 
+// The forward of e4m3 inputs: FwdParams, whose scale_log2 (or softcap_tanh_scale) holds scalar q
+// and k descales, then per-(batch, head_kv) descales. A separate struct so that the 16-bit kernels'
+// argument keeps its layout. Mirrored by FWD_PARAMS_FP8 in cuflash/params.py.
+struct FwdParamsFp8 : FwdParams {
+  // float32 (batch, heads_kv), a packed batch's (sequences, heads_kv), at the strides below; null
+  // for a scalar descale (1 or folded in). Every CTA reads its own (batch, head_kv) entries once.
+  const float* descale_q;
+  const float* descale_k;
+  const float* descale_v;
+  i64 descale_q_batch_stride, descale_q_head_stride;
+  i64 descale_k_batch_stride, descale_k_head_stride;
+  i64 descale_v_batch_stride, descale_v_head_stride;
+  float v_scale;  // a scalar descale_v (1 when it is an array), applied with the final normalisation
+};
+static_assert(sizeof(FwdParamsFp8) == 280, "cuflash/params.py packs 280 bytes");
+
+// The kernel argument of a forward whose inputs are Input.
+template <class Input>
+struct FwdArgs {
+  typedef FwdParams type;
+};
+template <>
+struct FwdArgs<e4m3> {
+  typedef FwdParamsFp8 type;
+};
+
 // Backward pass: inputs of the forward, its output and LSE, the upstream gradient, fp32
 // accumulators and the gradients. Packed batches, windows and softcap as in FwdParams. Mirrored
 // by BWD_PARAMS in cuflash/params.py.

@@ -52,6 +52,24 @@ struct bf16 {
   }
 };
 
+// e4m3 (float8_e4m3fn) inputs, stored as bytes and widened to fp16 or bf16 before the tensor-core
+// instructions (common/fp8.cuh); it has no instruction of its own here.
+struct e4m3 {};
+
+typedef unsigned char u8;
+
+// How a kernel's inputs are stored: 16-bit inputs as u16, e4m3 as bytes.
+template <class Input>
+struct InputStorage {
+  typedef u16 type;
+  static constexpr bool fp8 = false;
+};
+template <>
+struct InputStorage<e4m3> {
+  typedef u8 type;
+  static constexpr bool fp8 = true;
+};
+
 // Zeroes an fp32 accumulator of MT x NT m16n8 tiles (four values per thread each).
 template <int MT, int NT>
 __device__ __forceinline__ void clear(float (&acc)[MT][NT][4]) {

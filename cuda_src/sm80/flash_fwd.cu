@@ -1,7 +1,10 @@
 // FlashAttention-2 forward for compute capability 8.0 and newer: one CTA per (query block, head,
 // batch); K and V tiles stream through shared memory with cp.async while the warps run
 // mma.sync m16n8k16 with fp32 accumulators; softmax stays in registers. Only O and the LSE reach
-// global memory.
+// global memory. e4m3 inputs (Input = e4m3) are staged as bytes and widened to Elem in shared
+// memory (common/fp8.cuh), with their descales folded into the softmax scale and the final
+// normalisation.
+#include "common/fp8.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
 #include "common/seqlen.cuh"
@@ -17,11 +20,14 @@ namespace cuflash {
 // BLOCK_M query rows per CTA, BLOCK_N keys per step, WARPS warps each owning BLOCK_M / WARPS
 // query rows. SMEM_BYTES: the dynamic shared memory the host launches with
 // (dispatch.forward_kernel), checked against the tiles below. CAUSAL, WINDOW: the mask
-// (common/mask.cuh). SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
+// (common/mask.cuh). SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16, the
+// type of the products and of O. Input: the type of q, k and v, Elem or e4m3.
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP,
-          class Elem>
+          class Elem, class Input = Elem>
 __global__ void __launch_bounds__(WARPS * 32)
-    flash_fwd_sm80(const __grid_constant__ FwdParams p) {
+    flash_fwd_sm80(const __grid_constant__ typename FwdArgs<Input>::type p) {
+  typedef typename InputStorage<Input>::type Stored;
+  constexpr bool FP8 = InputStorage<Input>::fp8;
   constexpr int THREADS = WARPS * 32;
   constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;  // shared row pitch, see swizzle()
   constexpr int MT = BLOCK_M / (16 * WARPS);            // 16-row tiles per warp
@@ -35,8 +41,14 @@ __global__ void __launch_bounds__(WARPS * 32)
   u16* const sQ = reinterpret_cast<u16*>(smem);
   u16* const sK = sQ + BLOCK_M * ROW_ELEMS;
   u16* const sV = sK + BLOCK_N * ROW_ELEMS;
-  static_assert(SMEM_BYTES == (BLOCK_M + 2 * BLOCK_N) * ROW_ELEMS * sizeof(u16),
+  // e4m3: staging for the K and V bytes after the tiles; Q's bytes are staged in sV, free until
+  // the first V tile.
+  u8* const k_staging = reinterpret_cast<u8*>(sV + BLOCK_N * ROW_ELEMS);
+  u8* const v_staging = k_staging + BLOCK_N * ROW_ELEMS;
+  u8* const q_staging = reinterpret_cast<u8*>(sV);
+  static_assert(SMEM_BYTES == (BLOCK_M + 2 * BLOCK_N) * ROW_ELEMS * sizeof(u16) + (FP8 ? 2 * BLOCK_N * ROW_ELEMS : 0),
                 "the host's shared memory differs from the Q, K and V tiles");
+  static_assert(BLOCK_M * ROW_ELEMS <= BLOCK_N * ROW_ELEMS * sizeof(u16), "Q's bytes must fit in sV");
 
   // Grid (m_blocks, heads, batch), or (heads, batch, m_blocks) when causal: causal query blocks
   // near the end of the sequence see the most keys, and with the block index slowest and
@@ -57,11 +69,11 @@ __global__ void __launch_bounds__(WARPS * 32)
   const BlockRange n_range = key_blocks<BLOCK_M, BLOCK_N>(mask, m_block);
   const int warp_row = warp * MT * 16;  // first row of this warp inside the block
 
-  const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
+  const Stored* q = static_cast<const Stored*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
                  (seq.q_begin + first_row) * p.q_row_stride;
-  const u16* k = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+  const Stored* k = static_cast<const Stored*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
                  seq.k_begin * p.k_row_stride;
-  const u16* v = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+  const Stored* v = static_cast<const Stored*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
                  seq.k_begin * p.v_row_stride;
 
   // Fragment rows of this thread: Q and V use ldmatrix matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
@@ -70,18 +82,27 @@ __global__ void __launch_bounds__(WARPS * 32)
   const FragmentAddress<ROW_ELEMS> k_frag(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const FragmentAddress<ROW_ELEMS> v_frag(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
+  const ScoreScales<typename FwdArgs<Input>::type, SOFTCAP> scales(p, batch, kv_head);
+
   float o[MT][DT][4];
   clear(o);
   OnlineSoftmax<MT> softmax;
   softmax.init();
 
   if (n_range.begin < n_range.end) {
-    load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ, q, p.q_row_stride,
-                                                           seq.seqlen_q - first_row, p.head_dim);
+    fetch_tile_async<Input, BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ, q_staging, q, p.q_row_stride,
+                                                                   seq.seqlen_q - first_row, p.head_dim);
     const int last = n_range.end - 1;
-    load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-        sK, k + last * BLOCK_N * p.k_row_stride, p.k_row_stride, seq.seqlen_k - last * BLOCK_N, p.head_dim);
+    fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+        sK, k_staging, k + last * BLOCK_N * p.k_row_stride, p.k_row_stride, seq.seqlen_k - last * BLOCK_N,
+        p.head_dim);
     cp_async_commit();
+    if constexpr (FP8) {
+      // Widened now, by the thread that staged each chunk; the loop's first barrier publishes sQ
+      // and frees sV for V[last].
+      cp_async_wait<0>();
+      land_tile<Input, BLOCK_M, ROW_ELEMS, THREADS, Elem>(sQ, q_staging);
+    }
 
     // Key blocks run from the last to the first, so the blocks that need masking (the diagonal
     // and the sequence end) come first and the rest run the mask-free path; a window's left
@@ -90,9 +111,10 @@ __global__ void __launch_bounds__(WARPS * 32)
       // K[n] (and Q) have landed, and every warp has finished P.V of the previous step, so the
       // single V buffer is free for V[n].
       cp_async_wait<0>();
+      land_tile<Input, BLOCK_N, ROW_ELEMS, THREADS, Elem>(sK, k_staging);
       __syncthreads();
-      load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-          sV, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n * BLOCK_N, p.head_dim);
+      fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+          sV, v_staging, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n * BLOCK_N, p.head_dim);
       cp_async_commit();
 
       // S = Q K^T. A fragments of Q (rows x k) and B fragments of K (keys x k, i.e. K^T
@@ -102,21 +124,22 @@ __global__ void __launch_bounds__(WARPS * 32)
       u32 q_tiles[MT][4], k_tiles[4];
       warp_gemm<KSTEPS, Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag));
 
-      if (SOFTCAP) softcap_scores(s, p.softcap_tanh_scale);
+      if (SOFTCAP) softcap_scores(s, scales.tanh_scale());
       if (needs_mask<BLOCK_M, BLOCK_N>(mask, m_block, n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
 
       // V[n] has landed and every warp is done reading K[n]: prefetch K[n-1] under the softmax
       // and P.V below.
       cp_async_wait<0>();
+      land_tile<Input, BLOCK_N, ROW_ELEMS, THREADS, Elem>(sV, v_staging);
       __syncthreads();
       if (n > n_range.begin) {
-        load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-            sK, k + (n - 1) * BLOCK_N * p.k_row_stride, p.k_row_stride,
+        fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+            sK, k_staging, k + (n - 1) * BLOCK_N * p.k_row_stride, p.k_row_stride,
             seq.seqlen_k - (n - 1) * BLOCK_N, p.head_dim);
         cp_async_commit();
       }
 
-      softmax.update(s, o, p.scale_log2);
+      softmax.update(s, o, scales.log2());
 
       // O += P V: P straight from the S registers; V (keys x d, row-major) read k-major.
       u32 p_tiles[MT][4], v_tiles[4];
@@ -125,7 +148,17 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 
   float lse[MT][2];
-  softmax.finalize(o, p.scale_log2, lse);
+  softmax.finalize(o, scales.log2(), lse);
+  if constexpr (FP8) {
+    // Read here rather than held across the main loop.
+    const float out_scale = v_descale(p, batch, kv_head);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][dt][e] *= out_scale;
+  }
 
   // Epilogue: each warp stages its own rows of O in its own rows of sQ (no other warp reads
   // them, so a warp barrier suffices) and writes them out as coalesced 16-byte rows.
