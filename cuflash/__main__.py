@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--details", action="store_true", help="each kernel's registers, spills and compile time")
     bench = sub.add_parser("bench", help="cuflash next to its peers (TFLOP/s table, JSON, plot), or --memory")
     bench.add_argument("--quick", action="store_true", help="head_dim 128, seqlen 1024 and 4096 only")
-    bench.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    bench.add_argument("--dtype", choices=bench_module.DTYPES, default="bfloat16",
+                       help="e4m3: the FP8 forward next to cuDNN's FP8 attention and cuflash's bf16")
     bench.add_argument("--head-dims", type=_head_dims, help="e.g. '64,128,256' (default: 64 128 256)")
     bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
@@ -185,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def bench(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.dtype == "e4m3" and (args.mode != "fwd" or args.memory):
+        print("python -m cuflash bench: --dtype e4m3 times the forward only (FP8 has no backward); "
+              "drop --mode/--memory", file=sys.stderr)
+        return 2
     reason = gpu_unavailable()
     if reason is not None:
         print(f"python -m cuflash bench needs a CUDA GPU ({reason})", file=sys.stderr)

@@ -35,14 +35,23 @@ STANDARD_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 STANDARD_HEAD_DIMS = (64, 128, 256)
 QUICK_SEQLENS = (1024, 4096)
 QUICK_HEAD_DIMS = (128,)
-IMPLEMENTATIONS = ("cuflash", "cuflash-deterministic", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "standard")
+IMPLEMENTATIONS = ("cuflash", "cuflash-deterministic", "cuflash-bf16", "sdpa-flash", "sdpa-cudnn", "cudnn-fp8",
+                   "sdpa-efficient", "standard")
+# What an FP8 (``--dtype e4m3``) sweep times: cuflash on e4m3 inputs, cuflash on the bf16 values
+# they were quantized from, and cuDNN's FP8 attention.
+FP8_IMPLEMENTATIONS = ("cuflash", "cuflash-bf16", "cudnn-fp8")
+# What a 16-bit sweep times.
+SIXTEEN_BIT_IMPLEMENTATIONS = tuple(i for i in IMPLEMENTATIONS if i not in ("cuflash-bf16", "cudnn-fp8"))
+DTYPES = ("bfloat16", "float16", "e4m3")
 # Implementations that only differ from another in their backward: left out of forward sweeps.
 BACKWARD_VARIANTS = ("cuflash-deterministic",)
 # Implementations without a backward: left out of backward sweeps.
 FORWARD_ONLY = ("standard",)
-PEERS_FOR_RATIOS = ("sdpa-flash", "sdpa-cudnn")
+PEERS_FOR_RATIOS = ("sdpa-flash", "sdpa-cudnn", "cudnn-fp8", "cuflash-bf16")
 DESCRIPTIONS = {
     "cuflash-deterministic": "cuflash with deterministic=True",
+    "cuflash-bf16": "cuflash on the bf16 values the e4m3 inputs were quantized from",
+    "cudnn-fp8": "cuDNN's FP8 attention (cuDNN frontend sdpa_fp8, per-tensor descales, e4m3 output)",
     "sdpa-flash": "torch SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
     "sdpa-cudnn": "torch SDPA, CUDNN_ATTENTION backend (cuDNN)",
     "sdpa-efficient": "torch SDPA, EFFICIENT_ATTENTION backend (memory-efficient)",
@@ -92,7 +101,8 @@ class Report:
     measurements: list[Measurement]
     environment: dict = field(default_factory=dict)
     compile_times: list[dict] = field(default_factory=list)
-    command: str = ""  # the command line that produced the report, written at the top of its file
+    command: str = ""
+    rates: dict = field(default_factory=dict)  # the GPU's matrix-multiply TFLOP/s, measured in the same run  # the command line that produced the report, written at the top of its file
 
     @property
     def mode(self) -> str:
@@ -138,6 +148,9 @@ def markdown_table(report: Report) -> str:
     compile_lines = [f"- {c['kernel']}: cold NVRTC compile {c['cold_compile_s']:.2f} s, "
                      f"warm load from the disk cache {c['warm_load_ms']:.1f} ms" for c in report.compile_times]
     parts = [title, "", *lines]
+    if report.rates:
+        parts += ["", "Matrix-multiply rates of this GPU, same run: "
+                  + "; ".join(f"{name}: {rate:.0f} TFLOP/s" for name, rate in report.rates.items()) + "."]
     if compile_lines:
         parts += ["", "Compilation (not part of any timing above):", *compile_lines]
     if notes:
@@ -150,6 +163,7 @@ def report_json(report: Report) -> str:
         "command": report.command,
         "environment": report.environment,
         "compile_times": report.compile_times,
+        "rates": report.rates,
         "measurements": [
             {"impl": m.impl, **asdict(m.case), "batch": m.case.batch, "heads": m.case.heads,
              "ms": m.ms, "tflops": m.tflops, "note": m.note}
@@ -202,8 +216,10 @@ def gpu_slug(device_name: str) -> str:
 
 
 def file_stem(report: Report) -> str:
-    """``<gpu>-<mode>``: one current file set per GPU and mode (``h200-fwd``, ``h200-bwd``)."""
-    return f"{gpu_slug(report.environment.get('device', ''))}-{report.mode}"
+    """``<gpu>-<mode>``: one current file set per GPU and mode (``h200-fwd``, ``h200-bwd``), and
+    ``-e4m3`` for an FP8 sweep."""
+    fp8 = any(m.case.dtype == "e4m3" for m in report.measurements)
+    return f"{gpu_slug(report.environment.get('device', ''))}-{report.mode}" + ("-e4m3" if fp8 else "")
 
 
 def _cuda_version(code: int) -> str:
@@ -296,8 +312,12 @@ def environment() -> dict:
     return env
 
 
-def implementations(names) -> dict[str, Callable]:
-    """name -> run(q, k, v, causal) on CuPy inputs, for the peers that are installed."""
+def implementations(names, dtype: str = "bfloat16") -> dict[str, Callable]:
+    """name -> run(q, k, v, causal) on CuPy inputs, for the peers that are installed. An ``e4m3``
+    sweep's implementations (FP8_IMPLEMENTATIONS) instead take one Fp8Inputs and ``causal`` and
+    return the zero-argument call to time (cuDNN builds its graph and buffers there, once)."""
+    if dtype == "e4m3":
+        return fp8_implementations(names)
     import cuflash
     from cuflash.baseline import standard_attention
 
@@ -323,6 +343,60 @@ def implementations(names) -> dict[str, Callable]:
 
             found[name] = run
     return found
+
+
+@dataclass
+class Fp8Inputs:
+    """One input set of an e4m3 sweep: the e4m3 bytes (CuPy uint8) and float32 (batch, heads)
+    descales of quantize_fp8(..., "tensor"), and the bf16 values they were quantized from."""
+    q: object
+    k: object
+    v: object
+    descale_q: object
+    descale_k: object
+    descale_v: object
+    bf16: tuple
+
+
+def fp8_implementations(names) -> dict[str, Callable]:
+    """FP8_IMPLEMENTATIONS among ``names`` that can run here: name -> prepare(Fp8Inputs, causal)."""
+    import cuflash
+    from cuflash import cudnn_fp8
+
+    def cuflash_fp8(s: Fp8Inputs, causal: bool):
+        return lambda: cuflash.attention(s.q, s.k, s.v, causal=causal, dtype="e4m3", descale_q=s.descale_q,
+                                         descale_k=s.descale_k, descale_v=s.descale_v)
+
+    def cudnn(s: Fp8Inputs, causal: bool):
+        scalars = [float(d[0, 0]) for d in (s.descale_q, s.descale_k, s.descale_v)]  # per tensor: all equal
+        return cudnn_fp8.forward(s.q, s.k, s.v, *scalars, causal)
+
+    found = {"cuflash": cuflash_fp8, "cuflash-bf16": lambda s, causal: lambda: cuflash.attention(*s.bf16, causal=causal)}
+    if cudnn_fp8.available() is None:
+        found["cudnn-fp8"] = cudnn
+    return {name: found[name] for name in names if name in found}
+
+
+def matmul_rates(size: int = 8192) -> dict[str, float]:
+    """TFLOP/s of one size^3 matrix multiply in e4m3 (``torch._scaled_mm``, bf16 out) and in bf16
+    (``torch.matmul``): the tensor-core rates an attention kernel is measured against. Empty
+    without torch."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    from cuflash.timing import time_ms
+
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm wants B column-major
+    one = torch.ones((), device="cuda")
+    flops = 2 * size**3
+    stream = torch.cuda.current_stream()
+    e4m3 = time_ms(lambda i: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16), 1, stream=stream)
+    bf16 = time_ms(lambda i: a @ b, 1, stream=stream)
+    return {f"e4m3 matmul {size}^3 (torch._scaled_mm)": flops / (e4m3 * 1e-3) / 1e12,
+            f"bf16 matmul {size}^3 (torch.matmul)": flops / (bf16 * 1e-3) / 1e12}
 
 
 def gradient_call(name: str, case: Case, q, k, v, dout) -> Callable[[], object]:
@@ -370,13 +444,26 @@ def input_sets(case: Case) -> list[tuple]:
 
     shape = (case.batch, case.seqlen, case.heads, case.head_dim)
     tensors = 3 if case.mode == "fwd" else 4
+    if case.dtype == "e4m3":
+        import cuflash
+
+        count = copies_to_defeat_l2(3 * math.prod(shape))  # the e4m3 bytes are what the FP8 calls read
+        sets = []
+        for i in range(count):
+            bf16 = tuple(random_normal(shape, "bfloat16", seed=3 * i + j) for j in range(3))
+            (q, dq), (k, dk), (v, dv) = (cuflash.quantize_fp8(x, "tensor") for x in bf16)
+            sets.append((Fp8Inputs(q, k, v, dq, dk, dv, bf16),))
+        return sets
     count = copies_to_defeat_l2(tensors * math.prod(shape) * 2)
     return [tuple(random_normal(shape, case.dtype, seed=tensors * i + j) for j in range(tensors))
             for i in range(count)]
 
 
 def timed_calls(name: str, run: Callable, case: Case, sets) -> list[Callable[[], object]]:
-    """One zero-argument call per input set: the forward ``run``, or ``gradient_call``."""
+    """One zero-argument call per input set: the forward ``run``, or ``gradient_call``; an e4m3
+    implementation prepares its own (implementations)."""
+    if case.dtype == "e4m3":
+        return [run(*s, case.causal) for s in sets]
     if case.mode == "fwd":
         return [lambda s=s: run(*s, case.causal) for s in sets]
     return [gradient_call(name, case, *s) for s in sets]
@@ -402,7 +489,8 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
     for head_dim in head_dims:
         for causal in causals:
             mask = "causal" if causal else "none"
-            choices = [dispatch.forward_kernel(family, head_dim, mask, dtype)] if mode != "bwd" else []
+            inputs = {"dtype_name": "float8_e4m3fn", "out_dtype": "bfloat16"} if dtype == "e4m3" else {"dtype_name": dtype}
+            choices = [dispatch.forward_kernel(family, head_dim, mask, **inputs)] if mode != "bwd" else []
             if mode != "fwd":
                 backward = dispatch.backward_family(family, head_dim)
                 choices.append(dispatch.backward_kernels(backward, head_dim, mask, dtype)[1])
@@ -422,8 +510,11 @@ def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, command: str = "
     if sweep:
         skipped = BACKWARD_VARIANTS if sweep[0].mode == "fwd" else FORWARD_ONLY
         impl_names = [name for name in impl_names if name not in skipped]
-    impls = implementations(impl_names)
-    report = Report([], environment(), command=command)
+        kept = FP8_IMPLEMENTATIONS if sweep[0].dtype == "e4m3" else SIXTEEN_BIT_IMPLEMENTATIONS
+        impl_names = [name for name in impl_names if name in kept]
+    dtype = sweep[0].dtype if sweep else "bfloat16"
+    impls = implementations(impl_names, dtype)
+    report = Report([], environment(), command=command, rates=matmul_rates() if dtype == "e4m3" else {})
     total = len(sweep) * len(impls)
     done = 0
     for case in sweep:

@@ -144,3 +144,23 @@ def test_bench_quick_end_to_end(tmp_path, mode):
     assert f"Regenerate: `python -m cuflash bench --quick --repeats 3 --mode {mode} --out " in table.read_text()
     data = json.loads(table.with_suffix(".json").read_text())
     assert any(m["impl"] == "cuflash" and (m["tflops"] or 0) > 0 for m in data["measurements"])
+
+
+def test_e4m3_sweep_is_forward_only(capsys):
+    assert main(["bench", "--dtype", "e4m3", "--mode", "bwd"]) == 2
+    assert "forward only" in capsys.readouterr().err
+
+
+def test_e4m3_report_names_its_file_peers_and_matmul_rates():
+    case = bench.Case("e4m3", 128, 4096, False)
+    report = bench.Report([bench.Measurement("cuflash", case, 1.0), bench.Measurement("cudnn-fp8", case, 1.1),
+                           bench.Measurement("cuflash-bf16", case, 2.0)],
+                          {"date": "2026-12-03", "device": "NVIDIA H200"},
+                          rates={"e4m3 matmul 8192^3 (torch._scaled_mm)": 1477.0})
+    assert bench.file_stem(report) == "h200-fwd-e4m3"
+    text = bench.markdown_table(report)
+    row = next(line for line in text.splitlines() if line.startswith("| e4m3 | 128 | no | 4096"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-2:] == ["1.10", "2.00"]  # cuflash / cudnn-fp8, cuflash / cuflash-bf16
+    assert "e4m3 matmul 8192^3 (torch._scaled_mm): 1477 TFLOP/s" in text
+    assert "cuDNN's FP8 attention" in bench.markdown_document(report, with_plot=False)
