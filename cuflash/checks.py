@@ -17,7 +17,6 @@ import numpy as np
 from cuflash import dispatch, interop
 
 __all__ = [
-    "MAX_GRID_YZ",
     "FP8_DTYPE",
     "Fp8",
     "Lengths",
@@ -43,7 +42,6 @@ FP8_DTYPE = "float8_e4m3fn"  # the name torch and ml_dtypes give e4m3 (no infini
 DEVICE_DTYPES = ("float16", "bfloat16")
 HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
 FP8_OUT_DTYPES = ("bfloat16", "float16")
-MAX_GRID_YZ = dispatch.MAX_GRID_YZ
 # Query rows per block in the grids whose grid.z counts query blocks.
 _GRID_Z_ROWS = 128
 
@@ -104,10 +102,10 @@ def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1, fp8: bool = False) 
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, stride is "
                              f"{element_strides(x)[3]} elements")
     if on_device:
-        if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
-            raise ValueError(f"q: batch and heads must be at most {MAX_GRID_YZ}, got {batch} and {heads}")
-        if seqlen_q > MAX_GRID_YZ * _GRID_Z_ROWS:
-            raise ValueError(f"q: seqlen_q must be at most {MAX_GRID_YZ * _GRID_Z_ROWS}, got {seqlen_q}")
+        if batch > dispatch.MAX_GRID_YZ or heads > dispatch.MAX_GRID_YZ:
+            raise ValueError(f"q: batch and heads must be at most {dispatch.MAX_GRID_YZ}, got {batch} and {heads}")
+        if seqlen_q > dispatch.MAX_GRID_YZ * _GRID_Z_ROWS:
+            raise ValueError(f"q: seqlen_q must be at most {dispatch.MAX_GRID_YZ * _GRID_Z_ROWS}, got {seqlen_q}")
         for name, x in (("k", k), ("v", v)):
             if x.device != q.device:
                 raise ValueError(f"{name}: on device {x.device}, but q is on device {q.device}")
@@ -368,10 +366,10 @@ def check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def check_varlen_grid(lengths: Lengths) -> None:
     """The sequences index grid.y or grid.z, and causal grids put the query blocks in grid.z."""
-    if lengths.batch > MAX_GRID_YZ:
-        raise ValueError(f"cu_seqlens_q: at most {MAX_GRID_YZ} sequences, got {lengths.batch}")
-    if lengths.max_seqlen_q > MAX_GRID_YZ * _GRID_Z_ROWS:
-        raise ValueError(f"max_seqlen_q: must be at most {MAX_GRID_YZ * _GRID_Z_ROWS}, got {lengths.max_seqlen_q}")
+    if lengths.batch > dispatch.MAX_GRID_YZ:
+        raise ValueError(f"cu_seqlens_q: at most {dispatch.MAX_GRID_YZ} sequences, got {lengths.batch}")
+    if lengths.max_seqlen_q > dispatch.MAX_GRID_YZ * _GRID_Z_ROWS:
+        raise ValueError(f"max_seqlen_q: must be at most {dispatch.MAX_GRID_YZ * _GRID_Z_ROWS}, got {lengths.max_seqlen_q}")
 
 
 # FP8 (e4m3) inputs.

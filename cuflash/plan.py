@@ -83,7 +83,7 @@ class BackwardPlan:
     # (kernel, ConvertParams, source offset in the scratch, index of the gradient in (dq, dk, dv))
     converts: tuple[tuple[kernels.Launch, ArgumentBuffer, int, int], ...]
 
-    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, _unused: bool = False,
+    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple,
                cu_seqlens=NO_LENGTHS) -> tuple[Any, Any, Any]:
         """(dq, dk, dv) of one run on ``tensors`` (q, k, v, out, dout, lse), into ``given`` (dq,
         dk, dv, each or None) whose DeviceTensors are ``given_t``: the scratch allocated and
@@ -170,18 +170,18 @@ def fp8_key(fp8) -> tuple:
 
 
 def run(key: tuple | None, device: int, reusable: bool, prepare: Callable, args: tuple, framework: str,
-        tensors: tuple, given: tuple, given_t: tuple, flag: bool = False, cu_seqlens=NO_LENGTHS) -> tuple:
+        tensors: tuple, given: tuple, given_t: tuple, *options) -> tuple:
     """The one pipeline of every entry point, after its tensors are described and its key taken:
     the plan cached under ``key`` if the call is ``reusable`` (its pointers as aligned as the key
     assumes), else ``prepare(*args)`` -> (plan, tensors to launch on, whether to cache it); then
-    the plan's launch on ``tensors``, into ``given`` (see ForwardPlan.launch and
-    BackwardPlan.launch; ``flag`` is the forward's return_lse)."""
+    the plan's launch on ``tensors``, into ``given``, with the plan's own ``options`` (the
+    forward's return_lse, then either's cu_seqlens: ForwardPlan.launch, BackwardPlan.launch)."""
     plan = PLANS.get(key, device) if reusable else None
     if plan is None:
         plan, tensors, cacheable = prepare(*args)
         if cacheable and key is not None:
             PLANS.put(key, plan)
-    return plan.launch(framework, tensors, given, given_t, flag, cu_seqlens)
+    return plan.launch(framework, tensors, given, given_t, *options)
 
 
 def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, batch: int, max_seqlen_q: int,

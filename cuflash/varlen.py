@@ -193,7 +193,7 @@ def attention_varlen_backward(
     cu_seqlens = lengths.device_q, lengths.device_k
     return plan.run(key, qt.device, True, _prepare_backward,
                     (tensors, given_t, scale, mask, deterministic, lengths, max_seqlen_q, max_seqlen_k), framework,
-                    tensors, given, given_t, False, cu_seqlens)
+                    tensors, given, given_t, cu_seqlens)
 
 
 def _prepare_backward(tensors: tuple, given_t: tuple, scale: float, mask: dispatch.Mask, deterministic: bool,
