@@ -4,9 +4,10 @@
     PYTHONPATH=. python benchmarks/fp8_forward.py [--head-dims 64 128 256] [--seqlens 1024 ... 16384]
 
 The FP8 inputs are the bf16 ones quantized per (batch, head) by cuflash.quantize_fp8, with their
-descales passed as arrays. FP8 runs the sm80 family's forward on every device (bytes widened to
-bf16 in shared memory, bf16 tensor-core rate); bf16 runs the device's own family, so on Hopper the
-ratio compares the sm80 FP8 path with the sm90 bf16 kernel. Without a GPU it says so and exits 0.
+descales passed as arrays. Both run the device's own family: on Hopper the ratio compares the sm90
+FP8 kernel (e4m3 products) with the sm90 bf16 kernel; CUFLASH_FAMILY=sm80 compares sm80's FP8 path
+(bytes widened to bf16 in shared memory, bf16 tensor-core rate). Without a GPU it says so and exits
+0.
 """
 
 from __future__ import annotations
