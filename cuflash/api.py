@@ -19,8 +19,8 @@ def explain(q: Any, k: Any, v: Any, *, causal: bool = False, window: tuple[int, 
     """The forward kernel ``attention(q, k, v, causal=..., window=..., softcap=...)`` runs for
     these GPU arrays on their device: its family (``sm90``, or ``sm80`` where no tensor map can
     describe a tensor's strides), instantiation name, threads, shared memory and tile. FP8 inputs
-    (``out_dtype`` and ``dtype`` as for attention) run sm80's kernel on every device, Hopper
-    included, until an sm90 FP8 kernel exists. Launches nothing."""
+    (``out_dtype`` and ``dtype`` as for attention) run their family's FP8 kernel. Launches
+    nothing."""
     framework = checks.framework({"q": q, "k": k, "v": v})
     if framework == "numpy":
         raise TypeError("q: explain describes GPU kernels; NumPy arrays run the CPU reference")
@@ -116,9 +116,9 @@ def attention(
     head_dim is served from a bucket of 64, 96, 128, 192 or 256. q, k and v may have any
     strides with a contiguous last dimension; a tensor whose pointer or strides are not 16-byte
     aligned is copied once, because the kernel loads 16-byte vectors. FP8 GPU inputs run the
-    sm80 family's forward on every device (Hopper included, until an sm90 FP8 kernel exists): it
-    reads the e4m3 bytes (half the bytes of bf16) and widens them exactly to ``out_dtype`` for
-    bf16/fp16 tensor-core products; there is no FP8 backward.
+    device family's forward: on Hopper e4m3 tensor-core products (V transposed in shared memory,
+    the probabilities rounded to e4m3), elsewhere the e4m3 bytes widened exactly to ``out_dtype``
+    for bf16/fp16 products; there is no FP8 backward.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:

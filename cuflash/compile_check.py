@@ -65,8 +65,8 @@ def representative_kernel() -> dispatch.KernelChoice:
 def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
     """A few instantiations of ``family`` that between them reach every kernel source and template
     switch: the smallest and largest head dims, both dtypes, each mask, softcap, each dQ order,
-    sm80's two-CTA backward tile, and FP8 inputs into either output type (d96 the closest to its
-    spill allowance)."""
+    sm80's two-CTA backward tile, and FP8 inputs into either output type (sm80's d96 the closest to
+    its spill allowance; sm90's d64 with three consumers at 152 registers)."""
     if family == "sm80":
         return [
             dispatch.forward_kernel("sm80", 64, "none", "float16"),
@@ -81,6 +81,8 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
         dispatch.forward_kernel("sm90", 64, "causal", "float16", short=True),
         dispatch.forward_kernel("sm90", 128, "none", "bfloat16"),
         dispatch.forward_kernel("sm90", 256, "window", "bfloat16", softcap=True),
+        dispatch.forward_kernel("sm90", 64, "causal", "float8_e4m3fn", out_dtype="float16"),
+        dispatch.forward_kernel("sm90", 256, "window", "float8_e4m3fn", softcap=True, out_dtype="bfloat16"),
         dispatch.backward_kernels("sm90", 64, "causal", "float16", dq_order="walk")[1],
         dispatch.backward_kernels("sm90", 128, "window", "bfloat16", softcap=True, dq_order="turns")[1],
     ]

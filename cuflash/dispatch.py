@@ -9,9 +9,10 @@ describe, and the ``KernelChoice`` names the family that runs). Its backward mai
 head dims up to 128, in either mode (backward_family), and sm80's main kernel everywhere else;
 the preprocess and convert kernels that run around either (common/flash_bwd_helpers.cu) are
 built for the sm80 target on every device.
-FP8 (e4m3) inputs run sm80's forward on every family, 9.x included, until a native sm90 FP8
-kernel exists: it stages the bytes and widens them to the 16-bit output type in shared memory,
-so it reads half the bytes of a bf16 call and computes at bf16 rate. FP8 has no backward.
+FP8 (e4m3) inputs run each family's forward: sm90's multiplies them in e4m3 (wgmma), sm80's
+stages the bytes and widens them to the 16-bit output type in shared memory (half the bytes of a
+bf16 call read, bf16's tensor-core rate); sm80's also serves sm90 devices where no tensor map can
+describe a tensor. FP8 has no backward.
 Everything that shapes generated code (family, head-dim bucket, tiles, causal, dtype) is in the
 ``KernelChoice``; shapes, strides and lengths are run-time arguments.
 
@@ -160,6 +161,24 @@ SM90_WIDE_TILES = {
     256: Tile(128, 80, 12, stages=2),  # Q 64 KB + 2 x (K 40 KB + V 40 KB) = 224 KB
 }
 
+# sm90 forward tiles of e4m3 inputs (the same kernel, Input = e4m3), chosen like the 16-bit ones
+# above. One byte per element halves Q, K and V, and each stage adds V's transpose (block_n x
+# head_dim bytes). Key blocks are whole 64-key panels of that transpose. The producer warpgroup
+# keeps 56 registers for the transpose, so consumers get 224 (152 with three): per consumer thread
+# S is block_n / 2 fp32 registers, P in e4m3 block_n / 8, O head_dim / 2. The ring is as deep as
+# shared memory allows beside two Q buffers.
+SM90_FP8_FWD_TILES = {
+    64: Tile(192, 128, 16, stages=4),  # Q 12 KB + 4 x (K 8 + V 8 + Vt 8 KB) = 108 KB
+    128: Tile(128, 128, 12, stages=3),  # Q 16 KB + 3 x (K 16 + V 16 + Vt 16 KB) = 160 KB
+    192: Tile(128, 128, 12, stages=2),  # Q 24 KB + 2 x (K 24 + V 24 + Vt 24 KB) = 168 KB
+    256: Tile(128, 64, 12, stages=3),  # Q 32 KB + 3 x (K 16 + V 16 + Vt 16 KB) = 176 KB; O is 128 registers
+}
+SM90_FP8_NARROW_TILES = {64: Tile(128, 128, 12, stages=4)}  # as SM90_NARROW_TILES
+# Unmasked: 192 keys at d128 (S 96 + P 24 + O 64 registers of the 224), as the 16-bit wide tiles.
+SM90_FP8_WIDE_TILES = {
+    128: Tile(128, 192, 12, stages=2),  # Q 16 KB + 2 x (K 24 + V 24 + Vt 24 KB) = 160 KB
+}
+
 
 # Threads per block of the backward's preprocess and convert kernels (common/flash_bwd_helpers.cu,
 # their THREADS), which every family runs around its main kernel.
@@ -242,10 +261,14 @@ SM90_STATIC_SMEM_MARGIN = 1024
 SM90_SMEM_ALIGN_SLACK = 1024
 
 
-def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int) -> int:
-    """Dynamic shared memory of the sm90 forward: ``q_buffers`` Q tiles, the K and V stages and
-    alignment slack (flash_fwd.cu, FwdSmem)."""
-    return (q_buffers * tile.block_m + 2 * tile.stages * tile.block_n) * kernel_dim * 2 + SM90_SMEM_ALIGN_SLACK
+def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int, fp8: bool = False) -> int:
+    """Dynamic shared memory of the sm90 forward: ``q_buffers`` Q tiles, the K and V stages (for
+    ``fp8``, one byte per element, and the stages of V's transpose) and alignment slack
+    (flash_fwd.cu, FwdSmem)."""
+    element = 1 if fp8 else 2
+    transpose = tile.stages * tile.block_n * kernel_dim if fp8 else 0
+    return ((q_buffers * tile.block_m + 2 * tile.stages * tile.block_n) * kernel_dim * element + transpose
+            + SM90_SMEM_ALIGN_SLACK)
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,8 +280,8 @@ def forward_kernel(
     MASKS, ``softcap`` whether scores are capped (``tile`` overrides the tables, for tuning),
     ``short`` whether the sequences have at most SM90_SHORT_ROWS query rows (sm90's tile choice;
     sm90 also takes wider key blocks without a mask or softcap, SM90_WIDE_TILES). ``dtype_name``
-    is the inputs' dtype; an FP8_TYPES one (sm80 only) takes ``out_dtype``, float16 or bfloat16,
-    for the products and the output.
+    is the inputs' dtype; an FP8_TYPES one takes ``out_dtype``, float16 or bfloat16, for the
+    output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES).
 
     Which kernel serves a softcap: _mask_flags.
     """
@@ -269,8 +292,6 @@ def forward_kernel(
     bucket = head_dim_bucket(head_dim)
     causal, window = _mask_flags(mask, softcap and family == "sm80")
     fp8 = dtype_name in FP8_TYPES
-    if fp8 and family != "sm80":
-        raise ValueError(f"family: FP8 inputs run the sm80 forward on every device, not {family!r}")
     if fp8 and out_dtype not in ELEMENT_TYPES:
         raise ValueError(f"out_dtype: expected one of {tuple(ELEMENT_TYPES)} for {dtype_name} inputs, "
                          f"got {out_dtype!r}")
@@ -281,14 +302,17 @@ def forward_kernel(
         kernel_dim = _row_elems(bucket)
         narrow = (softcap and window) or (causal and short)
         wide = mask == "none" and not softcap and not (short and kernel_dim in SM90_WIDE_LONG_ONLY)
-        special = SM90_NARROW_TILES if narrow else SM90_WIDE_TILES if wide else {}
-        tile = tile or special.get(kernel_dim) or SM90_FWD_TILES[kernel_dim]
+        tables = ((SM90_FP8_NARROW_TILES, SM90_FP8_WIDE_TILES, SM90_FP8_FWD_TILES) if fp8
+                  else (SM90_NARROW_TILES, SM90_WIDE_TILES, SM90_FWD_TILES))
+        special = tables[0] if narrow else tables[1] if wide else {}
+        tile = tile or special.get(kernel_dim) or tables[2][kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
         assert tile.warps == 4 * (consumers + 1)
         # Two Q buffers where they fit, so that a persistent CTA loads the next tile's Q during
         # this one's main loop (flash_fwd.cu).
-        q_buffers = 2 if _sm90_fwd_smem(tile, kernel_dim, 2) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN else 1
-        smem = _sm90_fwd_smem(tile, kernel_dim, q_buffers)
+        fits = _sm90_fwd_smem(tile, kernel_dim, 2, fp8) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN
+        q_buffers = 2 if fits else 1
+        smem = _sm90_fwd_smem(tile, kernel_dim, q_buffers, fp8)
         expr = (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {q_buffers}, "
                 f"{smem}, {flags}>")
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
@@ -408,12 +432,14 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, dq_order):
                             if choice.family == family:
                                 found.setdefault(choice.name_expression, choice)
-    if family == "sm80":  # after the 16-bit kernels, so that the lists of older trees pair by position
-        for bucket in buckets:
-            for out_dtype in ELEMENT_TYPES:
-                for mask in MASKS:
-                    for softcap in (False, True):
-                        choice = forward_kernel(family, bucket, mask, "float8_e4m3fn", softcap, out_dtype=out_dtype)
+    # FP8 after the 16-bit kernels, so that the lists of older trees pair by position.
+    for bucket in buckets:
+        for out_dtype in ELEMENT_TYPES:
+            for mask in MASKS:
+                for softcap in (False, True):
+                    for short in (False, True):
+                        choice = forward_kernel(family, bucket, mask, "float8_e4m3fn", softcap, short=short,
+                                                out_dtype=out_dtype)
                         found.setdefault(choice.name_expression, choice)
     return list(found.values())
 
@@ -478,17 +504,15 @@ def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtyp
                    ) -> KernelChoice:
     """The forward kernel for DeviceTensors q, k, v on a device of ``family``: that family's, or
     sm80's where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast
-    or reversed dimension; the sm80 kernel reads any strides). FP8 inputs, writing ``out_dtype``,
-    run sm80's kernel on every family: there is no sm90 FP8 kernel yet."""
-    if q.dtype in FP8_TYPES:
-        if q.shape[3] % 16:
-            raise ValueError(f"q: FP8 inputs need a head_dim that is a multiple of 16 (the kernel copies rows in "
-                             f"16-byte chunks), got {q.shape[3]}")
-        return forward_kernel("sm80", q.shape[3], mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
+    or reversed dimension; the sm80 kernel reads any strides). FP8 inputs write ``out_dtype``."""
+    if q.dtype in FP8_TYPES and q.shape[3] % 16:
+        raise ValueError(f"q: FP8 inputs need a head_dim that is a multiple of 16 (the kernels copy rows in "
+                         f"16-byte chunks), got {q.shape[3]}")
     short = max_seqlen_q <= SM90_SHORT_ROWS
-    choice = forward_kernel(family, q.shape[3], mask.kind, q.dtype, bool(mask.softcap), short=short)
+    choice = forward_kernel(family, q.shape[3], mask.kind, q.dtype, bool(mask.softcap), short=short,
+                            out_dtype=out_dtype)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
-        choice = forward_kernel("sm80", q.shape[3], mask.kind, q.dtype, bool(mask.softcap))
+        choice = forward_kernel("sm80", q.shape[3], mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
     return choice
 
 

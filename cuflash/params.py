@@ -88,11 +88,17 @@ def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[i
     return np.array([(*base.item(), 0, 0, 0, *strides, v_scale)], dtype=FWD_PARAMS_FP8)
 
 
-# cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, FwdParams, the persistent grid's tiles.
-FWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
-                                   ("base", FWD_PARAMS), ("m_blocks", np.int32), ("heads", np.int32),
-                                   ("batches", np.int32), ("tiles", np.int32)])
+# cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, FwdParams (FwdParamsFp8 for e4m3
+# inputs), the persistent grid's tiles.
+def _sm90_forward_dtype(base: np.dtype) -> np.dtype:
+    return tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP), ("base", base),
+                            ("m_blocks", np.int32), ("heads", np.int32), ("batches", np.int32), ("tiles", np.int32)])
+
+
+FWD_PARAMS_SM90 = _sm90_forward_dtype(FWD_PARAMS)
 FWD_PARAMS_SM90_SIZE = 640  # sizeof(FwdParamsSm90)
+FWD_PARAMS_SM90_FP8 = _sm90_forward_dtype(FWD_PARAMS_FP8)
+FWD_PARAMS_SM90_FP8_SIZE = 704  # sizeof(FwdParamsSm90Of<FwdParamsFp8>)
 
 
 def tma_view(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -134,16 +140,19 @@ def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: in
                           tiles: tuple[int, int, int]) -> ArgumentBuffer:
     """The FwdParamsSm90 argument for repeated launches: tensor maps of q (boxes of ``block_m``
     rows of one head's 64-column panel, sm90/fwd_params.cuh) and of k and v (``block_n`` rows),
-    then ``packed``, pack_fwd_params' struct for the same call, then ``tiles`` (query blocks,
-    heads, batches). The maps hold the addresses, so each fill encodes them again (cached per
+    then ``packed``, pack_fwd_params' struct for the same call (or pack_fwd_params_fp8's, whose
+    descale pointers each fill takes after FWD_POINTERS), then ``tiles`` (query blocks, heads,
+    batches). The maps hold the addresses, so each fill encodes them again (cached per
     address)."""
-    struct = np.zeros(1, FWD_PARAMS_SM90)
+    fp8 = packed.dtype == FWD_PARAMS_FP8
+    struct = np.zeros(1, FWD_PARAMS_SM90_FP8 if fp8 else FWD_PARAMS_SM90)
     struct["base"] = packed
     m_blocks, heads, batches = tiles
     struct["m_blocks"], struct["heads"], struct["batches"] = tiles
     struct["tiles"] = m_blocks * heads * batches
     maps = _map_fields(FWD_POINTERS, ("q", q, block_m), ("k", k, block_n), ("v", v, block_n))
-    return ArgumentBuffer(struct, FWD_POINTERS, within="base", tensor_maps=maps)
+    return ArgumentBuffer(struct, FWD_POINTERS, within="base", tensor_maps=maps,
+                          more_pointers=FWD_DESCALES if fp8 else ())
 
 
 def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, block_m: int, block_n: int) -> ArgumentBuffer:
@@ -244,8 +253,8 @@ class ArgumentBuffer:
         "base", after its tensor maps), None for ``packed`` itself. ``tensor_maps``: (field, index
         into ``pointers`` of the address it describes, encode(address) -> its 128 bytes) for each
         tensor map of the struct; every fill encodes them for its own addresses. ``more_pointers``:
-        further uint64 fields of ``packed``, contiguous (FwdParamsFp8's descales), that ``fill``
-        takes after ``pointers``."""
+        further uint64 fields of the same struct (``within``'s), contiguous (FwdParamsFp8's
+        descales), that ``fill`` takes after ``pointers``."""
         layout, offset = packed.dtype.fields[within][:2] if within else (packed.dtype, 0)
         fields = layout.fields
         # The pointers are the first fields of ``layout``, contiguous from its start.
@@ -259,9 +268,9 @@ class ArgumentBuffer:
         self.pointers = len(pointers)
         self._more = None
         if more_pointers:
-            start = packed.dtype.fields[more_pointers[0]][1]
-            assert all(packed.dtype.fields[name][1] == start + 8 * i for i, name in enumerate(more_pointers))
-            self._more = (8 + start, struct.Struct(f"<{len(more_pointers)}Q").pack_into)
+            start = fields[more_pointers[0]][1]
+            assert all(fields[name][1] == start + 8 * i for i, name in enumerate(more_pointers))
+            self._more = (8 + offset + start, struct.Struct(f"<{len(more_pointers)}Q").pack_into)
 
     def fill(self, *pointers: int):
         """A filled argument buffer; pass ``ctypes.addressof`` of it as ``kernelParams``."""

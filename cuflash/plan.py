@@ -39,8 +39,8 @@ _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocat
 class ForwardPlan:
     target: tuple[str, tuple[int, int]]  # (family, compute capability) it was built for
     kernel: kernels.Launch
-    # FwdParams, FwdParamsSm90 (maps encoded per fill) or FwdParamsFp8; pointers in FWD_POINTERS order, then
-    # FP8's FWD_DESCALES
+    # FwdParams or FwdParamsFp8, or either inside FwdParamsSm90Of (maps encoded per fill); pointers in
+    # FWD_POINTERS order, then FP8's FWD_DESCALES
     argument: ArgumentBuffer
     lse_shape: tuple[int, ...]  # of the float32 lse a call writes when the caller wants it
     out_dtype: str | None = None  # of an FP8 call's output; None: q's dtype
@@ -198,14 +198,13 @@ def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, b
     if descales is not None:
         packed = pack_fwd_params_fp8(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens,
                                      descales)
-        argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_DESCALES)
-    elif choice.family == "sm90":
+    else:
         packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens)
+    if choice.family == "sm90":
         argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n,
                                          (launch.m_blocks, qt.shape[2], batch))
     else:
-        argument = ArgumentBuffer(pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap,
-                                                  *cu_seqlens), FWD_POINTERS)
+        argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_DESCALES if descales is not None else ())
     arch = dispatch.compile_arch(choice.family, capability)
     return ForwardPlan(target, kernels.prepare(choice, arch, qt.device, launch.grid), argument, lse_t.shape,
                        out_dtype)

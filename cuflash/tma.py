@@ -28,17 +28,21 @@ TENSOR_MAP_ALIGN = 64
 TENSOR_MAP = np.dtype((np.void, TENSOR_MAP_BYTES))
 
 # cuda.h enumerators (CUtensorMapDataType, CUtensorMapSwizzle, ...), stable since CUDA 12.0.
-_DATA_TYPES = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+# e4m3 bytes travel as UINT8: TMA only copies them.
+_DATA_TYPES = {"float16": 6, "bfloat16": 9, "float8_e4m3fn": 0}  # ..._FLOAT16, _BFLOAT16, _UINT8
+_ITEMSIZES = {"float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
 _INTERLEAVE_NONE = 0
-_SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B: 16-byte chunks permuted within 128-byte rows
-# L2 promotion of 128 bytes (CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CUTLASS's default): a box row
-# is exactly 128 bytes here, so each row is one promoted L2 request.
+# The swizzle whose row is a box row: 16-byte chunks permuted within 128-byte rows
+# (CU_TENSOR_MAP_SWIZZLE_128B) for 64 16-bit elements, within 64-byte rows (_64B) for 64 e4m3.
+_SWIZZLES = {128: 3, 64: 2}
+# L2 promotion of 128 bytes (CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CUTLASS's default): a 16-bit box
+# row is exactly 128 bytes, so each row is one promoted L2 request.
 _L2_PROMOTION_128B = 2
 # Out-of-bounds elements of a box are filled with zeros (CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE):
 # padded rows of a tile are exact zeros, as the sm80 kernels' zero-filled loads give.
 _OOB_FILL_ZEROS = 0
 
-_SWIZZLE_BYTES = 128  # box rows of exactly one swizzle row: what sm90/wgmma.cuh's descriptor assumes
+_BOX_ROW = 64  # elements per box row, exactly one swizzle row: what sm90/wgmma.cuh's descriptors assume
 _MAX_RANK = 4  # sm90/tma.cuh has 2-D, 3-D and 4-D copies
 _MAX_BOX = 256
 _MAX_DIM = 1 << 31
@@ -55,8 +59,9 @@ class TiledMapArgs:
     global_strides: tuple[int, ...]  # bytes, for dimensions 1..rank-1 (dimension 0 is contiguous)
     box_dim: tuple[int, ...]  # elements per dimension of one copy
     element_strides: tuple[int, ...]  # all 1: every element of the box
+    itemsize: int = 2  # bytes per element
     interleave: int = _INTERLEAVE_NONE
-    swizzle: int = _SWIZZLE_128B
+    swizzle: int = _SWIZZLES[128]
     l2_promotion: int = _L2_PROMOTION_128B
     oob_fill: int = _OOB_FILL_ZEROS
 
@@ -68,11 +73,12 @@ class TiledMapArgs:
     def box_bytes(self) -> int:
         """Bytes one copy delivers (what the kernel announces with arrive_expect_tx), out-of-bounds
         fill included."""
-        return int(np.prod(self.box_dim)) * 2
+        return int(np.prod(self.box_dim)) * self.itemsize
 
 
 def tiled_map_args(address: int, shape, strides, dtype, box) -> TiledMapArgs:
-    """Arguments for a 128-byte-swizzled tiled tensor map of a 16-bit tensor.
+    """Arguments for a swizzled tiled tensor map of a 16-bit (128-byte swizzle) or e4m3 (64-byte
+    swizzle) tensor.
 
     Parameters
     ----------
@@ -82,11 +88,12 @@ def tiled_map_args(address: int, shape, strides, dtype, box) -> TiledMapArgs:
         The tensor's shape (elements) and strides (bytes), outermost first as NumPy and CuPy
         give them; 2 to 4 dimensions; the last stride is the element size (contiguous rows).
     dtype
-        ``float16`` or ``bfloat16`` (a name or anything ``numpy.dtype`` accepts).
+        ``float16``, ``bfloat16`` or ``float8_e4m3fn`` (a name or anything ``numpy.dtype``
+        accepts).
     box
         Elements per dimension of one copy, outermost first; each 1..256, and the innermost one
-        exactly 128 bytes (64 elements): one row of the 128-byte swizzle, the K-major tile row
-        sm90/wgmma.cuh's descriptor describes.
+        exactly 64 elements: one row of the swizzle (128 bytes of 16-bit elements, 64 of e4m3),
+        the K-major tile row sm90/wgmma.cuh's descriptors describe.
 
     Raises
     ------
@@ -95,7 +102,8 @@ def tiled_map_args(address: int, shape, strides, dtype, box) -> TiledMapArgs:
     """
     name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
     if name not in _DATA_TYPES:
-        raise ValueError(f"dtype: expected float16 or bfloat16, got {name}")
+        raise ValueError(f"dtype: expected float16, bfloat16 or float8_e4m3fn, got {name}")
+    itemsize = _ITEMSIZES[name]
     shape, strides, box = (tuple(int(x) for x in v) for v in (shape, strides, box))
     rank = len(shape)
     if not 2 <= rank <= _MAX_RANK:
@@ -108,8 +116,9 @@ def tiled_map_args(address: int, shape, strides, dtype, box) -> TiledMapArgs:
     for dim in shape:
         if not 1 <= dim <= _MAX_DIM:
             raise ValueError(f"shape: every dimension must be in [1, 2^31], got {shape}")
-    if strides[-1] != 2:
-        raise ValueError(f"strides: the innermost dimension must be contiguous (stride 2 bytes), got {strides}")
+    if strides[-1] != itemsize:
+        raise ValueError(f"strides: the innermost dimension must be contiguous (stride {itemsize} bytes), "
+                         f"got {strides}")
     for stride in strides[:-1]:
         if stride <= 0 or stride % 16 or stride >= _MAX_STRIDE:
             raise ValueError(f"strides: outer strides must be positive multiples of 16 bytes below 2^40, "
@@ -117,9 +126,9 @@ def tiled_map_args(address: int, shape, strides, dtype, box) -> TiledMapArgs:
     for extent in box:
         if not 1 <= extent <= _MAX_BOX:
             raise ValueError(f"box: every extent must be in [1, {_MAX_BOX}], got {box}")
-    if box[-1] * 2 != _SWIZZLE_BYTES:
-        raise ValueError(f"box: the innermost extent must be {_SWIZZLE_BYTES // 2} elements ({_SWIZZLE_BYTES} bytes, "
-                         f"one row of the 128-byte swizzle), got {box[-1]}")
+    if box[-1] != _BOX_ROW:
+        raise ValueError(f"box: the innermost extent must be {_BOX_ROW} elements ({_BOX_ROW * itemsize} bytes, "
+                         f"one row of the {_BOX_ROW * itemsize}-byte swizzle), got {box[-1]}")
     return TiledMapArgs(
         data_type=_DATA_TYPES[name],
         address=int(address),
@@ -127,6 +136,8 @@ def tiled_map_args(address: int, shape, strides, dtype, box) -> TiledMapArgs:
         global_strides=strides[-2::-1],
         box_dim=box[::-1],
         element_strides=(1,) * rank,
+        itemsize=itemsize,
+        swizzle=_SWIZZLES[_BOX_ROW * itemsize],
     )
 
 

@@ -13,8 +13,9 @@ import math
 import numpy as np
 import pytest
 
-# Every test runs once per kernel family the device has (conftest.family); FP8 runs sm80's kernel
-# on both, which these runs check.
+# Every test runs once per kernel family the device has (conftest.family): sm80's FP8 forward
+# (bytes widened to 16 bits), and on an sm90 device sm90's (e4m3 wgmma, V transposed in shared
+# memory).
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
 
 FP8 = "float8_e4m3fn"
@@ -227,14 +228,45 @@ def test_fp8_varlen_with_an_empty_sequence(causal, rng):
     check_rule("lse", lse, lse_ref, lse_lowp, "float16")
 
 
-def test_explain_names_the_sm80_fp8_kernel(family, rng):
-    """Either family runs sm80's FP8 forward, into out_dtype."""
+def test_explain_names_the_familys_fp8_kernel(family, rng):
+    """Each family runs its own FP8 forward, into out_dtype."""
     import cuflash
 
     q, k, v = inputs(rng, 1, 64, 64, 2, 2, 128)
     choice = cuflash.explain(q[0], k[0], v[0], causal=True, dtype="e4m3", out_dtype="float16")
-    assert choice.family == "sm80"
+    assert choice.family == family
+    assert choice.name_expression.startswith(f"cuflash::{'sm90::flash_fwd_sm90' if family == 'sm90' else 'flash_fwd_sm80'}<")
     assert choice.name_expression.endswith("true, false, false, cuflash::f16, cuflash::e4m3>")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+def test_fp8_one_hot_probabilities_pick_v_rows_exactly(head_dim):
+    """Query i sees one key, j(i) = (37 i + 11) % 512, with a score 256 above every other (q and k
+    rows 16 e_a + 16 e_b in two halves of the head dim, scale 1), so P is one-hot and out[i] must be
+    exactly v[j(i)]: every V row and column through the sm90 kernel's V transpose and its key
+    permutation (and sm80's widening). A layout bug names the rows and columns that went wrong."""
+    import cupy as cp
+    import ml_dtypes
+
+    import cuflash
+
+    seqlen, half = 512, head_dim // 2
+    picked = (37 * np.arange(seqlen) + 11) % seqlen
+    sixteen = np.array(16.0, ml_dtypes.float8_e4m3fn).view(np.uint8)
+    keys, queries = np.zeros((seqlen, head_dim), np.uint8), np.zeros((seqlen, head_dim), np.uint8)
+    keys[np.arange(seqlen), np.arange(seqlen) % half] = sixteen
+    keys[np.arange(seqlen), half + np.arange(seqlen) // half] = sixteen
+    queries[np.arange(seqlen), picked % half] = sixteen
+    queries[np.arange(seqlen), half + picked // half] = sixteen
+    rng = np.random.default_rng(head_dim)
+    values = rng.integers(0, 256, (seqlen, head_dim), dtype=np.uint8)
+    values[(values & 0x7F) == 0x7F] = 0x38  # no NaN: 1.0 instead
+    q, k, v = (cp.asarray(x.reshape(1, seqlen, 1, head_dim)) for x in (queries, keys, values))
+    out = cp.asnumpy(cuflash.attention(q, k, v, softmax_scale=1.0, dtype="e4m3", out_dtype="float16"))[0, :, 0]
+    want = values.view(ml_dtypes.float8_e4m3fn).astype(np.float16)[picked]
+    wrong = np.argwhere(out != want)
+    assert not len(wrong), (f"{len(wrong)} wrong values; first (query, column) pairs {wrong[:8].tolist()}, "
+                            f"keys {picked[wrong[:8, 0]].tolist()}")
 
 
 def test_fp8_has_no_backward():

@@ -1,6 +1,7 @@
-"""The FP8 forward's launch policy and argument struct, without a GPU: the sm80 kernel on every
-family, its shared memory, FwdParamsFp8's layout, the descales folded into it or filled per call,
-and the plan key's FP8 part. An FP8 launch's struct: tests/test_forward_plan.py."""
+"""The FP8 forward's launch policy and argument struct, without a GPU: each family's kernel (sm80's
+where no tensor map fits), their shared memory, FwdParamsFp8's layout and sm90's struct around it,
+the descales folded into it or filled per call, and the plan key's FP8 part. An FP8 launch's
+struct: tests/test_forward_plan.py; the sm90 kernels' compile check: tests/test_sm90_forward.py."""
 
 from __future__ import annotations
 
@@ -30,22 +31,72 @@ def test_fp8_kernel_is_the_sm80_forward_with_e4m3_input():
             f", {same_16bit.smem_bytes}, ", f", {choice.smem_bytes}, ")
         assert choice.name_expression.endswith(f"cuflash::{elem}, cuflash::e4m3>")
         assert choice.tile == same_16bit.tile and choice.blocks_slowest
-    with pytest.raises(ValueError, match="out_dtype"):
-        dispatch.forward_kernel("sm80", 64, "none", FP8)
-    with pytest.raises(ValueError, match="family"):
-        dispatch.forward_kernel("sm90", 64, "none", FP8, out_dtype="bfloat16")
+    for family in dispatch.FAMILIES:
+        with pytest.raises(ValueError, match="out_dtype"):
+            dispatch.forward_kernel(family, 64, "none", FP8)
     with pytest.raises(ValueError, match="forward only"):
         dispatch.backward_kernels("sm80", 64, "none", FP8)
 
 
-def test_fp8_runs_sm80_on_the_sm90_family():
+# (head-dim bucket, mask) -> the sm90 FP8 kernel's template arguments up to SMEM_BYTES: kernel head
+# dim, consumers, block_n, stages, Q buffers.
+SM90_FP8_ARGS = {
+    (64, "causal"): (64, 3, 128, 4, 2),
+    (64, "window"): (64, 3, 128, 4, 2),
+    (96, "causal"): (128, 2, 128, 3, 2),
+    (128, "causal"): (128, 2, 128, 3, 2),
+    (128, "none"): (128, 2, 192, 2, 2),  # unmasked: the wide key blocks
+    (192, "causal"): (192, 2, 128, 2, 2),
+    (192, "none"): (192, 2, 128, 2, 2),
+    (256, "window"): (256, 2, 64, 3, 2),
+    (256, "none"): (256, 2, 64, 3, 2),
+}
+
+
+@pytest.mark.parametrize("bucket, mask", list(SM90_FP8_ARGS))
+def test_sm90_fp8_kernel_template_arguments(bucket, mask):
+    head_dim, consumers, block_n, stages, q_buffers = SM90_FP8_ARGS[bucket, mask]
+    for out_dtype, elem in (("bfloat16", "bf16"), ("float16", "f16")):
+        choice = dispatch.forward_kernel("sm90", bucket, mask, FP8, out_dtype=out_dtype)
+        causal, window = mask == "causal", mask == "window"
+        # One byte per element of Q (two buffers), K and V, and a stage of V's transpose per stage
+        # (flash_fwd.cu, FwdSmem), plus the alignment slack.
+        smem = (q_buffers * 64 * consumers + 3 * stages * block_n) * head_dim + 1024
+        assert choice.smem_bytes == smem <= dispatch.SM90_SMEM_BYTES - dispatch.SM90_STATIC_SMEM_MARGIN
+        assert choice.name_expression == (
+            f"cuflash::sm90::flash_fwd_sm90<{head_dim}, {consumers}, {block_n}, {stages}, {q_buffers}, {smem}, "
+            f"{str(causal).lower()}, {str(window).lower()}, false, cuflash::{elem}, cuflash::e4m3>")
+        assert choice.family == "sm90" and choice.threads == 128 * (consumers + 1) and choice.blocks_slowest == causal
+    # Whole 64-key panels of V's transpose, k32 steps of the e4m3 products.
+    assert block_n % 64 == 0
+
+
+def test_sm90_fp8_narrow_tiles_follow_the_16bit_rules():
+    """d64 takes two consumers for softcap in the window kernel and for short causal calls."""
+    for mask, softcap, short in (("window", True, False), ("causal", False, True)):
+        assert dispatch.forward_kernel("sm90", 64, mask, FP8, softcap, short=short,
+                                       out_dtype="bfloat16").tile == dispatch.SM90_FP8_NARROW_TILES[64]
+    assert dispatch.forward_kernel("sm90", 64, "causal", FP8, out_dtype="bfloat16").tile.block_m == 192
+    # Softcap keeps each mask's own kernel, as for 16-bit inputs.
+    assert dispatch.forward_kernel("sm90", 128, "causal", FP8, True, out_dtype="bfloat16").name_expression.endswith(
+        "true, false, true, cuflash::bf16, cuflash::e4m3>")
+
+
+def test_fp8_runs_each_familys_kernel():
     q = _tensor((2, 4096, 8, 128))
     mask = dispatch.make_mask(False, (-1, -1), 0.0, 4096, 4096)
-    choice = dispatch.forward_choice("sm90", q, q, q, mask, 4096, "float16")
-    assert choice == dispatch.forward_kernel("sm80", 128, "none", FP8, out_dtype="float16")
+    for family in dispatch.FAMILIES:
+        choice = dispatch.forward_choice(family, q, q, q, mask, 4096, "float16")
+        assert choice == dispatch.forward_kernel(family, 128, "none", FP8, out_dtype="float16")
+        assert choice.family == family
+    # K broadcast over heads: no tensor map describes it, sm80's kernel reads it on an sm90 device.
+    k = _tensor((2, 4096, 8, 128), strides=(4096 * 128, 128, 0, 1))
+    assert dispatch.forward_choice("sm90", q, k, k, mask, 4096, "float16") == dispatch.forward_kernel(
+        "sm80", 128, "none", FP8, out_dtype="float16")
     narrow = _tensor((2, 4096, 8, 72))
-    with pytest.raises(ValueError, match="q: FP8 inputs need a head_dim that is a multiple of 16"):
-        dispatch.forward_choice("sm80", narrow, narrow, narrow, mask, 4096, "float16")
+    for family in dispatch.FAMILIES:
+        with pytest.raises(ValueError, match="q: FP8 inputs need a head_dim that is a multiple of 16"):
+            dispatch.forward_choice(family, narrow, narrow, narrow, mask, 4096, "float16")
 
 
 def test_every_fp8_instantiation_is_listed_after_the_16bit_kernels():
@@ -53,8 +104,22 @@ def test_every_fp8_instantiation_is_listed_after_the_16bit_kernels():
     fp8 = [n for n in names if n.endswith("cuflash::e4m3>")]
     assert len(fp8) == len(dispatch.HEAD_DIM_BUCKETS) * len(dispatch.ELEMENT_TYPES) * 4
     assert names[-len(fp8):] == fp8
-    assert not any(n.endswith("cuflash::e4m3>") for n in map(lambda c: c.name_expression,
-                                                              dispatch.all_kernels("sm90")))
+    names = [c.name_expression for c in dispatch.all_kernels("sm90")]
+    fp8 = [n for n in names if n.endswith("cuflash::e4m3>")]
+    # As for 16-bit inputs: kernel head dims x output dtypes x three masks x softcap or not, d64's
+    # two-consumer causal (with and without softcap) and d128's unmasked short calls.
+    assert len(fp8) == 4 * 2 * 3 * 2 + 2 * 2 + 2
+    assert names[-len(fp8):] == fp8
+
+
+def test_sm90_fp8_param_struct_layout():
+    """FwdParamsSm90Of<FwdParamsFp8>: the three maps, FwdParamsFp8 at 384, the tile counts after it
+    (fwd_params.cuh static_asserts 704 bytes)."""
+    fields = params.FWD_PARAMS_SM90_FP8.fields
+    assert params.FWD_PARAMS_SM90_FP8.itemsize == params.FWD_PARAMS_SM90_FP8_SIZE == 704
+    assert [fields[name][1] for name in ("q", "k", "v", "base")] == [0, 128, 256, 384]
+    assert fields["base"][0] == params.FWD_PARAMS_FP8
+    assert [fields[name][1] for name in ("m_blocks", "heads", "batches", "tiles")] == [664, 668, 672, 676]
 
 
 def test_fwd_params_fp8_layout():

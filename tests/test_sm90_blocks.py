@@ -125,6 +125,18 @@ def test_tiled_map_args_reverse_to_innermost_first():
     assert args.box_dim == (64, 1, 128, 1) and args.data_type == 6 and args.box_bytes == 16384
 
 
+def test_tiled_map_args_of_e4m3_bytes():
+    # e4m3 travels as UINT8 with the 64-byte swizzle: a 64-element box row is 64 bytes.
+    args = tma.tiled_map_args(0x20000, (2, 300, 8, 128), (300 * 8 * 128, 8 * 128, 128, 1), "float8_e4m3fn",
+                              (1, 128, 1, 64))
+    assert (args.data_type, args.swizzle, args.itemsize) == (0, 2, 1)
+    assert args.global_strides == (128, 8 * 128, 300 * 8 * 128) and args.box_bytes == 8192
+    with pytest.raises(ValueError, match="stride 1 bytes"):
+        tma.tiled_map_args(0x20000, (64, 256), (512, 2), "float8_e4m3fn", (64, 64))
+    with pytest.raises(ValueError, match="64 bytes"):
+        tma.tiled_map_args(0x20000, (64, 256), (256, 1), "float8_e4m3fn", (64, 128))
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -121,8 +121,8 @@ def test_sm90_dispatch():
     tile = dispatch.Tile(128, 64, 12, stages=2)
     assert dispatch.forward_kernel("sm90", 256, "none", "bfloat16", tile=tile).tile == tile
     # Kernel head dims x dtypes x three masks x softcap or not, d64's two-consumer causal (with and
-    # without softcap) and d128's unmasked short calls.
-    assert len(SM90_FORWARD) == 4 * 2 * 3 * 2 + 2 * 2 + 2
+    # without softcap) and d128's unmasked short calls; as many of e4m3 inputs (tests/test_fp8_plan.py).
+    assert len([c for c in SM90_FORWARD if not c.name_expression.endswith("e4m3>")]) == 4 * 2 * 3 * 2 + 2 * 2 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     # The sm90 backward main kernel: head dims up to 128, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
@@ -160,7 +160,7 @@ def test_sm90_dispatch():
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):
     strides = strides or tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    itemsize = 4 if dtype in ("float32", "int32") else 2
+    itemsize = {"float32": 4, "int32": 4, "float8_e4m3fn": 1}.get(dtype, 2)
     return interop.DeviceTensor(None, ptr, tuple(shape), strides, dtype, itemsize, 0)
 
 
@@ -309,6 +309,33 @@ def test_sm90_packed_launch(sm90_launches):
     q, k = _tensor((3000, 8, 64)), _tensor((3000, 8, 64), ptr=3 << 20)
     _packed_forward(q, k, cu_q, cu_k, 2000)
     assert calls[-1][2] == (264, 1, 1)
+
+
+def test_sm90_fp8_launch(sm90_launches):
+    """e4m3 inputs: sm90's kernel with FwdParamsSm90Of<FwdParamsFp8>, byte maps with the 64-byte
+    swizzle (64-byte box rows), the descale arrays' pointers filled per call after the maps."""
+    calls, encoded = sm90_launches
+    fp8 = "float8_e4m3fn"
+    q, k = _tensor((2, 300, 8, 128), fp8), _tensor((2, 500, 2, 128), fp8, ptr=3 << 20)
+    v = _tensor((2, 500, 2, 128), fp8, ptr=4 << 20)
+    out, lse = _tensor((2, 300, 8, 128), "float16", ptr=5 << 20), _tensor((2, 8, 300), "float32", ptr=6 << 20)
+    descale_q, descale_v = _tensor((2, 2), "float32", ptr=7 << 20), _tensor((2, 2), "float32", ptr=8 << 20)
+    built = plan.build_forward(q, k, v, out, lse, 0.125, dispatch.make_mask(True, (-1, -1), 0.0, 300, 500), 2, 300,
+                               descales=(descale_q, 0.5, descale_v))
+    built.launch("cupy", (q, k, v, descale_q, 0.5, descale_v), (out,), (out,), True)
+    (choice, arch, grid, struct), = calls
+    assert choice == dispatch.forward_kernel("sm90", 128, "causal", fp8, out_dtype="float16") and arch == "sm_90a"
+    p = np.frombuffer(struct, params.FWD_PARAMS_SM90_FP8)[0]
+    assert (p["m_blocks"], p["heads"], p["batches"], p["tiles"]) == (3, 8, 2, 48)
+    assert [a.address for a in encoded] == [1 << 20, 3 << 20, 4 << 20]
+    for args, rows in zip(encoded, (128, 128, 128)):
+        assert args.data_type == 0 and args.itemsize == 1 and args.swizzle == 2  # UINT8, 64-byte swizzle
+        assert args.box_dim == (64, 1, rows, 1) and args.box_bytes == 64 * rows
+    assert encoded[0].global_strides == (128, 8 * 128, 300 * 8 * 128)
+    base = p["base"]
+    assert (base["q"], base["o"], base["lse"]) == (1 << 20, 5 << 20, 2 << 20)  # lse allocated per call
+    assert (base["descale_q"], base["descale_k"], base["descale_v"]) == (7 << 20, 0, 8 << 20)
+    assert base["scale_log2"] == pytest.approx(0.125 * 0.5 * math.log2(math.e)) and base["v_scale"] == 1.0
 
 
 def test_sm90_falls_back_where_no_tensor_map_fits(sm90_launches):

@@ -7,7 +7,12 @@
 namespace cuflash {
 
 // MT 16-row tiles per warp; each thread owns two rows of each (lane/4 and lane/4 + 8).
-template <int MT>
+// LOG2_OFFSET: the probabilities are 2^LOG2_OFFSET times exp(s - row max), in [0, 2^LOG2_OFFSET]
+// (the running sum in the same units, taken back out of the LSE): an e4m3 P (sm90's FP8 forward)
+// with offset 8 keeps values down to 2^-14 of the row's largest out of e4m3's subnormals, where
+// [0, 1] would lose relative precision below 2^-6 (FlashAttention-3 offsets by 8 likewise). The
+// largest value, 256, is exact in e4m3, whose limit is 448.
+template <int MT, int LOG2_OFFSET = 0>
 struct OnlineSoftmax {
   float row_max[MT][2];  // in raw score units
   float row_sum[MT][2];  // partial: this thread's columns only, summed over the quad at the end
@@ -55,13 +60,14 @@ struct OnlineSoftmax {
         const float max_scaled = block_max == kNegInf ? 0.f : block_max * scale_log2;
         correction[mt][h] = fast_exp2(row_max[mt][h] * scale_log2 - max_scaled);
         row_max[mt][h] = block_max;
+        const float shift = max_scaled - LOG2_OFFSET;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             // One FFMA and one MUFU per score: the scale is folded into the exponent.
-            const float p = fast_exp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -max_scaled));
+            const float p = fast_exp2(fmaf(s[mt][nt][2 * h + e], scale_log2, -shift));
             s[mt][nt][2 * h + e] = p;
             sum += p;
           }
@@ -102,7 +108,7 @@ struct OnlineSoftmax {
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
         const bool empty = sum == 0.f;
         const float inv = empty ? 0.f : 1.f / sum;
-        lse[mt][h] = empty ? kNegInf : (row_max[mt][h] * scale_log2 + fast_log2(sum)) * kLn2;
+        lse[mt][h] = empty ? kNegInf : (row_max[mt][h] * scale_log2 + fast_log2(sum) - LOG2_OFFSET) * kLn2;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
           o[mt][dt][2 * h] *= inv;

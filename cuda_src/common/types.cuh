@@ -52,9 +52,22 @@ struct bf16 {
   }
 };
 
-// e4m3 (float8_e4m3fn) inputs, stored as bytes and widened to fp16 or bf16 before the tensor-core
-// instructions (common/fp8.cuh); it has no instruction of its own here.
-struct e4m3 {};
+// e4m3 (float8_e4m3fn) inputs, stored as bytes: widened to fp16 or bf16 before mma.sync on sm80
+// (common/fp8.cuh), multiplied as they are by sm90's e4m3 wgmma (sm90/wgmma.cuh).
+struct e4m3 {
+  // Four floats -> four e4m3 bytes, a in the lowest; rounded to nearest even, saturated to +-448
+  // (sm_89 and newer). cvt puts its first source in the upper byte of each pair.
+  static __device__ __forceinline__ u32 pack4(float a, float b, float c, float d) {
+    u32 r;
+    asm("{.reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+        "mov.b32 %0, {lo, hi};}"
+        : "=r"(r)
+        : "f"(a), "f"(b), "f"(c), "f"(d));
+    return r;
+  }
+};
 
 typedef unsigned char u8;
 

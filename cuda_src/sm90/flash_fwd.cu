@@ -5,6 +5,13 @@
 // from shared memory, the online softmax in registers (common/softmax.cuh, masks from
 // common/mask.cuh), P converted to 16 bits in registers, and O += P V by wgmma with P as the
 // register operand. Only O and the LSE reach global memory.
+//
+// e4m3 inputs (Input = e4m3) run the same pipeline on e4m3 wgmma (K = 32): tiles of 64-byte rows
+// with TMA's 64-byte swizzle, P in e4m3 registers, and V transposed in shared memory by the
+// producer warpgroup's otherwise idle warps (VTranspose), because 8-bit wgmma reads its B operand
+// K-major only and V arrives keys x head_dim. The descales scale the scores (common/fp8.cuh,
+// ScoreScales) and the final O; the output is Elem.
+#include "common/fp8.cuh"
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/softcap.cuh"
@@ -24,7 +31,7 @@ constexpr int kEpilogueBarrier = 1;   // named barrier ids 1..CONSUMERS: one per
 constexpr int kSchedulerBarrier = 4;  // ids 4..3 + CONSUMERS: consumer c's turn to issue wgmma (PingPong)
 
 // The CTA's warpgroups: the producer, then CONSUMERS consumers of 64 query rows each.
-template <int CONSUMERS>
+template <int CONSUMERS, bool FP8>
 struct Warpgroups {
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "named barrier ids above are laid out for at most 3");
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -33,8 +40,9 @@ struct Warpgroups {
   // launch bounds' cap, which ptxas allocates in full for a setmaxnreg kernel: 168 with two
   // consumers, 128 with three); the producer keeps 24, and the consumers share what it frees,
   // rounded down to setmaxnreg's multiple of 8 (240 and 160), so no increase waits for registers
-  // that never come.
-  static constexpr int PRODUCER_REGISTERS = 24;
+  // that never come. With e4m3 inputs three of the producer's warps transpose V (VTranspose) and
+  // keep 56, which leaves the consumers 224 and 152.
+  static constexpr int PRODUCER_REGISTERS = FP8 ? 56 : 24;
   static constexpr int CONSUMER_REGISTERS =
       (65536 / THREADS + (65536 / THREADS - PRODUCER_REGISTERS) / CONSUMERS) / 8 * 8;
 };
@@ -62,21 +70,104 @@ struct PingPong {
 };
 
 // Shared memory of one CTA, in bytes from a 1024-byte-aligned base: the Q buffers, then the K
-// stages, then the V stages. A tile of HEAD_DIM columns is HEAD_DIM / 64 panels of 64 columns
-// (one 128-byte swizzle row each, one TMA box each), every panel and tile a multiple of 1024
-// bytes so each starts on a swizzle period, as TMA and the wgmma descriptors assume.
-template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int Q_BUFFERS>
+// stages, then the V stages, then for e4m3 the stages of V's transpose. A tile of HEAD_DIM columns
+// is HEAD_DIM / 64 panels of 64 columns (one swizzle row each, one TMA box each: ROW = 128 bytes
+// of 16-bit elements, 128-byte swizzle, or 64 bytes of e4m3, 64-byte swizzle), every panel and
+// tile a multiple of 1024 bytes so each starts on a swizzle period, as TMA and the wgmma
+// descriptors assume. V's transpose (VTranspose) is BLOCK_N / 64 panels of 64 keys, HEAD_DIM rows
+// of 64 bytes each.
+template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int STAGES, int Q_BUFFERS, bool FP8>
 struct FwdSmem {
   static constexpr int PANELS = HEAD_DIM / 64;
-  static constexpr u32 Q_PANEL = BLOCK_M * 128;
-  static constexpr u32 KV_PANEL = BLOCK_N * 128;
+  static constexpr u32 ROW = FP8 ? 64 : 128;
+  static constexpr u32 Q_PANEL = BLOCK_M * ROW;
+  static constexpr u32 KV_PANEL = BLOCK_N * ROW;
   static constexpr u32 Q_BYTES = PANELS * Q_PANEL;
   static constexpr u32 KV_BYTES = PANELS * KV_PANEL;
+  static constexpr u32 VT_PANEL = HEAD_DIM * 64;
+  static constexpr u32 VT_BYTES = FP8 ? BLOCK_N / 64 * VT_PANEL : 0;
   static constexpr u32 K = Q_BUFFERS * Q_BYTES;
   static constexpr u32 V = K + STAGES * KV_BYTES;
-  static constexpr u32 BYTES = V + STAGES * KV_BYTES;
-  // Whole 64-column panels; K and V tiles of whole swizzle periods (8 rows) and k16 steps of P V.
-  static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % 16 == 0, "whole panels, swizzle periods and k16 steps");
+  static constexpr u32 VT = V + STAGES * KV_BYTES;
+  static constexpr u32 BYTES = VT + STAGES * VT_BYTES;
+  // Whole 64-column panels; K and V tiles of whole swizzle periods (8 rows) and k-steps of P V
+  // (16 keys; for e4m3 32, and whole 64-key panels of V's transpose).
+  static_assert(HEAD_DIM % 64 == 0 && BLOCK_N % (FP8 ? 64 : 16) == 0, "whole panels, swizzle periods and k-steps");
+};
+
+// Where the epilogue stages 16-bit O element (row, col) in a Q buffer of panels `panel_bytes`
+// apart: 128-byte rows of 64 columns, or in an e4m3 buffer 64-byte rows of 32.
+template <bool FP8>
+__device__ __forceinline__ u32 staged_offset(int row, int col, u32 panel_bytes) {
+  return FP8 ? swizzled_offset_64(row, col, panel_bytes) : swizzled_offset(row, col, panel_bytes);
+}
+
+// The descriptor of a K-major tile as FwdSmem lays it out (sm90/wgmma.cuh).
+template <bool FP8>
+__device__ __forceinline__ u64 kmajor_desc(const void* tile) {
+  return FP8 ? smem_desc_sw64(tile) : smem_desc_sw128(tile);
+}
+
+// V's transpose for the e4m3 P V, written by warps 1-3 of the producer warpgroup from a V stage
+// (keys x head_dim, 64-byte-swizzled panels of 64 head-dim bytes, as TMA loads it) into a stage
+// of Vt (head_dim x keys, FwdSmem), with each k32 slice's keys in the order the e4m3 P registers
+// hold them: Vt[d][32 s + L] = V[32 s + e4m3_key(L)][d] (sm90/tiles.cuh, pack_a_e4m3).
+//
+// A warp's unit is one k32 slice s by 16 head-dim bytes g. Lane (b, w, x) = (lane / 16, lane / 4
+// % 4, lane % 4) takes logical keys 16 b + 4 w + {0..3} (four V rows) and head-dim bytes 16 g +
+// 4 x + {0..3}: four 4-byte loads, a 4 x 4 byte transpose (8 prmt), four 4-byte stores. Banks
+// (32 of 4 bytes; a 64-byte row pair spans them all): the rows of one load alternate in parity
+// between the two halves of the warp (the b = 1 half reads its pairs of rows in swapped order) and
+// the swizzle spreads the rest, so each load's 32 words sit in 32 banks; likewise each store's,
+// with lanes of x >= 2 storing their head-dim rows in swapped pairs. The swaps cost nothing:
+// they are in the prmt selectors.
+template <class Smem, int HEAD_DIM, int BLOCK_N>
+struct VTranspose {
+  static constexpr int WARPS = 3;
+  static constexpr int SLICES = BLOCK_N / 32;
+  static constexpr int UNITS = SLICES * (HEAD_DIM / 16);
+  u32 load[4];   // byte offsets in unit (0, 0): V row of key e4m3_key(16 b + 4 w + (e ^ b)), bytes 4 x
+  u32 store[4];  // Vt row 4 x + (j ^ x / 2), logical keys 16 b + 4 w
+  u32 pair_lo, pair_hi, quad_lo, quad_hi;  // prmt selectors of the transpose's two steps
+
+  __device__ __forceinline__ explicit VTranspose(int lane) {
+    const int b = lane / 16, w = lane / 4 % 4, x = lane % 4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // Row r = e4m3_key(...) has (r / 2) % 4 == w: the chunk's swizzle is w, and unit g's chunk g % 4
+      // is XORed in per unit.
+      load[e] = e4m3_key(16 * b + 4 * w + (e ^ b)) * 64 + (w << 4) + 4 * x;
+      const int row = 4 * x + (e ^ (x / 2));
+      // Chunk of logical keys 16 b + 4 w in row `row`: b ^ ((row / 2) % 4); a slice's second
+      // half-panel (s odd) XORs in 2 per unit.
+      store[e] = row * 64 + ((b ^ ((row / 2) % 4)) << 4) + 4 * w;
+    }
+    pair_lo = b ? 0x1504u : 0x5140u;  // bytes 0, 1 of two rows interleaved (swapped rows for b = 1)
+    pair_hi = b ? 0x3726u : 0x7362u;  // bytes 2, 3
+    quad_lo = x / 2 ? 0x7632u : 0x5410u;  // the first, or (x >= 2) second, of two interleaved pairs
+    quad_hi = x / 2 ? 0x5410u : 0x7632u;
+  }
+
+  // One stage: every unit of warp `warp` (0..WARPS-1).
+  __device__ __forceinline__ void run(const unsigned char* v, unsigned char* vt, u32 warp) const {
+#pragma unroll 1
+    for (u32 u = warp; u < UNITS; u += WARPS) {
+      const u32 s = u % SLICES, g = u / SLICES;
+      const unsigned char* from = v + (g / 4) * Smem::KV_PANEL + s * 32 * 64;
+      const u32 chunk = (g % 4) << 4;
+      u32 r[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) r[e] = *reinterpret_cast<const u32*>(from + (load[e] ^ chunk));
+      const u32 t0 = __byte_perm(r[0], r[1], pair_lo), t1 = __byte_perm(r[0], r[1], pair_hi);
+      const u32 t2 = __byte_perm(r[2], r[3], pair_lo), t3 = __byte_perm(r[2], r[3], pair_hi);
+      unsigned char* to = vt + (s / 2) * Smem::VT_PANEL + g * 16 * 64;
+      const u32 half = (s % 2) << 5;
+      *reinterpret_cast<u32*>(to + (store[0] ^ half)) = __byte_perm(t0, t2, quad_lo);
+      *reinterpret_cast<u32*>(to + (store[1] ^ half)) = __byte_perm(t0, t2, quad_hi);
+      *reinterpret_cast<u32*>(to + (store[2] ^ half)) = __byte_perm(t1, t3, quad_lo);
+      *reinterpret_cast<u32*>(to + (store[3] ^ half)) = __byte_perm(t1, t3, quad_hi);
+    }
+  }
 };
 
 // S = Q K^T for one warpgroup's 64 rows. Issues only; the caller fences, commits and waits.
@@ -85,24 +176,39 @@ __device__ __forceinline__ void issue_qk(float (&s)[1][NT][4], u64 q_desc, u64 k
   wgmma_ss_panels<BLOCK_N, Elem, Smem::PANELS>(flat(s), q_desc, Smem::Q_PANEL, k_desc, Smem::KV_PANEL);
 }
 
-// O += P V: P from registers, V (keys x head_dim, row-major) MN-major for this product, a k16
-// step 16 key rows (2048 bytes). Issues only.
-template <class Smem, int HEAD_DIM, class Elem, int DT, int KSLICES>
+// O += P V: P from registers. 16 bits: V (keys x head_dim, row-major) MN-major for this product,
+// a k16 step 16 key rows (2048 bytes). e4m3: V's transpose (VTranspose) K-major, a k32 step 32
+// bytes of a 64-key panel. Issues only.
+template <class Smem, int HEAD_DIM, class Input, int DT, int KSLICES>
 __device__ __forceinline__ void issue_pv(float (&o)[1][DT][4], const u32 (&p)[KSLICES][4], u64 v_desc) {
 #pragma unroll
-  for (int j = 0; j < KSLICES; ++j) wgmma_rs<HEAD_DIM, Elem, true>(flat(o), p[j], desc_advance(v_desc, 2048 * j), true);
+  for (int j = 0; j < KSLICES; ++j) {
+    if constexpr (InputStorage<Input>::fp8)
+      wgmma_rs<HEAD_DIM, Input>(flat(o), p[j], desc_advance(v_desc, j / 2 * Smem::VT_PANEL + j % 2 * 32), true);
+    else
+      wgmma_rs<HEAD_DIM, Input, true>(flat(o), p[j], desc_advance(v_desc, 2048 * j), true);
+  }
+}
+
+// P in the register-A form of P V's k-slices: pairs of 16-bit Elem, or e4m3 quadruples.
+template <class Input, class Elem, int NT, int KSLICES>
+__device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[KSLICES][4]) {
+  if constexpr (InputStorage<Input>::fp8)
+    pack_a_e4m3(s, p);
+  else
+    pack_a<Elem>(s, p);
 }
 
 // Scores of key block n to unnormalised probabilities: softcap, the mask if `masked` (this warp's
 // 16 rows start at warp_row), and the online softmax's running max and sum; `correction` is what
 // o must be multiplied by once no P V product writes it any more.
-template <int BLOCK_N, bool SOFTCAP, bool CAUSAL, bool WINDOW, int NT>
+template <int BLOCK_N, bool SOFTCAP, bool CAUSAL, bool WINDOW, int NT, class Softmax, class Scales>
 __device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<CAUSAL, WINDOW>& mask, bool masked,
-                                              OnlineSoftmax<1>& softmax, const FwdParams& a, int n, int warp_row,
+                                              Softmax& softmax, const Scales& scales, int n, int warp_row,
                                               float (&correction)[1][2]) {
-  if (SOFTCAP) softcap_scores(s, a.softcap_tanh_scale);
+  if (SOFTCAP) softcap_scores(s, scales.tanh_scale());
   if (masked) mask.apply(s, warp_row, n * BLOCK_N);
-  softmax.probabilities(s, a.scale_log2, correction);
+  softmax.probabilities(s, scales.log2(), correction);
 }
 
 // The tile (query block, head, batch) with linear index `tile`, in the order the CTAs take them.
@@ -112,8 +218,8 @@ __device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<C
 struct TileCoord {
   int m_block, head, batch;
 };
-template <bool CAUSAL>
-__device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile) {
+template <bool CAUSAL, class Params>
+__device__ __forceinline__ TileCoord tile_coord(const Params& p, int tile) {
   if (CAUSAL) {
     const int per_block = p.heads * p.batches;
     return {p.m_blocks - 1 - tile / per_block, tile % p.heads, (tile % per_block) / p.heads};
@@ -124,7 +230,8 @@ __device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile
 // HEAD_DIM: 64, 128, 192 or 256, whole 64-column panels (the real head_dim may be smaller: TMA
 // zero-fills the rest, and the epilogue stores only real columns). CONSUMERS: consumer
 // warpgroups, 64 query rows each. BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the
-// mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16.
+// mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16,
+// the output's type. Input: the type of q, k and v, and of the products: Elem or e4m3.
 //
 // Persistent: the CTAs walk the tiles round robin (tile_coord); the host sizes the grid (one CTA
 // per SM for equal tiles, one per tile where a mask makes them unequal and the hardware's block
@@ -138,23 +245,34 @@ __device__ __forceinline__ TileCoord tile_coord(const FwdParamsSm90& p, int tile
 // other exchange. SMEM_BYTES: the dynamic shared memory the host launches with
 // (dispatch.forward_kernel), checked against Smem below.
 template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
-          bool SOFTCAP, class Elem>
-__global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
-    flash_fwd_sm90(const __grid_constant__ FwdParamsSm90 p) {
-  using Groups = Warpgroups<CONSUMERS>;
+          bool SOFTCAP, class Elem, class Input = Elem>
+__global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8>::THREADS, 1)
+    flash_fwd_sm90(const __grid_constant__ FwdArgsSm90<Input> p) {
+  constexpr bool FP8 = InputStorage<Input>::fp8;
+  using Groups = Warpgroups<CONSUMERS, FP8>;
   constexpr int kBlockM = Groups::BLOCK_M;
-  using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS>;
+  using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS, FP8>;
   static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");
   static_assert(SMEM_BYTES == Smem::BYTES + kSmemAlignSlack, "the host's shared memory differs from FwdSmem");
-  constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S (and NT / 2 k-slices of P V)
+  constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of O
-  const FwdParams& a = p.base;
+  constexpr int KSLICES = FP8 ? NT / 4 : NT / 2;  // k-slices of P V: 32 keys for e4m3, else 16
+  typedef typename FwdArgs<Input>::type Base;  // FwdParams, or FwdParamsFp8 with the descales
+  const Base& a = p.base;
 
   // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
   // one arrival per consumer warp once its warpgroup is done with the buffer (for K and V: its
-  // wgmma have read the stage; for Q: its epilogue has read O back out of Q's buffer).
+  // wgmma have read the stage; for Q: its epilogue has read O back out of Q's buffer). e4m3: V's
+  // stages go to the transposing warps (v_empty: one arrival per warp once it has read the stage),
+  // which hand the consumers V's transpose (vt_full: one arrival per warp; vt_empty as v_empty of
+  // 16-bit inputs).
   __shared__ u64 q_full[Q_BUFFERS], q_empty[Q_BUFFERS];
   __shared__ u64 k_full[STAGES], k_empty[STAGES], v_full[STAGES], v_empty[STAGES];
+  __shared__ u64 vt_full[FP8 ? STAGES : 1], vt_empty[FP8 ? STAGES : 1];
+  // The barriers of P V's B operand.
+  u64* const pv_full = FP8 ? vt_full : v_full;
+  u64* const pv_empty = FP8 ? vt_empty : v_empty;
+  using Transpose = VTranspose<Smem, HEAD_DIM, BLOCK_N>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem =
       smem_raw + ((kSmemAlignSlack - (smem_addr(smem_raw) & (kSmemAlignSlack - 1))) & (kSmemAlignSlack - 1));
@@ -170,7 +288,11 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       mbarrier_init(&k_full[s], 1);
       mbarrier_init(&v_full[s], 1);
       mbarrier_init(&k_empty[s], CONSUMERS * 4);
-      mbarrier_init(&v_empty[s], CONSUMERS * 4);
+      mbarrier_init(&v_empty[s], FP8 ? Transpose::WARPS : CONSUMERS * 4);
+      if constexpr (FP8) {
+        mbarrier_init(&vt_full[s], Transpose::WARPS);
+        mbarrier_init(&vt_empty[s], CONSUMERS * 4);
+      }
     }
     mbarrier_init_fence();
   }
@@ -178,8 +300,40 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
   __syncthreads();
 
   if (threadIdx.x < 128) {
-    // Producer warpgroup. Only thread 0 issues copies; the rest give their registers away and leave.
+    // Producer warpgroup. Only thread 0 issues copies; for e4m3 warps 1-3 transpose V; the rest
+    // give their registers away and leave.
     setmaxnreg_dec<Groups::PRODUCER_REGISTERS>();
+    if constexpr (FP8) {
+      if (threadIdx.x >= 32) {
+        // The same tiles and key blocks as the copies below, so the same ring positions.
+        const Transpose transpose(threadIdx.x % 32);
+        const int warp = threadIdx.x / 32 - 1;
+        RingPosition<STAGES> pos;
+        for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+          const TileCoord c = tile_coord<CAUSAL>(p, tile);
+          const Sequence seq = sequence_of(a, c.batch);
+          if (c.m_block * kBlockM >= seq.seqlen_q) continue;
+          const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
+          const BlockRange n_range = key_blocks<kBlockM, BLOCK_N>(mask, c.m_block);
+          for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
+            mbarrier_wait(&v_full[pos.stage], pos.phase);
+            mbarrier_wait(&vt_empty[pos.stage], pos.phase ^ 1);
+            __syncwarp();
+            transpose.run(smem + Smem::V + pos.stage * Smem::KV_BYTES, smem + Smem::VT + pos.stage * Smem::VT_BYTES,
+                          warp);
+            // The consumers' wgmma read the transpose through the async proxy, and the next V copy
+            // overwrites what these threads read: each fences its accesses before its warp arrives.
+            fence_proxy_async_shared();
+            __syncwarp();
+            if (threadIdx.x % 32 == 0) {
+              mbarrier_arrive(&v_empty[pos.stage]);
+              mbarrier_arrive(&vt_full[pos.stage]);
+            }
+          }
+        }
+        return;
+      }
+    }
     if (threadIdx.x != 0) return;
     prefetch_tensor_map(&p.q);
     prefetch_tensor_map(&p.k);
@@ -235,8 +389,15 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
     const int wg_row = consumer * kConsumerRows;  // this warpgroup's first row inside the block
     // This warpgroup's 64 rows of each panel of the first Q buffer: an A operand starting 64 rows
     // (8 swizzle periods) into the panel.
-    const u64 q_desc_first = smem_desc_sw128(smem + wg_row * 128);
+    const u64 q_desc_first = kmajor_desc<FP8>(smem + wg_row * Smem::ROW);
     const PingPong<CONSUMERS> turns{consumer};
+    // P V's B operand in ring stage `stage`: V read MN-major, or V's transpose K-major.
+    const auto pv_desc = [&](int stage) {
+      if constexpr (FP8)
+        return smem_desc_sw64(smem + Smem::VT + stage * Smem::VT_BYTES);
+      else
+        return smem_desc_sw128_mn(smem + Smem::V + stage * Smem::KV_BYTES, Smem::KV_PANEL);
+    };
     RingPosition<STAGES> k_pos, v_pos;
     int tiles_done = 0;  // tiles with rows, as the producer counts them: they pick the Q buffer
     u32 q_phases = 0;    // bit b: the parity of buffer b's next Q copy (tiles without keys load none)
@@ -251,9 +412,10 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
       const int q_buffer = tiles_done++ % Q_BUFFERS;
       unsigned char* const q_tile = smem + q_buffer * Smem::Q_BYTES;
 
+      const ScoreScales<Base, SOFTCAP> scales(a, c.batch, c.head / a.kv_group);
       float o[1][DT][4];
       clear(o);
-      OnlineSoftmax<1> softmax;
+      OnlineSoftmax<1, FP8 ? 8 : 0> softmax;  // e4m3 P in [0, 256] (common/softmax.cuh)
       softmax.init();
       if (n_range.begin < n_range.end) {
         mbarrier_wait(&q_full[q_buffer], (q_phases >> q_buffer) & 1);
@@ -262,7 +424,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         const int warp_row = first_row + wg_row + warp * 16;
         const int m64_block = CONSUMERS * c.m_block + consumer;  // this warpgroup's rows as a 64-row block
         float s[1][NT][4];
-        u32 pv_a[NT / 2][4];
+        u32 pv_a[KSLICES][4];
         float correction[1][2];
         // Key blocks from the last to the first: the blocks that need masking (the diagonal and
         // the sequence end) come first, a window's left edge last.
@@ -274,7 +436,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         __syncwarp();  // reconverge after the spin: wgmma is .aligned
         turns.wait_turn();
         wgmma_fence();
-        issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
+        issue_qk<Smem, BLOCK_N, Input>(s, q_desc, kmajor_desc<FP8>(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
         wgmma_commit();
         turns.pass_turn();
         fence_registers(flat(s));
@@ -282,9 +444,9 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         fence_registers(flat(s));
         // The tensor cores are done with this K stage: one arrival per warp hands it back.
         if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-        probabilities<BLOCK_N, SOFTCAP>(s, mask, needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n), softmax, a, n,
-                                        warp_row, correction);
-        pack_a<Elem>(s, pv_a);
+        probabilities<BLOCK_N, SOFTCAP>(s, mask, needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n), softmax, scales,
+                                        n, warp_row, correction);
+        pack_p<Input, Elem>(s, pv_a);
         k_pos.advance();
 
         // Each step issues S of block n and then P V of block n + 1 (FlashAttention-3's
@@ -294,14 +456,13 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         // never passes) cost 4-5% at long causal lengths.
         const auto step = [&](bool masked) {
           mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
-          mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+          mbarrier_wait(&pv_full[v_pos.stage], v_pos.phase);
           __syncwarp();
           turns.wait_turn();
           wgmma_fence();  // s was read by the softmax, o rescaled and pv_a packed by ordinary instructions
-          issue_qk<Smem, BLOCK_N, Elem>(s, q_desc, smem_desc_sw128(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
+          issue_qk<Smem, BLOCK_N, Input>(s, q_desc, kmajor_desc<FP8>(smem + Smem::K + k_pos.stage * Smem::KV_BYTES));
           wgmma_commit();
-          issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
-                                                                      Smem::KV_PANEL));
+          issue_pv<Smem, HEAD_DIM, Input>(o, pv_a, pv_desc(v_pos.stage));
           wgmma_commit();
           turns.pass_turn();
           fence_registers(flat(s));
@@ -310,13 +471,13 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
           wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
           fence_registers(flat(s));
           if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, softmax, a, n, warp_row, correction);
+          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, softmax, scales, n, warp_row, correction);
           wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
           fence_registers(flat(o));
           fence_registers(pv_a);
-          if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
+          if (lane == 0) mbarrier_arrive(&pv_empty[v_pos.stage]);
           softmax.rescale(o, correction);
-          pack_a<Elem>(s, pv_a);
+          pack_p<Input, Elem>(s, pv_a);
           k_pos.advance();
           v_pos.advance();
         };
@@ -337,57 +498,73 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS>::THREADS, 1)
         }
 
         // P V of the last block.
-        mbarrier_wait(&v_full[v_pos.stage], v_pos.phase);
+        mbarrier_wait(&pv_full[v_pos.stage], v_pos.phase);
         __syncwarp();
         turns.wait_turn();
         wgmma_fence();
-        issue_pv<Smem, HEAD_DIM, Elem>(o, pv_a, smem_desc_sw128_mn(smem + Smem::V + v_pos.stage * Smem::KV_BYTES,
-                                                                    Smem::KV_PANEL));
+        issue_pv<Smem, HEAD_DIM, Input>(o, pv_a, pv_desc(v_pos.stage));
         wgmma_commit();
         turns.pass_last_turn();
         fence_registers(flat(o));
         fence_registers(pv_a);
         wgmma_wait<0>();
         fence_registers(flat(o));
-        if (lane == 0) mbarrier_arrive(&v_empty[v_pos.stage]);
+        if (lane == 0) mbarrier_arrive(&pv_empty[v_pos.stage]);
         v_pos.advance();
       }
 
       float lse[1][2];
-      softmax.finalize(o, a.scale_log2, lse);
+      softmax.finalize(o, scales.log2(), lse);
+      if constexpr (FP8) {
+        // Read here rather than held across the main loop.
+        const float out_scale = v_descale(a, c.batch, c.head / a.kv_group);
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[0][dt][e] *= out_scale;
+      }
 
       // Epilogue: stage O in this warpgroup's own rows of the tile's Q buffer (its last wgmma has
       // read them), then write whole 16-byte chunks of the rows that exist. Ordinary stores, not a
-      // TMA store: a packed sequence's last block must not write the next sequence's rows.
+      // TMA store: a packed sequence's last block must not write the next sequence's rows. An e4m3
+      // Q buffer holds half of O's 16-bit bytes: O passes through it in two halves of its columns
+      // (64-byte rows of 32 columns per panel), where a buffer of its own would not fit beside the
+      // ring at d256.
+      constexpr int PASSES = FP8 ? 2 : 1;
+      constexpr int PASS_DT = DT / PASSES;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = wg_row + warp * 16 + h * 8 + lane / 4;
+      for (int pass = 0; pass < PASSES; ++pass) {
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-          *reinterpret_cast<u32*>(q_tile + swizzled_offset(row, dt * 8 + (lane % 4) * 2, Smem::Q_PANEL)) =
-              Elem::pack(o[0][dt][2 * h], o[0][dt][2 * h + 1]);
-        const int global_row = first_row + row;
-        if (lane % 4 == 0 && global_row < seq.seqlen_q && a.lse != nullptr)
-          a.lse[c.batch * a.lse_batch_stride + c.head * a.lse_head_stride + seq.q_begin + global_row] = lse[0][h];
-      }
-      // The warpgroup's rows are written by all four of its warps and read across them.
-      named_barrier_sync(kEpilogueBarrier + consumer, 128);
+        for (int h = 0; h < 2; ++h) {
+          const int row = wg_row + warp * 16 + h * 8 + lane / 4;
+#pragma unroll
+          for (int dt = 0; dt < PASS_DT; ++dt)
+            *reinterpret_cast<u32*>(q_tile + staged_offset<FP8>(row, dt * 8 + (lane % 4) * 2, Smem::Q_PANEL)) =
+                Elem::pack(o[0][pass * PASS_DT + dt][2 * h], o[0][pass * PASS_DT + dt][2 * h + 1]);
+          const int global_row = first_row + row;
+          if (pass == 0 && lane % 4 == 0 && global_row < seq.seqlen_q && a.lse != nullptr)
+            a.lse[c.batch * a.lse_batch_stride + c.head * a.lse_head_stride + seq.q_begin + global_row] = lse[0][h];
+        }
+        // The warpgroup's rows are written by all four of its warps and read across them.
+        named_barrier_sync(kEpilogueBarrier + consumer, 128);
 
-      u16* const out = static_cast<u16*>(a.o) + c.batch * a.o_batch_stride + c.head * a.o_head_stride +
-                       seq.q_begin * a.o_row_stride;
-      constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;
+        u16* const out = static_cast<u16*>(a.o) + c.batch * a.o_batch_stride + c.head * a.o_head_stride +
+                         seq.q_begin * a.o_row_stride + pass * (HEAD_DIM / PASSES);
+        constexpr int CHUNKS_PER_ROW = HEAD_DIM / PASSES / 8;
 #pragma unroll
-      for (int i = t; i < kConsumerRows * CHUNKS_PER_ROW; i += 128) {
-        const int row = wg_row + i / CHUNKS_PER_ROW;
-        const int col = (i % CHUNKS_PER_ROW) * 8;
-        const int global_row = first_row + row;
-        if (global_row < seq.seqlen_q && col < a.head_dim)
-          *reinterpret_cast<uint4*>(out + global_row * a.o_row_stride + col) =
-              *reinterpret_cast<const uint4*>(q_tile + swizzled_offset(row, col, Smem::Q_PANEL));
+        for (int i = t; i < kConsumerRows * CHUNKS_PER_ROW; i += 128) {
+          const int row = wg_row + i / CHUNKS_PER_ROW;
+          const int col = (i % CHUNKS_PER_ROW) * 8;
+          const int global_row = first_row + row;
+          if (global_row < seq.seqlen_q && pass * (HEAD_DIM / PASSES) + col < a.head_dim)
+            *reinterpret_cast<uint4*>(out + global_row * a.o_row_stride + col) =
+                *reinterpret_cast<const uint4*>(q_tile + staged_offset<FP8>(row, col, Smem::Q_PANEL));
+        }
+        // The next pass, and a later tile's epilogue, write these rows again, and a tile without
+        // keys does so without waiting for a Q copy (q_full), so the whole warpgroup must have
+        // read them first.
+        named_barrier_sync(kEpilogueBarrier + consumer, 128);
       }
-      // A later tile's epilogue writes these rows again, and a tile without keys does so without
-      // waiting for a Q copy (q_full), so the whole warpgroup must have read them first.
-      named_barrier_sync(kEpilogueBarrier + consumer, 128);
       // Hand the Q buffer back: its next Q copy (async proxy) overwrites what these threads wrote
       // and read here (generic proxy), so each fences its accesses before its warp arrives.
       fence_proxy_async_shared();

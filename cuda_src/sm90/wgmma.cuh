@@ -15,6 +15,9 @@
 // per register: a[0] = A[16w + l/4][2(l%4) + {0,1}], a[1] = the same + 8 rows, a[2] = a[0]'s
 // row at k + 8, a[3] = + 8 rows and k + 8. So accumulator registers 8j..8j+7 of an m64nN result,
 // packed in pairs, are the A registers of its k-slice j: how P = softmax(S) feeds P * V.
+// e4m3 instructions take K = 32 and four 8-bit values per A register: a[0] = A[16w + l/4][4(l%4)
+// + {0..3}], a[1] the same + 8 rows, a[2] a[0]'s row at k + 16, a[3] + 8 rows and k + 16
+// (sm90/tiles.cuh, pack_a, says how P meets that layout).
 #pragma once
 #include "common/smem.cuh"
 #include "common/types.cuh"
@@ -46,6 +49,19 @@ __device__ __forceinline__ u64 smem_desc_sw128(const void* tile) {
   constexpr u64 kSbo = 1024 >> 4;
   constexpr u64 kSwizzle128 = 1;
   return static_cast<u64>((smem_addr(tile) & 0x3FFFF) >> 4) | (kLbo << 16) | (kSbo << 32) | (kSwizzle128 << 62);
+}
+
+// The same for e4m3 tiles (the FP8 forward): K-major rows of 64 one-byte elements (64 bytes), as
+// TMA's CU_TENSOR_MAP_SWIZZLE_64B stores a box whose inner dimension is 64 bytes: 16-byte chunk c
+// of row r at chunk c ^ ((r / 2) % 4), a period of 8 rows (512 bytes). Core matrices are again 8
+// rows x 16 bytes, so SBO = 512 bytes (8 rows x 64 bytes), LBO is ignored as above (1), the layout
+// type is 2, and tiles start on a 512-byte boundary (the kernels keep 1024). One k32 step of e4m3
+// is 32 bytes, two per row: desc_advance moves by 32 bytes as for the 128-byte rows.
+__device__ __forceinline__ u64 smem_desc_sw64(const void* tile) {
+  constexpr u64 kLbo = 16 >> 4;
+  constexpr u64 kSbo = 512 >> 4;
+  constexpr u64 kSwizzle64 = 2;
+  return static_cast<u64>((smem_addr(tile) & 0x3FFFF) >> 4) | (kLbo << 16) | (kSbo << 32) | (kSwizzle64 << 62);
 }
 
 // The descriptor of the same tile `bytes` further along K. K-major (smem_desc_sw128): within one
@@ -152,6 +168,15 @@ struct WgmmaElem<f16> {
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
   "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " D ", " A ", %" DESC_B ", p, 1, 1, %" TRANS_B ";\n}\n"
 
+// e4m3 operands: K = 32 per instruction, and no transpose operands (8-bit wgmma reads both
+// operands K-major only); imm-scale-a/b = 1.
+#define CUFLASH_WGMMA_SS_E4M3(SHAPE, D, DESC_A, DESC_B, SCALE_D)                                          \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
+  "wgmma.mma_async.sync.aligned." SHAPE ".f32.e4m3.e4m3 " D ", %" DESC_A ", %" DESC_B ", p, 1, 1;\n}\n"
+#define CUFLASH_WGMMA_RS_E4M3(SHAPE, D, A, DESC_B, SCALE_D)                                               \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
+  "wgmma.mma_async.sync.aligned." SHAPE ".f32.e4m3.e4m3 " D ", " A ", %" DESC_B ", p, 1, 1;\n}\n"
+
 #define CUFLASH_D32                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -239,6 +264,20 @@ struct WgmmaElem<f16> {
                    : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TA ? 1 : 0), "n"(TB ? 1 : 0)); \
   }
 
+// The e4m3 members of a shape (both forms): Q K^T of the FP8 forward (ss, N = the key block) and
+// its P V (rs, N = the head dim).
+#define CUFLASH_WGMMA_E4M3_MEMBERS(REGS, SHAPE, D, ACC, A, SS_DESC_A, SS_DESC_B, SS_SCALE_D, RS_DESC_B,       \
+                                   RS_SCALE_D)                                                            \
+  static __device__ __forceinline__ void ss_e4m3(float (&d)[REGS], u64 desc_a, u64 desc_b, u32 scale_d) {  \
+    asm volatile(CUFLASH_WGMMA_SS_E4M3(SHAPE, D, SS_DESC_A, SS_DESC_B, SS_SCALE_D)                        \
+                 : ACC(d) : "l"(desc_a), "l"(desc_b), "r"(scale_d));                                      \
+  }                                                                                                       \
+  static __device__ __forceinline__ void rs_e4m3(float (&d)[REGS], const u32 (&a)[4], u64 desc_b,         \
+                                                 u32 scale_d) {                                           \
+    asm volatile(CUFLASH_WGMMA_RS_E4M3(SHAPE, D, A, RS_DESC_B, RS_SCALE_D)                                \
+                 : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));       \
+  }
+
 template <int N>
 struct Wgmma;
 
@@ -247,12 +286,16 @@ struct Wgmma<64> {
   CUFLASH_WGMMA_SS_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "32", "33", "34")
   CUFLASH_WGMMA_RS_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "{%32, %33, %34, %35}", "36", "37", "38")
   CUFLASH_WGMMA_SS_T_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "32", "33", "34", "35", "36")
+  CUFLASH_WGMMA_E4M3_MEMBERS(32, "m64n64k32", CUFLASH_D32, CUFLASH_ACC32, "{%32, %33, %34, %35}", "32", "33", "34",
+                             "36", "37")
 };
 
 template <>
 struct Wgmma<128> {
   CUFLASH_WGMMA_SS_MEMBER(64, "m64n128k16", CUFLASH_D64, CUFLASH_ACC64, "64", "65", "66")
   CUFLASH_WGMMA_RS_MEMBER(64, "m64n128k16", CUFLASH_D64, CUFLASH_ACC64, "{%64, %65, %66, %67}", "68", "69", "70")
+  CUFLASH_WGMMA_E4M3_MEMBERS(64, "m64n128k32", CUFLASH_D64, CUFLASH_ACC64, "{%64, %65, %66, %67}", "64", "65", "66",
+                             "68", "69")
 };
 
 // N = 80, 96 and 176 serve only Q K^T, whose N is the key block: the wide key blocks of unmasked
@@ -273,22 +316,29 @@ struct Wgmma<176> {
   CUFLASH_WGMMA_SS_MEMBER(88, "m64n176k16", CUFLASH_D88, CUFLASH_ACC88, "88", "89", "90")
 };
 
-// N = 192 and 256 serve only P V, whose N is the head dim (Q K^T's N is the key block, 64 to 176),
-// so they have only the register-A form.
+// In 16 bits, N = 192 and 256 serve only P V, whose N is the head dim (Q K^T's N is the key block,
+// 64 to 176), so they have only the register-A form; e4m3 Q K^T takes 192-key blocks too.
 template <>
 struct Wgmma<192> {
   CUFLASH_WGMMA_RS_MEMBER(96, "m64n192k16", CUFLASH_D96, CUFLASH_ACC96, "{%96, %97, %98, %99}", "100", "101", "102")
+  CUFLASH_WGMMA_E4M3_MEMBERS(96, "m64n192k32", CUFLASH_D96, CUFLASH_ACC96, "{%96, %97, %98, %99}", "96", "97", "98",
+                             "100", "101")
 };
 
 template <>
 struct Wgmma<256> {
   CUFLASH_WGMMA_RS_MEMBER(128, "m64n256k16", CUFLASH_D128, CUFLASH_ACC128, "{%128, %129, %130, %131}", "132", "133",
                           "134")
+  CUFLASH_WGMMA_E4M3_MEMBERS(128, "m64n256k32", CUFLASH_D128, CUFLASH_ACC128, "{%128, %129, %130, %131}", "128",
+                             "129", "130", "132", "133")
 };
 
 #undef CUFLASH_WGMMA_SS_MEMBER
 #undef CUFLASH_WGMMA_RS_MEMBER
 #undef CUFLASH_WGMMA_SS_T_MEMBER
+#undef CUFLASH_WGMMA_E4M3_MEMBERS
+#undef CUFLASH_WGMMA_SS_E4M3
+#undef CUFLASH_WGMMA_RS_E4M3
 #undef CUFLASH_WGMMA_SS
 #undef CUFLASH_WGMMA_SS_T
 #undef CUFLASH_WGMMA_RS
@@ -316,18 +366,23 @@ struct Wgmma<256> {
 // between wgmma_fence and wgmma_commit; d is valid after the matching wgmma_wait.
 template <int N, class Elem>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool accumulate) {
-  detail::Wgmma<N>::template ss<Elem>(d, desc_a, desc_b, accumulate ? 1u : 0u);
+  if constexpr (InputStorage<Elem>::fp8)
+    detail::Wgmma<N>::ss_e4m3(d, desc_a, desc_b, accumulate ? 1u : 0u);
+  else
+    detail::Wgmma<N>::template ss<Elem>(d, desc_a, desc_b, accumulate ? 1u : 0u);
 }
 
-// d = A * B^T over whole tiles: both operands K-major in PANELS panels of 64 columns (one
-// 128-byte swizzle row each; a_panel and b_panel bytes apart), 4 k16 steps per panel, the first
-// overwriting d. Issues only: the caller fences, commits and waits.
+// d = A * B^T over whole tiles: both operands K-major in PANELS panels of 64 columns (one swizzle
+// row each: 128 bytes for 16-bit Elem, 4 k16 steps; 64 bytes for e4m3, 2 k32 steps; a_panel and
+// b_panel bytes apart), the first step overwriting d. Issues only: the caller fences, commits and
+// waits.
 template <int N, class Elem, int PANELS>
 __device__ __forceinline__ void wgmma_ss_panels(float (&d)[N / 2], u64 desc_a, u32 a_panel, u64 desc_b, u32 b_panel) {
+  constexpr int kSteps = InputStorage<Elem>::fp8 ? 2 : 4;  // 32-byte k-steps per 64-column row
 #pragma unroll
   for (int panel = 0; panel < PANELS; ++panel)
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < kSteps; ++k)
       wgmma_ss<N, Elem>(d, desc_advance(desc_a, panel * a_panel + 32 * k), desc_advance(desc_b, panel * b_panel + 32 * k),
                         panel > 0 || k > 0);
 }
@@ -343,9 +398,15 @@ __device__ __forceinline__ void wgmma_ss_t(float (&d)[N / 2], u64 desc_a, u64 de
 // The same with A's 64 x 16 slice in registers (layout at the top of this file); the registers
 // must keep their values until the wgmma_wait that covers this instruction. B_MN_MAJOR: B's
 // descriptor is smem_desc_sw128_mn's (a 16 x N slice stored N-contiguous) instead of K-major.
+// e4m3 (no MN-major B): a 64 x 32 slice of A, four bytes per register (sm90/tiles.cuh, pack_a).
 template <int N, class Elem, bool B_MN_MAJOR = false>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b, bool accumulate) {
-  detail::Wgmma<N>::template rs<Elem, B_MN_MAJOR>(d, a, desc_b, accumulate ? 1u : 0u);
+  if constexpr (InputStorage<Elem>::fp8) {
+    static_assert(!B_MN_MAJOR, "e4m3 wgmma reads B K-major only");
+    detail::Wgmma<N>::rs_e4m3(d, a, desc_b, accumulate ? 1u : 0u);
+  } else {
+    detail::Wgmma<N>::template rs<Elem, B_MN_MAJOR>(d, a, desc_b, accumulate ? 1u : 0u);
+  }
 }
 
 }  // namespace sm90
