@@ -11,6 +11,9 @@ of two places:
 * before normalising, as the FP8 kernels do: ``exp(s - rowmax)`` in [0, 1] rounded to e4m3,
   the row sum taken in float32 before rounding.
 
+With a GPU, a third column runs the FP8 kernel of the device's family itself on the same
+quantized inputs (per-tensor and per-head descales: the granularities the kernels take).
+
 The number is the RMSE against float64 attention on the unquantized inputs; the first row is
 bfloat16 attention for scale. The attention kernels take per-tensor and per-head descales; block
 quantization is here to measure what it would buy.
@@ -27,6 +30,7 @@ import numpy as np
 
 import cuflash
 from cuflash import reference
+from cuflash.device import gpu_unavailable
 
 
 def outlier_inputs(shape: tuple[int, ...], rng: np.random.Generator) -> tuple[np.ndarray, ...]:
@@ -55,18 +59,34 @@ def attention_rounding_p_like_the_kernels(q: np.ndarray, k: np.ndarray, v: np.nd
     return out.transpose(0, 2, 1, 3)
 
 
+def kernel_output(q: np.ndarray, k: np.ndarray, v: np.ndarray, granularity: str, rotate: bool, seed: int
+                  ) -> np.ndarray:
+    """The GPU FP8 forward on q, k, v quantized as ``dequantized`` quantizes them (bf16 output,
+    float32 on the host)."""
+    import cupy as cp
+
+    def upload(x, rotate_x):
+        xq, descale = cuflash.quantize_fp8(x, granularity, rotate=rotate_x, seed=seed)
+        return cp.asarray(xq.view(np.uint8)), cp.asarray(descale)
+
+    (q8, dq), (k8, dk), (v8, dv) = upload(q, rotate), upload(k, rotate), upload(v, False)
+    out = cuflash.attention(q8, k8, v8, dtype="e4m3", descale_q=dq, descale_k=dk, descale_v=dv)
+    return cp.asnumpy(out.view(cp.uint16)).view(ml_dtypes.bfloat16).astype(np.float32)
+
+
 def rmse(out: np.ndarray, ref: np.ndarray) -> float:
     return float(np.sqrt(np.mean((out.astype(np.float64) - ref) ** 2)))
 
 
-def study(seqlen: int, heads: int, head_dim: int, seed: int, block_size: int = 128
-          ) -> list[tuple[str, float, float]]:
-    """(label, RMSE with P rounded after normalising, RMSE with P rounded as the kernels do)."""
+def study(seqlen: int, heads: int, head_dim: int, seed: int, block_size: int = 128, gpu: bool = False
+          ) -> list[tuple[str, float, float, float | None]]:
+    """(label, RMSE with P rounded after normalising, RMSE with P rounded as the kernels do, RMSE
+    of the GPU kernel itself where ``gpu`` and the granularity is one the kernels take, else None)."""
     rng = np.random.default_rng(seed)
     q, k, v = outlier_inputs((1, seqlen, heads, head_dim), rng)
     exact = reference.attention_reference(q, k, v)[0]
     bf16 = rmse(reference.attention_reference(q, k, v, dtype=ml_dtypes.bfloat16)[0], exact)
-    rows = [("bfloat16 inputs (no FP8)", bf16, bf16)]
+    rows = [("bfloat16 inputs (no FP8)", bf16, bf16, None)]
     for granularity in ("tensor", "head", "block"):
         for rotate in (False, True):
             qd, kd = (dequantized(x, granularity, rotate, seed, block_size) for x in (q, k))
@@ -75,7 +95,10 @@ def study(seqlen: int, heads: int, head_dim: int, seed: int, block_size: int = 1
                                                        p_dtype=ml_dtypes.float8_e4m3fn)[0]
             kernel_like = attention_rounding_p_like_the_kernels(qd, kd, vd)
             label = f"FP8, per-{granularity}" + (", rotated q/k" if rotate else "")
-            rows.append((label, *(rmse(out.astype(ml_dtypes.bfloat16), exact) for out in (normalised, kernel_like))))
+            on_gpu = (rmse(kernel_output(q, k, v, granularity, rotate, seed), exact)
+                      if gpu and granularity != "block" else None)
+            rows.append((label, *(rmse(out.astype(ml_dtypes.bfloat16), exact) for out in (normalised, kernel_like)),
+                         on_gpu))
     return rows
 
 
@@ -89,10 +112,12 @@ def main() -> None:
     args = parser.parse_args()
     print(f"seqlen {args.seqlen}, heads {args.heads}, head_dim {args.head_dim}, block {args.block_size}, "
           f"seed {args.seed}\n")
-    print("| quantization | RMSE, P rounded after normalising | RMSE, P rounded as the kernels do |\n|---|---|---|")
-    for label, normalised, kernel_like in study(args.seqlen, args.heads, args.head_dim, args.seed,
-                                                args.block_size):
-        print(f"| {label} | {normalised:.2e} | {kernel_like:.2e} |")
+    gpu = gpu_unavailable() is None
+    print("| quantization | RMSE, P rounded after normalising | RMSE, P rounded as the kernels do | "
+          "RMSE of the GPU kernel |\n|---|---|---|---|")
+    for label, normalised, kernel_like, on_gpu in study(args.seqlen, args.heads, args.head_dim, args.seed,
+                                                        args.block_size, gpu):
+        print(f"| {label} | {normalised:.2e} | {kernel_like:.2e} | {'-' if on_gpu is None else f'{on_gpu:.2e}'} |")
 
 
 if __name__ == "__main__":
