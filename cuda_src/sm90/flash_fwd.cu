@@ -411,7 +411,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
       const ScoreScales<Base, SOFTCAP> scales(a, c.batch, c.head / a.kv_group);
       float o[1][DT][4];
       clear(o);
-      OnlineSoftmax<1, FP8 ? 8 : 0> softmax;  // e4m3 P in [0, 256] (common/softmax.cuh)
+      OnlineSoftmax<1, FP8 ? 8 : 0, FP8> softmax;  // e4m3 P in [0, 256]; the max as a tree (common/softmax.cuh)
       softmax.init();
       if (n_range.begin < n_range.end) {
         mbarrier_wait(&q_full[q_buffer], (q_phases >> q_buffer) & 1);
