@@ -31,7 +31,7 @@ constexpr int kEpilogueBarrier = 1;   // named barrier ids 1..CONSUMERS: one per
 constexpr int kSchedulerBarrier = 4;  // ids 4..3 + CONSUMERS: consumer c's turn to issue wgmma (PingPong)
 
 // The CTA's warpgroups: the producer, then CONSUMERS consumers of 64 query rows each.
-template <int CONSUMERS, bool FP8>
+template <int CONSUMERS, bool FP8, int BLOCK_N>
 struct Warpgroups {
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "named barrier ids above are laid out for at most 3");
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -41,8 +41,9 @@ struct Warpgroups {
   // consumers, 128 with three); the producer keeps 24, and the consumers share what it frees,
   // rounded down to setmaxnreg's multiple of 8 (240 and 160), so no increase waits for registers
   // that never come. With e4m3 inputs three of the producer's warps transpose V (VTranspose) and
-  // keep 56, which leaves the consumers 224 and 152.
-  static constexpr int PRODUCER_REGISTERS = FP8 ? 56 : 24;
+  // keep 40, which leaves the consumers 232 and 152; 56 (consumers 224) with 192-key blocks, whose
+  // transpose spilled at 40.
+  static constexpr int PRODUCER_REGISTERS = FP8 ? (BLOCK_N > 128 ? 56 : 40) : 24;
   static constexpr int CONSUMER_REGISTERS =
       (65536 / THREADS + (65536 / THREADS - PRODUCER_REGISTERS) / CONSUMERS) / 8 * 8;
 };
@@ -123,14 +124,15 @@ __device__ __forceinline__ u64 kmajor_desc(const void* tile) {
 // are 8 head-dim rows x 16 keys each; lanes of c >= 4 swap which of their rows 2c, 2c + 1 goes to
 // which, so that every matrix's rows are distinct modulo 8 (no bank conflict in either access,
 // with the 64-byte swizzle spreading the rest). All addresses are one per-lane offset plus
-// compile-time steps per slice: only g moves them at run time.
+// compile-time steps per slice: only g moves them at run time. Slices go in pairs (two loads in
+// flight, then two stores), which keeps the warps within 40 registers up to 128-key blocks.
 template <class Smem, int HEAD_DIM, int BLOCK_N>
 struct VTranspose {
   static constexpr int WARPS = 3;
   static constexpr int SLICES = BLOCK_N / 32;
   static constexpr int COLUMNS = HEAD_DIM / 16;
   u32 load;            // V byte offset of key `lane` of slice 0 at chunk 0 of its swizzled row
-  u32 store[2];        // Vt byte offset of this lane's stmatrix row for even and odd slices, column 0
+  u32 store;           // Vt byte offset of this lane's stmatrix row, column 0, for even slices (odd: ^ 32)
   u32 sel_a, sel_b;    // prmt selectors: head-dim byte 2c / 2c + 1, swapped for c >= 4
 
   __device__ __forceinline__ explicit VTranspose(int lane) {
@@ -140,8 +142,7 @@ struct VTranspose {
     const int i = lane / 8, j = lane % 8;
     const int row = 2 * j + ((i % 2) ^ (j / 4));
     const u32 off = row * 64 + (((i / 2) ^ ((row / 2) % 4)) << 4);
-    store[0] = off;
-    store[1] = off ^ 32;  // a slice's second 32 keys of the 64-key panel: chunks 2 and 3
+    store = off;
     sel_a = lane < 16 ? 0x6420u : 0x7531u;
     sel_b = lane < 16 ? 0x7531u : 0x6420u;
   }
@@ -153,14 +154,17 @@ struct VTranspose {
     for (u32 g = warp; g < COLUMNS; g += WARPS) {
       const u32 from = v_base + (g / 4) * Smem::KV_PANEL + (load ^ ((g % 4) << 4));
       const u32 to = vt_base + g * 16 * 64;
-      u32 r[SLICES][4];
 #pragma unroll
-      for (int s = 0; s < SLICES; ++s) ldmatrix_x4_trans(r[s], from + s * 32 * 64);
+      for (int s0 = 0; s0 < SLICES; s0 += 2) {
+        u32 r[2][4];
 #pragma unroll
-      for (int s = 0; s < SLICES; ++s) {
-        const u32 out[4] = {__byte_perm(r[s][0], r[s][1], sel_a), __byte_perm(r[s][0], r[s][1], sel_b),
-                            __byte_perm(r[s][2], r[s][3], sel_a), __byte_perm(r[s][2], r[s][3], sel_b)};
-        stmatrix_x4(to + (s / 2) * Smem::VT_PANEL + store[s % 2], out);
+        for (int i = 0; i < 2; ++i) ldmatrix_x4_trans(r[i], from + (s0 + i) * 32 * 64);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const u32 out[4] = {__byte_perm(r[i][0], r[i][1], sel_a), __byte_perm(r[i][0], r[i][1], sel_b),
+                              __byte_perm(r[i][2], r[i][3], sel_a), __byte_perm(r[i][2], r[i][3], sel_b)};
+          stmatrix_x4(to + (s0 / 2) * Smem::VT_PANEL + (i ? store ^ 32 : store), out);
+        }
       }
     }
   }
@@ -242,10 +246,10 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& p, int tile) {
 // (dispatch.forward_kernel), checked against Smem below.
 template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
           bool SOFTCAP, class Elem, class Input = Elem>
-__global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8>::THREADS, 1)
+__global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8, BLOCK_N>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdArgsSm90<Input> p) {
   constexpr bool FP8 = InputStorage<Input>::fp8;
-  using Groups = Warpgroups<CONSUMERS, FP8>;
+  using Groups = Warpgroups<CONSUMERS, FP8, BLOCK_N>;
   constexpr int kBlockM = Groups::BLOCK_M;
   using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS, FP8>;
   static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");
