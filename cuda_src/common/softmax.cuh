@@ -12,7 +12,10 @@ namespace cuflash {
 // with offset 8 keeps values down to 2^-14 of the row's largest out of e4m3's subnormals, where
 // [0, 1] would lose relative precision below 2^-6 (FlashAttention-3 offsets by 8 likewise). The
 // largest value, 256, is exact in e4m3, whose limit is 448.
-template <int MT, int LOG2_OFFSET = 0>
+// TREE_MAX: the row maximum as a pairwise tree (depth log2(NT) + 1) instead of one chain of NT
+// dependent max instructions; the same result and instruction count, a shorter wait before the
+// exponentials (sm90's FP8 forward, where that wait is on the critical path between products).
+template <int MT, int LOG2_OFFSET = 0, bool TREE_MAX = false>
 struct OnlineSoftmax {
   float row_max[MT][2];  // in raw score units
   float row_sum[MT][2];  // partial: this thread's columns only, summed over the quad at the end
@@ -48,9 +51,21 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float block_max = row_max[mt][h];
+        if constexpr (TREE_MAX) {
+          float m[NT];
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          block_max = fmaxf(block_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+          for (int nt = 0; nt < NT; ++nt) m[nt] = fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]);
+#pragma unroll
+          for (int w = 1; w < NT; w *= 2) {
+#pragma unroll
+            for (int nt = 0; nt + w < NT; nt += 2 * w) m[nt] = fmaxf(m[nt], m[nt + w]);
+          }
+          block_max = fmaxf(block_max, m[0]);
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            block_max = fmaxf(block_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+          }
         }
         // The four threads of a quad hold the same two rows.
         block_max = fmaxf(block_max, __shfl_xor_sync(0xffffffff, block_max, 1));

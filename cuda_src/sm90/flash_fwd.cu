@@ -31,7 +31,7 @@ constexpr int kEpilogueBarrier = 1;   // named barrier ids 1..CONSUMERS: one per
 constexpr int kSchedulerBarrier = 4;  // ids 4..3 + CONSUMERS: consumer c's turn to issue wgmma (PingPong)
 
 // The CTA's warpgroups: the producer, then CONSUMERS consumers of 64 query rows each.
-template <int CONSUMERS, bool FP8>
+template <int CONSUMERS, bool FP8, int BLOCK_N>
 struct Warpgroups {
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "named barrier ids above are laid out for at most 3");
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -41,8 +41,9 @@ struct Warpgroups {
   // consumers, 128 with three); the producer keeps 24, and the consumers share what it frees,
   // rounded down to setmaxnreg's multiple of 8 (240 and 160), so no increase waits for registers
   // that never come. With e4m3 inputs three of the producer's warps transpose V (VTranspose) and
-  // keep 56, which leaves the consumers 224 and 152.
-  static constexpr int PRODUCER_REGISTERS = FP8 ? 56 : 24;
+  // keep 40, which leaves the consumers 232 and 152; 56 (consumers 224) with 192-key blocks, whose
+  // transpose spilled at 40.
+  static constexpr int PRODUCER_REGISTERS = FP8 ? (BLOCK_N > 128 ? 56 : 40) : 24;
   static constexpr int CONSUMER_REGISTERS =
       (65536 / THREADS + (65536 / THREADS - PRODUCER_REGISTERS) / CONSUMERS) / 8 * 8;
 };
@@ -113,59 +114,58 @@ __device__ __forceinline__ u64 kmajor_desc(const void* tile) {
 // of Vt (head_dim x keys, FwdSmem), with each k32 slice's keys in the order the e4m3 P registers
 // hold them: Vt[d][32 s + L] = V[32 s + e4m3_key(L)][d] (sm90/tiles.cuh, pack_a_e4m3).
 //
-// A warp's unit is one k32 slice s by 16 head-dim bytes g. Lane (b, w, x) = (lane / 16, lane / 4
-// % 4, lane % 4) takes logical keys 16 b + 4 w + {0..3} (four V rows) and head-dim bytes 16 g +
-// 4 x + {0..3}: four 4-byte loads, a 4 x 4 byte transpose (8 prmt), four 4-byte stores. Banks
-// (32 of 4 bytes; a 64-byte row pair spans them all): the rows of one load alternate in parity
-// between the two halves of the warp (the b = 1 half reads its pairs of rows in swapped order) and
-// the swizzle spreads the rest, so each load's 32 words sit in 32 banks; likewise each store's,
-// with lanes of x >= 2 storing their head-dim rows in swapped pairs. The swaps cost nothing:
-// they are in the prmt selectors.
+// A warp's unit is one 16-byte column g of head-dim bytes, across all SLICES k32 slices: per slice
+// one ldmatrix.trans (x4), four prmt and one stmatrix (x4), 512 bytes. ldmatrix.trans reads the
+// slice's 32 V rows as four 8 x 8 matrices of 16-bit pairs (keys 8m..8m+7, matrix m) and hands
+// lane (c, q) = (lane / 4, lane % 4) of each the head-dim bytes 2c, 2c + 1 of keys 8m + 2q and
+// 8m + 2q + 1. One prmt of matrices 0 and 1 (2 and 3) gathers head-dim byte 2c (or 2c + 1) of
+// keys 2q, 2q + 1, 8 + 2q, 8 + 2q + 1 (16 more): the e4m3_key order of logical keys 4q..4q + 3
+// (16 more), so stmatrix writes each register whole as 4 bytes of Vt's row. Its four matrices
+// are 8 head-dim rows x 16 keys each; lanes of c >= 4 swap which of their rows 2c, 2c + 1 goes to
+// which, so that every matrix's rows are distinct modulo 8 (no bank conflict in either access,
+// with the 64-byte swizzle spreading the rest). All addresses are one per-lane offset plus
+// compile-time steps per slice: only g moves them at run time. Slices go in pairs (two loads in
+// flight, then two stores), which keeps the warps within 40 registers up to 128-key blocks.
 template <class Smem, int HEAD_DIM, int BLOCK_N>
 struct VTranspose {
   static constexpr int WARPS = 3;
   static constexpr int SLICES = BLOCK_N / 32;
-  static constexpr int UNITS = SLICES * (HEAD_DIM / 16);
-  u32 load[4];   // byte offsets in unit (0, 0): V row of key e4m3_key(16 b + 4 w + (e ^ b)), bytes 4 x
-  u32 store[4];  // Vt row 4 x + (j ^ x / 2), logical keys 16 b + 4 w
-  u32 pair_lo, pair_hi, quad_lo, quad_hi;  // prmt selectors of the transpose's two steps
+  static constexpr int COLUMNS = HEAD_DIM / 16;
+  u32 load;            // V byte offset of key `lane` of slice 0 at chunk 0 of its swizzled row
+  u32 store;           // Vt byte offset of this lane's stmatrix row, column 0, for even slices (odd: ^ 32)
+  u32 sel_a, sel_b;    // prmt selectors: head-dim byte 2c / 2c + 1, swapped for c >= 4
 
   __device__ __forceinline__ explicit VTranspose(int lane) {
-    const int b = lane / 16, w = lane / 4 % 4, x = lane % 4;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      // Row r = e4m3_key(...) has (r / 2) % 4 == w: the chunk's swizzle is w, and unit g's chunk g % 4
-      // is XORed in per unit.
-      load[e] = e4m3_key(16 * b + 4 * w + (e ^ b)) * 64 + (w << 4) + 4 * x;
-      const int row = 4 * x + (e ^ (x / 2));
-      // Chunk of logical keys 16 b + 4 w in row `row`: b ^ ((row / 2) % 4); a slice's second
-      // half-panel (s odd) XORs in 2 per unit.
-      store[e] = row * 64 + ((b ^ ((row / 2) % 4)) << 4) + 4 * w;
-    }
-    pair_lo = b ? 0x1504u : 0x5140u;  // bytes 0, 1 of two rows interleaved (swapped rows for b = 1)
-    pair_hi = b ? 0x3726u : 0x7362u;  // bytes 2, 3
-    quad_lo = x / 2 ? 0x7632u : 0x5410u;  // the first, or (x >= 2) second, of two interleaved pairs
-    quad_hi = x / 2 ? 0x5410u : 0x7632u;
+    load = lane * 64 + (((lane / 2) % 4) << 4);
+    // Matrix i = lane / 8 (keys 16 (i / 2) + {0..15}), row j = lane % 8: head-dim row 2j + {0, 1},
+    // the odd one for matrix i odd xor j >= 4.
+    const int i = lane / 8, j = lane % 8;
+    const int row = 2 * j + ((i % 2) ^ (j / 4));
+    const u32 off = row * 64 + (((i / 2) ^ ((row / 2) % 4)) << 4);
+    store = off;
+    sel_a = lane < 16 ? 0x6420u : 0x7531u;
+    sel_b = lane < 16 ? 0x7531u : 0x6420u;
   }
 
   // One stage: every unit of warp `warp` (0..WARPS-1).
   __device__ __forceinline__ void run(const unsigned char* v, unsigned char* vt, u32 warp) const {
+    const u32 v_base = smem_addr(v), vt_base = smem_addr(vt);
 #pragma unroll 1
-    for (u32 u = warp; u < UNITS; u += WARPS) {
-      const u32 s = u % SLICES, g = u / SLICES;
-      const unsigned char* from = v + (g / 4) * Smem::KV_PANEL + s * 32 * 64;
-      const u32 chunk = (g % 4) << 4;
-      u32 r[4];
+    for (u32 g = warp; g < COLUMNS; g += WARPS) {
+      const u32 from = v_base + (g / 4) * Smem::KV_PANEL + (load ^ ((g % 4) << 4));
+      const u32 to = vt_base + g * 16 * 64;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) r[e] = *reinterpret_cast<const u32*>(from + (load[e] ^ chunk));
-      const u32 t0 = __byte_perm(r[0], r[1], pair_lo), t1 = __byte_perm(r[0], r[1], pair_hi);
-      const u32 t2 = __byte_perm(r[2], r[3], pair_lo), t3 = __byte_perm(r[2], r[3], pair_hi);
-      unsigned char* to = vt + (s / 2) * Smem::VT_PANEL + g * 16 * 64;
-      const u32 half = (s % 2) << 5;
-      *reinterpret_cast<u32*>(to + (store[0] ^ half)) = __byte_perm(t0, t2, quad_lo);
-      *reinterpret_cast<u32*>(to + (store[1] ^ half)) = __byte_perm(t0, t2, quad_hi);
-      *reinterpret_cast<u32*>(to + (store[2] ^ half)) = __byte_perm(t1, t3, quad_lo);
-      *reinterpret_cast<u32*>(to + (store[3] ^ half)) = __byte_perm(t1, t3, quad_hi);
+      for (int s0 = 0; s0 < SLICES; s0 += 2) {
+        u32 r[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) ldmatrix_x4_trans(r[i], from + (s0 + i) * 32 * 64);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const u32 out[4] = {__byte_perm(r[i][0], r[i][1], sel_a), __byte_perm(r[i][0], r[i][1], sel_b),
+                              __byte_perm(r[i][2], r[i][3], sel_a), __byte_perm(r[i][2], r[i][3], sel_b)};
+          stmatrix_x4(to + (s0 / 2) * Smem::VT_PANEL + (i ? store ^ 32 : store), out);
+        }
+      }
     }
   }
 };
@@ -246,10 +246,10 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& p, int tile) {
 // (dispatch.forward_kernel), checked against Smem below.
 template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
           bool SOFTCAP, class Elem, class Input = Elem>
-__global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8>::THREADS, 1)
+__global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8, BLOCK_N>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdArgsSm90<Input> p) {
   constexpr bool FP8 = InputStorage<Input>::fp8;
-  using Groups = Warpgroups<CONSUMERS, FP8>;
+  using Groups = Warpgroups<CONSUMERS, FP8, BLOCK_N>;
   constexpr int kBlockM = Groups::BLOCK_M;
   using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS, FP8>;
   static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");
@@ -415,7 +415,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
       const ScoreScales<Base, SOFTCAP> scales(a, c.batch, c.head / a.kv_group);
       float o[1][DT][4];
       clear(o);
-      OnlineSoftmax<1, FP8 ? 8 : 0> softmax;  // e4m3 P in [0, 256] (common/softmax.cuh)
+      OnlineSoftmax<1, FP8 ? 8 : 0, FP8> softmax;  // e4m3 P in [0, 256]; the max as a tree (common/softmax.cuh)
       softmax.init();
       if (n_range.begin < n_range.end) {
         mbarrier_wait(&q_full[q_buffer], (q_phases >> q_buffer) & 1);
