@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from cuflash.reference import attention_reference
 
-__all__ = ["apply_rotary", "combine_reference", "kvcache_reference", "rotary_per_row"]
+__all__ = ["apply_rotary", "cache_slots", "combine_reference", "kvcache_reference", "rotary_per_row"]
 
 
 def rotary_per_row(causal: bool, window: tuple[int, int], capacity: int, max_seqlen_q: int) -> bool:
@@ -58,6 +58,18 @@ def apply_rotary(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, positions: np.
         x[..., :half] = first * c - second * s
         x[..., half:2 * half] = first * s + second * c
     return x
+
+
+def cache_slots(b: int, positions: np.ndarray, page_table, cache_batch_idx, page_size: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(cache rows or pages, rows within them): where logical ``positions`` of sequence ``b``
+    live, through ``page_table`` (pages of ``page_size`` rows) or ``cache_batch_idx``."""
+    positions = np.asarray(positions, np.int64)
+    if page_table is not None:
+        table = np.asarray(page_table, np.int64)[b]
+        return table[positions // page_size], positions % page_size
+    cb = b if cache_batch_idx is None else int(np.asarray(cache_batch_idx)[b])
+    return np.full_like(positions, cb), positions
 
 
 def _descale(descale, b: int, heads_kv: int) -> np.ndarray:
@@ -141,11 +153,7 @@ def kvcache_reference(
         return a[rows[b]]
 
     def physical(b: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if paged:
-            table = np.asarray(page_table, np.int64)[b]
-            return table[positions // k_cache.shape[1]], positions % k_cache.shape[1]
-        cb = b if cache_batch_idx is None else int(np.asarray(cache_batch_idx)[b])
-        return np.full_like(positions, cb), positions
+        return cache_slots(b, positions, page_table, cache_batch_idx, k_cache.shape[1])
 
     out_shape = q.shape
     out = np.zeros(out_shape, dtype)
