@@ -1,0 +1,200 @@
+"""attention_with_kvcache and combine on the GPU against the float64 reference with the
+correctness rule (docs/measuring.md): out and lse, and the caches after the call, whose every byte
+but the appended rows must be unchanged (the rest is NaN-poisoned, so a stray read shows in out
+and a stray write in the bytes). Sweeps: page sizes, GQA ratios, cache lengths 0 / 1 / page
+boundary / full, leftpad, batch index, new-token counts, rotary styles, windows, softcap, splits,
+packed q, empty sequences."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.reference import max_error_bound
+from cuflash.reference_kvcache import combine_reference, kvcache_reference
+from kvcache_cases import make_case, reference_args, same_bytes
+
+pytestmark = pytest.mark.gpu
+ATOL = 1e-3
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def check(args: dict, **options):
+    """One call on device copies of ``args`` (NumPy, 16-bit) with ``options``, checked against the
+    reference: out and lse by the rule, the caches byte for byte but the appended rows (rotated
+    keys within one rounding)."""
+    import cupy as cp
+
+    options = {"return_lse": True} | options
+    device = {name: cp.asarray(value) if isinstance(value, np.ndarray) else value for name, value in args.items()}
+    out, lse = cuflash.attention_with_kvcache(**device, **options)
+    ref_options = {name: value for name, value in options.items() if name not in ("num_splits", "return_lse",
+                                                                                   "validate")}
+    ref_out, ref_lse, ref_k, ref_v = kvcache_reference(**reference_args(args), **ref_options)
+    lowp_out = kvcache_reference(**reference_args(args), **ref_options, dtype=args["q"].dtype)[0]
+    out_h = cp.asnumpy(out)
+    assert np.isfinite(out_h.astype(np.float32)).all(), "out holds NaN: a poisoned cache row was read"
+    ok, err, bound = max_error_bound(out_h, ref_out, lowp_out, atol=ATOL)
+    assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"
+    lse_h = cp.asnumpy(lse)
+    assert np.array_equal(np.isneginf(lse_h), np.isneginf(ref_lse)), "lse: -inf rows differ"
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_h[finite], ref_lse[finite], rtol=1e-2, atol=1e-2)
+    for name, ref in (("k_cache", ref_k), ("v_cache", ref_v)):
+        got = cp.asnumpy(device[name])
+        if same_bytes(got, ref):
+            continue
+        assert name == "k_cache" and "rotary_cos" in args, f"{name}: bytes outside the append changed"
+        before = args[name]
+        untouched = same_bytes_mask(before, ref)
+        assert np.array_equal(view16(got)[untouched], view16(ref)[untouched]), f"{name}: untouched bytes changed"
+        np.testing.assert_allclose(got[~untouched].astype(np.float32), ref[~untouched].astype(np.float32),
+                                   rtol=1e-2, atol=1e-2)
+    return out_h
+
+
+def view16(a):
+    return np.ascontiguousarray(a).view(np.uint16)
+
+
+def same_bytes_mask(a, b):
+    return view16(a) == view16(b)
+
+
+def case(r, **kw):
+    return make_case(r, dtype=BF16, **kw)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_page_sizes_and_gqa(page_size, group):
+    r = np.random.default_rng(page_size or 0)
+    args = case(r, batch=4, heads=2 * group, heads_kv=2, head_dim=128, capacity=300, page_size=page_size, new=1,
+                lens=[0, 1, 256 if page_size is None else page_size, 299])
+    check(args, causal=True)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("seqlen_q", [1, 2, 4, 16])
+def test_query_tokens_and_groups(group, seqlen_q):
+    r = np.random.default_rng(group * 100 + seqlen_q)
+    args = case(r, batch=3, seqlen_q=seqlen_q, heads=group * 2, heads_kv=2, head_dim=64, capacity=150,
+                page_size=16, new=seqlen_q)
+    check(args, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "half"])
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])
+def test_rotary_and_head_dims(head_dim, rotary, dtype):
+    r = np.random.default_rng(head_dim)
+    args = make_case(r, batch=2, seqlen_q=3, heads=8, heads_kv=2, head_dim=head_dim, capacity=100, page_size=16,
+                     new=3, rotary=rotary, rotary_dim=head_dim // 2 if rotary == "half" else None, dtype=dtype)
+    check(args, causal=True)
+    args = make_case(r, batch=2, seqlen_q=3, heads=8, heads_kv=2, head_dim=head_dim, capacity=100, new=3,
+                     rotary=rotary, dtype=dtype)
+    check(args)  # not causal: q rotated at cache_seqlens
+
+
+@pytest.mark.parametrize("new", [0, 1, 5, 16])
+@pytest.mark.parametrize("leftpad, batch_idx", [(False, False), (True, False), (False, True), (True, True)])
+def test_append_leftpad_batch_idx(new, leftpad, batch_idx):
+    r = np.random.default_rng(new)
+    args = case(r, batch=4, seqlen_q=max(new, 1), heads=4, heads_kv=1, capacity=64, new=new, leftpad=leftpad,
+                batch_idx=batch_idx, rotary="interleaved" if new else None)
+    check(args, causal=True)
+
+
+@pytest.mark.parametrize("window, softcap", [((-1, -1), 30.0), ((16, 0), 0.0), ((5, 2), 0.0), ((0, -1), 5.0),
+                                             ((40, 40), 0.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_windows_and_softcap(window, softcap, causal):
+    r = np.random.default_rng(sum(window))
+    args = case(r, batch=3, seqlen_q=4, heads=8, heads_kv=2, capacity=200, page_size=64, new=4, leftpad=True)
+    check(args, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 2, 3, 7, 64, 300])
+def test_splits_equal_unsplit(num_splits):
+    r = np.random.default_rng(num_splits)
+    args = case(r, batch=2, seqlen_q=2, heads=16, heads_kv=2, head_dim=128, capacity=1000, page_size=16, new=2)
+    check(args, causal=True, num_splits=num_splits)
+    check(args | dict(q=args["q"][:1], k=args["k"][:1], v=args["v"][:1], page_table=args["page_table"][:1],
+                      cache_seqlens=args["cache_seqlens"][:1] + 0), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("new", [0, 1])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_packed_q(new, num_splits):
+    r = np.random.default_rng(new + 10 * num_splits)
+    args = case(r, batch=5, seqlen_q=7, varlen=True, heads=6, heads_kv=2, capacity=90, page_size=16, new=new,
+                leftpad=True, rotary="half" if new else None)
+    check(args, causal=True, num_splits=num_splits, validate=True)
+
+
+def test_empty_sequences():
+    r = np.random.default_rng(5)
+    args = case(r, batch=3, new=0, lens=[0, 6, 6], page_size=4, capacity=8)
+    args["cache_leftpad"] = np.array([0, 6, 2], np.int32)
+    out = check(args, num_splits=3)
+    assert (out[:2] == 0).all()
+
+
+def test_int_cache_seqlens_and_validate():
+    r = np.random.default_rng(6)
+    args = case(r, batch=2, seqlen_q=2, new=2, lens=[9, 9], capacity=20)
+    args["cache_seqlens"] = 9
+    check(args, causal=True, validate=True)
+
+
+def test_validate_refuses_out_of_range_pages_before_any_write():
+    import cupy as cp
+
+    r = np.random.default_rng(7)
+    args = case(r, batch=2, new=1, page_size=4, capacity=16, lens=[3, 8])
+    args["page_table"][1, 2] = 10**6
+    device = {name: cp.asarray(value) if isinstance(value, np.ndarray) else value for name, value in args.items()}
+    before = cp.asnumpy(device["k_cache"])
+    with pytest.raises(ValueError, match=r"page_table: entry \[1, 2\]"):
+        cuflash.attention_with_kvcache(**device, validate=True)
+    assert same_bytes(cp.asnumpy(device["k_cache"]), before)
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 3, 8, 128), (1, 5, 4, 64), (37, 9, 2, 80)])
+@pytest.mark.parametrize("out_dtype", [None, "bfloat16", "float16"])
+def test_combine(shape, out_dtype):
+    import cupy as cp
+
+    r = np.random.default_rng(8)
+    o = r.standard_normal(shape).astype(np.float32)
+    lse = r.standard_normal(shape[:-1]).astype(np.float32) * 3
+    lse.reshape(shape[0], -1)[:, 0] = -np.inf
+    lse.reshape(shape[0], -1)[0, 1] = -np.inf
+    o.reshape(shape[0], -1, shape[-1])[0, 1] = np.nan
+    out, merged = cuflash.combine(cp.asarray(o), cp.asarray(lse), out_dtype=out_dtype, return_lse=True)
+    ref_out, ref_lse = combine_reference(o, lse)
+    np.testing.assert_allclose(cp.asnumpy(out).astype(np.float64), ref_out, rtol=1e-2 if out_dtype else 1e-5,
+                               atol=1e-2 if out_dtype else 1e-5)
+    np.testing.assert_allclose(cp.asnumpy(merged), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_flash_attn_with_kvcache_updates_the_cache():
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_with_kvcache
+
+    r = np.random.default_rng(9)
+    args = case(r, batch=2, seqlen_q=1, new=1, page_size=16, capacity=64, heads=8, heads_kv=2)
+    ref_out, _, ref_k, _ = kvcache_reference(**reference_args(args))
+
+    def dev(x):
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda() if x.dtype == BF16 else \
+            torch.from_numpy(x).cuda()
+
+    k_cache, v_cache = dev(args["k_cache"]), dev(args["v_cache"])
+    out = flash_attn_with_kvcache(dev(args["q"]), k_cache, v_cache, dev(args["k"]), dev(args["v"]),
+                                  cache_seqlens=dev(args["cache_seqlens"]), page_table=dev(args["page_table"]))
+    assert isinstance(out, torch.Tensor) and out.is_cuda
+    assert same_bytes(k_cache.cpu().view(torch.int16).numpy().view(BF16), ref_k)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref_out, atol=2e-2, rtol=2e-2)
