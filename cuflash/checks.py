@@ -546,9 +546,9 @@ def _host_values(t, kind: str) -> np.ndarray:
 
 def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_interleaved: Any, causal: Any,
                   softmax_scale: Any, window: Any, softcap: Any, num_splits: Any, descale_k: Any, descale_v: Any,
-                  return_lse: Any, validate: Any) -> KvCall:
+                  return_lse: Any, validate: Any, dtype: Any = None) -> KvCall:
     """attention_with_kvcache's arguments: ``arrays`` by name (None where not given), the rest as
-    passed. Everything is checked here, before any launch, alike for NumPy and GPU arrays; the
+    passed; ``dtype`` ("e4m3" or None) declares uint8 caches as e4m3 bytes. Everything is checked here, before any launch, alike for NumPy and GPU arrays; the
     values of the integer arrays are checked where they are on the host, and with
     ``validate=True`` for GPU arrays (a device-to-host copy and a synchronisation)."""
     given = {name: x for name, x in arrays.items() if x is not None}
@@ -571,6 +571,7 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
         raise ValueError(f"num_splits: must be >= 0 (0 chooses), got {num_splits}")
     num_splits = int(num_splits)
 
+    t["k_cache"], t["v_cache"] = (declared_dtype(name, t[name], dtype) for name in ("k_cache", "v_cache"))
     q, kc, vc = t["q"], t["k_cache"], t["v_cache"]
     varlen = "cu_seqlens_q" in t
     if q.ndim != (3 if varlen else 4):
@@ -587,9 +588,6 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
     cache_dtype = dtype_name(kc)
     fp8_cache = cache_dtype == FP8_DTYPE
     if fp8_cache:
-        if on_device:
-            raise NotImplementedError("k_cache: an FP8 (e4m3) cache runs on the CPU path only so far; the GPU "
-                                      "kernels take a 16-bit cache")
         if q_dtype not in ("float16", "bfloat16", "float32", "float64"):
             raise TypeError(f"q: dtype {q_dtype} is not supported with an FP8 cache")
     elif cache_dtype != q_dtype:
@@ -604,6 +602,9 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
         raise ValueError(f"k_cache: heads_kv ({heads_kv}) must divide q's heads ({heads}) for GQA/MQA")
     if head_dim < 8 or head_dim % 8 or head_dim > 256:
         raise ValueError(f"q: head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
+    if fp8_cache and on_device and head_dim % 16:
+        raise ValueError(f"q: an FP8 cache on the GPU takes head_dim a multiple of 16 (16-byte rows), got "
+                         f"{head_dim}")
     for name, x in (("q", q), ("k_cache", kc), ("v_cache", vc)):
         if 0 not in x.shape and element_strides(x)[-1] != 1:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")

@@ -77,6 +77,7 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
             *dispatch.backward_kernels("sm80", 64, "causal", "float16", dq_order="walk"),
             dispatch.backward_kernels("sm80", 256, "window", "bfloat16", softcap=True)[1],
             *dispatch.kvcache_kernels("bfloat16", 256),
+            *dispatch.kvcache_kernels("float16", 64, "float8_e4m3fn"),
             dispatch.combine_kernel("float16"),
         ]
     return [

@@ -17,11 +17,14 @@ _INPUTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "
 
 def attention_with_kvcache(call: checks.KvCall) -> Any:
     t = call.tensors
-    tensors = tuple(t.get(name) for name in _INPUTS)
+    # An FP8 cache's descale arrays follow the named inputs; scalars (and 16-bit caches) give None.
+    descales = tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
+    tensors = (*(t.get(name) for name in _INPUTS), *descales)
     scalar_lengths = call.cache_seqlens if not isinstance(call.cache_seqlens, interop.DeviceTensor) else "array"
+    scalar_descales = tuple(d if isinstance(d, float) else None for d in (call.descale_k, call.descale_v))
     key = ("attention_with_kvcache", *(x.layout if x is not None else None for x in tensors), scalar_lengths,
-           call.batch, call.max_seqlen_q, call.scale, call.causal, call.window, call.softcap, call.rotary_interleaved,
-           call.rotary_per_row, call.num_splits)
+           scalar_descales, call.batch, call.max_seqlen_q, call.scale, call.causal, call.window, call.softcap,
+           call.rotary_interleaved, call.rotary_per_row, call.num_splits)
     out, lse = plan.run(key, tensors[0].device, True, _prepare, (call, tensors), call.framework, tensors, (None,),
                         (None,), call.return_lse)
     return (out, lse) if call.return_lse else out

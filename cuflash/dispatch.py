@@ -659,12 +659,14 @@ def kv_smem_bytes(bucket: int) -> int:
     return KV_ROWS * bucket * 4 + 2 * KV_KEYS * (bucket + 8) * 2 + KV_ROWS * KV_KEYS * 4
 
 
-def kvcache_kernels(dtype: str, head_dim: int) -> tuple[KernelChoice, KernelChoice]:
-    """(kv_append, kv_decode) for 16-bit ``dtype`` and ``head_dim``."""
+def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -> tuple[KernelChoice, KernelChoice]:
+    """(kv_append, kv_decode) for 16-bit ``dtype`` (q's) and ``head_dim``; ``cache_dtype`` the
+    cache's, ``dtype`` (None) or float8_e4m3fn."""
     element = ELEMENT_TYPES[dtype]
+    cache = element if cache_dtype in (None, dtype) else FP8_TYPES[cache_dtype]
     bucket = kv_bucket(head_dim)
-    append = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_append<{element}>", KV_APPEND_THREADS, 0)
-    decode = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_decode<{element}, {bucket}>", KV_THREADS,
+    append = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_append<{element}, {cache}>", KV_APPEND_THREADS, 0)
+    decode = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_decode<{element}, {cache}, {bucket}>", KV_THREADS,
                           kv_smem_bytes(bucket), Tile(KV_ROWS, KV_KEYS, KV_THREADS // 32))
     return append, decode
 
@@ -674,7 +676,8 @@ def combine_kernel(out_dtype: str) -> KernelChoice:
 
 
 def kvcache_all_kernels() -> list[KernelChoice]:
-    found = [k for dtype in ELEMENT_TYPES for bucket in KV_BUCKETS for k in kvcache_kernels(dtype, bucket)]
+    found = [k for dtype in ELEMENT_TYPES for cache in (dtype, *FP8_TYPES) for bucket in KV_BUCKETS
+             for k in kvcache_kernels(dtype, bucket, cache)]
     found += [combine_kernel(out_dtype) for out_dtype in COMBINE_TYPES]
     return list({k.name_expression: k for k in found}.values())
 

@@ -41,6 +41,7 @@ def attention_with_kvcache(
     descale_v: Any = None,
     return_lse: bool = False,
     validate: bool = False,
+    dtype: str | None = None,
 ) -> Any:
     """Attention of ``q`` against a KV cache, after appending new keys and values to it in place
     (FlashAttention-3's ``flash_attn_with_kvcache``).
@@ -59,8 +60,10 @@ def attention_with_kvcache(
     k_cache, v_cache : arrays
         Contiguous cache (batch_cache, seqlen_cache, heads_kv, head_dim) or, with page_table, a
         pool of pages (num_pages, page_size, heads_kv, head_dim), any page_size from 1. q's dtype,
-        or float8_e4m3fn with descale_k/descale_v (CPU path only so far). Updated in place when k,
-        v are given; last dimension contiguous; on the GPU 16-byte aligned.
+        or FP8 e4m3 (torch float8_e4m3fn, NumPy ml_dtypes.float8_e4m3fn, or uint8 bytes with
+        ``dtype="e4m3"``: CuPy has no float8 dtype) with descale_k/descale_v; on the GPU an FP8
+        cache takes head_dim a multiple of 16. Updated in place when k, v are given; last
+        dimension contiguous; on the GPU 16-byte aligned.
     k, v : arrays, optional
         New tokens, (batch, seqlen_new, heads_kv, head_dim), or with cu_seqlens_q packed
         (total_q, heads_kv, head_dim): sequence b then appends as many tokens as it has queries
@@ -91,13 +94,18 @@ def attention_with_kvcache(
         Key splits per sequence on the GPU, merged by the combine kernel; 0 chooses from the shapes
         and the SM count; 1 runs unsplit. Ignored by the CPU path (the result is the same).
     descale_k, descale_v : float or float32 array (batch, heads_kv), optional
-        FP8 cache only: the cache holds ``value / descale``; new tokens are quantized on write.
+        FP8 cache only (default 1): the cache holds ``value / descale``; new tokens are quantized
+        on write as cuflash.quantize_fp8 rounds: ``k / descale_k`` in float32, saturated to
+        +-448, rounded to nearest even (the rotated key when rotary). Device arrays' values are
+        not checked.
     return_lse : bool
         Also return lse, float32 (batch, heads, seqlen_q), or (heads, total_q) for a packed q.
     validate : bool
         GPU arrays: copy the integer arrays to the host and check their values (lengths within the
         cache and room for the append, leftpad, batch indices, the pages used in range): a
         synchronisation. NumPy arrays are always checked.
+    dtype : str, optional
+        ``"e4m3"``: k_cache and v_cache are uint8 arrays of e4m3 bytes. None: their own dtype.
 
     Returns
     -------
@@ -108,14 +116,12 @@ def attention_with_kvcache(
     ------
     TypeError, ValueError
         Every bad argument, naming it, before anything is written or launched.
-    NotImplementedError
-        An FP8 cache on the GPU.
     """
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "page_table": page_table,
               "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "cu_seqlens_q": cu_seqlens_q,
               "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     call = checks.check_kvcache(arrays, cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale,
-                                window, softcap, num_splits, descale_k, descale_v, return_lse, validate)
+                                window, softcap, num_splits, descale_k, descale_v, return_lse, validate, dtype)
     if call.framework == "numpy":
         return host.attention_with_kvcache(call)
     from cuflash import decode  # the GPU path, imported only where it runs

@@ -286,7 +286,7 @@ class ArgumentBuffer:
 # cuda_src/common/kvcache.cu: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
 KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_partial", "lse_partial",
                "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_cos",
-               "rotary_sin", "q_rot")
+               "rotary_sin", "q_rot", "descale_k", "descale_v")
 KV_STRIDED = ("q", "kc", "vc", "kn", "vn", "o")
 KV_INTS = ("batch", "seqlen_q", "heads", "heads_kv", "head_dim", "page_size", "max_pages", "capacity",
            "cache_seqlens_scalar", "seqlen_new", "rotary_dim", "rotary_interleaved", "rotary_per_row", "rotary_fp32",
@@ -295,10 +295,10 @@ KV_PARAMS = np.dtype(
     [(name, np.uint64) for name in KV_POINTERS]
     + [(f"{t}_{s}_stride", np.int64) for t in KV_STRIDED for s in ("batch", "row", "head")]
     + [(name, np.int32) for name in KV_INTS]
-    + [("scale_log2", np.float32), ("softcap_scale", np.float32)],
+    + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "descale_k_scalar", "descale_v_scalar")],
     align=True,
 )
-KV_PARAMS_SIZE = 360  # sizeof(KvParams)
+KV_PARAMS_SIZE = 384  # sizeof(KvParams)
 COMBINE_POINTERS = ("out_partial", "lse_partial", "out", "lse")
 COMBINE_PARAMS = np.dtype(
     [(name, np.uint64) for name in COMBINE_POINTERS]
@@ -310,12 +310,15 @@ COMBINE_PARAMS = np.dtype(
 COMBINE_PARAMS_SIZE = 168  # sizeof(CombineParams)
 
 
-def pack_kv_params(strides: dict, ints: dict, softmax_scale: float, softcap: float) -> np.ndarray:
+def pack_kv_params(strides: dict, ints: dict, softmax_scale: float, softcap: float, descale_k: float = 1.0,
+                   descale_v: float = 1.0) -> np.ndarray:
     """One KvParams with null pointers: ``strides`` maps each of KV_STRIDED to its (batch, row,
-    head) element strides, ``ints`` each of KV_INTS to its value."""
+    head) element strides, ``ints`` each of KV_INTS to its value; ``descale_k``/``descale_v`` the
+    scalar descales of an e4m3 cache (used where the descale pointers are null)."""
     scale_log2, softcap_scale = _softmax_constants(softmax_scale, softcap)
     return np.array([(*(0,) * len(KV_POINTERS), *(s for t in KV_STRIDED for s in strides[t]),
-                      *(ints[name] for name in KV_INTS), scale_log2, softcap_scale)], dtype=KV_PARAMS)
+                      *(ints[name] for name in KV_INTS), scale_log2, softcap_scale, descale_k, descale_v)],
+                    dtype=KV_PARAMS)
 
 
 def pack_combine_params(op: tuple, lp: tuple, o: tuple, lse: tuple, splits: int, batch: int, seqlen: int,

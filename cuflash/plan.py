@@ -337,8 +337,8 @@ class KvCachePlan:
                cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
         """(out, lse or None) of one call on ``tensors``: the DeviceTensors (or None) of q, k_cache,
         v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q,
-        rotary_cos, rotary_sin."""
-        q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin = tensors
+        rotary_cos, rotary_sin, descale_k, descale_v (None where scalar)."""
+        q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv = tensors
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
             out, out_ptr = interop.allocate(framework, q, self.out_shape)
@@ -349,7 +349,8 @@ class KvCachePlan:
             pointers = tuple(t.ptr if t is not None else 0 for t in (q, kc, vc, k, v))
             pointers += (out_ptr, 0 if split else lse_ptr, o_part, l_part)
             pointers += tuple(t.ptr if t is not None else 0 for t in (seqlens, table, idx, pad, cu, cos, sin))
-            argument = self.argument.fill(*pointers, q_rot)
+            argument = self.argument.fill(*pointers, q_rot, dk.ptr if dk is not None else 0,
+                                          dv.ptr if dv is not None else 0)
             if self.append is not None:
                 kernels.launch(self.append, stream, argument)
             if self.decode is not None:
@@ -363,10 +364,10 @@ class KvCachePlan:
 def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     """The plan of a checked GPU attention_with_kvcache call (checks.KvCall); ``tensors`` as
     KvCachePlan.launch takes them."""
-    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin = tensors
+    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv = tensors
     target = family_capability = dispatch.device_target(q.device)
     arch = dispatch.compile_arch("sm80", family_capability[1])
-    append_choice, decode_choice = dispatch.kvcache_kernels(q.dtype, call.head_dim)
+    append_choice, decode_choice = dispatch.kvcache_kernels(q.dtype, call.head_dim, kc.dtype)
     group = call.heads // call.heads_kv
     rows = q.shape[0] if call.varlen else call.batch * call.max_seqlen_q
     row_tiles = max(1, -(-(group * call.max_seqlen_q) // dispatch.KV_ROWS))
@@ -390,7 +391,8 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
                 seqlen_new=call.seqlen_new, rotary_dim=call.rotary_dim, rotary_interleaved=int(call.rotary_interleaved),
                 rotary_per_row=int(call.rotary_per_row), rotary_fp32=int(cos is not None and cos.dtype == "float32"),
                 num_splits=splits, row_tiles=row_tiles, window_left=window[0], window_right=window[1])
-    argument = ArgumentBuffer(pack_kv_params(strides, ints, call.scale, call.softcap), KV_POINTERS)
+    scalar_descales = (d if isinstance(d, float) else 1.0 for d in (call.descale_k, call.descale_v))
+    argument = ArgumentBuffer(pack_kv_params(strides, ints, call.scale, call.softcap, *scalar_descales), KV_POINTERS)
 
     # Scratch: rotated q (rows, heads, head_dim) in q's type, then fp32 partial out and lse.
     sizes = [rows * call.heads * call.head_dim * q.itemsize if call.rotary_dim else 0]

@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from cuflash.reference import attention_reference
 
-__all__ = ["apply_rotary", "cache_slots", "combine_reference", "kvcache_reference", "rotary_per_row"]
+__all__ = ["apply_rotary", "cache_slots", "combine_reference", "kvcache_reference", "quantize_e4m3", "rotary_per_row"]
 
 
 def rotary_per_row(causal: bool, window: tuple[int, int], capacity: int, max_seqlen_q: int) -> bool:
@@ -70,6 +70,15 @@ def cache_slots(b: int, positions: np.ndarray, page_table, cache_batch_idx, page
         return table[positions // page_size], positions % page_size
     cb = b if cache_batch_idx is None else int(np.asarray(cache_batch_idx)[b])
     return np.full_like(positions, cb), positions
+
+
+def quantize_e4m3(x: np.ndarray, descale: np.ndarray) -> np.ndarray:
+    """``x / descale`` as an FP8 cache stores it: both in float32, the quotient rounded to float32,
+    saturated to +-448 and rounded to nearest even e4m3."""
+    import ml_dtypes
+
+    quotient = np.asarray(x, np.float32) / np.asarray(descale, np.float32)
+    return np.clip(quotient, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
 
 
 def _descale(descale, b: int, heads_kv: int) -> np.ndarray:
@@ -119,7 +128,9 @@ def kvcache_reference(
     cu_seqlens_q : (batch + 1,) ints, optional
     rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2), optional (only with k and v)
     descale_k, descale_v : None, a number, or (batch, heads_kv): an FP8 cache's values are
-        ``stored * descale``, and new tokens are stored as ``e4m3(k / descale_k)``.
+        ``stored * descale``, and new tokens are stored as cuflash.quantize_fp8 rounds: the
+        (rotated) key in float32 divided by the float32 descale, saturated to +-448, rounded to
+        nearest even (``quantize_e4m3``).
     dtype : the attention's dtype: float64 is the reference, a 16-bit dtype flash-attn's
         same-dtype baseline (reference.attention_reference), with rotated q rounded to it.
 
@@ -176,7 +187,7 @@ def kvcache_reference(
             if rotary_cos is not None:
                 k_b = apply_rotary(k_b, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
             if fp8_cache:
-                k_b, v_b = k_b / dk[:, None], v_b / dv[:, None]
+                k_b, v_b = quantize_e4m3(k_b, dk[:, None]), quantize_e4m3(v_b, dv[:, None])
             pages, offsets = physical(b, new_positions)
             k_cache[pages, offsets] = k_b.astype(k_cache.dtype)
             v_cache[pages, offsets] = v_b.astype(v_cache.dtype)

@@ -3,7 +3,7 @@ correctness rule (docs/measuring.md): out and lse, and the caches after the call
 but the appended rows must be unchanged (the rest is NaN-poisoned, so a stray read shows in out
 and a stray write in the bytes). Sweeps: page sizes, GQA ratios, cache lengths 0 / 1 / page
 boundary / full, leftpad, batch index, new-token counts, rotary styles, windows, softcap, splits,
-packed q, empty sequences."""
+packed q, empty sequences, FP8 (e4m3) caches with scalar and per-(batch, kv head) descales."""
 
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ from kvcache_cases import make_case, reference_args, same_bytes
 pytestmark = pytest.mark.gpu
 ATOL = 1e-3
 BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def to_device(value):
+    """A NumPy argument on the GPU (e4m3 as its uint8 bytes: CuPy has no float8 dtype)."""
+    import cupy as cp
+
+    if not isinstance(value, np.ndarray):
+        return value
+    return cp.asarray(value.view(np.uint8) if value.dtype == E4M3 else value)
 
 
 def check(args: dict, **options):
@@ -27,11 +37,12 @@ def check(args: dict, **options):
     keys within one rounding)."""
     import cupy as cp
 
-    options = {"return_lse": True} | options
-    device = {name: cp.asarray(value) if isinstance(value, np.ndarray) else value for name, value in args.items()}
+    fp8 = args["k_cache"].dtype == E4M3
+    options = {"return_lse": True} | ({"dtype": "e4m3"} if fp8 else {}) | options
+    device = {name: to_device(value) for name, value in args.items()}
     out, lse = cuflash.attention_with_kvcache(**device, **options)
     ref_options = {name: value for name, value in options.items() if name not in ("num_splits", "return_lse",
-                                                                                   "validate")}
+                                                                                   "validate", "dtype")}
     ref_out, ref_lse, ref_k, ref_v = kvcache_reference(**reference_args(args), **ref_options)
     lowp_out = kvcache_reference(**reference_args(args), **ref_options, dtype=args["q"].dtype)[0]
     out_h = cp.asnumpy(out)
@@ -44,23 +55,27 @@ def check(args: dict, **options):
     np.testing.assert_allclose(lse_h[finite], ref_lse[finite], rtol=1e-2, atol=1e-2)
     for name, ref in (("k_cache", ref_k), ("v_cache", ref_v)):
         got = cp.asnumpy(device[name])
+        got = got.view(E4M3) if fp8 else got
         if same_bytes(got, ref):
             continue
+        # Rotated keys are rotated in float32 on the GPU, in float64 by the reference: one rounding
+        # of the cache's type apart (an e4m3 step is 1/8 relative, 2^-9 among subnormals).
         assert name == "k_cache" and "rotary_cos" in args, f"{name}: bytes outside the append changed"
         before = args[name]
         untouched = same_bytes_mask(before, ref)
-        assert np.array_equal(view16(got)[untouched], view16(ref)[untouched]), f"{name}: untouched bytes changed"
+        assert np.array_equal(bits(got)[untouched], bits(ref)[untouched]), f"{name}: untouched bytes changed"
+        rtol, atol = (0.13, 2.0**-9) if fp8 else (1e-2, 1e-2)
         np.testing.assert_allclose(got[~untouched].astype(np.float32), ref[~untouched].astype(np.float32),
-                                   rtol=1e-2, atol=1e-2)
+                                   rtol=rtol, atol=atol)
     return out_h
 
 
-def view16(a):
-    return np.ascontiguousarray(a).view(np.uint16)
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8 if a.itemsize == 1 else np.uint16)
 
 
 def same_bytes_mask(a, b):
-    return view16(a) == view16(b)
+    return bits(a) == bits(b)
 
 
 def case(r, **kw):
@@ -155,11 +170,64 @@ def test_validate_refuses_out_of_range_pages_before_any_write():
     r = np.random.default_rng(7)
     args = case(r, batch=2, new=1, page_size=4, capacity=16, lens=[3, 8])
     args["page_table"][1, 2] = 10**6
-    device = {name: cp.asarray(value) if isinstance(value, np.ndarray) else value for name, value in args.items()}
+    device = {name: to_device(value) for name, value in args.items()}
     before = cp.asnumpy(device["k_cache"])
     with pytest.raises(ValueError, match=r"page_table: entry \[1, 2\]"):
         cuflash.attention_with_kvcache(**device, validate=True)
     assert same_bytes(cp.asnumpy(device["k_cache"]), before)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("descales", ["scalar", "array", "none"])
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])
+def test_fp8_cache(page_size, descales, dtype):
+    r = np.random.default_rng(11 + (page_size or 0))
+    args = make_case(r, batch=3, seqlen_q=2, heads=8, heads_kv=2, head_dim=128, capacity=200, page_size=page_size,
+                     new=2, leftpad=True, dtype=dtype, cache_dtype=E4M3)
+    if descales == "scalar":
+        args |= dict(descale_k=0.25, descale_v=3.0)
+    elif descales == "array":
+        args |= dict(descale_k=r.uniform(0.05, 2.0, (3, 2)).astype(np.float32),
+                     descale_v=r.uniform(0.05, 2.0, (3, 2)).astype(np.float32))
+    args["k"][0, 0, 0, :4] = [1e4, -1e4, 1e-6, 0.0]  # saturated, subnormal, zero
+    for num_splits in (1, 3):
+        check(dict(args, k_cache=args["k_cache"].copy(), v_cache=args["v_cache"].copy()), causal=True,
+              num_splits=num_splits)
+
+
+@pytest.mark.parametrize("rotary", ["interleaved", "half"])
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_fp8_cache_rotary_head_dims_softcap(rotary, head_dim):
+    r = np.random.default_rng(head_dim)
+    args = make_case(r, batch=2, seqlen_q=3, heads=4, heads_kv=1, head_dim=head_dim, capacity=70, page_size=16,
+                     new=3, rotary=rotary, dtype=BF16, cache_dtype=E4M3)
+    args |= dict(descale_k=np.full((2, 1), 0.5, np.float32), descale_v=0.125)
+    check(args, causal=True, softcap=20.0)
+
+
+def test_fp8_cache_torch():
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_with_kvcache
+
+    r = np.random.default_rng(12)
+    args = make_case(r, batch=2, seqlen_q=1, new=1, page_size=16, capacity=64, heads=8, heads_kv=2, head_dim=128,
+                     dtype=BF16, cache_dtype=E4M3)
+    descale_k = np.array([[0.5, 1.0], [2.0, 0.25]], np.float32)
+    ref_out, _, ref_k, _ = kvcache_reference(**reference_args(args), descale_k=descale_k, descale_v=0.5)
+
+    def dev(x):
+        if x.dtype == BF16:
+            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
+        if x.dtype == E4M3:
+            return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn).cuda()
+        return torch.from_numpy(x).cuda()
+
+    k_cache, v_cache = dev(args["k_cache"]), dev(args["v_cache"])
+    out = flash_attn_with_kvcache(dev(args["q"]), k_cache, v_cache, dev(args["k"]), dev(args["v"]),
+                                  cache_seqlens=dev(args["cache_seqlens"]), page_table=dev(args["page_table"]),
+                                  k_descale=dev(descale_k), v_descale=0.5)
+    assert same_bytes(k_cache.cpu().view(torch.uint8).numpy().view(E4M3), ref_k)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref_out, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("shape", [(4, 2, 3, 8, 128), (1, 5, 4, 64), (37, 9, 2, 80)])

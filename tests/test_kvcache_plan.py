@@ -38,16 +38,22 @@ def recorder(monkeypatch):
 
 
 def planned(args, **options):
+    if "descale_k" in options:  # an FP8 cache: descales as the GPU path takes them
+        dk = options["descale_k"]
+        options["descale_k"] = dk if isinstance(dk, float) else device_tensor(dk, 1024 * 13)
     call = checks.check_kvcache(
         {name: args.get(name) for name in ("q", "k_cache", "v_cache", "k", "v", "page_table", "cache_batch_idx",
                                            "cache_leftpad", "cu_seqlens_q", "rotary_cos", "rotary_sin")},
         args.get("cache_seqlens"), None, args.get("rotary_interleaved", True), options.get("causal", False), None,
         options.get("window", (-1, -1)), 0.0, options.get("num_splits", 0), None, None, True, False)
+    if "descale_k" in options:
+        call = call._replace(descale_k=options["descale_k"], descale_v=options["descale_v"])
     names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
              "cu_seqlens_q", "rotary_cos", "rotary_sin")
     tensors = tuple(device_tensor(call.tensors.get(name), 1024 * (i + 1)) for i, name in enumerate(names))
     call = call._replace(tensors={n: t for n, t in zip(names, tensors) if t is not None},
                          cache_seqlens=device_tensor(call.cache_seqlens, 1024 * 6))
+    tensors += tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
     return plan.build_kvcache(call, tensors), tensors
 
 
@@ -58,11 +64,11 @@ def test_paged_split_decode_launches_append_decode_combine(recorder):
     built, tensors = planned(args, causal=True)
     out, lse = built.launch("cupy", tensors, (None,), (None,), True)
     (append, a_arg), (decode, d_arg), (combine, c_arg) = recorder
-    assert append[0] == "cuflash::kv_append<cuflash::f16>" and append[1] == (2, 2, 1)
+    assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>" and append[1] == (2, 2, 1)
     # 8 query heads over 2 kv heads, 2 tokens: 8 packed rows, one tile; 4 CTAs would take 2 x 108 / 4
     # splits, but each split keeps 128 of the 4096 positions.
     splits = dispatch.kvcache_splits(0, 2, 2, 1, 4096, 108)
-    assert splits == 32 and decode == ("cuflash::kv_decode<cuflash::f16, 128>", (splits, 2, 2),
+    assert splits == 32 and decode == ("cuflash::kv_decode<cuflash::f16, cuflash::f16, 128>", (splits, 2, 2),
                                        dispatch.kv_smem_bytes(128))
     p = np.frombuffer(d_arg, KV_PARAMS)[0]
     assert p["num_splits"] == splits and p["page_size"] == 16 and p["max_pages"] == 256 and p["window_right"] == 0
@@ -93,4 +99,21 @@ def test_explicit_splits_honoured():
 def test_kv_kernels_listed_last_for_the_compile_check():
     names = [c.name_expression for c in dispatch.all_kernels("sm80")]
     kv = [c.name_expression for c in dispatch.kvcache_all_kernels()]
-    assert names[-len(kv):] == kv and len(kv) == 2 + 2 * 3 + 3  # appends, decodes, combines
+    assert names[-len(kv):] == kv and len(kv) == 4 + 4 * 3 + 3  # appends, decodes (16-bit and e4m3 caches), combines
+
+
+def test_fp8_cache_plan_takes_the_descales(recorder):
+    import ml_dtypes
+
+    r = np.random.default_rng(2)
+    args = make_case(r, batch=3, seqlen_q=1, heads=8, heads_kv=2, head_dim=128, capacity=64, page_size=16, new=1,
+                     dtype=ml_dtypes.bfloat16, cache_dtype=ml_dtypes.float8_e4m3fn)
+    descale_k = np.full((3, 2), 0.5, np.float32)
+    built, tensors = planned(args, num_splits=1, descale_k=descale_k, descale_v=2.0)
+    built.launch("cupy", tensors, (None,), (None,), False)
+    (append, a_arg), (decode, d_arg) = recorder
+    assert append[0] == "cuflash::kv_append<cuflash::bf16, cuflash::e4m3>"
+    assert decode[0] == "cuflash::kv_decode<cuflash::bf16, cuflash::e4m3, 128>"
+    p = np.frombuffer(d_arg, KV_PARAMS)[0]
+    assert p["descale_k"] == 1024 * 13 and p["descale_v"] == 0
+    assert p["descale_k_scalar"] == 1.0 and p["descale_v_scalar"] == 2.0

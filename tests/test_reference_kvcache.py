@@ -165,6 +165,20 @@ def test_fp8_cache_dequantized_and_new_tokens_quantized():
     np.testing.assert_allclose(out[:1], o, rtol=1e-12, atol=1e-12)
 
 
+def test_fp8_cache_appends_saturate_and_round_in_float32():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q = np.ones((1, 1, 1, 16))
+    kc = vc = np.zeros((1, 4, 1, 16), ml_dtypes.float8_e4m3fn)
+    k = np.full((1, 1, 1, 16), 1000.0)
+    k[0, 0, 0, 1] = -1e6
+    k[0, 0, 0, 2] = 0.1  # float32(0.1) / float32(0.3) rounds once in float32
+    _, _, kc2, vc2 = kvcache_reference(q, kc, vc, k, -k, cache_seqlens=1, descale_k=0.3, descale_v=1.0)
+    stored = kc2[0, 1, 0].astype(np.float64)
+    assert stored[0] == 448 and stored[1] == -448 and vc2[0, 1, 0, 0].astype(np.float64) == -448
+    expected = (np.float32(0.1) / np.float32(0.3)).astype(ml_dtypes.float8_e4m3fn)
+    assert kc2[0, 1, 0, 2] == expected and np.isfinite(stored).all()
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_combine_equals_attention_over_all_keys(splits):
     r = rng()

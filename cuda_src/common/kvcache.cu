@@ -3,12 +3,18 @@
 //
 // kv_append: the new keys and values written into the cache in place at cache_seqlens (through
 //   the page table when paged), the keys rotated first; and q rotated into a scratch copy. One
-//   CTA per (token, sequence); elementwise, it moves a few KB per call.
+//   CTA per (token, sequence); elementwise, it moves a few KB per call. An e4m3 cache gets the new
+//   tokens quantized: x / descale in float32, saturated to +-448, rounded to nearest even.
 // kv_decode: attention of the packed rows of one kv head (its group of query heads times the
 //   query tokens, GQA packing) over one split of the key range, reading K and V once per kv head
 //   and split through the page table. Scores and products on CUDA cores in fp32. With one split
 //   it writes out (and lse); with several, fp32 partial out and lse for kv_combine.
 // kv_combine: the splits merged through their lse; also cuflash.combine's kernel.
+//
+// The cache's element type C is q's 16-bit T, or e4m3 (an FP8 cache, values stored / descale):
+// kv_decode widens its e4m3 tiles exactly to T and scales the scores by descale_k and the output
+// by descale_v.
+#include "common/e4m3.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -32,6 +38,8 @@ struct KvParams {
   const void* rotary_cos;    // (seqlen_ro, rotary_dim / 2), q's type or fp32 (rotary_fp32)
   const void* rotary_sin;
   void* q_rot;               // rotated q, contiguous (rows, heads, d) in q's type; null: no rotary
+  const float* descale_k;    // e4m3 cache: (batch, heads_kv) float32; null: descale_k_scalar
+  const float* descale_v;
   // Strides in elements: batch (or page), row, head.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 kc_batch_stride, kc_row_stride, kc_head_stride;
@@ -47,6 +55,7 @@ struct KvParams {
   int window_left, window_right;  // -1 unbounded; causal is right = 0
   float scale_log2;               // softmax_scale * log2(e), or softcap * log2(e) with a softcap
   float softcap_scale;            // softmax_scale / softcap; 0: no softcap
+  float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
 };
 
 template <class T>
@@ -90,15 +99,37 @@ __device__ __forceinline__ i64 kv_slot(const KvParams& p, int b, int position, i
   return block * batch_stride + row * row_stride + i64(kv_head) * head_stride;
 }
 
+// The descale of (sequence b, kv head h): the array's entry, or the scalar.
+__device__ __forceinline__ float kv_descale(const float* array, float scalar, const KvParams& p, int b, int h) {
+  return array ? array[i64(b) * p.heads_kv + h] : scalar;
+}
+
+// Element access of a cache of C for q's type T: C = T stores 16-bit values; C = e4m3 stores
+// x / descale, saturated to +-448 and rounded to nearest even (cuflash.quantize_fp8's rounding).
+template <class T, class C>
+struct KvStore {
+  typedef u16 S;
+  static __device__ __forceinline__ void at(void* p, i64 i, float x, float) { store_elem<T>(p, i, x); }
+};
+template <class T>
+struct KvStore<T, e4m3> {
+  typedef u8 S;
+  static __device__ __forceinline__ void at(void* p, i64 i, float x, float descale) {
+    const float y = fminf(fmaxf(__fdiv_rn(x, descale), -E4M3_MAX), E4M3_MAX);
+    static_cast<u8*>(p)[i] = to_e4m3(y);
+  }
+};
+
 template <class T>
 __device__ __forceinline__ float rotary_table(const KvParams& p, const void* table, i64 i) {
   return p.rotary_fp32 ? static_cast<const float*>(table)[i] : load_elem<T>(table, i);
 }
 
 // Rotates (or copies, past rotary_dim) one head's row of d values from src to dst at position pos;
-// each thread of the CTA takes pairs of dimensions.
-template <class T>
-__device__ void rotate_row(const KvParams& p, const void* src, void* dst, int pos) {
+// each thread of the CTA takes pairs of dimensions. dst holds Store's elements (descale: an e4m3
+// cache's).
+template <class T, class Store>
+__device__ void rotate_row(const KvParams& p, const void* src, void* dst, int pos, float descale) {
   const int half = p.rotary_dim / 2;
   for (int j = threadIdx.x; j < p.head_dim / 2; j += blockDim.x) {
     int a, c;  // the pair's two dimensions
@@ -117,16 +148,18 @@ __device__ void rotate_row(const KvParams& p, const void* src, void* dst, int po
       x0 = y0;
       x1 = y1;
     }
-    store_elem<T>(dst, a, x0);
-    store_elem<T>(dst, c, x1);
+    Store::at(dst, a, x0, descale);
+    Store::at(dst, c, x1, descale);
   }
 }
 
 // grid (max(seqlen_new, seqlen_q) tokens, batch). Half-split pairs past rotary_dim are not pairs
 // of the table: rotate_row copies dimensions 2j, 2j+1 there, which for j >= rotary_dim / 2 lie past
 // rotary_dim in both styles.
-template <class T>
+template <class T, class C>
 __global__ void kv_append(const __grid_constant__ KvParams p) {
+  typedef KvStore<T, C> Store;
+  typedef typename Store::S S;
   const int t = blockIdx.x, b = blockIdx.y;
   const int cached = kv_cached(p, b);
   if (t < kv_seqlen_new(p, b)) {
@@ -137,16 +170,16 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
                       new_row * p.kn_row_stride + i64(h) * p.kn_head_stride;
       const u16* vn = static_cast<const u16*>(p.v_new) + (p.cu_seqlens_q ? 0 : i64(b) * p.vn_batch_stride) +
                       new_row * p.vn_row_stride + i64(h) * p.vn_head_stride;
-      u16* kc = static_cast<u16*>(p.k_cache) +
-                kv_slot(p, b, pos, h, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride);
-      u16* vc = static_cast<u16*>(p.v_cache) +
-                kv_slot(p, b, pos, h, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride);
+      S* kc = static_cast<S*>(p.k_cache) + kv_slot(p, b, pos, h, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride);
+      S* vc = static_cast<S*>(p.v_cache) + kv_slot(p, b, pos, h, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride);
+      const float dk = kv_descale(p.descale_k, p.descale_k_scalar, p, b, h);
+      const float dv = kv_descale(p.descale_v, p.descale_v_scalar, p, b, h);
       if (p.rotary_dim) {
-        rotate_row<T>(p, kn, kc, pos);
+        rotate_row<T, Store>(p, kn, kc, pos, dk);
       } else {
-        for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) kc[c] = kn[c];
+        for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) Store::at(kc, c, load_elem<T>(kn, c), dk);
       }
-      for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) vc[c] = vn[c];
+      for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) Store::at(vc, c, load_elem<T>(vn, c), dv);
     }
   }
   if (p.q_rot && t < kv_seqlen_q(p, b)) {
@@ -156,7 +189,7 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
       const u16* src = static_cast<const u16*>(p.q) + (p.cu_seqlens_q ? 0 : i64(b) * p.q_batch_stride) +
                        (p.cu_seqlens_q ? row : i64(t)) * p.q_row_stride + i64(h) * p.q_head_stride;
       u16* dst = static_cast<u16*>(p.q_rot) + (row * p.heads + h) * p.head_dim;
-      rotate_row<T>(p, src, dst, pos);
+      rotate_row<T, KvStore<T, T>>(p, src, dst, pos, 1.f);
     }
   }
 }
@@ -179,8 +212,9 @@ struct KvSmem {
 
 // grid (num_splits * row_tiles, heads_kv, batch), KV_THREADS threads. Packed row m of a kv head is
 // query token m / group of query head kv_head * group + m % group.
-template <class T, int D>
+template <class T, class C, int D>
 __global__ void __launch_bounds__(KV_THREADS, 4) kv_decode(const __grid_constant__ KvParams p) {
+  typedef typename KvStore<T, C>::S S;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   KvSmem<D>& s = *reinterpret_cast<KvSmem<D>*>(smem_raw);
   const int split = blockIdx.x / p.row_tiles, tile = blockIdx.x % p.row_tiles;
@@ -238,8 +272,13 @@ __global__ void __launch_bounds__(KV_THREADS, 4) kv_decode(const __grid_constant
 #pragma unroll
   for (int j = 0; j < COLS; ++j) o[j] = 0.f;
   float row_max = kNegInf, row_sum = 0.f;
-  const u16* kc = static_cast<const u16*>(p.k_cache);
-  const u16* vc = static_cast<const u16*>(p.v_cache);
+  const S* kc = static_cast<const S*>(p.k_cache);
+  const S* vc = static_cast<const S*>(p.v_cache);
+  // An e4m3 cache's descales: k's scales the scores (inside a softcap's tanh), v's the output.
+  const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head);
+  const float descale_v = kv_descale(p.descale_v, p.descale_v_scalar, p, b, kv_head);
+  const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
+  const float tanh_scale = p.softcap_scale * descale_k;
 
   for (int n0 = split_lo; n0 < split_hi; n0 += KV_KEYS) {
     __syncthreads();  // the previous step's K, V and P reads are done (and Q is stored)
@@ -250,10 +289,18 @@ __global__ void __launch_bounds__(KV_THREADS, 4) kv_decode(const __grid_constant
       uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
       if (n0 + n < split_hi && c < p.head_dim) {
         const int pos = start + n0 + n;
-        kx = *reinterpret_cast<const uint4*>(
-            kc + kv_slot(p, b, pos, kv_head, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride) + c);
-        vx = *reinterpret_cast<const uint4*>(
-            vc + kv_slot(p, b, pos, kv_head, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride) + c);
+        const S* kp = kc + kv_slot(p, b, pos, kv_head, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride) + c;
+        const S* vp = vc + kv_slot(p, b, pos, kv_head, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride) + c;
+        if constexpr (InputStorage<C>::fp8) {  // 8 bytes widened to 8 values of T
+          const uint2 kb = *reinterpret_cast<const uint2*>(kp), vb = *reinterpret_cast<const uint2*>(vp);
+          kx = make_uint4(widen_e4m3_pair<T>(kb.x, 0x1404u), widen_e4m3_pair<T>(kb.x, 0x3424u),
+                          widen_e4m3_pair<T>(kb.y, 0x1404u), widen_e4m3_pair<T>(kb.y, 0x3424u));
+          vx = make_uint4(widen_e4m3_pair<T>(vb.x, 0x1404u), widen_e4m3_pair<T>(vb.x, 0x3424u),
+                          widen_e4m3_pair<T>(vb.y, 0x1404u), widen_e4m3_pair<T>(vb.y, 0x3424u));
+        } else {
+          kx = *reinterpret_cast<const uint4*>(kp);
+          vx = *reinterpret_cast<const uint4*>(vp);
+        }
       }
       *reinterpret_cast<uint4*>(&s.k[n][c]) = kx;
       *reinterpret_cast<uint4*>(&s.v[n][c]) = vx;
@@ -273,7 +320,7 @@ __global__ void __launch_bounds__(KV_THREADS, 4) kv_decode(const __grid_constant
         const float2 kk = T::unpack(*reinterpret_cast<const u32*>(&s.k[n][c]));
         acc += s.q[r][c] * kk.x + s.q[r][c + 1] * kk.y;
       }
-      float x = p.softcap_scale > 0.f ? tanhf(acc * p.softcap_scale) * p.scale_log2 : acc * p.scale_log2;
+      float x = p.softcap_scale > 0.f ? tanhf(acc * tanh_scale) * score_log2 : acc * score_log2;
       if (!row_valid || key >= split_hi || key < my_lo || key >= my_hi) x = kNegInf;
       sc[j] = x;
       step_max = fmaxf(step_max, x);
@@ -313,7 +360,7 @@ __global__ void __launch_bounds__(KV_THREADS, 4) kv_decode(const __grid_constant
   // Epilogue: this thread's columns 2 * lane + 2 * KV_LANES * (j / 2) + (j % 2).
   if (!row_valid) return;
   const bool empty = row_sum == 0.f;
-  const float inv = empty ? 0.f : 1.f / row_sum;
+  const float inv = empty ? 0.f : descale_v / row_sum;
   const float lse = empty ? kNegInf : (row_max + log2f(row_sum)) * 0.69314718055994531f;
   const i64 grow = first_row + token;  // global row
   if (p.num_splits == 1) {
@@ -403,6 +450,6 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_co
 }  // namespace cuflash
 
 namespace cuflash {
-static_assert(sizeof(KvParams) == 360, "params.py KV_PARAMS mirrors KvParams");
+static_assert(sizeof(KvParams) == 384, "params.py KV_PARAMS mirrors KvParams");
 static_assert(sizeof(CombineParams) == 168, "params.py COMBINE_PARAMS mirrors CombineParams");
 }  // namespace cuflash
