@@ -283,6 +283,11 @@ class Lengths(NamedTuple):
     batch: int
     max_seqlen_q: int | None
     max_seqlen_k: int | None = None
+    # seqused_q / seqused_k: host int64 copies (None unless NumPy or validated) and DeviceTensors.
+    used_q: np.ndarray | None = None
+    used_k: np.ndarray | None = None
+    device_used_q: Any = None
+    device_used_k: Any = None
 
 
 def _cumulative_lengths(name: str, cu: Any, on_device: bool, device: int | None,
@@ -368,6 +373,34 @@ def check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if max_seqlen_k is None and cu_k is not None:
         max_seqlen_k = int(np.diff(cu_k).max())
     return kind, tensors, Lengths(cu_q, cu_k, cu_q_t, cu_k_t, batch, max_seqlen_q, max_seqlen_k)
+
+
+def check_seqused(lengths: Lengths, seqused_q: Any, seqused_k: Any, on_device: bool, device: int | None,
+                  validate: bool) -> Lengths:
+    """``lengths`` with the used prefixes of a packed forward: each None or int32 (batch,),
+    contiguous, on q's side and device; their values (0 <= seqused[i] <= sequence i's length) are
+    checked on the host, and for GPU arrays with ``validate`` (a device-to-host copy)."""
+    found = {}
+    for name, used, cu in (("seqused_q", seqused_q, lengths.host_q), ("seqused_k", seqused_k, lengths.host_k)):
+        if used is None:
+            found[name] = (None, None)
+            continue
+        kind = interop.framework_of(used, name)
+        if (kind == "numpy") == on_device:
+            raise TypeError(f"{name}: must be on the same side as q ({'GPU' if on_device else 'NumPy'})")
+        t = interop.describe(used, kind, name) if on_device else used
+        _int_array(name, t, (lengths.batch,), on_device, device)
+        host = None
+        if not on_device or validate:
+            host = _host_values(t, kind)
+            sizes = np.diff(cu)
+            bad = np.flatnonzero((host < 0) | (host > sizes))
+            if bad.size:
+                i = bad[0]
+                raise ValueError(f"{name}: entry {i} ({host[i]}) is outside 0..{sizes[i]}, sequence {i}'s length")
+        found[name] = (host, t if on_device else None)
+    (used_q, device_q), (used_k, device_k) = found["seqused_q"], found["seqused_k"]
+    return lengths._replace(used_q=used_q, used_k=used_k, device_used_q=device_q, device_used_k=device_k)
 
 
 def check_varlen_grid(lengths: Lengths) -> None:

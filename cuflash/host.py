@@ -65,10 +65,11 @@ def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window, softcap: float,
-                     return_lse: bool, out, fp8: checks.Fp8 | None = None):
+                     return_lse: bool, out, fp8: checks.Fp8 | None = None, seqused_q=None, seqused_k=None):
     q, k, v, dtype = _forward_inputs(q, k, v, fp8, (cu_seqlens_q, cu_seqlens_k))
-    result, lse = reference.attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                                       softmax_scale=scale, window=window, softcap=softcap)
+    result, lse = reference.attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                                       causal=causal, softmax_scale=scale, window=window,
+                                                       softcap=softcap)
     return _output(result, lse, dtype, out, return_lse)
 
 

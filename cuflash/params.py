@@ -20,7 +20,7 @@ from cuflash import tma
 
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 
-FWD_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")
+FWD_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seq_end_q", "seq_end_k")
 _FWD_FIELDS = (
     [(name, np.uint64) for name in FWD_POINTERS]
     + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride"]]
@@ -28,7 +28,7 @@ _FWD_FIELDS = (
     + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32)]
 )
 FWD_PARAMS = np.dtype(_FWD_FIELDS, align=True)
-FWD_PARAMS_SIZE = 200  # sizeof(FwdParams) in params.cuh
+FWD_PARAMS_SIZE = 216  # sizeof(FwdParams) in params.cuh
 # FwdParamsFp8: FwdParams' fields, then the descale arrays' pointers (filled per call after
 # FWD_POINTERS), their (batch, head_kv) strides in elements, and a scalar v descale.
 FWD_DESCALES = ("descale_q", "descale_k", "descale_v")
@@ -39,7 +39,7 @@ FWD_PARAMS_FP8 = np.dtype(
     + [("v_scale", np.float32)],
     align=True,
 )
-FWD_PARAMS_FP8_SIZE = 280  # sizeof(FwdParamsFp8) in params.cuh
+FWD_PARAMS_FP8_SIZE = 296  # sizeof(FwdParamsFp8) in params.cuh
 _LOG2E = math.log2(math.e)
 
 
@@ -67,7 +67,8 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
         cu_pointers, lse_strides = (cu_seqlens_q.ptr, cu_seqlens_k.ptr), (0, lse.strides[0])
     scale_log2, softcap_tanh_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
-        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers, *strides, *lse_strides,
+        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers, *(c + 4 if c else 0 for c in cu_pointers), *strides,
+          *lse_strides,
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_tanh_scale)],
         dtype=FWD_PARAMS,
     )

@@ -52,7 +52,12 @@ class ForwardPlan:
         """(out, lse) of one launch on ``tensors`` (q, k, v, and for FP8 inputs the three descales:
         DeviceTensors, or floats that the plan holds), into ``given`` (out, or None) whose
         DeviceTensor is ``given_t``; lse is None unless ``return_lse``: the kernels skip the lse
-        stores for a null pointer, so nothing is allocated for it."""
+        stores for a null pointer, so nothing is allocated for it. ``cu_seqlens``: a packed
+        batch's (cu_seqlens_q, cu_seqlens_k[, seqused_q, seqused_k]). Each sequence ends where
+        the kernel reads seq_end_q / seq_end_k: cu_seqlens + 1, or with seqused the rows
+        cu_seqlens[b] + seqused[b] (seq_ends, framework arithmetic on the same stream); with
+        seqused_q the kernel skips the rows past it, so out is zero-filled and lse set to -inf
+        first (the framework's fills)."""
         qt, kt, vt = tensors[:3]
         out_t = given_t[0]
         with interop.on_device(qt.device):
@@ -60,13 +65,46 @@ class ForwardPlan:
             out, out_ptr = ((given[0], out_t.ptr) if out_t is not None
                             else interop.allocate(framework, qt, qt.shape, self.out_dtype))
             lse, lse_ptr = (interop.allocate(framework, qt, self.lse_shape, "float32") if return_lse else (None, 0))
-            cu_q, cu_k = cu_seqlens
+            cu_q, cu_k, used_q, used_k = cu_seqlens if len(cu_seqlens) == 4 else (*cu_seqlens, None, None)
+            end_q, end_q_ptr = seq_ends(framework, cu_q, used_q)
+            end_k, end_k_ptr = seq_ends(framework, cu_k, used_k)
             pointers = (qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, cu_q.ptr if cu_q is not None else 0,
-                        cu_k.ptr if cu_k is not None else 0)
+                        cu_k.ptr if cu_k is not None else 0, end_q_ptr, end_k_ptr)
+            if used_q is not None:
+                _fill(framework, out_t.native if out_t is not None else out, 0.0)
+                if lse is not None:
+                    _fill(framework, lse, -math.inf)
             if self.out_dtype is not None:
                 pointers += tuple(d.ptr if isinstance(d, interop.DeviceTensor) else 0 for d in tensors[3:])
             kernels.launch(self.kernel, stream, self.argument.fill(*pointers))
+            del end_q, end_k  # referenced until the launch is queued
         return out, lse
+
+
+def seq_ends(framework: str, cu, used) -> tuple[Any, int]:
+    """(owner, pointer) of the (batch,) int32 rows where each packed sequence ends for the kernel
+    (FwdParams.seq_end_*): ``cu`` (a DeviceTensor of cu_seqlens, or None: a fixed-length batch, 0)
+    shifted by one entry, or with ``used`` (seqused, a DeviceTensor) ``cu[b] + clip(used[b], 0,
+    cu[b + 1] - cu[b])``, computed by the framework on its current stream (the launch's)."""
+    if cu is None:
+        return None, 0
+    if used is None:
+        return None, cu.ptr + 4
+    c, u = cu.native, used.native
+    if framework == "torch":
+        ends = c[:-1] + _torch_clip(u, c[1:] - c[:-1])
+        return ends, ends.data_ptr()
+    import cupy
+
+    ends = c[:-1] + cupy.clip(u, 0, c[1:] - c[:-1]).astype(cupy.int32)
+    return ends, ends.data.ptr
+
+
+def _torch_clip(used, sizes):
+    """``clip(used, 0, sizes)`` elementwise in torch, int32."""
+    import torch
+
+    return torch.minimum(used.clamp(min=0), sizes).to(torch.int32)
 
 
 @dataclass(frozen=True, eq=False)

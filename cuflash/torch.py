@@ -15,6 +15,7 @@ ignored.
 
 # No `from __future__ import annotations`: custom_op reads the signature's real types.
 import math
+from typing import Optional
 
 import ml_dtypes
 import numpy as np
@@ -110,6 +111,26 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
+# The used prefix of each packed sequence (seqused_q, seqused_k): forward only, no autograd.
+def _attention_varlen_used_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   cu_seqlens_k: torch.Tensor, seqused_q: Optional[torch.Tensor],
+                                   seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                                   causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                                   softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
+                                    return_lse=True, seqused_q=seqused_q, seqused_k=seqused_k)
+
+
+_varlen_used_forward = _op("cuflash::attention_varlen_used_forward", _attention_varlen_used_forward)
+
+
+@_varlen_used_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      window_left, window_right, softcap):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
 def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
@@ -179,15 +200,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *,
                      causal: bool = False, softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1),
-                     softcap: float = 0.0, deterministic: bool = False) -> torch.Tensor:
+                     softcap: float = 0.0, deterministic: bool = False, seqused_q: torch.Tensor | None = None,
+                     seqused_k: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable :func:`cuflash.attention_varlen` on packed torch tensors, CUDA or CPU,
     (total_tokens, heads, head_dim) with int32 ``cu_seqlens_*`` (batch + 1,).
 
     Omitted ``max_seqlen_*`` are read from the lengths (a device-to-host copy, and a graph break
     under torch.compile). Gradients through :func:`cuflash.attention_varlen_backward`.
+    ``seqused_q`` / ``seqused_k`` (int32 (batch,)): the used prefix of each sequence, as for
+    :func:`cuflash.attention_varlen`; forward only (NotImplementedError where a gradient is wanted).
     """
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
+    if seqused_q is not None or seqused_k is not None:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError("attention_varlen: no backward with seqused_q / seqused_k yet; run it under "
+                                      "torch.no_grad() or on tensors that do not require grad")
+        causal, scale, left, right, softcap, _ = _flags_and_options(q, causal, softmax_scale, window, softcap,
+                                                                     deterministic)
+        out, _ = _varlen_used_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                      max_seqlen_k, causal, scale, left, right, softcap)
+        return out
     out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              *_flags_and_options(q, causal, softmax_scale, window, softcap, deterministic))
     return out
@@ -235,20 +268,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, q_descale=None, k_descale=None,
-                           v_descale=None):
+                           v_descale=None, seqused_q=None, seqused_k=None):
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k and v
     (total_k, heads_kv, head_dim), int32 cu_seqlens (batch + 1,); returns out (total_q, heads,
     head_dim). Raises NotImplementedError, and takes FP8 inputs with their descales (of shape
     (batch, heads_kv), batch the number of sequences), as :func:`flash_attn_func` does.
+    ``seqused_q`` / ``seqused_k``: FlashAttention-3's used prefix of each sequence (forward only).
     """
     _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
         return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                         softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale)
+                                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale,
+                                        seqused_q=seqused_q, seqused_k=seqused_k)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                            deterministic=deterministic)
+                            deterministic=deterministic, seqused_q=seqused_q, seqused_k=seqused_k)
 
 
 def _as_cuflash(x):

@@ -60,11 +60,11 @@ def test_every_fp8_instantiation_is_listed_after_the_16bit_kernels():
 
 def test_fwd_params_fp8_layout():
     fields = params.FWD_PARAMS_FP8.fields
-    assert params.FWD_PARAMS_FP8.itemsize == params.FWD_PARAMS_FP8_SIZE == 280
+    assert params.FWD_PARAMS_FP8.itemsize == params.FWD_PARAMS_FP8_SIZE == 296
     # FwdParams' fields at their own offsets, then the descales (params.cuh: FwdParamsFp8 derives from it).
     assert all(fields[name][1] == offset for name, (_, offset) in params.FWD_PARAMS.fields.items())
-    assert [fields[name][1] for name in params.FWD_DESCALES] == [200, 208, 216]
-    assert fields["v_scale"][1] == 272
+    assert [fields[name][1] for name in params.FWD_DESCALES] == [216, 224, 232]
+    assert fields["v_scale"][1] == 288
 
 
 def _fp8_struct(descales, softcap=0.0):
