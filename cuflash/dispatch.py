@@ -631,9 +631,9 @@ def quantize_kernel(dtype_name: str) -> KernelChoice:
 
 # Attention against a KV cache (cuda_src/common/kvcache.cu), built for the sm80 target on every
 # device: kv_append writes the new tokens, kv_decode runs KV_ROWS packed query rows (the query
-# heads of one kv head times the query tokens) of one kv head over one split of the keys, and
-# kv_combine merges the splits. Head dims run in the bucket above them among KV_BUCKETS (each
-# thread of kv_decode holds bucket / 8 output columns).
+# heads of one kv head times the query tokens, one m16 tile of mma.sync) of one kv head over one
+# split of the keys, and kv_combine merges the splits. Head dims run in the bucket above them
+# among KV_BUCKETS (each warp holds 16 rows x bucket columns of O).
 KV_SOURCE = "common/kvcache.cu"
 KV_BUCKETS = (64, 128, 256)
 KV_ROWS, KV_KEYS, KV_THREADS = 16, 64, 128  # kvcache.cu's KV_ROWS, KV_KEYS, KV_THREADS
@@ -655,8 +655,10 @@ def kv_bucket(head_dim: int) -> int:
 
 
 def kv_smem_bytes(bucket: int) -> int:
-    """sizeof(KvSmem<bucket>): q rows in fp32, K and V tiles with 8 elements of padding per row, P."""
-    return KV_ROWS * bucket * 4 + 2 * KV_KEYS * (bucket + 8) * 2 + KV_ROWS * KV_KEYS * 4
+    """sizeof(KvTiles<C, bucket>), for a 16-bit or an e4m3 cache alike: the 16-bit Q tile, two
+    stages of 16-bit K and V tiles (or two stages of e4m3 bytes and one widened K and V tile: as
+    many bytes), and the four warps' row maxima and sums (kvcache.cu static_asserts it)."""
+    return KV_ROWS * bucket * 2 + 2 * 2 * KV_KEYS * bucket * 2 + 2 * (KV_THREADS // 32) * KV_ROWS * 4
 
 
 def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -> tuple[KernelChoice, KernelChoice]:

@@ -7,15 +7,20 @@
 //   tokens quantized: x / descale in float32, saturated to +-448, rounded to nearest even.
 // kv_decode: attention of the packed rows of one kv head (its group of query heads times the
 //   query tokens, GQA packing) over one split of the key range, reading K and V once per kv head
-//   and split through the page table. Scores and products on CUDA cores in fp32. With one split
-//   it writes out (and lse); with several, fp32 partial out and lse for kv_combine.
+//   and split through the page table: mma.sync m16n8k16 on the 16 packed rows, K/V tiles by
+//   cp.async in two stages. With one split it writes out (and lse); with several, fp32 partial out
+//   and lse for kv_combine.
 // kv_combine: the splits merged through their lse; also cuflash.combine's kernel.
 //
 // The cache's element type C is q's 16-bit T, or e4m3 (an FP8 cache, values stored / descale):
 // kv_decode widens its e4m3 tiles exactly to T and scales the scores by descale_k and the output
 // by descale_v.
 #include "common/e4m3.cuh"
+#include "common/smem.cuh"
+#include "common/softcap.cuh"
+#include "common/softmax.cuh"
 #include "common/types.cuh"
+#include "sm80/warp_gemm.cuh"
 
 namespace cuflash {
 
@@ -194,29 +199,119 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
   }
 }
 
-constexpr int KV_ROWS = 16;      // packed query rows per CTA
-constexpr int KV_KEYS = 64;      // keys per main-loop step
-constexpr int KV_THREADS = 128;  // 8 threads per row: KV_ROWS * 8
-constexpr int KV_LANES = KV_THREADS / KV_ROWS;
+constexpr int KV_ROWS = 16;      // packed query rows per CTA: one m16 tile
+constexpr int KV_KEYS = 64;      // keys per main-loop step, 16 per warp
+constexpr int KV_THREADS = 128;  // 4 warps
+constexpr int KV_WARPS = KV_THREADS / 32;
 
-// Shared memory of kv_decode for head-dim bucket D: q rows in fp32, K and V tiles in 16 bits with
-// rows padded by 16 bytes (8 rows' reads of one column fall in 8 different banks), and P.
-template <int D>
-struct KvSmem {
-  static constexpr int PITCH = D + 8;
-  float q[KV_ROWS][D];
-  u16 k[KV_KEYS][PITCH];
-  u16 v[KV_KEYS][PITCH];
-  float p[KV_ROWS][KV_KEYS];
+// Shared memory of kv_decode for cache element C and head-dim bucket D (a multiple of 64, so rows
+// are whole 128-byte groups for common/smem.cuh's swizzle): the Q tile; two stages of K and V
+// tiles (16-bit caches), or two stages of e4m3 bytes and one widened 16-bit K and V tile; after
+// the loop the same bytes hold the warps' partial O for the merge; and the warps' row statistics.
+template <class C, int D>
+struct KvTiles {
+  u16 q[KV_ROWS * D];
+  union {
+    struct {
+      u16 k[2][KV_KEYS * D];
+      u16 v[2][KV_KEYS * D];
+    } wide;
+    struct {
+      u8 k[2][KV_KEYS * D];  // row-major, unswizzled: each thread reads back only its own chunks
+      u8 v[2][KV_KEYS * D];
+      u16 k16[KV_KEYS * D];
+      u16 v16[KV_KEYS * D];
+    } fp8;
+    float o[KV_WARPS][KV_ROWS][D];
+  };
+  float m[KV_WARPS][KV_ROWS];  // each warp's row maxima, log2 units
+  float l[KV_WARPS][KV_ROWS];  // and row sums
 };
 
-// grid (num_splits * row_tiles, heads_kv, batch), KV_THREADS threads. Packed row m of a kv head is
-// query token m / group of query head kv_head * group + m % group.
+// Where position `pos` of sequence b lives: the element offsets of its K and V rows' kv_head.
+__device__ __forceinline__ void kv_rows(const KvParams& p, int b, int pos, int kv_head, i64& k_off, i64& v_off) {
+  i64 block, row;
+  if (p.page_table) {
+    block = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
+    row = pos % p.page_size;
+  } else {
+    block = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+    row = pos;
+  }
+  k_off = block * p.kc_batch_stride + row * p.kc_row_stride + i64(kv_head) * p.kc_head_stride;
+  v_off = block * p.vc_batch_stride + row * p.vc_row_stride + i64(kv_head) * p.vc_head_stride;
+}
+
+// Issues the cp.async copies of keys [n0, n0 + KV_KEYS) of sequence b (cache positions start + n),
+// those from n_end on zero-filled, into stage `stage`. Each thread keeps one column (16-byte
+// chunk) of rows tid / chunks_per_row + i * rows_per_pass, so it can widen its own e4m3 chunks
+// without a barrier.
+template <class C, int D>
+__device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, int stage, int b, int kv_head,
+                                         int start, int n0, int n_end) {
+  constexpr bool FP8 = InputStorage<C>::fp8;
+  constexpr int ELEMS = FP8 ? 16 : 8;  // elements per 16-byte chunk
+  constexpr int PER_ROW = D / ELEMS;
+  constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
+  static_assert(KV_THREADS % PER_ROW == 0 && KV_KEYS % ROWS_PER_PASS == 0, "tile must split evenly");
+  typedef typename InputStorage<C>::type S;
+  const S* kc = static_cast<const S*>(p.k_cache);
+  const S* vc = static_cast<const S*>(p.v_cache);
+  const int col = (threadIdx.x % PER_ROW) * ELEMS;
+  const int row0 = threadIdx.x / PER_ROW;
+  const bool col_ok = col < p.head_dim;
+#pragma unroll
+  for (int i = 0; i < KV_KEYS / ROWS_PER_PASS; ++i) {
+    const int n = row0 + i * ROWS_PER_PASS;
+    const bool ok = col_ok && n0 + n < n_end;
+    i64 k_off = 0, v_off = 0;
+    if (ok) kv_rows(p, b, start + n0 + n, kv_head, k_off, v_off);
+    if constexpr (FP8) {
+      cp_async_16(s.fp8.k[stage] + n * D + col, kc + k_off + col, ok ? 16 : 0);
+      cp_async_16(s.fp8.v[stage] + n * D + col, vc + v_off + col, ok ? 16 : 0);
+    } else {
+      cp_async_16(s.wide.k[stage] + swizzle<D>(n, col), kc + k_off + col, ok ? 16 : 0);
+      cp_async_16(s.wide.v[stage] + swizzle<D>(n, col), vc + v_off + col, ok ? 16 : 0);
+    }
+  }
+}
+
+// e4m3 caches: this thread's chunks of stage `stage` (kv_issue's, landed) widened exactly to T
+// into the 16-bit tiles.
 template <class T, class C, int D>
-__global__ void __launch_bounds__(KV_THREADS, 4) kv_decode(const __grid_constant__ KvParams p) {
-  typedef typename KvStore<T, C>::S S;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  KvSmem<D>& s = *reinterpret_cast<KvSmem<D>*>(smem_raw);
+__device__ __forceinline__ void kv_widen(KvTiles<C, D>& s, int stage) {
+  constexpr int PER_ROW = D / 16;
+  constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
+  const int col = (threadIdx.x % PER_ROW) * 16;
+  const int row0 = threadIdx.x / PER_ROW;
+#pragma unroll
+  for (int i = 0; i < KV_KEYS / ROWS_PER_PASS; ++i) {
+    const int n = row0 + i * ROWS_PER_PASS;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const uint4 x = *reinterpret_cast<const uint4*>((t ? s.fp8.v[stage] : s.fp8.k[stage]) + n * D + col);
+      u16* dst = t ? s.fp8.v16 : s.fp8.k16;
+      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col)) =
+          make_uint4(widen_e4m3_pair<T>(x.x, 0x1404u), widen_e4m3_pair<T>(x.x, 0x3424u),
+                     widen_e4m3_pair<T>(x.y, 0x1404u), widen_e4m3_pair<T>(x.y, 0x3424u));
+      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col + 8)) =
+          make_uint4(widen_e4m3_pair<T>(x.z, 0x1404u), widen_e4m3_pair<T>(x.z, 0x3424u),
+                     widen_e4m3_pair<T>(x.w, 0x1404u), widen_e4m3_pair<T>(x.w, 0x3424u));
+    }
+  }
+}
+
+// grid (num_splits * row_tiles, heads_kv, batch), KV_THREADS threads. Packed row m of a kv head is
+// query token m / group of query head kv_head * group + m % group; the CTA's 16 rows are one m16
+// tile of mma.sync m16n8k16. Each step's 64 keys arrive by cp.async, the next step's copies in
+// flight under this step's products (two stages). Warp w takes keys 16w .. 16w + 15 of every step
+// with its own online softmax and O; the four warps' (max, sum, O) merge once at the end.
+template <class T, class C, int D>
+__global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const __grid_constant__ KvParams p) {
+  constexpr bool FP8 = InputStorage<C>::fp8;
+  constexpr int DT = D / 8;  // n8 tiles of O per warp
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  KvTiles<C, D>& s = *reinterpret_cast<KvTiles<C, D>*>(smem_raw);
   const int split = blockIdx.x / p.row_tiles, tile = blockIdx.x % p.row_tiles;
   const int kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.heads / p.heads_kv;
@@ -227,166 +322,184 @@ __global__ void __launch_bounds__(KV_THREADS, 4) kv_decode(const __grid_constant
   const int start = kv_leftpad(p, b);
   const int seqlen_k = kv_cached(p, b) - start + kv_seqlen_new(p, b);
   const i64 first_row = kv_first_row(p, b);
-
-  // This thread's row and its lanes.
-  const int r = threadIdx.x / KV_LANES, lane = threadIdx.x % KV_LANES;
-  const int m = row0 + r;
-  const bool row_valid = m < rows;
-  const int token = row_valid ? m / group : 0, head = kv_head * group + (row_valid ? m % group : 0);
-
-  // Q rows into shared memory (rotated copy when rotary).
-  for (int i = threadIdx.x; i < KV_ROWS * D; i += KV_THREADS) {
-    const int rr = i / D, c = i % D, mm = row0 + rr;
-    float x = 0.f;
-    if (mm < rows && c < p.head_dim) {
-      const int tk = mm / group, hh = kv_head * group + mm % group;
-      if (p.q_rot) {
-        x = load_elem<T>(p.q_rot, ((first_row + tk) * p.heads + hh) * p.head_dim + c);
-      } else {
-        const i64 off = (p.cu_seqlens_q ? (first_row + tk) * p.q_row_stride
-                                        : i64(b) * p.q_batch_stride + i64(tk) * p.q_row_stride) +
-                        i64(hh) * p.q_head_stride + c;
-        x = load_elem<T>(p.q, off);
-      }
-    }
-    s.q[rr][c] = x;
-  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
 
   // Keys this CTA's rows may see: row i sees [i + shift - left, i + shift + right] with
   // shift = seqlen_k - seqlen_q, within [0, seqlen_k); the union over the tile's tokens.
   const int shift = seqlen_k - seqlen_q;
   const int tok_lo = row0 / group, tok_hi = min(rows - 1, row0 + KV_ROWS - 1) / group;
-  int key_lo = p.window_left < 0 ? 0 : max(0, tok_lo + shift - p.window_left);
-  int key_hi = p.window_right < 0 ? seqlen_k : min(seqlen_k, tok_hi + shift + p.window_right + 1);
-  // This split's share, in whole key blocks.
+  const int key_lo = p.window_left < 0 ? 0 : max(0, tok_lo + shift - p.window_left);
+  const int key_hi = p.window_right < 0 ? seqlen_k : min(seqlen_k, tok_hi + shift + p.window_right + 1);
+  // This split's share, in whole steps.
   const int blocks = (max(key_hi - key_lo, 0) + KV_KEYS - 1) / KV_KEYS;
   const int per_split = (blocks + p.num_splits - 1) / p.num_splits;
   const int split_lo = key_lo + split * per_split * KV_KEYS;
   const int split_hi = min(key_hi, split_lo + per_split * KV_KEYS);
-  // This row's own bounds.
-  const int my_lo = p.window_left < 0 ? 0 : token + shift - p.window_left;
-  const int my_hi = p.window_right < 0 ? seqlen_k : token + shift + p.window_right + 1;
+  const int steps = split_hi > split_lo ? (split_hi - split_lo + KV_KEYS - 1) / KV_KEYS : 0;
+  if (steps > 0) {
+    kv_issue<C, D>(p, s, 0, b, kv_head, start, split_lo, split_hi);
+    cp_async_commit();
+  }
 
-  constexpr int COLS = D / KV_LANES;  // output columns per thread: lane + KV_LANES * j
-  float o[COLS];
+  // Q rows into the swizzled tile (the rotated copy when rotary), 16 bytes per load, zeros past
+  // the rows and head_dim.
+  for (int i = threadIdx.x; i < KV_ROWS * D / 8; i += KV_THREADS) {
+    const int r = i / (D / 8), c = (i % (D / 8)) * 8, m = row0 + r;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (m < rows && c < p.head_dim) {
+      const int tk = m / group, hh = kv_head * group + m % group;
+      const u16* src;
+      if (p.q_rot) {
+        src = static_cast<const u16*>(p.q_rot) + ((first_row + tk) * p.heads + hh) * p.head_dim;
+      } else {
+        src = static_cast<const u16*>(p.q) +
+              (p.cu_seqlens_q ? (first_row + tk) * p.q_row_stride : i64(b) * p.q_batch_stride + i64(tk) * p.q_row_stride) +
+              i64(hh) * p.q_head_stride;
+      }
+      x = *reinterpret_cast<const uint4*>(src + c);
+    }
+    *reinterpret_cast<uint4*>(s.q + swizzle<D>(r, c)) = x;
+  }
+
+  // This thread's rows (g and g + 8 of the tile) and their key bounds.
+  const int g = lane / 4, tig = lane % 4;
+  int lo[2], hi[2];
+  bool live[2];
 #pragma unroll
-  for (int j = 0; j < COLS; ++j) o[j] = 0.f;
-  float row_max = kNegInf, row_sum = 0.f;
-  const S* kc = static_cast<const S*>(p.k_cache);
-  const S* vc = static_cast<const S*>(p.v_cache);
+  for (int h = 0; h < 2; ++h) {
+    const int m = row0 + g + 8 * h;
+    live[h] = m < rows;
+    const int token = live[h] ? m / group : 0;
+    lo[h] = max(split_lo, p.window_left < 0 ? 0 : token + shift - p.window_left);
+    hi[h] = min(split_hi, p.window_right < 0 ? seqlen_k : token + shift + p.window_right + 1);
+    if (!live[h]) hi[h] = lo[h];  // sees nothing
+  }
   // An e4m3 cache's descales: k's scales the scores (inside a softcap's tanh), v's the output.
   const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head);
-  const float descale_v = kv_descale(p.descale_v, p.descale_v_scalar, p, b, kv_head);
   const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
   const float tanh_scale = p.softcap_scale * descale_k;
 
-  for (int n0 = split_lo; n0 < split_hi; n0 += KV_KEYS) {
-    __syncthreads();  // the previous step's K, V and P reads are done (and Q is stored)
-    // K and V rows of this step, 16 bytes per load, through the page table.
-    constexpr int CHUNKS = D / 8;
-    for (int i = threadIdx.x; i < KV_KEYS * CHUNKS; i += KV_THREADS) {
-      const int n = i / CHUNKS, c = (i % CHUNKS) * 8;
-      uint4 kx = make_uint4(0, 0, 0, 0), vx = kx;
-      if (n0 + n < split_hi && c < p.head_dim) {
-        const int pos = start + n0 + n;
-        const S* kp = kc + kv_slot(p, b, pos, kv_head, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride) + c;
-        const S* vp = vc + kv_slot(p, b, pos, kv_head, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride) + c;
-        if constexpr (InputStorage<C>::fp8) {  // 8 bytes widened to 8 values of T
-          const uint2 kb = *reinterpret_cast<const uint2*>(kp), vb = *reinterpret_cast<const uint2*>(vp);
-          kx = make_uint4(widen_e4m3_pair<T>(kb.x, 0x1404u), widen_e4m3_pair<T>(kb.x, 0x3424u),
-                          widen_e4m3_pair<T>(kb.y, 0x1404u), widen_e4m3_pair<T>(kb.y, 0x3424u));
-          vx = make_uint4(widen_e4m3_pair<T>(vb.x, 0x1404u), widen_e4m3_pair<T>(vb.x, 0x3424u),
-                          widen_e4m3_pair<T>(vb.y, 0x1404u), widen_e4m3_pair<T>(vb.y, 0x3424u));
-        } else {
-          kx = *reinterpret_cast<const uint4*>(kp);
-          vx = *reinterpret_cast<const uint4*>(vp);
-        }
-      }
-      *reinterpret_cast<uint4*>(&s.k[n][c]) = kx;
-      *reinterpret_cast<uint4*>(&s.v[n][c]) = vx;
-    }
-    __syncthreads();
+  // ldmatrix addresses: Q as the A operand, this warp's 16 keys of K (B of S = Q K^T) and of V
+  // (B of O = P V, read k-major), in stage 0; a stage is KV_KEYS * D * 2 bytes further.
+  const u16* k_tile = FP8 ? s.fp8.k16 : s.wide.k[0];
+  const u16* v_tile = FP8 ? s.fp8.v16 : s.wide.v[0];
+  const FragmentAddress<D> q_frag(s.q, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const FragmentAddress<D> k_frag(k_tile, 16 * warp + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const FragmentAddress<D> v_frag(v_tile, 16 * warp + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  constexpr u32 STAGE_BYTES = KV_KEYS * D * 2;
 
-    // Scores of this row against keys lane + KV_LANES * j.
-    constexpr int KEYS_PER_LANE = KV_KEYS / KV_LANES;
-    float sc[KEYS_PER_LANE];
-    float step_max = kNegInf;
+  float o[1][DT][4];
+  clear(o);
+  OnlineSoftmax<1> softmax;
+  softmax.init();
+  for (int step = 0; step < steps; ++step) {
+    const int n0 = split_lo + step * KV_KEYS;
+    if (step + 1 < steps) {
+      kv_issue<C, D>(p, s, (step + 1) & 1, b, kv_head, start, n0 + KV_KEYS, split_hi);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    if constexpr (FP8) kv_widen<T, C, D>(s, step & 1);
+    __syncthreads();  // this step's tiles (and, the first time, Q) are in place
+    const u32 stage = FP8 ? 0u : (step & 1) * STAGE_BYTES;
+
+    float sc[1][2][4];
+    clear(sc);
+    u32 q_tiles[1][4], k_tiles[4];
+    warp_gemm<D / 16, T>(sc, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag, stage));
+    if (p.softcap_scale > 0.f) softcap_scores(sc, tanh_scale);
 #pragma unroll
-    for (int j = 0; j < KEYS_PER_LANE; ++j) {
-      const int n = lane + KV_LANES * j, key = n0 + n;
-      float acc = 0.f;
-#pragma unroll 8
-      for (int c = 0; c < D; c += 2) {
-        const float2 kk = T::unpack(*reinterpret_cast<const u32*>(&s.k[n][c]));
-        acc += s.q[r][c] * kk.x + s.q[r][c + 1] * kk.y;
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + 16 * warp + 8 * nt + 2 * tig + (e & 1), h = e / 2;
+        if (key < lo[h] || key >= hi[h]) sc[0][nt][e] = kNegInf;
       }
-      float x = p.softcap_scale > 0.f ? tanhf(acc * tanh_scale) * score_log2 : acc * score_log2;
-      if (!row_valid || key >= split_hi || key < my_lo || key >= my_hi) x = kNegInf;
-      sc[j] = x;
-      step_max = fmaxf(step_max, x);
-    }
-#pragma unroll
-    for (int off = KV_LANES / 2; off > 0; off /= 2) step_max = fmaxf(step_max, __shfl_xor_sync(~0u, step_max, off));
-    const float new_max = fmaxf(row_max, step_max);
-    const float base = new_max == kNegInf ? 0.f : new_max;
-    const float alpha = exp2f(row_max - base);  // 0 when nothing was seen (exp2(-inf))
-    float step_sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < KEYS_PER_LANE; ++j) {
-      const float e = exp2f(sc[j] - base);
-      s.p[r][lane + KV_LANES * j] = e;
-      step_sum += e;
-    }
-#pragma unroll
-    for (int off = KV_LANES / 2; off > 0; off /= 2) step_sum += __shfl_xor_sync(~0u, step_sum, off);
-    row_sum = row_sum * alpha + step_sum;
-    row_max = new_max;
-    __syncwarp();  // the row's P, written by its KV_LANES lanes of this warp
-#pragma unroll
-    for (int j = 0; j < COLS; ++j) o[j] *= alpha;
-    for (int n = 0; n < KV_KEYS; ++n) {
-      const float pn = s.p[r][n];
-#pragma unroll
-      for (int j = 0; j < COLS; j += 2) {
-        // columns lane*2 + KV_LANES*2*(j/2) and the next: pairs of 16-bit values
-        const int c = 2 * lane + 2 * KV_LANES * (j / 2);
-        const float2 vv = T::unpack(*reinterpret_cast<const u32*>(&s.v[n][c]));
-        o[j] += pn * vv.x;
-        o[j + 1] += pn * vv.y;
-      }
-    }
+    softmax.update(sc, o, score_log2);
+    u32 p_tiles[1][4], v_tiles[4];
+    warp_gemm<1, T>(o, p_tiles, v_tiles, register_operand<T>(sc), smem_operand<true>(v_frag, stage));
+    __syncthreads();  // every warp is done with this stage before the next issue overwrites it
   }
 
-  // Epilogue: this thread's columns 2 * lane + 2 * KV_LANES * (j / 2) + (j % 2).
-  if (!row_valid) return;
-  const bool empty = row_sum == 0.f;
-  const float inv = empty ? 0.f : descale_v / row_sum;
-  const float lse = empty ? kNegInf : (row_max + log2f(row_sum)) * 0.69314718055994531f;
-  const i64 grow = first_row + token;  // global row
-  if (p.num_splits == 1) {
-    u16* out = static_cast<u16*>(p.out) +
-               (p.cu_seqlens_q ? grow * p.o_row_stride : i64(b) * p.o_batch_stride + i64(token) * p.o_row_stride) +
-               i64(head) * p.o_head_stride;
+  // Merge the warps: each row's max M over the warps, its sum L = sum_w l_w 2^(m_w - M), and
+  // O = sum_w 2^(m_w - M) O_w / L, through shared memory (the tiles are free now).
+  float m_log2[2], l_row[2];
 #pragma unroll
-    for (int j = 0; j < COLS; j += 2) {
-      const int c = 2 * lane + 2 * KV_LANES * (j / 2);
-      if (c < p.head_dim) *reinterpret_cast<u32*>(out + c) = T::pack(o[j] * inv, o[j + 1] * inv);
+  for (int h = 0; h < 2; ++h) {
+    float sum = softmax.row_sum[0][h];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    l_row[h] = sum;
+    m_log2[h] = softmax.row_max[0][h] == kNegInf ? kNegInf : softmax.row_max[0][h] * score_log2;
+    if (tig == 0) {
+      s.m[warp][g + 8 * h] = m_log2[h];
+      s.l[warp][g + 8 * h] = sum;
     }
-    if (p.lse && lane == 0) {
-      const i64 at = p.cu_seqlens_q ? i64(head) * (p.cu_seqlens_q[p.batch]) + grow
-                                    : (i64(b) * p.heads + head) * p.seqlen_q + token;
-      p.lse[at] = lse;
-    }
-  } else {
-    const i64 total_rows = p.cu_seqlens_q ? i64(p.cu_seqlens_q[p.batch]) : i64(p.batch) * p.seqlen_q;
-    const i64 at = (i64(split) * p.heads + head) * total_rows + grow;
-    float* out = p.out_partial + at * p.head_dim;
+  }
+  __syncthreads();
+  const float descale_v = kv_descale(p.descale_v, p.descale_v_scalar, p, b, kv_head);
 #pragma unroll
-    for (int j = 0; j < COLS; j += 2) {
-      const int c = 2 * lane + 2 * KV_LANES * (j / 2);
-      if (c < p.head_dim) *reinterpret_cast<float2*>(out + c) = make_float2(o[j] * inv, o[j + 1] * inv);
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    float top = kNegInf;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) top = fmaxf(top, s.m[w][r]);
+    const float base = top == kNegInf ? 0.f : top;
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) total += s.l[w][r] * fast_exp2(s.m[w][r] - base);
+    const float factor = total > 0.f ? fast_exp2(m_log2[h] - base) * descale_v / total : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      s.o[warp][r][8 * dt + 2 * tig] = o[0][dt][2 * h] * factor;
+      s.o[warp][r][8 * dt + 2 * tig + 1] = o[0][dt][2 * h + 1] * factor;
     }
-    if (lane == 0) p.lse_partial[at] = lse;
+  }
+  __syncthreads();
+
+  // Epilogue: pairs of columns of the 16 rows, coalesced along each row.
+  const bool split_out = p.num_splits > 1;
+  const i64 total_rows = p.cu_seqlens_q ? i64(p.cu_seqlens_q[p.batch]) : i64(p.batch) * p.seqlen_q;
+  for (int i = threadIdx.x; i < KV_ROWS * D / 2; i += KV_THREADS) {
+    const int r = i / (D / 2), c = 2 * (i % (D / 2)), m = row0 + r;
+    if (m >= rows || c >= p.head_dim) continue;
+    float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) {
+      x0 += s.o[w][r][c];
+      x1 += s.o[w][r][c + 1];
+    }
+    const int token = m / group, head = kv_head * group + m % group;
+    const i64 grow = first_row + token;
+    if (split_out) {
+      *reinterpret_cast<float2*>(p.out_partial + ((i64(split) * p.heads + head) * total_rows + grow) * p.head_dim + c) =
+          make_float2(x0, x1);
+    } else {
+      u16* out = static_cast<u16*>(p.out) +
+                 (p.cu_seqlens_q ? grow * p.o_row_stride : i64(b) * p.o_batch_stride + i64(token) * p.o_row_stride) +
+                 i64(head) * p.o_head_stride;
+      *reinterpret_cast<u32*>(out + c) = T::pack(x0, x1);
+    }
+  }
+  if (threadIdx.x < KV_ROWS && row0 + int(threadIdx.x) < rows && (split_out || p.lse)) {
+    const int r = threadIdx.x, m = row0 + r;
+    float top = kNegInf;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) top = fmaxf(top, s.m[w][r]);
+    const float base = top == kNegInf ? 0.f : top;
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) total += s.l[w][r] * fast_exp2(s.m[w][r] - base);
+    const float lse = total > 0.f ? (base + log2f(total)) * 0.69314718055994531f : kNegInf;
+    const int token = m / group, head = kv_head * group + m % group;
+    const i64 grow = first_row + token;
+    if (split_out) {
+      p.lse_partial[(i64(split) * p.heads + head) * total_rows + grow] = lse;
+    } else {
+      p.lse[p.cu_seqlens_q ? i64(head) * total_rows + grow : (i64(b) * p.heads + head) * p.seqlen_q + token] = lse;
+    }
   }
 }
 
@@ -451,5 +564,7 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_co
 
 namespace cuflash {
 static_assert(sizeof(KvParams) == 384, "params.py KV_PARAMS mirrors KvParams");
+static_assert(sizeof(KvTiles<bf16, 128>) == 544 * 128 + 512 && sizeof(KvTiles<e4m3, 64>) == 544 * 64 + 512,
+              "dispatch.kv_smem_bytes mirrors KvTiles");
 static_assert(sizeof(CombineParams) == 168, "params.py COMBINE_PARAMS mirrors CombineParams");
 }  // namespace cuflash
