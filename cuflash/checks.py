@@ -553,6 +553,24 @@ class KvCall(NamedTuple):
     return_lse: bool
 
 
+class KvOptions(NamedTuple):
+    """attention_with_kvcache's arguments but the arrays, as passed: check_kvcache's after ``arrays``."""
+
+    cache_seqlens: Any
+    max_seqlen_q: Any
+    rotary_interleaved: Any
+    causal: Any
+    softmax_scale: Any
+    window: Any
+    softcap: Any
+    num_splits: Any
+    descale_k: Any
+    descale_v: Any
+    return_lse: Any
+    validate: Any
+    dtype: Any = None
+
+
 _KV_INT_ARRAYS = ("cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cuflash import checks, host
+from cuflash import checks, host, interop
 
 __all__ = ["attention_with_kvcache", "combine"]
 
@@ -120,13 +120,13 @@ def attention_with_kvcache(
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "page_table": page_table,
               "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "cu_seqlens_q": cu_seqlens_q,
               "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
-    call = checks.check_kvcache(arrays, cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale,
-                                window, softcap, num_splits, descale_k, descale_v, return_lse, validate, dtype)
-    if call.framework == "numpy":
-        return host.attention_with_kvcache(call)
+    options = checks.KvOptions(cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap,
+                               num_splits, descale_k, descale_v, return_lse, validate, dtype)
+    if interop.framework_of(q, "q") == "numpy":
+        return host.attention_with_kvcache(checks.check_kvcache(arrays, *options))
     from cuflash import decode  # the GPU path, imported only where it runs
 
-    return decode.attention_with_kvcache(call)
+    return decode.attention_with_kvcache(arrays, options)
 
 
 def combine(out_partial: Any, lse_partial: Any, *, out_dtype: Any = None, return_lse: bool = False) -> Any:

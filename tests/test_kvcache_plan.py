@@ -117,3 +117,78 @@ def test_fp8_cache_plan_takes_the_descales(recorder):
     p = np.frombuffer(d_arg, KV_PARAMS)[0]
     assert p["descale_k"] == 1024 * 13 and p["descale_v"] == 0
     assert p["descale_k_scalar"] == 1.0 and p["descale_v_scalar"] == 2.0
+
+
+class StandInCupyArray:
+    """What interop.describe reads of a CuPy array (shape, strides, dtype, data.ptr), and .get()
+    for the host copies that validate=True takes."""
+
+    def __init__(self, host: np.ndarray, ptr: int):
+        self.host, self.shape, self.strides, self.dtype = host, host.shape, host.strides, host.dtype
+        self.data = type("MemoryPointer", (), {"ptr": ptr, "device_id": 0})()
+
+    def get(self) -> np.ndarray:
+        return self.host
+
+
+StandInCupyArray.__module__ = "cupy.stand_in"  # interop.framework_of tells CuPy arrays by their module
+
+
+def stand_in_call(r, base: int, **options):
+    """attention_with_kvcache on stand-in GPU arrays of one decoding step (paged, append), the
+    arrays' pointers from ``base``; returns the KvParams of the decode launch."""
+    import cuflash
+
+    args = make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=64, capacity=64, page_size=16, new=1,
+                     dtype=np.float16)
+    arrays = {name: StandInCupyArray(x, base + 1024 * i) if isinstance(x, np.ndarray) else x
+              for i, (name, x) in enumerate(args.items())}
+    cuflash.attention_with_kvcache(**arrays, **options)
+    return arrays
+
+
+@pytest.fixture
+def counted_checks(recorder, monkeypatch):
+    """The checks' calls, counted; the plan cache emptied before and after."""
+    calls = []
+    check = checks.check_kvcache
+    monkeypatch.setattr(checks, "check_kvcache", lambda *args: calls.append(args) or check(*args))
+    plan.PLANS.clear()
+    yield calls
+    plan.PLANS.clear()
+
+
+def test_repeated_decode_call_skips_the_checks_and_takes_the_new_pointers(counted_checks, recorder):
+    r = np.random.default_rng(3)
+    stand_in_call(r, 1 << 20, causal=True)
+    assert len(counted_checks) == 1 and len(recorder) == 2  # append, decode
+    arrays = stand_in_call(r, 1 << 24, causal=True)
+    assert len(counted_checks) == 1 and len(recorder) == 4  # the cached plan, unchecked
+    p = np.frombuffer(recorder[-1][1], KV_PARAMS)[0]
+    assert p["q"] == arrays["q"].data.ptr and p["k_cache"] == arrays["k_cache"].data.ptr
+    assert p["cache_seqlens"] == arrays["cache_seqlens"].data.ptr and p["page_table"] == arrays["page_table"].data.ptr
+
+
+@pytest.mark.parametrize("options", [{"validate": True}, {"softmax_scale": np.float32(0.125)}, {"causal": 1}])
+def test_calls_the_key_cannot_hold_are_checked_every_time(counted_checks, recorder, options):
+    r = np.random.default_rng(4)
+    for base in (1 << 20, 1 << 24):
+        stand_in_call(r, base, **options)
+    assert len(counted_checks) == 2 and len(recorder) == 4
+
+
+@pytest.mark.parametrize("options, error", [({"num_splits": -1}, ValueError), ({"num_splits": True}, TypeError),
+                                            ({"softcap": -1.0}, ValueError), ({"window": (-2, 0)}, ValueError)])
+def test_a_bad_option_raises_after_a_good_call_of_the_same_layout(counted_checks, recorder, options, error):
+    r = np.random.default_rng(5)
+    stand_in_call(r, 1 << 20)
+    with pytest.raises(error):
+        stand_in_call(r, 1 << 24, **options)
+    assert len(recorder) == 2  # nothing launched for the bad call
+
+
+def test_misaligned_cache_refused_after_an_aligned_call(counted_checks, recorder):
+    r = np.random.default_rng(6)
+    stand_in_call(r, 1 << 20)
+    with pytest.raises(ValueError, match="k_cache: data pointer and strides must be 16-byte aligned"):
+        stand_in_call(r, (1 << 24) + 8)
