@@ -31,6 +31,17 @@ def to_device(value):
     return cp.asarray(value.view(np.uint8) if value.dtype == E4M3 else value)
 
 
+def to_torch(x: np.ndarray):
+    """A NumPy argument as a torch CUDA tensor (bf16 and e4m3 through their bits)."""
+    import torch
+
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
+    if x.dtype == E4M3:
+        return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn).cuda()
+    return torch.from_numpy(x).cuda()
+
+
 def check(args: dict, **options):
     """One call on device copies of ``args`` (NumPy, 16-bit) with ``options``, checked against the
     reference: out and lse by the rule, the caches byte for byte but the appended rows (rotated
@@ -215,17 +226,10 @@ def test_fp8_cache_torch():
     descale_k = np.array([[0.5, 1.0], [2.0, 0.25]], np.float32)
     ref_out, _, ref_k, _ = kvcache_reference(**reference_args(args), descale_k=descale_k, descale_v=0.5)
 
-    def dev(x):
-        if x.dtype == BF16:
-            return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
-        if x.dtype == E4M3:
-            return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn).cuda()
-        return torch.from_numpy(x).cuda()
-
-    k_cache, v_cache = dev(args["k_cache"]), dev(args["v_cache"])
-    out = flash_attn_with_kvcache(dev(args["q"]), k_cache, v_cache, dev(args["k"]), dev(args["v"]),
-                                  cache_seqlens=dev(args["cache_seqlens"]), page_table=dev(args["page_table"]),
-                                  k_descale=dev(descale_k), v_descale=0.5)
+    k_cache, v_cache = to_torch(args["k_cache"]), to_torch(args["v_cache"])
+    out = flash_attn_with_kvcache(to_torch(args["q"]), k_cache, v_cache, to_torch(args["k"]), to_torch(args["v"]),
+                                  cache_seqlens=to_torch(args["cache_seqlens"]),
+                                  page_table=to_torch(args["page_table"]), k_descale=to_torch(descale_k), v_descale=0.5)
     assert same_bytes(k_cache.cpu().view(torch.uint8).numpy().view(E4M3), ref_k)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref_out, atol=2e-2, rtol=2e-2)
 
@@ -256,13 +260,52 @@ def test_torch_flash_attn_with_kvcache_updates_the_cache():
     args = case(r, batch=2, seqlen_q=1, new=1, page_size=16, capacity=64, heads=8, heads_kv=2)
     ref_out, _, ref_k, _ = kvcache_reference(**reference_args(args))
 
-    def dev(x):
-        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda() if x.dtype == BF16 else \
-            torch.from_numpy(x).cuda()
-
-    k_cache, v_cache = dev(args["k_cache"]), dev(args["v_cache"])
-    out = flash_attn_with_kvcache(dev(args["q"]), k_cache, v_cache, dev(args["k"]), dev(args["v"]),
-                                  cache_seqlens=dev(args["cache_seqlens"]), page_table=dev(args["page_table"]))
+    k_cache, v_cache = to_torch(args["k_cache"]), to_torch(args["v_cache"])
+    out = flash_attn_with_kvcache(to_torch(args["q"]), k_cache, v_cache, to_torch(args["k"]), to_torch(args["v"]),
+                                  cache_seqlens=to_torch(args["cache_seqlens"]),
+                                  page_table=to_torch(args["page_table"]))
     assert isinstance(out, torch.Tensor) and out.is_cuda
     assert same_bytes(k_cache.cpu().view(torch.int16).numpy().view(BF16), ref_k)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_torch_cuda_graph_replays_with_new_cache_and_q(num_splits):
+    """flash_attn_with_kvcache with an append, captured in a torch CUDA graph (no synchronisation,
+    nothing allocated but through torch's allocator, or the capture fails) and replayed after the
+    cache, q, new tokens, lengths and page table are overwritten in place: each replay matches the
+    reference of what the tensors then hold."""
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_with_kvcache
+
+    r = np.random.default_rng(13)
+    shape = dict(batch=3, seqlen_q=2, new=2, heads=8, heads_kv=2, head_dim=128, capacity=640, page_size=16)
+    steps = [case(r, **shape, lens=lens) for lens in ([0, 17, 638], [300, 1, 64])]
+    names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table")
+    static = {name: to_torch(steps[0][name]) for name in names}
+
+    def step():
+        return flash_attn_with_kvcache(static["q"], static["k_cache"], static["v_cache"], static["k"], static["v"],
+                                       cache_seqlens=static["cache_seqlens"], page_table=static["page_table"],
+                                       causal=True, num_splits=num_splits)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles, loads and caches the plan outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for args in steps:
+        for name in names:
+            static[name].copy_(to_torch(args[name]))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, _, ref_k, ref_v = kvcache_reference(**reference_args(args), causal=True)
+        lowp_out = kvcache_reference(**reference_args(args), causal=True, dtype=BF16)[0]
+        ok, err, bound = max_error_bound(out.cpu().view(torch.int16).numpy().view(BF16), ref_out, lowp_out,
+                                         atol=ATOL)
+        assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"
+        for name, ref in (("k_cache", ref_k), ("v_cache", ref_v)):
+            assert same_bytes(static[name].cpu().view(torch.int16).numpy().view(BF16), ref), name
