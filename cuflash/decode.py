@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from cuflash import checks, interop, plan
 
 __all__ = ["attention_with_kvcache", "combine"]
@@ -60,6 +62,8 @@ def _unchecked_key(arrays: dict, options: checks.KvOptions) -> tuple | None:
             tensors.append(None)
             layouts.append(x)
             continue
+        if isinstance(x, np.generic) or not hasattr(x, "shape"):  # another number (np.int32 cache_seqlens)
+            return None
         kind = interop.framework_of(x, name)
         if kind == "numpy":
             return None

@@ -143,7 +143,7 @@ def stand_in_call(r, base: int, **options):
                      dtype=np.float16)
     arrays = {name: StandInCupyArray(x, base + 1024 * i) if isinstance(x, np.ndarray) else x
               for i, (name, x) in enumerate(args.items())}
-    cuflash.attention_with_kvcache(**arrays, **options)
+    cuflash.attention_with_kvcache(**(arrays | options))
     return arrays
 
 
@@ -169,7 +169,8 @@ def test_repeated_decode_call_skips_the_checks_and_takes_the_new_pointers(counte
     assert p["cache_seqlens"] == arrays["cache_seqlens"].data.ptr and p["page_table"] == arrays["page_table"].data.ptr
 
 
-@pytest.mark.parametrize("options", [{"validate": True}, {"softmax_scale": np.float32(0.125)}, {"causal": 1}])
+@pytest.mark.parametrize("options", [{"validate": True}, {"softmax_scale": np.float32(0.125)}, {"causal": 1},
+                                     {"cache_seqlens": np.int32(5)}])
 def test_calls_the_key_cannot_hold_are_checked_every_time(counted_checks, recorder, options):
     r = np.random.default_rng(4)
     for base in (1 << 20, 1 << 24):
@@ -178,7 +179,8 @@ def test_calls_the_key_cannot_hold_are_checked_every_time(counted_checks, record
 
 
 @pytest.mark.parametrize("options, error", [({"num_splits": -1}, ValueError), ({"num_splits": True}, TypeError),
-                                            ({"softcap": -1.0}, ValueError), ({"window": (-2, 0)}, ValueError)])
+                                            ({"softcap": -1.0}, ValueError), ({"window": (-2, 0)}, ValueError),
+                                            ({"cache_seqlens": 5.0}, TypeError)])
 def test_a_bad_option_raises_after_a_good_call_of_the_same_layout(counted_checks, recorder, options, error):
     r = np.random.default_rng(5)
     stand_in_call(r, 1 << 20)
