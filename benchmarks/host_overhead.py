@@ -1,7 +1,7 @@
 """Host cost per call of cuflash's entry points on a GPU: a tiny shape, so the kernels take a few
 microseconds and the figure is the Python and driver work of one call (the target: < 20 us per
-launch; torch SDPA ~10-20 us per call). CuPy inputs always; torch inputs and torch SDPA next to
-them when torch is installed.
+launch, and per decoding step of attention_with_kvcache; torch SDPA ~10-20 us per call). CuPy
+inputs always; torch inputs and torch SDPA next to them when torch is installed.
 
     PYTHONPATH=. python benchmarks/host_overhead.py [--calls N] [--profile NAME]
 
@@ -60,6 +60,20 @@ def _cases(cp, torch):
         "attention_varlen_backward validate=False, CuPy": lambda: cuflash.attention_varlen_backward(
             dout.reshape(128, 1, 64), packed, packed, packed, out_p, lse_p, cu, cu, 64, 64, validate=False),
     }
+    # A decoding step: one token of 32 query heads over 8 kv heads, d128, appended to a paged cache
+    # of 4096 positions (pages of 16); num_splits derived from the capacity, as a serving loop calls it.
+    q1, new = random_normal((1, 1, 32, 128), "bfloat16", 4), random_normal((1, 1, 8, 128), "bfloat16", 5)
+    cache = random_normal((256, 16, 8, 128), "bfloat16", 6)
+    table = cp.arange(256, dtype=cp.int32).reshape(1, 256)
+    lengths = cp.asarray([4000], dtype=cp.int32)
+    cases["attention_with_kvcache paged, append, CuPy"] = lambda: cuflash.attention_with_kvcache(
+        q1, cache, cache, new, new, cache_seqlens=lengths, page_table=table, causal=True)
+    if torch is not None:
+        from cuflash.torch import flash_attn_with_kvcache
+
+        tq1, tnew, tcache, ttable, tlengths = (torch.from_dlpack(x) for x in (q1, new, cache, table, lengths))
+        cases["flash_attn_with_kvcache paged, append, torch"] = lambda: flash_attn_with_kvcache(
+            tq1, tcache, tcache, tnew, tnew, cache_seqlens=tlengths, page_table=ttable, causal=True)
     if torch is not None:
         tq, tk, tv, tdout = (torch.from_dlpack(x) for x in (q, k, v, dout))
         tout, tlse = cuflash.attention(tq, tk, tv, return_lse=True)

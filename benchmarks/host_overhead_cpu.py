@@ -121,6 +121,11 @@ def main() -> None:
         "attention_varlen_backward (validate=False)": lambda: cuflash.attention_varlen_backward(
             out_p, packed, packed, packed, out_p, lse_p, cu, cu, 64, 64, validate=False),
     }
+    if hasattr(cuflash, "attention_with_kvcache"):  # a decoding step: 32/8 heads, d128, pages of 16, an append
+        q1, new = tensor((1, 1, 32, 128)), tensor((1, 1, 8, 128))
+        cache, table, lengths = tensor((64, 16, 8, 128)), cupy.ndarray((1, 16), np.int32), cupy.ndarray((1,), np.int32)
+        cases["attention_with_kvcache (paged, append)"] = lambda: cuflash.attention_with_kvcache(
+            q1, cache, cache, new, new, cache_seqlens=lengths, page_table=table, causal=True)
     for name, call in cases.items():
         call()
         best = float("inf")

@@ -3,8 +3,9 @@
 __version__ = "0.1.0"
 
 from cuflash.api import attention, attention_backward, explain
+from cuflash.kvcache import attention_with_kvcache, combine
 from cuflash.quantize import quantize_fp8
 from cuflash.varlen import attention_varlen, attention_varlen_backward
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "explain",
-           "quantize_fp8", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
+           "combine", "explain", "quantize_fp8", "__version__"]

@@ -2,7 +2,8 @@
 
 Without a GPU it checks the CPU path and compiles one kernel, in seconds.
 ``python -m cuflash bench [--quick | --memory]`` times cuflash next to its peers (see
-cuflash/bench.py); ``python -m cuflash compile-check --arch sm_80`` compiles every kernel
+cuflash/bench.py; ``--mode decode`` decoding against a KV cache, cuflash/bench_decode.py);
+``python -m cuflash compile-check --arch sm_80`` compiles every kernel
 instantiation for one architecture with NVRTC, in parallel (no GPU needed), and gives a verdict on
 the spills (cuflash/compile_check.py).
 """
@@ -20,6 +21,7 @@ import numpy as np
 
 import cuflash
 from cuflash import bench as bench_module
+from cuflash import bench_decode
 from cuflash import compile_check, dispatch, kernels, nvrtc, reference
 from cuflash.device import gpu_unavailable
 
@@ -161,20 +163,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compiler processes (default: one per CPU)")
     check.add_argument("--details", action="store_true", help="each kernel's registers, spills and compile time")
     bench = sub.add_parser("bench", help="cuflash next to its peers (TFLOP/s table, JSON, plot), or --memory")
-    bench.add_argument("--quick", action="store_true", help="head_dim 128, seqlen 1024 and 4096 only")
+    bench.add_argument("--quick", action="store_true", help="head_dim 128, seqlen 1024 and 4096 only; decode: "
+                                                                "batch 1 and 64, context 8k and 32k, 1 query token, "
+                                                                "32/8 heads, contiguous and page 64")
     bench.add_argument("--dtype", choices=bench_module.DTYPES, default="bfloat16",
                        help="e4m3: the FP8 forward next to cuDNN's FP8 attention and cuflash's bf16")
     bench.add_argument("--head-dims", type=_head_dims, help="e.g. '64,128,256' (default: 64 128 256)")
     bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
-    bench.add_argument("--mode", choices=bench_module.MODES, default="fwd",
-                       help="what one timed call does: forward, backward (forward run untimed) or both")
+    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode"], default="fwd",
+                       help="what one timed call does: forward, backward (forward run untimed) or both; or decode: "
+                            "a decoding step against a KV cache, in GB/s (its own sweep, --batches, --contexts)")
     bench.add_argument("--family", choices=["auto", *dispatch.FAMILIES], default="auto",
                        help="cuflash kernel family (sm90 runs sm80's forward for tensors no tensor map describes, "
                             "and sm80's backward for head dims above 128; the compilation notes name "
                             "each kernel)")
     bench.add_argument("--impls", nargs="+", choices=bench_module.IMPLEMENTATIONS,
                        default=list(bench_module.IMPLEMENTATIONS), help="what to time (peers that are not installed are skipped)")
+    bench.add_argument("--batches", type=_positive_ints, help="decode: e.g. '1 64' (default: 1 8 64 256)")
+    bench.add_argument("--contexts", type=_positive_ints,
+                       help="decode: cached tokens per sequence, e.g. '8192 32768' (default: 1k 8k 32k 128k)")
     bench.add_argument("--repeats", type=int, default=10, help="timed samples per case (median reported)")
     bench.add_argument("--memory", action="store_true",
                        help="the IO and memory report instead of the sweep: peak memory, time and modelled "
@@ -185,10 +193,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def bench(args: argparse.Namespace, argv: list[str]) -> int:
+def mode_conflict(args: argparse.Namespace) -> str | None:
+    """Why the options do not go together (decode has its own sweep), or None."""
+    decode = args.mode == "decode"
+    given = [option for option, value in (("--memory", args.memory), ("--head-dims", args.head_dims),
+                                          ("--seqlens", args.seqlens), ("--batches", args.batches),
+                                          ("--contexts", args.contexts)) if value]
+    wrong = [o for o in given if (o in ("--batches", "--contexts")) != decode]
+    if wrong:
+        return f"{', '.join(wrong)} {'do not apply to' if decode else 'only apply to'} --mode decode"
     if args.dtype == "e4m3" and (args.mode != "fwd" or args.memory):
-        print("python -m cuflash bench: --dtype e4m3 times the forward only (FP8 has no backward); "
-              "drop --mode/--memory", file=sys.stderr)
+        return "--dtype e4m3 times the forward only (FP8 has no backward; decode times FP8 caches itself)"
+    return None
+
+
+def bench_decode_sweep(args: argparse.Namespace, command: str, out: Path) -> int:
+    sweep = bench_decode.sweep(bench_decode.available_impls(args.impls), args.quick, args.batches, args.contexts)
+    report = bench_decode.run_sweep(sweep, args.dtype, repeats=args.repeats, command=command)
+    print(bench_decode.markdown_table(report))
+    for line in bench_decode.write_outputs(report, out):
+        print(line)
+    return 0
+
+
+def bench(args: argparse.Namespace, argv: list[str]) -> int:
+    conflict = mode_conflict(args)
+    if conflict is not None:
+        print(f"python -m cuflash bench: {conflict}", file=sys.stderr)
         return 2
     reason = gpu_unavailable()
     if reason is not None:
@@ -198,6 +229,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     command = f"python -m cuflash {shlex.join(argv)}"
     out = args.out or Path(f"cuflash-bench-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
+    if args.mode == "decode":
+        return bench_decode_sweep(args, command, out)
     if args.memory:
         rows = bench_module.memory_report(args.dtype, args.seqlens or bench_module.MEMORY_SEQLENS)
         print(bench_module.memory_table(rows) + bench_module.write_memory_outputs(rows, command, out))

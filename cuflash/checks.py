@@ -17,13 +17,17 @@ import numpy as np
 from cuflash import dispatch, interop
 
 __all__ = [
+    "CombineCall",
     "FP8_DTYPE",
     "Fp8",
+    "KvCall",
     "Lengths",
     "as_batch_of_one",
     "check_backward",
     "check_backward_inputs",
+    "check_combine",
     "check_forward",
+    "check_kvcache",
     "check_out",
     "check_qkv",
     "check_varlen",
@@ -277,6 +281,11 @@ class Lengths(NamedTuple):
     batch: int
     max_seqlen_q: int | None
     max_seqlen_k: int | None = None
+    # seqused_q / seqused_k: host int64 copies (None unless NumPy or validated) and DeviceTensors.
+    used_q: np.ndarray | None = None
+    used_k: np.ndarray | None = None
+    device_used_q: Any = None
+    device_used_k: Any = None
 
 
 def _cumulative_lengths(name: str, cu: Any, on_device: bool, device: int | None,
@@ -362,6 +371,34 @@ def check_varlen(arrays: dict, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     if max_seqlen_k is None and cu_k is not None:
         max_seqlen_k = int(np.diff(cu_k).max())
     return kind, tensors, Lengths(cu_q, cu_k, cu_q_t, cu_k_t, batch, max_seqlen_q, max_seqlen_k)
+
+
+def check_seqused(lengths: Lengths, seqused_q: Any, seqused_k: Any, on_device: bool, device: int | None,
+                  validate: bool) -> Lengths:
+    """``lengths`` with the used prefixes of a packed forward: each None or int32 (batch,),
+    contiguous, on q's side and device; their values (0 <= seqused[i] <= sequence i's length) are
+    checked on the host, and for GPU arrays with ``validate`` (a device-to-host copy)."""
+    found = {}
+    for name, used, cu in (("seqused_q", seqused_q, lengths.host_q), ("seqused_k", seqused_k, lengths.host_k)):
+        if used is None:
+            found[name] = (None, None)
+            continue
+        kind = interop.framework_of(used, name)
+        if (kind == "numpy") == on_device:
+            raise TypeError(f"{name}: must be on the same side as q ({'GPU' if on_device else 'NumPy'})")
+        t = interop.describe(used, kind, name) if on_device else used
+        _int_array(name, t, (lengths.batch,), on_device, device)
+        host = None
+        if not on_device or validate:
+            host = _host_values(t, kind)
+            sizes = np.diff(cu)
+            bad = np.flatnonzero((host < 0) | (host > sizes))
+            if bad.size:
+                i = bad[0]
+                raise ValueError(f"{name}: entry {i} ({host[i]}) is outside 0..{sizes[i]}, sequence {i}'s length")
+        found[name] = (host, t if on_device else None)
+    (used_q, device_q), (used_k, device_k) = found["seqused_q"], found["seqused_k"]
+    return lengths._replace(used_q=used_q, used_k=used_k, device_used_q=device_q, device_used_k=device_k)
 
 
 def check_varlen_grid(lengths: Lengths) -> None:
@@ -475,3 +512,399 @@ def declared_dtype(name: str, x: Any, dtype: Any) -> Any:
         return x._replace(dtype=FP8_DTYPE)
     return x.view(ml_dtypes.float8_e4m3fn)
 
+
+
+# Attention against a KV cache (kvcache.py).
+
+class KvCall(NamedTuple):
+    """A checked attention_with_kvcache call. ``tensors``: by argument name, DeviceTensors (GPU) or
+    NumPy arrays, for every array given (q, k_cache, v_cache, k, v, cache_seqlens, page_table,
+    cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin). ``host``: int64 host
+    copies of the integer arrays whose values were read (all of them on the CPU path, only with
+    validate on the GPU). ``cache_seqlens``: None (the whole capacity), an int, or the array in
+    ``tensors``. ``seqlen_new``: tokens appended per sequence (fixed-length q; with cu_seqlens_q
+    each sequence appends as many as it has queries), 0 when k, v are not given."""
+
+    framework: str
+    tensors: dict
+    host: dict
+    batch: int
+    max_seqlen_q: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    page_size: int  # 0: a contiguous cache
+    capacity: int  # positions per sequence: seqlen_cache, or max_pages * page_size
+    seqlen_new: int
+    varlen: bool
+    cache_seqlens: Any
+    scale: float
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    rotary_dim: int  # 0: no rotary
+    rotary_interleaved: bool
+    rotary_per_row: bool
+    num_splits: int
+    descale_k: Any  # FP8 cache: float or (batch, heads_kv) float32 array; else None
+    descale_v: Any
+    return_lse: bool
+
+
+class KvOptions(NamedTuple):
+    """attention_with_kvcache's arguments but the arrays, as passed: check_kvcache's after ``arrays``."""
+
+    cache_seqlens: Any
+    max_seqlen_q: Any
+    rotary_interleaved: Any
+    causal: Any
+    softmax_scale: Any
+    window: Any
+    softcap: Any
+    num_splits: Any
+    descale_k: Any
+    descale_v: Any
+    return_lse: Any
+    validate: Any
+    dtype: Any = None
+
+
+_KV_INT_ARRAYS = ("cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q")
+
+
+def _int_array(name: str, t, shape: tuple[int, ...], on_device: bool, device) -> None:
+    """An int32 argument of ``shape``, contiguous (the kernels index it directly), on q's device."""
+    if dtype_name(t) != "int32":
+        raise TypeError(f"{name}: expected int32, got {dtype_name(t)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+    dense = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    if any(s != d for s, d, n in zip(element_strides(t), dense, shape) if n > 1):
+        raise ValueError(f"{name}: must be contiguous (the kernels index it directly)")
+    if on_device and t.device != device:
+        raise ValueError(f"{name}: on device {t.device}, but q is on device {device}")
+
+
+def _host_values(t, kind: str) -> np.ndarray:
+    """An int array's values on the host, int64 (a device-to-host copy for GPU arrays)."""
+    if isinstance(t, interop.DeviceTensor):
+        host = t.native.cpu().numpy() if kind == "torch" else t.native.get()
+        return np.asarray(host).astype(np.int64)
+    return np.asarray(t).astype(np.int64)
+
+
+def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_interleaved: Any, causal: Any,
+                  softmax_scale: Any, window: Any, softcap: Any, num_splits: Any, descale_k: Any, descale_v: Any,
+                  return_lse: Any, validate: Any, dtype: Any = None) -> KvCall:
+    """attention_with_kvcache's arguments: ``arrays`` by name (None where not given), the rest as
+    passed; ``dtype`` ("e4m3" or None) declares uint8 caches as e4m3 bytes. Everything is checked here, before any launch, alike for NumPy and GPU arrays; the
+    values of the integer arrays are checked where they are on the host, and with
+    ``validate=True`` for GPU arrays (a device-to-host copy and a synchronisation)."""
+    given = {name: x for name, x in arrays.items() if x is not None}
+    if isinstance(cache_seqlens, (numbers.Integral,)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        cache_seqlens = int(cache_seqlens)
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens: must be >= 0, got {cache_seqlens}")
+    elif cache_seqlens is not None:
+        given["cache_seqlens"] = cache_seqlens
+    kind = framework(given)
+    on_device = kind != "numpy"
+    t = {name: interop.describe(x, interop.framework_of(x, name), name) if on_device else x
+         for name, x in given.items()}
+    validate, return_lse = resolve_flag("validate", validate), resolve_flag("return_lse", return_lse)
+    causal, rotary_interleaved = resolve_flag("causal", causal), resolve_flag("rotary_interleaved", rotary_interleaved)
+    window, softcap = resolve_window(window), resolve_softcap(softcap)
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__}")
+    if num_splits < 0:
+        raise ValueError(f"num_splits: must be >= 0 (0 chooses), got {num_splits}")
+    num_splits = int(num_splits)
+
+    t["k_cache"], t["v_cache"] = (declared_dtype(name, t[name], dtype) for name in ("k_cache", "v_cache"))
+    q, kc, vc = t["q"], t["k_cache"], t["v_cache"]
+    varlen = "cu_seqlens_q" in t
+    if q.ndim != (3 if varlen else 4):
+        expected = "(total_q, heads, head_dim) with cu_seqlens_q" if varlen else "(batch, seqlen_q, heads, head_dim)"
+        raise ValueError(f"q: expected {3 if varlen else 4} dims {expected}, got shape {tuple(q.shape)}")
+    for name, x in (("k_cache", kc), ("v_cache", vc)):
+        if x.ndim != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch_cache, seqlen_cache, heads_kv, head_dim), or "
+                             f"(num_pages, page_size, heads_kv, head_dim) with page_table, got shape {tuple(x.shape)}")
+    if tuple(vc.shape) != tuple(kc.shape):
+        raise ValueError(f"v_cache: shape {tuple(vc.shape)} must equal k_cache's {tuple(kc.shape)}")
+    allowed = DEVICE_DTYPES if on_device else HOST_DTYPES
+    q_dtype = _check_dtype("q", q, allowed, on_device)
+    cache_dtype = dtype_name(kc)
+    fp8_cache = cache_dtype == FP8_DTYPE
+    if fp8_cache:
+        if q_dtype not in ("float16", "bfloat16", "float32", "float64"):
+            raise TypeError(f"q: dtype {q_dtype} is not supported with an FP8 cache")
+    elif cache_dtype != q_dtype:
+        raise TypeError(f"k_cache: dtype {cache_dtype} does not match q's {q_dtype} (or float8_e4m3fn, an FP8 cache)")
+    if dtype_name(vc) != cache_dtype:
+        raise TypeError(f"v_cache: dtype {dtype_name(vc)} does not match k_cache's {cache_dtype}")
+    heads, head_dim = q.shape[-2], q.shape[-1]
+    heads_kv = kc.shape[2]
+    if kc.shape[3] != head_dim:
+        raise ValueError(f"k_cache: head_dim {kc.shape[3]} must equal q's {head_dim}")
+    if heads < 1 or heads_kv < 1 or heads % heads_kv:
+        raise ValueError(f"k_cache: heads_kv ({heads_kv}) must divide q's heads ({heads}) for GQA/MQA")
+    if head_dim < 8 or head_dim % 8 or head_dim > 256:
+        raise ValueError(f"q: head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
+    if fp8_cache and on_device and head_dim % 16:
+        raise ValueError(f"q: an FP8 cache on the GPU takes head_dim a multiple of 16 (16-byte rows), got "
+                         f"{head_dim}")
+    for name, x in (("q", q), ("k_cache", kc), ("v_cache", vc)):
+        if 0 not in x.shape and element_strides(x)[-1] != 1:
+            raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
+        if on_device and x.device != q.device:
+            raise ValueError(f"{name}: on device {x.device}, but q is on device {q.device}")
+    if on_device:
+        for name in ("k_cache", "v_cache"):
+            if not t[name].aligned_16:
+                raise ValueError(f"{name}: data pointer and strides must be 16-byte aligned (the cache is updated "
+                                 f"in place, so it cannot be copied to an aligned buffer)")
+    device = q.device if on_device else None
+
+    if varlen:
+        cu = t["cu_seqlens_q"]
+        if dtype_name(cu) != "int32" or cu.ndim != 1 or cu.shape[0] < 2:
+            raise (TypeError if dtype_name(cu) != "int32" else ValueError)(
+                f"cu_seqlens_q: expected int32 of shape (batch + 1,) with batch >= 1, got {dtype_name(cu)} "
+                f"{tuple(cu.shape)}")
+        batch = cu.shape[0] - 1
+        _int_array("cu_seqlens_q", cu, (batch + 1,), on_device, device)
+    else:
+        if max_seqlen_q is not None:
+            raise ValueError("max_seqlen_q: only taken with cu_seqlens_q (a packed q)")
+        batch = q.shape[0]
+    if batch < 1:
+        raise ValueError(f"q: batch must be at least 1, got {batch}")
+
+    paged = "page_table" in t
+    if paged:
+        if "cache_batch_idx" in t:
+            raise ValueError("cache_batch_idx: not taken with a page_table (the table says which pages a row reads)")
+        pt = t["page_table"]
+        if pt.ndim != 2:
+            raise ValueError(f"page_table: expected shape (batch, max_pages), got {tuple(pt.shape)}")
+        _int_array("page_table", pt, (batch, pt.shape[1]), on_device, device)
+        page_size = kc.shape[1]
+        capacity = pt.shape[1] * page_size
+        if page_size < 1:
+            raise ValueError("k_cache: page_size (dimension 1 of a paged cache) must be at least 1")
+    else:
+        page_size, capacity = 0, kc.shape[1]
+        if "cache_batch_idx" in t:
+            _int_array("cache_batch_idx", t["cache_batch_idx"], (batch,), on_device, device)
+        elif kc.shape[0] < batch:
+            raise ValueError(f"k_cache: batch_cache ({kc.shape[0]}) is smaller than q's batch ({batch}); pass "
+                             f"cache_batch_idx to pick rows")
+    for name in ("cache_seqlens", "cache_leftpad"):
+        if name in t:
+            _int_array(name, t[name], (batch,), on_device, device)
+
+    # New tokens.
+    if ("k" in t) != ("v" in t):
+        raise ValueError("k, v: pass both new keys and new values, or neither")
+    seqlen_new = 0
+    if "k" in t:
+        k, v = t["k"], t["v"]
+        expected = ((q.shape[0], heads_kv, head_dim) if varlen else (batch, None, heads_kv, head_dim))
+        for name, x in (("k", k), ("v", v)):
+            if x.ndim != len(expected) or any(e is not None and e != s for e, s in zip(expected, x.shape)):
+                layout = ("(total_q, heads_kv, head_dim), sharing cu_seqlens_q" if varlen
+                          else "(batch, seqlen_new, heads_kv, head_dim)")
+                raise ValueError(f"{name}: expected {layout} = {tuple('*' if e is None else e for e in expected)}, "
+                                 f"got {tuple(x.shape)}")
+            if dtype_name(x) != q_dtype:
+                raise TypeError(f"{name}: dtype {dtype_name(x)} does not match q's {q_dtype}")
+            if 0 not in x.shape and element_strides(x)[-1] != 1:
+                raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
+            if on_device and x.device != device:
+                raise ValueError(f"{name}: on device {x.device}, but q is on device {device}")
+        if tuple(v.shape) != tuple(k.shape):
+            raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens: required when k, v are appended (where the new tokens go)")
+        seqlen_new = None if varlen else k.shape[1]
+
+    # The packed lengths.
+    host = {}
+    read_values = validate or not on_device
+    if varlen:
+        cu_host = _host_values(t["cu_seqlens_q"], kind) if read_values or max_seqlen_q is None else None
+        _check_lengths("cu_seqlens_q", cu_host, q.shape[0], max_seqlen_q, "max_seqlen_q", read_values)
+        if cu_host is not None:
+            host["cu_seqlens_q"] = cu_host
+        if max_seqlen_q is None:
+            max_seqlen_q = int(np.diff(cu_host).max())
+        max_seqlen_q = int(max_seqlen_q)
+        if "k" in t:
+            seqlen_new = max_seqlen_q  # the longest append
+    else:
+        max_seqlen_q = q.shape[1]
+    if seqlen_new and seqlen_new > capacity:
+        raise ValueError(f"k: {seqlen_new} new tokens do not fit a cache of {capacity} positions per sequence")
+    if type(cache_seqlens) is int:
+        if cache_seqlens > capacity:
+            raise ValueError(f"cache_seqlens: {cache_seqlens} is beyond the cache's {capacity} positions")
+        if cache_seqlens + (seqlen_new or 0) > capacity:
+            raise ValueError(f"k: the cache is too small for the append: cache_seqlens {cache_seqlens} + "
+                             f"{seqlen_new} new tokens > {capacity} positions")
+
+    # Rotary.
+    rotary_dim, per_row = 0, False
+    if ("rotary_cos" in t) != ("rotary_sin" in t):
+        raise ValueError("rotary_cos, rotary_sin: pass both or neither")
+    if "rotary_cos" in t:
+        if "k" not in t:
+            raise ValueError("rotary_cos: rotary embedding is applied with an append; pass k and v")
+        cos, sin = t["rotary_cos"], t["rotary_sin"]
+        if cos.ndim != 2 or tuple(sin.shape) != tuple(cos.shape):
+            raise ValueError(f"rotary_cos, rotary_sin: expected equal shapes (seqlen_ro, rotary_dim / 2), got "
+                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        rotary_dim = 2 * cos.shape[1]
+        if rotary_dim < 2 or rotary_dim > head_dim:
+            raise ValueError(f"rotary_cos: rotary_dim (2 x {cos.shape[1]}) must be between 2 and head_dim {head_dim}")
+        if cos.shape[0] < capacity:
+            raise ValueError(f"rotary_cos: {cos.shape[0]} positions, but the cache holds {capacity}")
+        rot_dtypes = (q_dtype, "float32") if on_device else HOST_DTYPES
+        for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+            if dtype_name(x) not in rot_dtypes:
+                raise TypeError(f"{name}: expected {' or '.join(rot_dtypes)}, got {dtype_name(x)}")
+            if dtype_name(x) != dtype_name(cos):
+                raise TypeError("rotary_sin: dtype must match rotary_cos's")
+            if 0 not in x.shape and (element_strides(x)[1] != 1 or element_strides(x)[0] != x.shape[1]):
+                raise ValueError(f"{name}: must be contiguous")
+            if on_device and x.device != device:
+                raise ValueError(f"{name}: on device {x.device}, but q is on device {device}")
+        from cuflash.reference_kvcache import rotary_per_row
+        per_row = rotary_per_row(causal, window, capacity, max_seqlen_q)
+        if per_row and not varlen and max_seqlen_q > seqlen_new:
+            raise ValueError(f"q: with rotary embedding and a causal or local mask, row i is rotated at "
+                             f"cache_seqlens + i, so seqlen_q ({max_seqlen_q}) may not exceed the new tokens "
+                             f"({seqlen_new})")
+
+    # FP8 cache descales.
+    if fp8_cache:
+        descale_k, descale_v = (_resolve_descale(name, value, (batch, heads_kv), q, on_device)
+                                for name, value in (("descale_k", descale_k), ("descale_v", descale_v)))
+    else:
+        for name, value in (("descale_k", descale_k), ("descale_v", descale_v)):
+            if value is not None:
+                raise ValueError(f"{name}: only an FP8 (float8_e4m3fn) cache takes it, but k_cache is {cache_dtype}")
+        descale_k = descale_v = None
+
+    # Values of the integer arrays.
+    if read_values:
+        for name in _KV_INT_ARRAYS:
+            if name in t and name not in host:
+                host[name] = _host_values(t[name], kind)
+        _check_kv_values(host, cache_seqlens, batch, capacity, page_size, kc.shape[0], seqlen_new,
+                         varlen and "k" in t)
+    if on_device:
+        if batch > dispatch.MAX_GRID_YZ or heads_kv > dispatch.MAX_GRID_YZ:
+            raise ValueError(f"q: batch and heads_kv must be at most {dispatch.MAX_GRID_YZ}, got {batch} and {heads_kv}")
+    if "cache_seqlens" in t:
+        cache_seqlens = t["cache_seqlens"]
+    return KvCall(kind, t, host, batch, max_seqlen_q, heads, heads_kv, head_dim, page_size, capacity,
+                  seqlen_new or 0, varlen, cache_seqlens, resolve_scale(softmax_scale, head_dim), causal, window,
+                  softcap, rotary_dim, rotary_interleaved, per_row, num_splits, descale_k, descale_v, return_lse)
+
+
+def _check_kv_values(host: dict, cache_seqlens: Any, batch: int, capacity: int, page_size: int, batch_cache: int,
+                     seqlen_new: int | None, packed_append: bool) -> None:
+    """The integer arrays' values (host copies): lengths inside the cache with room for the
+    append (``packed_append``: each sequence appends its query count), leftpad within the cached
+    length, batch indices and the pages used in range."""
+    if "cache_seqlens" in host:
+        cached = host["cache_seqlens"]
+    elif cache_seqlens is None:
+        cached = np.full(batch, capacity, np.int64)
+    else:
+        cached = np.full(batch, cache_seqlens, np.int64)
+    if packed_append:
+        new = np.diff(host["cu_seqlens_q"])
+    else:
+        new = np.full(batch, seqlen_new or 0, np.int64)
+    bad = np.flatnonzero((cached < 0) | (cached > capacity))
+    if bad.size:
+        raise ValueError(f"cache_seqlens: entry {bad[0]} ({cached[bad[0]]}) is outside 0..{capacity}, the cache's "
+                         f"positions per sequence")
+    bad = np.flatnonzero(cached + new > capacity)
+    if bad.size:
+        b = bad[0]
+        raise ValueError(f"k: the cache is too small for the append: sequence {b} holds {cached[b]} and appends "
+                         f"{new[b]}, more than {capacity} positions")
+    start = host.get("cache_leftpad", np.zeros(batch, np.int64))
+    bad = np.flatnonzero((start < 0) | (start > cached))
+    if bad.size:
+        raise ValueError(f"cache_leftpad: entry {bad[0]} ({start[bad[0]]}) must be within 0..cache_seqlens "
+                         f"({cached[bad[0]]})")
+    if "cache_batch_idx" in host:
+        idx = host["cache_batch_idx"]
+        bad = np.flatnonzero((idx < 0) | (idx >= batch_cache))
+        if bad.size:
+            raise ValueError(f"cache_batch_idx: entry {bad[0]} ({idx[bad[0]]}) is outside 0..{batch_cache - 1}")
+    if "page_table" in host:
+        table, end = host["page_table"], cached + new
+        for b in range(batch):
+            if end[b] > start[b]:
+                used = table[b, start[b] // page_size:(end[b] - 1) // page_size + 1]
+                bad = np.flatnonzero((used < 0) | (used >= batch_cache))
+                if bad.size:
+                    p = start[b] // page_size + bad[0]
+                    raise ValueError(f"page_table: entry [{b}, {p}] ({table[b, p]}) is not a page of the cache "
+                                     f"(0..{batch_cache - 1})")
+
+
+class CombineCall(NamedTuple):
+    """A checked combine call: DeviceTensors (GPU) or NumPy arrays, the output dtype's name."""
+
+    framework: str
+    out_partial: Any
+    lse_partial: Any
+    out_dtype: str
+    return_lse: bool
+
+
+def check_combine(out_partial: Any, lse_partial: Any, out_dtype: Any, return_lse: Any) -> CombineCall:
+    kind = framework({"q": out_partial, "lse_partial": lse_partial})
+    on_device = kind != "numpy"
+    o, l = (interop.describe(x, interop.framework_of(x, name), name) if on_device else x
+            for name, x in (("out_partial", out_partial), ("lse_partial", lse_partial)))
+    for name, x in (("out_partial", o), ("lse_partial", l)):
+        if dtype_name(x) != "float32":
+            raise TypeError(f"{name}: expected float32, got {dtype_name(x)}")
+    if o.ndim not in (4, 5):
+        raise ValueError(f"out_partial: expected (splits, batch, seqlen, heads, head_dim) or (splits, total, heads, "
+                         f"head_dim), got shape {tuple(o.shape)}")
+    if tuple(l.shape) != tuple(o.shape[:-1]):
+        raise ValueError(f"lse_partial: expected shape {tuple(o.shape[:-1])} (out_partial's without head_dim), got "
+                         f"{tuple(l.shape)}")
+    if o.shape[0] < 1:
+        raise ValueError("out_partial: at least one split")
+    if on_device and o.shape[0] > 256:
+        raise ValueError(f"out_partial: at most 256 splits, got {o.shape[0]}")
+    if 0 not in o.shape and element_strides(o)[-1] != 1:
+        raise ValueError("out_partial: the last (head_dim) dimension must be contiguous")
+    if on_device and l.device != o.device:
+        raise ValueError(f"lse_partial: on device {l.device}, but out_partial is on device {o.device}")
+    if on_device and o.shape[-1] > 256:
+        raise ValueError(f"out_partial: head_dim at most 256, got {o.shape[-1]}")
+    if out_dtype is None:
+        name = "float32"
+    elif isinstance(out_dtype, str):
+        name = out_dtype
+    elif type(out_dtype).__module__.startswith("torch"):
+        name = str(out_dtype).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(out_dtype).name
+        except TypeError:
+            name = None
+    allowed = ("float32", "bfloat16", "float16") + (() if on_device else ("float64",))
+    if name not in allowed:
+        raise TypeError(f"out_dtype: expected one of {', '.join(allowed)}, got {out_dtype!r}")
+    return CombineCall(kind, o, l, name, resolve_flag("return_lse", return_lse))

@@ -65,8 +65,9 @@ def representative_kernel() -> dispatch.KernelChoice:
 def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
     """A few instantiations of ``family`` that between them reach every kernel source and template
     switch: the smallest and largest head dims, both dtypes, each mask, softcap, each dQ order,
-    sm80's two-CTA backward tile, and FP8 inputs into either output type (sm80's d96 the closest to
-    its spill allowance; sm90's d64 with three consumers at 152 registers)."""
+    sm80's two-CTA backward tile, FP8 inputs into either output type (sm80's d96 the closest to
+    its spill allowance; sm90's d64 with three consumers at 152 registers), and the KV cache
+    kernels."""
     if family == "sm80":
         return [
             dispatch.forward_kernel("sm80", 64, "none", "float16"),
@@ -76,6 +77,9 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
             dispatch.forward_kernel("sm80", 256, "window", "float8_e4m3fn", softcap=True, out_dtype="bfloat16"),
             *dispatch.backward_kernels("sm80", 64, "causal", "float16", dq_order="walk"),
             dispatch.backward_kernels("sm80", 256, "window", "bfloat16", softcap=True)[1],
+            *dispatch.kvcache_kernels("bfloat16", 256),
+            *dispatch.kvcache_kernels("float16", 64, "float8_e4m3fn"),
+            dispatch.combine_kernel("float16"),
         ]
     return [
         dispatch.forward_kernel("sm90", 64, "causal", "float16", short=True),

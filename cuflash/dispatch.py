@@ -441,6 +441,9 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         choice = forward_kernel(family, bucket, mask, "float8_e4m3fn", softcap, short=short,
                                                 out_dtype=out_dtype)
                         found.setdefault(choice.name_expression, choice)
+    if family == "sm80":  # the KV cache kernels, sm80's on every device, last
+        for choice in kvcache_all_kernels():
+            found.setdefault(choice.name_expression, choice)
     return list(found.values())
 
 
@@ -649,3 +652,81 @@ def quantize_kernel(dtype_name: str) -> KernelChoice:
     return KernelChoice("sm80", "common/quantize_fp8.cu",
                         f"cuflash::quantize_fp8<{QUANTIZE_THREADS}, {HEAD_DIM_BUCKETS[-1]}, {_QUANTIZE_LOADS[dtype_name]}>",
                         QUANTIZE_THREADS, 0)
+
+
+# Attention against a KV cache (cuda_src/common/kvcache.cu), built for the sm80 target on every
+# device: kv_append writes the new tokens, kv_decode runs KV_ROWS packed query rows (the query
+# heads of one kv head times the query tokens, one m16 tile of mma.sync) of one kv head over one
+# split of the keys, and kv_combine merges the splits. Head dims run in the bucket above them
+# among KV_BUCKETS (each warp holds 16 rows x bucket columns of O).
+KV_SOURCE = "common/kvcache.cu"
+KV_BUCKETS = (64, 128, 256)
+KV_ROWS, KV_KEYS, KV_THREADS = 16, 64, 128  # kvcache.cu's KV_ROWS, KV_KEYS, KV_THREADS
+KV_APPEND_THREADS = 128
+COMBINE_WARPS = 4  # kvcache.cu's COMBINE_WARPS
+COMBINE_TYPES = {"float32": "cuflash::store_f32", "float16": "cuflash::store_16<cuflash::f16>",
+                 "bfloat16": "cuflash::store_16<cuflash::bf16>"}
+# Splits chosen for num_splits=0: enough CTAs for two per SM, each split at least this many keys
+# of the cache's capacity (the lengths themselves are on the device), at most KV_MAX_SPLITS.
+KV_MIN_SPLIT_KEYS = 2 * KV_KEYS
+KV_MAX_SPLITS = 64
+
+
+def kv_bucket(head_dim: int) -> int:
+    for bucket in KV_BUCKETS:
+        if head_dim <= bucket:
+            return bucket
+    raise ValueError(f"head_dim: at most {KV_BUCKETS[-1]}, got {head_dim}")
+
+
+def kv_smem_bytes(bucket: int) -> int:
+    """sizeof(KvTiles<C, bucket>), for a 16-bit or an e4m3 cache alike: the 16-bit Q tile, two
+    stages of 16-bit K and V tiles (or two stages of e4m3 bytes and one widened K and V tile: as
+    many bytes), and the four warps' row maxima and sums (kvcache.cu static_asserts it)."""
+    return KV_ROWS * bucket * 2 + 2 * 2 * KV_KEYS * bucket * 2 + 2 * (KV_THREADS // 32) * KV_ROWS * 4
+
+
+def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -> tuple[KernelChoice, KernelChoice]:
+    """(kv_append, kv_decode) for 16-bit ``dtype`` (q's) and ``head_dim``; ``cache_dtype`` the
+    cache's, ``dtype`` (None) or float8_e4m3fn."""
+    element = ELEMENT_TYPES[dtype]
+    cache = element if cache_dtype in (None, dtype) else FP8_TYPES[cache_dtype]
+    bucket = kv_bucket(head_dim)
+    append = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_append<{element}, {cache}>", KV_APPEND_THREADS, 0)
+    decode = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_decode<{element}, {cache}, {bucket}>", KV_THREADS,
+                          kv_smem_bytes(bucket), Tile(KV_ROWS, KV_KEYS, KV_THREADS // 32))
+    return append, decode
+
+
+def combine_kernel(out_dtype: str) -> KernelChoice:
+    return KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_combine<{COMBINE_TYPES[out_dtype]}>", COMBINE_WARPS * 32, 0)
+
+
+def kvcache_all_kernels() -> list[KernelChoice]:
+    found = [k for dtype in ELEMENT_TYPES for cache in (dtype, *FP8_TYPES) for bucket in KV_BUCKETS
+             for k in kvcache_kernels(dtype, bucket, cache)]
+    found += [combine_kernel(out_dtype) for out_dtype in COMBINE_TYPES]
+    return list({k.name_expression: k for k in found}.values())
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_id: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, capacity: int, sms: int) -> int:
+    """Key splits per (sequence, kv head, row tile): ``requested`` if given (> 0); else enough
+    CTAs for two per SM where batch x heads_kv x row tiles do not fill the GPU, each split at
+    least KV_MIN_SPLIT_KEYS of the capacity, at most KV_MAX_SPLITS."""
+    if requested > 0:
+        return requested
+    ctas = batch * heads_kv * row_tiles
+    if ctas >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // ctas), capacity // KV_MIN_SPLIT_KEYS, KV_MAX_SPLITS))
+
+
+def kv_combine_grid(rows: int) -> tuple[int, int, int]:
+    return (max(1, -(-rows // COMBINE_WARPS)), 1, 1)

@@ -9,7 +9,8 @@ import numpy as np
 
 from cuflash import checks, reference
 
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
+           "combine"]
 
 # An FP8 call's out_dtype (checks.Fp8) as the NumPy dtype of its result.
 _OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
@@ -64,10 +65,11 @@ def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window, softcap: float,
-                     return_lse: bool, out, fp8: checks.Fp8 | None = None):
+                     return_lse: bool, out, fp8: checks.Fp8 | None = None, seqused_q=None, seqused_k=None):
     q, k, v, dtype = _forward_inputs(q, k, v, fp8, (cu_seqlens_q, cu_seqlens_k))
-    result, lse = reference.attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
-                                                       softmax_scale=scale, window=window, softcap=softcap)
+    result, lse = reference.attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                                       causal=causal, softmax_scale=scale, window=window,
+                                                       softcap=softcap)
     return _output(result, lse, dtype, out, return_lse)
 
 
@@ -78,3 +80,46 @@ def attention_varlen_backward(arrays: dict, cu_seqlens_q, cu_seqlens_k, causal: 
                                                            cu_seqlens_k, causal=causal, softmax_scale=scale,
                                                            window=window, softcap=softcap)
     return _gradients(result, arrays, q.dtype)
+
+
+def attention_with_kvcache(call: checks.KvCall):
+    """A checked NumPy call (checks.KvCall): the reference's attention, and its appended cache
+    rows copied into the caller's caches (only those positions are written)."""
+    from cuflash import reference_kvcache
+
+    t, h = call.tensors, call.host
+    q = t["q"]
+    cache_seqlens = h.get("cache_seqlens", call.cache_seqlens)
+    out, lse, k_new, v_new = reference_kvcache.kvcache_reference(
+        q, t["k_cache"], t["v_cache"], t.get("k"), t.get("v"), cache_seqlens=cache_seqlens,
+        page_table=h.get("page_table"), cache_batch_idx=h.get("cache_batch_idx"),
+        cache_leftpad=h.get("cache_leftpad"), cu_seqlens_q=h.get("cu_seqlens_q"), rotary_cos=t.get("rotary_cos"),
+        rotary_sin=t.get("rotary_sin"), rotary_interleaved=call.rotary_interleaved, causal=call.causal,
+        softmax_scale=call.scale, window=call.window, softcap=call.softcap, descale_k=call.descale_k,
+        descale_v=call.descale_v)
+    if "k" in t:
+        cu = h.get("cu_seqlens_q")
+        for b in range(call.batch):
+            cached = int(cache_seqlens if np.ndim(cache_seqlens) == 0 else cache_seqlens[b])
+            n_new = int(cu[b + 1] - cu[b]) if call.varlen else call.seqlen_new
+            slots = reference_kvcache.cache_slots(b, cached + np.arange(n_new), h.get("page_table"),
+                                                  h.get("cache_batch_idx"), t["k_cache"].shape[1])
+            t["k_cache"][slots] = k_new[slots]
+            t["v_cache"][slots] = v_new[slots]
+    out = out.astype(q.dtype)
+    if not call.varlen:
+        lse = lse.reshape(call.batch, call.heads, q.shape[1])
+    return (out, lse.astype(np.float32)) if call.return_lse else out
+
+
+def combine(call: checks.CombineCall):
+    """A checked NumPy combine (checks.CombineCall) by the float64 reference."""
+    from cuflash import reference_kvcache
+
+    out, lse = reference_kvcache.combine_reference(call.out_partial, call.lse_partial)
+    out = out.astype(_COMBINE_DTYPES[call.out_dtype])
+    return (out, lse.astype(np.float32)) if call.return_lse else out
+
+
+_COMBINE_DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64),
+                   "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}

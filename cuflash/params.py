@@ -20,7 +20,7 @@ from cuflash import tma
 
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 
-FWD_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k")
+FWD_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seq_end_q", "seq_end_k")
 _FWD_FIELDS = (
     [(name, np.uint64) for name in FWD_POINTERS]
     + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride"]]
@@ -28,7 +28,7 @@ _FWD_FIELDS = (
     + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32)]
 )
 FWD_PARAMS = np.dtype(_FWD_FIELDS, align=True)
-FWD_PARAMS_SIZE = 200  # sizeof(FwdParams) in params.cuh
+FWD_PARAMS_SIZE = 216  # sizeof(FwdParams) in params.cuh
 # FwdParamsFp8: FwdParams' fields, then the descale arrays' pointers (filled per call after
 # FWD_POINTERS), their (batch, head_kv) strides in elements, and a scalar v descale.
 FWD_DESCALES = ("descale_q", "descale_k", "descale_v")
@@ -39,7 +39,7 @@ FWD_PARAMS_FP8 = np.dtype(
     + [("v_scale", np.float32)],
     align=True,
 )
-FWD_PARAMS_FP8_SIZE = 280  # sizeof(FwdParamsFp8) in params.cuh
+FWD_PARAMS_FP8_SIZE = 296  # sizeof(FwdParamsFp8) in params.cuh
 _LOG2E = math.log2(math.e)
 
 
@@ -67,7 +67,8 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
         cu_pointers, lse_strides = (cu_seqlens_q.ptr, cu_seqlens_k.ptr), (0, lse.strides[0])
     scale_log2, softcap_tanh_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
-        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers, *strides, *lse_strides,
+        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers, *(c + 4 if c else 0 for c in cu_pointers), *strides,
+          *lse_strides,
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_tanh_scale)],
         dtype=FWD_PARAMS,
     )
@@ -290,3 +291,48 @@ class ArgumentBuffer:
     def struct_bytes(buffer) -> bytes:
         """The struct a filled buffer passes (for tests)."""
         return bytes(buffer)[8:]
+
+
+# cuda_src/common/kvcache.cu: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
+KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_partial", "lse_partial",
+               "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_cos",
+               "rotary_sin", "q_rot", "descale_k", "descale_v")
+KV_STRIDED = ("q", "kc", "vc", "kn", "vn", "o")
+KV_INTS = ("batch", "seqlen_q", "heads", "heads_kv", "head_dim", "page_size", "max_pages", "capacity",
+           "cache_seqlens_scalar", "seqlen_new", "rotary_dim", "rotary_interleaved", "rotary_per_row", "rotary_fp32",
+           "num_splits", "row_tiles", "window_left", "window_right")
+KV_PARAMS = np.dtype(
+    [(name, np.uint64) for name in KV_POINTERS]
+    + [(f"{t}_{s}_stride", np.int64) for t in KV_STRIDED for s in ("batch", "row", "head")]
+    + [(name, np.int32) for name in KV_INTS]
+    + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "descale_k_scalar", "descale_v_scalar")],
+    align=True,
+)
+KV_PARAMS_SIZE = 384  # sizeof(KvParams)
+COMBINE_POINTERS = ("out_partial", "lse_partial", "out", "lse")
+COMBINE_PARAMS = np.dtype(
+    [(name, np.uint64) for name in COMBINE_POINTERS]
+    + [(f"{t}_{s}_stride", np.int64) for t, dims in (("op", "sbrh"), ("lp", "sbrh"), ("o", "brh"), ("l", "brh"))
+       for s in dims]
+    + [(name, np.int32) for name in ("splits", "batch", "seqlen", "heads", "head_dim")],
+    align=True,
+)
+COMBINE_PARAMS_SIZE = 168  # sizeof(CombineParams)
+
+
+def pack_kv_params(strides: dict, ints: dict, softmax_scale: float, softcap: float, descale_k: float = 1.0,
+                   descale_v: float = 1.0) -> np.ndarray:
+    """One KvParams with null pointers: ``strides`` maps each of KV_STRIDED to its (batch, row,
+    head) element strides, ``ints`` each of KV_INTS to its value; ``descale_k``/``descale_v`` the
+    scalar descales of an e4m3 cache (used where the descale pointers are null)."""
+    scale_log2, softcap_scale = _softmax_constants(softmax_scale, softcap)
+    return np.array([(*(0,) * len(KV_POINTERS), *(s for t in KV_STRIDED for s in strides[t]),
+                      *(ints[name] for name in KV_INTS), scale_log2, softcap_scale, descale_k, descale_v)],
+                    dtype=KV_PARAMS)
+
+
+def pack_combine_params(op: tuple, lp: tuple, o: tuple, lse: tuple, splits: int, batch: int, seqlen: int,
+                        heads: int, head_dim: int) -> np.ndarray:
+    """One CombineParams with null pointers: element strides (split, batch, row, head) of the
+    partial out and lse, (batch, row, head) of out and lse."""
+    return np.array([(0, 0, 0, 0, *op, *lp, *o, *lse, splits, batch, seqlen, heads, head_dim)], dtype=COMBINE_PARAMS)

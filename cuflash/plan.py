@@ -19,12 +19,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from cuflash import dispatch, interop, kernels
-from cuflash.params import (BWD_POINTERS, CONVERT_POINTERS, FWD_DESCALES, FWD_POINTERS, ArgumentBuffer,
-                            pack_bwd_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
-                            sm90_backward_argument, sm90_forward_argument)
+from cuflash.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_DESCALES, FWD_POINTERS, KV_POINTERS,
+                            ArgumentBuffer, pack_bwd_params, pack_combine_params, pack_convert_params,
+                            pack_fwd_params, pack_fwd_params_fp8, pack_kv_params, sm90_backward_argument,
+                            sm90_forward_argument)
 
-__all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "ForwardPlan", "PlanCache", "aligned_pointers", "build_backward",
-           "build_forward", "fill_empty", "fp8_key", "run"]
+__all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "PlanCache",
+           "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache", "fill_empty", "fp8_key",
+           "run"]
 
 # cu_seqlens of a fixed-length batch: none.
 NO_LENGTHS = (None, None)
@@ -50,7 +52,12 @@ class ForwardPlan:
         """(out, lse) of one launch on ``tensors`` (q, k, v, and for FP8 inputs the three descales:
         DeviceTensors, or floats that the plan holds), into ``given`` (out, or None) whose
         DeviceTensor is ``given_t``; lse is None unless ``return_lse``: the kernels skip the lse
-        stores for a null pointer, so nothing is allocated for it."""
+        stores for a null pointer, so nothing is allocated for it. ``cu_seqlens``: a packed
+        batch's (cu_seqlens_q, cu_seqlens_k[, seqused_q, seqused_k]). Each sequence ends where
+        the kernel reads seq_end_q / seq_end_k: cu_seqlens + 1, or with seqused the rows
+        cu_seqlens[b] + seqused[b] (seq_ends, framework arithmetic on the same stream); with
+        seqused_q the kernel skips the rows past it, so out is zero-filled and lse set to -inf
+        first (the framework's fills)."""
         qt, kt, vt = tensors[:3]
         out_t = given_t[0]
         with interop.on_device(qt.device):
@@ -58,13 +65,46 @@ class ForwardPlan:
             out, out_ptr = ((given[0], out_t.ptr) if out_t is not None
                             else interop.allocate(framework, qt, qt.shape, self.out_dtype))
             lse, lse_ptr = (interop.allocate(framework, qt, self.lse_shape, "float32") if return_lse else (None, 0))
-            cu_q, cu_k = cu_seqlens
+            cu_q, cu_k, used_q, used_k = cu_seqlens if len(cu_seqlens) == 4 else (*cu_seqlens, None, None)
+            end_q, end_q_ptr = seq_ends(framework, cu_q, used_q)
+            end_k, end_k_ptr = seq_ends(framework, cu_k, used_k)
             pointers = (qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, cu_q.ptr if cu_q is not None else 0,
-                        cu_k.ptr if cu_k is not None else 0)
+                        cu_k.ptr if cu_k is not None else 0, end_q_ptr, end_k_ptr)
+            if used_q is not None:
+                _fill(framework, out_t.native if out_t is not None else out, 0.0)
+                if lse is not None:
+                    _fill(framework, lse, -math.inf)
             if self.out_dtype is not None:
                 pointers += tuple(d.ptr if isinstance(d, interop.DeviceTensor) else 0 for d in tensors[3:])
             kernels.launch(self.kernel, stream, self.argument.fill(*pointers))
+            del end_q, end_k  # referenced until the launch is queued
         return out, lse
+
+
+def seq_ends(framework: str, cu, used) -> tuple[Any, int]:
+    """(owner, pointer) of the (batch,) int32 rows where each packed sequence ends for the kernel
+    (FwdParams.seq_end_*): ``cu`` (a DeviceTensor of cu_seqlens, or None: a fixed-length batch, 0)
+    shifted by one entry, or with ``used`` (seqused, a DeviceTensor) ``cu[b] + clip(used[b], 0,
+    cu[b + 1] - cu[b])``, computed by the framework on its current stream (the launch's)."""
+    if cu is None:
+        return None, 0
+    if used is None:
+        return None, cu.ptr + 4
+    c, u = cu.native, used.native
+    if framework == "torch":
+        ends = c[:-1] + _torch_clip(u, c[1:] - c[:-1])
+        return ends, ends.data_ptr()
+    import cupy
+
+    ends = c[:-1] + cupy.clip(u, 0, c[1:] - c[:-1]).astype(cupy.int32)
+    return ends, ends.data.ptr
+
+
+def _torch_clip(used, sizes):
+    """``clip(used, 0, sizes)`` elementwise in torch, int32."""
+    import torch
+
+    return torch.minimum(used.clamp(min=0), sizes).to(torch.int32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -311,3 +351,159 @@ def _fill(framework: str, native: Any, value: float) -> None:
         native.fill_(value)
     else:
         native.fill(value)
+
+
+@dataclass(frozen=True, eq=False)
+class KvCachePlan:
+    """attention_with_kvcache's launches (kv_append when there is something to append or rotate,
+    kv_decode, kv_combine when the keys are split) and their arguments but for pointers; the
+    scratch (rotated q, partial out and lse) is one allocation per call."""
+
+    target: tuple[str, tuple[int, int]]
+    append: kernels.Launch | None
+    decode: kernels.Launch | None  # None: no query rows
+    combine: kernels.Launch | None
+    argument: ArgumentBuffer  # KvParams, pointers in KV_POINTERS order
+    combine_argument: ArgumentBuffer | None  # CombineParams, pointers in COMBINE_POINTERS order
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+    scratch_offsets: tuple[int | None, int | None, int | None]  # q_rot, out_partial, lse_partial
+    scratch_bytes: int
+
+    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
+               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
+        """(out, lse or None) of one call on ``tensors``: the DeviceTensors (or None) of q, k_cache,
+        v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q,
+        rotary_cos, rotary_sin, descale_k, descale_v (None where scalar)."""
+        q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv = tensors
+        with interop.on_device(q.device):
+            stream = interop.stream_handle(framework, q.device)
+            out, out_ptr = interop.allocate(framework, q, self.out_shape)
+            lse, lse_ptr = (interop.allocate(framework, q, self.lse_shape, "float32") if return_lse else (None, 0))
+            owner, base = interop.scratch(framework, q, self.scratch_bytes) if self.scratch_bytes else (None, 0)
+            q_rot, o_part, l_part = (base + offset if offset is not None else 0 for offset in self.scratch_offsets)
+            split = self.combine is not None
+            pointers = tuple(t.ptr if t is not None else 0 for t in (q, kc, vc, k, v))
+            pointers += (out_ptr, 0 if split else lse_ptr, o_part, l_part)
+            pointers += tuple(t.ptr if t is not None else 0 for t in (seqlens, table, idx, pad, cu, cos, sin))
+            argument = self.argument.fill(*pointers, q_rot, dk.ptr if dk is not None else 0,
+                                          dv.ptr if dv is not None else 0)
+            if self.append is not None:
+                kernels.launch(self.append, stream, argument)
+            if self.decode is not None:
+                kernels.launch(self.decode, stream, argument)
+            if split and self.decode is not None:
+                kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr))
+            del owner
+        return out, lse
+
+
+def build_kvcache(call, tensors: tuple) -> KvCachePlan:
+    """The plan of a checked GPU attention_with_kvcache call (checks.KvCall); ``tensors`` as
+    KvCachePlan.launch takes them."""
+    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv = tensors
+    target = family_capability = dispatch.device_target(q.device)
+    arch = dispatch.compile_arch("sm80", family_capability[1])
+    append_choice, decode_choice = dispatch.kvcache_kernels(q.dtype, call.head_dim, kc.dtype)
+    group = call.heads // call.heads_kv
+    rows = q.shape[0] if call.varlen else call.batch * call.max_seqlen_q
+    row_tiles = max(1, -(-(group * call.max_seqlen_q) // dispatch.KV_ROWS))
+    splits = dispatch.kvcache_splits(call.num_splits, call.batch, call.heads_kv, row_tiles, call.capacity,
+                                     dispatch.sm_count(q.device))
+
+    def bsh(t, packed: bool) -> tuple[int, int, int]:
+        if t is None:
+            return (0, 0, 0)
+        return (0, *t.strides[:2]) if packed else tuple(t.strides[:3])
+
+    window = (call.window[0], 0 if call.causal else call.window[1])
+    out_shape = tuple(q.shape)
+    out_strides = tuple(math.prod(out_shape[i + 1:]) for i in range(len(out_shape)))
+    strides = {"q": bsh(q, call.varlen), "kc": bsh(kc, False), "vc": bsh(vc, False), "kn": bsh(k, call.varlen),
+               "vn": bsh(v, call.varlen), "o": (0, *out_strides[:2]) if call.varlen else out_strides[:3]}
+    ints = dict(batch=call.batch, seqlen_q=call.max_seqlen_q, heads=call.heads, heads_kv=call.heads_kv,
+                head_dim=call.head_dim, page_size=call.page_size, max_pages=table.shape[1] if table is not None else 0,
+                capacity=call.capacity,
+                cache_seqlens_scalar=call.cache_seqlens if type(call.cache_seqlens) is int else call.capacity,
+                seqlen_new=call.seqlen_new, rotary_dim=call.rotary_dim, rotary_interleaved=int(call.rotary_interleaved),
+                rotary_per_row=int(call.rotary_per_row), rotary_fp32=int(cos is not None and cos.dtype == "float32"),
+                num_splits=splits, row_tiles=row_tiles, window_left=window[0], window_right=window[1])
+    scalar_descales = (d if isinstance(d, float) else 1.0 for d in (call.descale_k, call.descale_v))
+    argument = ArgumentBuffer(pack_kv_params(strides, ints, call.scale, call.softcap, *scalar_descales), KV_POINTERS)
+
+    # Scratch: rotated q (rows, heads, head_dim) in q's type, then fp32 partial out and lse.
+    sizes = [rows * call.heads * call.head_dim * q.itemsize if call.rotary_dim else 0]
+    if splits > 1:
+        sizes += [splits * call.heads * rows * call.head_dim * 4, splits * call.heads * rows * 4]
+    offsets, end = [], 0
+    for size in sizes + [0] * (3 - len(sizes)):
+        offsets.append(end if size else None)
+        end += -(-size // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+    append_rows = max(call.seqlen_new, call.max_seqlen_q if call.rotary_dim else 0)
+    append = (kernels.prepare(append_choice, arch, q.device, (append_rows, call.batch, 1))
+              if append_rows and (k is not None or call.rotary_dim) else None)
+    decode = (kernels.prepare(decode_choice, arch, q.device, (splits * row_tiles, call.heads_kv, call.batch))
+              if rows else None)
+    combine = combine_argument = None
+    lse_shape = (call.heads, rows) if call.varlen else (call.batch, call.heads, call.max_seqlen_q)
+    if splits > 1:
+        d, h = call.head_dim, call.heads
+        if call.varlen:  # one batch of ``rows`` rows
+            batch, seqlen = 1, rows
+            o_strides, l_strides = (0, h * d, d), (0, 1, rows)
+            op, lp = (h * rows * d, 0, d, rows * d), (h * rows, 0, 1, rows)
+        else:
+            batch, seqlen = call.batch, call.max_seqlen_q
+            o_strides, l_strides = out_strides[:3], (h * seqlen, 1, seqlen)
+            op, lp = (h * rows * d, seqlen * d, d, rows * d), (h * rows, seqlen, 1, rows)
+        combine = kernels.prepare(dispatch.combine_kernel(q.dtype), arch, q.device,
+                                  dispatch.kv_combine_grid(batch * seqlen * h))
+        combine_argument = ArgumentBuffer(pack_combine_params(op, lp, o_strides, l_strides, splits, batch, seqlen, h,
+                                                              d), COMBINE_POINTERS)
+    return KvCachePlan(target, append, decode, combine, argument, combine_argument, out_shape, lse_shape,
+                       tuple(offsets), end)
+
+
+@dataclass(frozen=True, eq=False)
+class CombinePlan:
+    target: tuple[str, tuple[int, int]]
+    kernel: kernels.Launch | None
+    argument: ArgumentBuffer
+    out_shape: tuple[int, ...]
+    out_dtype: str
+    lse_shape: tuple[int, ...]
+
+    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
+               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
+        o, l = tensors
+        with interop.on_device(o.device):
+            stream = interop.stream_handle(framework, o.device)
+            out, out_ptr = interop.allocate(framework, o, self.out_shape, self.out_dtype)
+            lse, lse_ptr = (interop.allocate(framework, o, self.lse_shape, "float32") if return_lse else (None, 0))
+            if self.kernel is not None:
+                kernels.launch(self.kernel, stream, self.argument.fill(o.ptr, l.ptr, out_ptr, lse_ptr))
+        return out, lse
+
+
+def build_combine(o, l, out_dtype: str) -> CombinePlan:
+    """cuflash.combine's plan for checked DeviceTensors: out_partial ``o`` (splits, [batch,] seqlen,
+    heads, head_dim) and lse_partial ``l``."""
+    target = dispatch.device_target(o.device)
+    arch = dispatch.compile_arch("sm80", target[1])
+    if o.ndim == 4:  # packed: a batch of one
+        o_s, l_s = (o.strides[0], 0, *o.strides[1:3]), (l.strides[0], 0, *l.strides[1:])
+        splits, batch, (seqlen, heads, d) = o.shape[0], 1, o.shape[1:]
+    else:
+        o_s, l_s = tuple(o.strides[:4]), tuple(l.strides)
+        splits, batch, seqlen, heads, d = o.shape
+    out_shape, lse_shape = tuple(o.shape[1:]), tuple(o.shape[1:-1])
+    out_dense = tuple(math.prod(out_shape[i + 1:]) for i in range(len(out_shape)))
+    lse_dense = tuple(math.prod(lse_shape[i + 1:]) for i in range(len(lse_shape)))
+    if o.ndim == 4:
+        out_dense, lse_dense = (0, *out_dense[:2]), (0, *lse_dense)
+    rows = batch * seqlen * heads
+    argument = ArgumentBuffer(pack_combine_params(o_s, l_s, out_dense[:3], lse_dense[:3], splits, batch, seqlen,
+                                                  heads, d), COMBINE_POINTERS)
+    kernel = (kernels.prepare(dispatch.combine_kernel(out_dtype), arch, o.device, dispatch.kv_combine_grid(rows))
+              if rows and d else None)
+    return CombinePlan(target, kernel, argument, out_shape, out_dtype, lse_shape)

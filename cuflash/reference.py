@@ -381,6 +381,8 @@ def attention_varlen_reference(
     v: npt.ArrayLike,
     cu_seqlens_q: npt.ArrayLike,
     cu_seqlens_k: npt.ArrayLike,
+    seqused_q: npt.ArrayLike | None = None,
+    seqused_k: npt.ArrayLike | None = None,
     **options,
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`attention_reference` of each sequence of a packed batch.
@@ -388,7 +390,10 @@ def attention_varlen_reference(
     q is ``(total_q, heads, head_dim)``, k and v ``(total_k, heads_kv, head_dim)``; sequence ``i``
     owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``
     (either may be empty) and sees only its own keys, with causal and window alignment per
-    sequence. ``options``: causal, softmax_scale, window, softcap, dtype.
+    sequence. ``options``: causal, softmax_scale, window, softcap, dtype. ``seqused_q`` /
+    ``seqused_k`` (batch,): only the first ``seqused_q[i]`` queries and ``seqused_k[i]`` keys of
+    sequence ``i`` are used (masks align against those lengths); the rows past seqused_q are 0 with
+    lse ``-inf``.
 
     Returns
     -------
@@ -398,7 +403,11 @@ def attention_varlen_reference(
     dtype = np.dtype(options.get("dtype", np.float64))
     out = np.zeros(q.shape[:2] + (v.shape[2],), dtype)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf, np.float64 if dtype == np.float64 else np.float32)
-    for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+    for i, (rows, keys) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
+        if seqused_q is not None:
+            rows = slice(rows.start, rows.start + min(int(np.asarray(seqused_q)[i]), rows.stop - rows.start))
+        if seqused_k is not None:
+            keys = slice(keys.start, keys.start + min(int(np.asarray(seqused_k)[i]), keys.stop - keys.start))
         if rows.stop > rows.start and keys.stop > keys.start:
             o, l = attention_reference(q[None, rows], k[None, keys], v[None, keys], **options)
             out[rows], lse[:, rows] = o[0], l[0]

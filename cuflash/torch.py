@@ -7,12 +7,15 @@ run cuflash's CPU path, as NumPy arrays do (the float64 reference, cast to the i
 ``flash_attn_func`` takes flash-attn's signature and return convention, so
 ``from cuflash.torch import flash_attn_func`` replaces ``from flash_attn import flash_attn_func``,
 and ``flash_attn_varlen_func`` its packed-batch twin (``attention_varlen`` the cuflash-style one);
+``flash_attn_with_kvcache`` and ``flash_attn_combine`` are FlashAttention-3's inference entry
+points (forward only, the caches updated in place, called directly rather than as custom ops);
 arguments cuflash does not support yet raise NotImplementedError naming them, never silently
 ignored.
 """
 
 # No `from __future__ import annotations`: custom_op reads the signature's real types.
 import math
+from typing import Optional
 
 import ml_dtypes
 import numpy as np
@@ -21,7 +24,8 @@ import torch
 import cuflash
 from cuflash import checks
 
-__all__ = ["attention", "attention_varlen", "flash_attn_func", "flash_attn_varlen_func"]
+__all__ = ["attention", "attention_varlen", "flash_attn_combine", "flash_attn_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache"]
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -107,6 +111,26 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
+# The used prefix of each packed sequence (seqused_q, seqused_k): forward only, no autograd.
+def _attention_varlen_used_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                   cu_seqlens_k: torch.Tensor, seqused_q: Optional[torch.Tensor],
+                                   seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                                   causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                                   softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
+                                    return_lse=True, seqused_q=seqused_q, seqused_k=seqused_k)
+
+
+_varlen_used_forward = _op("cuflash::attention_varlen_used_forward", _attention_varlen_used_forward)
+
+
+@_varlen_used_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      window_left, window_right, softcap):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
 def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool,
@@ -176,15 +200,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *,
                      causal: bool = False, softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1),
-                     softcap: float = 0.0, deterministic: bool = False) -> torch.Tensor:
+                     softcap: float = 0.0, deterministic: bool = False, seqused_q: torch.Tensor | None = None,
+                     seqused_k: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable :func:`cuflash.attention_varlen` on packed torch tensors, CUDA or CPU,
     (total_tokens, heads, head_dim) with int32 ``cu_seqlens_*`` (batch + 1,).
 
     Omitted ``max_seqlen_*`` are read from the lengths (a device-to-host copy, and a graph break
     under torch.compile). Gradients through :func:`cuflash.attention_varlen_backward`.
+    ``seqused_q`` / ``seqused_k`` (int32 (batch,)): the used prefix of each sequence, as for
+    :func:`cuflash.attention_varlen`; forward only (NotImplementedError where a gradient is wanted).
     """
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
+    if seqused_q is not None or seqused_k is not None:
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            raise NotImplementedError("attention_varlen: no backward with seqused_q / seqused_k yet; run it under "
+                                      "torch.no_grad() or on tensors that do not require grad")
+        causal, scale, left, right, softcap, _ = _flags_and_options(q, causal, softmax_scale, window, softcap,
+                                                                     deterministic)
+        out, _ = _varlen_used_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                                      max_seqlen_k, causal, scale, left, right, softcap)
+        return out
     out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              *_flags_and_options(q, causal, softmax_scale, window, softcap, deterministic))
     return out
@@ -232,17 +268,93 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, q_descale=None, k_descale=None,
-                           v_descale=None):
+                           v_descale=None, seqused_q=None, seqused_k=None):
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k and v
     (total_k, heads_kv, head_dim), int32 cu_seqlens (batch + 1,); returns out (total_q, heads,
     head_dim). Raises NotImplementedError, and takes FP8 inputs with their descales (of shape
     (batch, heads_kv), batch the number of sequences), as :func:`flash_attn_func` does.
+    ``seqused_q`` / ``seqused_k``: FlashAttention-3's used prefix of each sequence (forward only).
     """
     _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
         return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                         softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale)
+                                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale,
+                                        seqused_q=seqused_q, seqused_k=seqused_k)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                            deterministic=deterministic)
+                            deterministic=deterministic, seqused_q=seqused_q, seqused_k=seqused_k)
+
+
+def _as_cuflash(x):
+    """A torch CPU tensor as a NumPy view (sharing its memory, so in-place cache updates reach
+    it); anything else as it is."""
+    return _numpy_view(x) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x
+
+
+def _as_torch(x):
+    return _from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False):
+    """FlashAttention-3's ``flash_attn_with_kvcache``: attention of q against k_cache/v_cache after
+    writing k/v into them in place at cache_seqlens (through page_table when paged), with
+    optional rotary embedding; see :func:`cuflash.attention_with_kvcache` for every argument.
+    Returns out, or (out, softmax_lse) with ``return_softmax_lse``. CUDA tensors run the kernels,
+    CPU tensors the CPU path (their caches updated in place too). Not differentiable.
+
+    With ``cu_seqlens_q``, k and v are packed like q: each sequence appends as many tokens as it
+    has queries. ``pack_gqa`` is accepted and changes nothing (the decode kernel always packs the
+    query heads of a KV head). Raises NotImplementedError, naming it, for qv, cu_seqlens_k_new,
+    rotary_seqlens, q_descale, attention_chunk, scheduler_metadata and sm_margin.
+    """
+    unsupported = {"qv": qv is not None, "cu_seqlens_k_new": cu_seqlens_k_new is not None,
+                   "rotary_seqlens": rotary_seqlens is not None, "q_descale": q_descale is not None,
+                   "attention_chunk": attention_chunk != 0, "scheduler_metadata": scheduler_metadata is not None,
+                   "sm_margin": sm_margin != 0}
+    for name, used in unsupported.items():
+        if used:
+            raise NotImplementedError(f"flash_attn_with_kvcache: cuflash does not support {name} yet")
+    if pack_gqa not in (None, True, False):
+        raise TypeError(f"pack_gqa: expected None or a bool, got {pack_gqa!r}")
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 0:
+        cache_seqlens = int(cache_seqlens)
+    arrays = [_as_cuflash(x) for x in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                       cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, k_descale,
+                                       v_descale)]
+    (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
+     cu_seqlens_q, k_descale, v_descale) = arrays
+    result = cuflash.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale, window=window_size,
+        softcap=softcap, num_splits=num_splits, descale_k=k_descale, descale_v=v_descale,
+        return_lse=return_softmax_lse)
+    return tuple(_as_torch(x) for x in result) if return_softmax_lse else _as_torch(result)
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """FlashAttention-3's ``flash_attn_combine``: out_partial float32 (splits, batch, seqlen, heads,
+    head_dim), lse_partial float32 (splits, batch, seqlen, heads) (or both without batch, packed);
+    returns (out, lse), out in ``out_dtype`` (default float32), written into ``out`` when given,
+    lse float32 (batch, seqlen, heads). See :func:`cuflash.combine`."""
+    if out is not None and out_dtype is not None and out.dtype != out_dtype:
+        raise TypeError(f"out: dtype {out.dtype} does not match out_dtype {out_dtype}")
+    if out is not None and out_dtype is None:
+        out_dtype = out.dtype
+    result, lse = cuflash.combine(_as_cuflash(out_partial), _as_cuflash(lse_partial), out_dtype=out_dtype,
+                                  return_lse=True)
+    result, lse = _as_torch(result), _as_torch(lse)
+    if out is not None:
+        if tuple(out.shape) != tuple(result.shape):
+            raise ValueError(f"out: expected shape {tuple(result.shape)}, got {tuple(out.shape)}")
+        out.copy_(result)
+        result = out
+    return result, lse

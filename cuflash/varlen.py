@@ -39,6 +39,8 @@ def attention_varlen(
     descale_v: Any = None,
     out_dtype: Any = None,
     dtype: str | None = None,
+    seqused_q: Any = None,
+    seqused_k: Any = None,
 ) -> Any:
     """Attention over a packed batch of sequences of different lengths.
 
@@ -68,6 +70,12 @@ def attention_varlen(
     descale_q, descale_k, descale_v, out_dtype, dtype
         FP8 (e4m3) inputs, as for :func:`cuflash.attention`; a descale array has shape
         (num_sequences, heads_kv).
+    seqused_q, seqused_k : int32 arrays (batch,), optional
+        The used prefix of each packed sequence (FlashAttention-3's): sequence i computes only its
+        first seqused_q[i] query rows against its first seqused_k[i] keys, causal masks and
+        windows aligned against those lengths; its rows past seqused_q[i] are 0 with lse -inf.
+        Values within 0..the sequence's length, checked with ``validate`` (GPU) or always (NumPy);
+        on the GPU a larger value counts as the whole sequence.
 
     Returns
     -------
@@ -87,6 +95,9 @@ def attention_varlen(
         validate, return_lse = checks.resolve_flag("validate", validate), checks.resolve_flag("return_lse", return_lse)
     framework, tensors, lengths = checks.check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                       validate, dtype=dtype)
+    if seqused_q is not None or seqused_k is not None:
+        lengths = checks.check_seqused(lengths, seqused_q, seqused_k, framework != "numpy",
+                                       tensors["q"].device if framework != "numpy" else None, validate)
     causal = checks.resolve_flag("causal", causal)
     scale = checks.resolve_scale(softmax_scale, tensors["q"].shape[2])
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
@@ -98,7 +109,7 @@ def attention_varlen(
                          fp8 and fp8.out_dtype)
     if not on_device:
         return host.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
-                                     scale, window, softcap, return_lse, out, fp8)
+                                     scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k)
     checks.check_varlen_grid(lengths)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
@@ -116,9 +127,12 @@ def attention_varlen(
            max_seqlen_q, fp8 and plan.fp8_key(fp8))
     cu_seqlens = lengths.device_q, lengths.device_k
     tensors = (qt, kt, vt, fp8.descale_q, fp8.descale_k, fp8.descale_v) if fp8 else (qt, kt, vt)
+    # The used prefixes travel with the lengths to the launch, which fills them in per call.
+    launch_lengths = (cu_seqlens if lengths.device_used_q is None and lengths.device_used_k is None
+                      else (*cu_seqlens, lengths.device_used_q, lengths.device_used_k))
     out, lse = plan.run(key, qt.device, True, _prepare_forward,
                         (tensors, out_t, scale, mask, lengths.batch, max_seqlen_q, cu_seqlens, fp8), framework,
-                        tensors, (out,), (out_t,), return_lse, cu_seqlens)
+                        tensors, (out,), (out_t,), return_lse, launch_lengths)
     return (out, lse) if return_lse else out
 
 

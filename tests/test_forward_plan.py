@@ -93,7 +93,7 @@ def test_fixed_length_launch(launches):
     q, k = _tensor((2, 300, 8, 128)), _tensor((2, 1000, 2, 128), ptr=3 << 20)
     lse = _tensor((2, 8, 300), "float32", ptr=4 << 20)
     built = plan.build_forward(q, k, k, q, lse, 0.1, dispatch.make_mask(True, (256, -1), 30.0, 300, 1000), 2, 300)
-    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, k.ptr, q.ptr, lse.ptr, 0, 0))
+    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, k.ptr, q.ptr, lse.ptr, 0, 0, 0, 0))
     (kernel, params), = launches
     choice = dispatch.forward_kernel("sm80", 128, "window", "bfloat16", True)
     assert kernel.function == hash(choice.name_expression) and kernel.grid == (3, 8, 2)
@@ -117,6 +117,7 @@ def test_packed_launch(launches):
     assert lse.shape == (8, 700) and out.shape == q.shape
     assert kernel.grid == (8, 3, 4)  # causal: heads, batch, ceil(500 / 128) query blocks
     assert (params["cu_seqlens_q"], params["cu_seqlens_k"]) == (5 << 20, 6 << 20)
+    assert (params["seq_end_q"], params["seq_end_k"]) == ((5 << 20) + 4, (6 << 20) + 4)  # cu_seqlens[1:]
     assert params["q_batch_stride"] == params["k_batch_stride"] == params["o_batch_stride"] == 0
     assert (params["lse_batch_stride"], params["lse_head_stride"]) == (0, 700)
     assert params["scale_log2"] == pytest.approx(0.125 * math.log2(math.e))

@@ -56,9 +56,9 @@ def test_sm90_param_struct_layout():
     fields = FWD_PARAMS_SM90.fields
     assert FWD_PARAMS_SM90.itemsize == FWD_PARAMS_SM90_SIZE == 640
     assert [fields[name][1] for name in ("q", "k", "v", "base")] == [0, 128, 256, 384]
-    assert fields["base"][0] == FWD_PARAMS and FWD_PARAMS.itemsize == 200
+    assert fields["base"][0] == FWD_PARAMS and FWD_PARAMS.itemsize == 216
     # Then the persistent grid's four int32 tile counts, in the padding before 640.
-    assert [fields[name][1] for name in ("m_blocks", "heads", "batches", "tiles")] == [584, 588, 592, 596]
+    assert [fields[name][1] for name in ("m_blocks", "heads", "batches", "tiles")] == [600, 604, 608, 612]
 
 
 def test_sm90_backward_dq_row_pad_matches_the_kernel():
@@ -221,7 +221,7 @@ def _mask(window, softcap):
 
 
 def _launch(built, q, k, v, out_ptr, lse_ptr):
-    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, v.ptr, out_ptr, lse_ptr, 0, 0))
+    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, v.ptr, out_ptr, lse_ptr, 0, 0, 0, 0))
 
 
 def _forward(q, k, v, out, lse, scale, window, softcap, batch, max_seqlen_q):
@@ -454,7 +454,7 @@ def test_sm90_argument_fill_cost_is_small(monkeypatch):
     packed = params.pack_fwd_params(q, q, q, q, lse, 0.1)
     sm80 = ArgumentBuffer(packed, FWD_POINTERS)
     sm90 = params.sm90_forward_argument(packed, q, q, q, 128, 128, (32, 16, 2))
-    pointers = (q.ptr, q.ptr, q.ptr, q.ptr, lse.ptr, 0, 0)
+    pointers = (q.ptr, q.ptr, q.ptr, q.ptr, lse.ptr, 0, 0, 0, 0)
 
     def per_call_us(argument, calls=2000):
         argument.fill(*pointers)

@@ -150,9 +150,10 @@ def test_alignment_rule():
 def test_params_struct_matches_cuda_layout():
     assert FWD_PARAMS.itemsize == FWD_PARAMS_SIZE
     assert FWD_PARAMS.fields["lse"][1] == 32 and FWD_PARAMS.fields["cu_seqlens_k"][1] == 48
-    assert FWD_PARAMS.fields["q_batch_stride"][1] == 56 and FWD_PARAMS.fields["lse_head_stride"][1] == 160
-    assert FWD_PARAMS.fields["kv_group"][1] == 168 and FWD_PARAMS.fields["window_right"][1] == 188
-    assert FWD_PARAMS.fields["softcap_tanh_scale"][1] == 196
+    assert FWD_PARAMS.fields["seq_end_q"][1] == 56 and FWD_PARAMS.fields["seq_end_k"][1] == 64
+    assert FWD_PARAMS.fields["q_batch_stride"][1] == 72 and FWD_PARAMS.fields["lse_head_stride"][1] == 176
+    assert FWD_PARAMS.fields["kv_group"][1] == 184 and FWD_PARAMS.fields["window_right"][1] == 204
+    assert FWD_PARAMS.fields["softcap_tanh_scale"][1] == 212
     # The CUDA side static_asserts the same sizes; offsets follow from C's layout rules.
     assert BWD_PARAMS.itemsize == BWD_PARAMS_SIZE and CONVERT_PARAMS.itemsize == CONVERT_PARAMS_SIZE
     assert BWD_PARAMS.fields["cu_seqlens_k"][1] == 112 and BWD_PARAMS.fields["q_batch_stride"][1] == 120

@@ -211,3 +211,56 @@ def test_total_length_zero(lengths_q, lengths_k, rng, monkeypatch):
     dq, dk, dv = cuflash.attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_k)
     assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert not any(bool(g.astype(cp.float32).any()) for g in (dq, dk, dv))
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (20, 5))])
+@pytest.mark.parametrize("which", ["both", "q", "k"])
+def test_seqused(causal, window, which, rng):
+    """seqused_q / seqused_k: each sequence's used prefix against the float64 reference of those
+    prefixes; the rows past seqused_q are 0 with lse -inf (out starts NaN-filled)."""
+    import cupy as cp
+
+    import cuflash
+    from cuflash.reference import attention_varlen_reference, max_error_bound
+
+    lengths_q, lengths_k = [130, 0, 1, 300, 64], [200, 17, 0, 300, 1]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, 128, "bfloat16", rng)
+    used_q = np.array([65, 0, 1, 0, 64], np.int32) if which != "k" else None
+    used_k = np.array([200, 3, 0, 129, 0], np.int32) if which != "q" else None
+    device_used = [None if u is None else cp.asarray(u) for u in (used_q, used_k)]
+    out = cp.full(q.shape, cp.nan, dtype=q.dtype)
+    result, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True,
+                                           out=out, seqused_q=device_used[0], seqused_k=device_used[1])
+    host = [cp.asnumpy(x) for x in (q, k, v)]
+    args = (*host, cu_q.get(), cu_k.get(), used_q, used_k)
+    exact_out, exact_lse = attention_varlen_reference(*args, causal=causal, window=window)
+    lowp_out, _ = attention_varlen_reference(*args, causal=causal, window=window, dtype=host[0].dtype)
+    got = cp.asnumpy(out)
+    ok, err, bound = max_error_bound(got, exact_out, lowp_out, atol=1e-3)
+    assert ok, f"out: max error {err:.3e} over {bound:.3e}"
+    got_lse = cp.asnumpy(lse)
+    assert np.array_equal(np.isneginf(got_lse), np.isneginf(exact_lse))
+    finite = np.isfinite(exact_lse)
+    np.testing.assert_allclose(got_lse[finite], exact_lse[finite], rtol=1e-2, atol=1e-2)
+    if used_q is not None:
+        cu = cu_q.get()
+        for b, n in enumerate(used_q):
+            assert (got[cu[b] + n:cu[b + 1]].astype(np.float32) == 0).all()
+
+
+def test_seqused_torch():
+    torch = pytest.importorskip("torch")
+    from cuflash.reference import attention_varlen_reference
+    from cuflash.torch import flash_attn_varlen_func
+
+    g = torch.Generator().manual_seed(3)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 100, 350], dtype=torch.int32)
+    q = torch.randn(10, 8, 64, generator=g).bfloat16()
+    k, v = (torch.randn(350, 2, 64, generator=g).bfloat16() for _ in range(2))
+    used_q, used_k = torch.tensor([1, 6], dtype=torch.int32), torch.tensor([99, 200], dtype=torch.int32)
+    out = flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu_q.cuda(), cu_k.cuda(), 6, 250, causal=True,
+                                 seqused_q=used_q.cuda(), seqused_k=used_k.cuda())
+    ref, _ = attention_varlen_reference(q.float().numpy(), k.float().numpy(), v.float().numpy(), cu_q.numpy(),
+                                        cu_k.numpy(), used_q.numpy(), used_k.numpy(), causal=True)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=2e-2, rtol=2e-2)

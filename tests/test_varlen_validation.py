@@ -146,3 +146,50 @@ def test_cpu_backward_checks_out_and_lse_shapes(name, shape):
     arrays = {"out": out, "lse": lse, name: np.zeros(shape, out.dtype if name == "out" else np.float32)}
     with pytest.raises(ValueError, match=f"{name}: expected shape"):
         cuflash.attention_backward(q, q, q, q, arrays["out"], arrays["lse"])
+
+
+def test_seqused_host_path_uses_the_prefixes():
+    q, k, v, cu_q, cu_k = _packed(dtype=np.float64)  # lengths q (5, 0, 9), k (7, 3, 2)
+    used_q, used_k = np.array([3, 0, 9], np.int32), np.array([7, 1, 0], np.int32)
+    out_given = np.full(q.shape, np.nan)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=True, return_lse=True, out=out_given,
+                                        seqused_q=used_q, seqused_k=used_k)
+    # Sequence 0: its first 3 queries against its 7 keys, causal aligned against (3, 7).
+    o, l = reference.attention_reference(q[None, :3], k[None, :7], v[None, :7], causal=True)
+    np.testing.assert_allclose(out[:3], o[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse[:, :3], l[0].astype(np.float32))
+    # Its rows past seqused_q, and sequence 2 (no used key), are 0 with lse -inf.
+    assert (out[3:5] == 0).all() and np.isneginf(lse[:, 3:5]).all()
+    assert (out[5:] == 0).all() and np.isneginf(lse[:, 5:]).all()
+    ref_out, ref_lse = reference.attention_varlen_reference(q, k, v, cu_q, cu_k, used_q, used_k, causal=True)
+    np.testing.assert_array_equal(out, ref_out)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        ({"seqused_q": np.array([1, 0, 2], np.int64)}, TypeError, "seqused_q: expected int32"),
+        ({"seqused_k": np.array([1, 0], np.int32)}, ValueError, r"seqused_k: expected shape \(3,\)"),
+        ({"seqused_q": np.array([6, 0, 2], np.int32)}, ValueError, "seqused_q: entry 0 \\(6\\) is outside 0..5"),
+        ({"seqused_k": np.array([1, -1, 2], np.int32)}, ValueError, "seqused_k: entry 1 \\(-1\\) is outside 0..3"),
+        ({"seqused_k": np.zeros((3, 2), np.int32)[:, 0]}, ValueError, "seqused_k: must be contiguous"),
+    ],
+)
+def test_seqused_bad_inputs(change, error, words):
+    q, k, v, cu_q, cu_k = _packed()
+    with pytest.raises(error, match=words):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, **change)
+
+
+def test_seqused_torch_cpu_forward_only():
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in _packed(dtype=np.float64))
+    used_q, used_k = torch.tensor([2, 0, 9], dtype=torch.int32), torch.tensor([7, 3, 1], dtype=torch.int32)
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 7, causal=True, seqused_q=used_q, seqused_k=used_k)
+    ref_out, _ = reference.attention_varlen_reference(*(x.numpy() for x in (q, k, v, cu_q, cu_k)), used_q.numpy(),
+                                                      used_k.numpy(), causal=True)
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=1e-12, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="seqused"):
+        flash_attn_varlen_func(q.requires_grad_(), k, v, cu_q, cu_k, 9, 7, seqused_q=used_q)

@@ -17,6 +17,10 @@ struct FwdParams {
   // fixed-length batch (see common/seqlen.cuh for why this is a run-time switch).
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
+  // Packed batches only: (batch,) the row after each sequence's last used one, cu_seqlens + 1
+  // or cu_seqlens[b] + seqused[b] (common/seqlen.cuh).
+  const int* seq_end_q;
+  const int* seq_end_k;
   // Strides in elements; the head_dim stride is 1.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;
@@ -33,7 +37,7 @@ struct FwdParams {
                      // softcap, softcap * log2(e) (common/softcap.cuh)
   float softcap_tanh_scale;  // softmax_scale / softcap, read by SOFTCAP kernels only
 };
-static_assert(sizeof(FwdParams) == 200, "cuflash/params.py packs 200 bytes");
+static_assert(sizeof(FwdParams) == 216, "cuflash/params.py packs 216 bytes");
 
 // The forward of e4m3 inputs: FwdParams, whose scale_log2 (or softcap_tanh_scale) holds scalar q
 // and k descales, then per-(batch, head_kv) descales. A separate struct so that the 16-bit kernels'
@@ -49,7 +53,7 @@ struct FwdParamsFp8 : FwdParams {
   i64 descale_v_batch_stride, descale_v_head_stride;
   float v_scale;  // a scalar descale_v (1 when it is an array), applied with the final normalisation
 };
-static_assert(sizeof(FwdParamsFp8) == 280, "cuflash/params.py packs 280 bytes");
+static_assert(sizeof(FwdParamsFp8) == 296, "cuflash/params.py packs 296 bytes");
 
 // The kernel argument of a forward whose inputs are Input.
 template <class Input>

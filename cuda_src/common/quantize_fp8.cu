@@ -7,11 +7,10 @@
 // Every step is float32 with explicit round-to-nearest intrinsics (no contraction into FMAs), and
 // the butterfly runs in the order cuflash/quantize.py's NumPy path runs it, so the GPU's bytes
 // and descales equal the NumPy path's bit for bit; a maximum does not depend on its order.
+#include "common/e4m3.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
-
-constexpr float E4M3_MAX = 448.f;
 
 struct load_f16 {
   static __device__ __forceinline__ float at(const void* x, i64 i) {
@@ -28,22 +27,6 @@ struct load_bf16 {
 struct load_f32 {
   static __device__ __forceinline__ float at(const void* x, i64 i) { return static_cast<const float*>(x)[i]; }
 };
-
-// float32 -> e4m3 (float8_e4m3fn) bits, round to nearest even, for |v| <= 448 (the callers
-// saturate first). Done in integer arithmetic because sm_80 has no e4m3 conversion instruction.
-__device__ __forceinline__ unsigned char to_e4m3(float v) {
-  const u32 bits = __float_as_uint(v);
-  const u32 sign = (bits >> 24) & 0x80u;
-  const float magnitude = fabsf(v);
-  if (magnitude < 0.015625f) {  // below 2^-6, the smallest normal: multiples of 2^-9
-    return static_cast<unsigned char>(sign | u32(rintf(magnitude * 512.f)));
-  }
-  // Keep 3 of float32's 23 mantissa bits, rounding to nearest even (a carry bumps the exponent),
-  // then rebias the exponent from 127 to 7.
-  u32 kept = bits & 0x7fffffffu;
-  kept = (kept + 0x7ffffu + ((kept >> 20) & 1u)) >> 20;
-  return static_cast<unsigned char>(sign | min(kept - (120u << 3), 0x7eu));
-}
 
 struct QuantizeArgs {
   const void* x;

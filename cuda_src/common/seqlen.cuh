@@ -17,13 +17,31 @@ struct Sequence {
   int seqlen_k;
 };
 
-// Params: FwdParams, or any struct with the same cu_seqlens_* and seqlen_* fields.
+// Whether Params has seq_end_q / seq_end_k (FwdParams does; the backward's BwdParams does not).
+template <class Params, class = void>
+struct HasSeqEnds {
+  static constexpr bool value = false;
+};
+template <class Params>
+struct HasSeqEnds<Params, decltype(void(&Params::seq_end_q))> {
+  static constexpr bool value = true;
+};
+
+// Params: FwdParams, or any struct with the same cu_seqlens_* and seqlen_* fields. A packed
+// forward reads where each sequence ends from seq_end_q / seq_end_k: cu_seqlens + 1, or, with
+// seqused_q / seqused_k, cu_seqlens[b] + seqused[b] (the host computes them), so the used prefix
+// costs the kernel nothing: rows past it are not computed (the host zero-fills out and sets lse
+// to -inf there), keys past it are not seen, and masks align against the used lengths.
 template <class Params>
 __device__ __forceinline__ Sequence sequence_of(const Params& p, int batch) {
   if (p.cu_seqlens_q == nullptr) return {0, 0, p.seqlen_q, p.seqlen_k};
   const int q_begin = p.cu_seqlens_q[batch];
   const int k_begin = p.cu_seqlens_k[batch];
-  return {q_begin, k_begin, p.cu_seqlens_q[batch + 1] - q_begin, p.cu_seqlens_k[batch + 1] - k_begin};
+  if constexpr (HasSeqEnds<Params>::value) {
+    return {q_begin, k_begin, p.seq_end_q[batch] - q_begin, p.seq_end_k[batch] - k_begin};
+  } else {
+    return {q_begin, k_begin, p.cu_seqlens_q[batch + 1] - q_begin, p.cu_seqlens_k[batch + 1] - k_begin};
+  }
 }
 
 }  // namespace cuflash

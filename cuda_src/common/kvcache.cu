@@ -1,0 +1,570 @@
+// Attention against a KV cache (cuflash/kvcache.py): three kernels, launched in this order on one
+// stream.
+//
+// kv_append: the new keys and values written into the cache in place at cache_seqlens (through
+//   the page table when paged), the keys rotated first; and q rotated into a scratch copy. One
+//   CTA per (token, sequence); elementwise, it moves a few KB per call. An e4m3 cache gets the new
+//   tokens quantized: x / descale in float32, saturated to +-448, rounded to nearest even.
+// kv_decode: attention of the packed rows of one kv head (its group of query heads times the
+//   query tokens, GQA packing) over one split of the key range, reading K and V once per kv head
+//   and split through the page table: mma.sync m16n8k16 on the 16 packed rows, K/V tiles by
+//   cp.async in two stages. With one split it writes out (and lse); with several, fp32 partial out
+//   and lse for kv_combine.
+// kv_combine: the splits merged through their lse; also cuflash.combine's kernel.
+//
+// The cache's element type C is q's 16-bit T, or e4m3 (an FP8 cache, values stored / descale):
+// kv_decode widens its e4m3 tiles exactly to T and scales the scores by descale_k and the output
+// by descale_v.
+#include "common/e4m3.cuh"
+#include "common/smem.cuh"
+#include "common/softcap.cuh"
+#include "common/softmax.cuh"
+#include "common/types.cuh"
+#include "sm80/warp_gemm.cuh"
+
+namespace cuflash {
+
+struct KvParams {
+  // Pointers first (params.py KV_POINTERS fills them per call).
+  const void* q;             // (batch, seqlen_q, heads, d), or packed (total_q, heads, d)
+  void* k_cache;             // contiguous (batch_cache, seqlen_cache, heads_kv, d) or paged (pages, page_size, heads_kv, d)
+  void* v_cache;
+  const void* k_new;         // (batch, seqlen_new, heads_kv, d) or packed (total_q, heads_kv, d); null: no append
+  const void* v_new;
+  void* out;                 // like q
+  float* lse;                // (batch, heads, seqlen_q) or (heads, total_q); null: not wanted
+  float* out_partial;        // (splits, heads, rows, d) fp32, rows = batch * seqlen_q or total_q
+  float* lse_partial;        // (splits, heads, rows)
+  const int* cache_seqlens;  // (batch,); null: cache_seqlens_scalar
+  const int* page_table;     // (batch, max_pages); null: a contiguous cache
+  const int* cache_batch_idx;
+  const int* cache_leftpad;
+  const int* cu_seqlens_q;   // (batch + 1,); null: fixed-length q
+  const void* rotary_cos;    // (seqlen_ro, rotary_dim / 2), q's type or fp32 (rotary_fp32)
+  const void* rotary_sin;
+  void* q_rot;               // rotated q, contiguous (rows, heads, d) in q's type; null: no rotary
+  const float* descale_k;    // e4m3 cache: (batch, heads_kv) float32; null: descale_k_scalar
+  const float* descale_v;
+  // Strides in elements: batch (or page), row, head.
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 kc_batch_stride, kc_row_stride, kc_head_stride;
+  i64 vc_batch_stride, vc_row_stride, vc_head_stride;
+  i64 kn_batch_stride, kn_row_stride, kn_head_stride;
+  i64 vn_batch_stride, vn_row_stride, vn_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  int batch, seqlen_q, heads, heads_kv, head_dim;
+  int page_size, max_pages, capacity;
+  int cache_seqlens_scalar, seqlen_new;
+  int rotary_dim, rotary_interleaved, rotary_per_row, rotary_fp32;
+  int num_splits, row_tiles;
+  int window_left, window_right;  // -1 unbounded; causal is right = 0
+  float scale_log2;               // softmax_scale * log2(e), or softcap * log2(e) with a softcap
+  float softcap_scale;            // softmax_scale / softcap; 0: no softcap
+  float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
+};
+
+template <class T>
+__device__ __forceinline__ float load_elem(const void* p, i64 i) {
+  return T::unpack(u32(static_cast<const u16*>(p)[i])).x;
+}
+template <class T>
+__device__ __forceinline__ void store_elem(void* p, i64 i, float x) {
+  static_cast<u16*>(p)[i] = u16(T::pack(x, 0.f) & 0xffffu);
+}
+
+__device__ __forceinline__ int kv_cached(const KvParams& p, int b) {
+  return p.cache_seqlens ? p.cache_seqlens[b] : p.cache_seqlens_scalar;
+}
+__device__ __forceinline__ int kv_leftpad(const KvParams& p, int b) {
+  return p.cache_leftpad ? p.cache_leftpad[b] : 0;
+}
+// Query rows of sequence b and the global row index of its first one.
+__device__ __forceinline__ int kv_seqlen_q(const KvParams& p, int b) {
+  return p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b] : p.seqlen_q;
+}
+__device__ __forceinline__ i64 kv_first_row(const KvParams& p, int b) {
+  return p.cu_seqlens_q ? i64(p.cu_seqlens_q[b]) : i64(b) * p.seqlen_q;
+}
+// New tokens of sequence b: as many as its queries when q is packed.
+__device__ __forceinline__ int kv_seqlen_new(const KvParams& p, int b) {
+  if (!p.k_new) return 0;
+  return p.cu_seqlens_q ? kv_seqlen_q(p, b) : p.seqlen_new;
+}
+// Element offset of (logical position, kv head) of sequence b in a cache with the given strides.
+__device__ __forceinline__ i64 kv_slot(const KvParams& p, int b, int position, int kv_head, i64 batch_stride,
+                                       i64 row_stride, i64 head_stride) {
+  i64 block, row;
+  if (p.page_table) {
+    block = p.page_table[i64(b) * p.max_pages + position / p.page_size];
+    row = position % p.page_size;
+  } else {
+    block = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+    row = position;
+  }
+  return block * batch_stride + row * row_stride + i64(kv_head) * head_stride;
+}
+
+// The descale of (sequence b, kv head h): the array's entry, or the scalar.
+__device__ __forceinline__ float kv_descale(const float* array, float scalar, const KvParams& p, int b, int h) {
+  return array ? array[i64(b) * p.heads_kv + h] : scalar;
+}
+
+// Element access of a cache of C for q's type T: C = T stores 16-bit values; C = e4m3 stores
+// x / descale, saturated to +-448 and rounded to nearest even (cuflash.quantize_fp8's rounding).
+template <class T, class C>
+struct KvStore {
+  typedef u16 S;
+  static __device__ __forceinline__ void at(void* p, i64 i, float x, float) { store_elem<T>(p, i, x); }
+};
+template <class T>
+struct KvStore<T, e4m3> {
+  typedef u8 S;
+  static __device__ __forceinline__ void at(void* p, i64 i, float x, float descale) {
+    const float y = fminf(fmaxf(__fdiv_rn(x, descale), -E4M3_MAX), E4M3_MAX);
+    static_cast<u8*>(p)[i] = to_e4m3(y);
+  }
+};
+
+template <class T>
+__device__ __forceinline__ float rotary_table(const KvParams& p, const void* table, i64 i) {
+  return p.rotary_fp32 ? static_cast<const float*>(table)[i] : load_elem<T>(table, i);
+}
+
+// Rotates (or copies, past rotary_dim) one head's row of d values from src to dst at position pos;
+// each thread of the CTA takes pairs of dimensions. dst holds Store's elements (descale: an e4m3
+// cache's).
+template <class T, class Store>
+__device__ void rotate_row(const KvParams& p, const void* src, void* dst, int pos, float descale) {
+  const int half = p.rotary_dim / 2;
+  for (int j = threadIdx.x; j < p.head_dim / 2; j += blockDim.x) {
+    int a, c;  // the pair's two dimensions
+    if (j < half) {
+      a = p.rotary_interleaved ? 2 * j : j;
+      c = p.rotary_interleaved ? 2 * j + 1 : j + half;
+    } else {
+      a = 2 * j;
+      c = 2 * j + 1;
+    }
+    float x0 = load_elem<T>(src, a), x1 = load_elem<T>(src, c);
+    if (j < half) {
+      const float cs = rotary_table<T>(p, p.rotary_cos, i64(pos) * half + j);
+      const float sn = rotary_table<T>(p, p.rotary_sin, i64(pos) * half + j);
+      const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
+      x0 = y0;
+      x1 = y1;
+    }
+    Store::at(dst, a, x0, descale);
+    Store::at(dst, c, x1, descale);
+  }
+}
+
+// grid (max(seqlen_new, seqlen_q) tokens, batch). Half-split pairs past rotary_dim are not pairs
+// of the table: rotate_row copies dimensions 2j, 2j+1 there, which for j >= rotary_dim / 2 lie past
+// rotary_dim in both styles.
+template <class T, class C>
+__global__ void kv_append(const __grid_constant__ KvParams p) {
+  typedef KvStore<T, C> Store;
+  typedef typename Store::S S;
+  const int t = blockIdx.x, b = blockIdx.y;
+  const int cached = kv_cached(p, b);
+  if (t < kv_seqlen_new(p, b)) {
+    const int pos = cached + t;
+    const i64 new_row = p.cu_seqlens_q ? i64(p.cu_seqlens_q[b]) + t : i64(t);
+    for (int h = 0; h < p.heads_kv; ++h) {
+      const u16* kn = static_cast<const u16*>(p.k_new) + (p.cu_seqlens_q ? 0 : i64(b) * p.kn_batch_stride) +
+                      new_row * p.kn_row_stride + i64(h) * p.kn_head_stride;
+      const u16* vn = static_cast<const u16*>(p.v_new) + (p.cu_seqlens_q ? 0 : i64(b) * p.vn_batch_stride) +
+                      new_row * p.vn_row_stride + i64(h) * p.vn_head_stride;
+      S* kc = static_cast<S*>(p.k_cache) + kv_slot(p, b, pos, h, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride);
+      S* vc = static_cast<S*>(p.v_cache) + kv_slot(p, b, pos, h, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride);
+      const float dk = kv_descale(p.descale_k, p.descale_k_scalar, p, b, h);
+      const float dv = kv_descale(p.descale_v, p.descale_v_scalar, p, b, h);
+      if (p.rotary_dim) {
+        rotate_row<T, Store>(p, kn, kc, pos, dk);
+      } else {
+        for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) Store::at(kc, c, load_elem<T>(kn, c), dk);
+      }
+      for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) Store::at(vc, c, load_elem<T>(vn, c), dv);
+    }
+  }
+  if (p.q_rot && t < kv_seqlen_q(p, b)) {
+    const int pos = cached + (p.rotary_per_row ? t : 0);
+    const i64 row = kv_first_row(p, b) + t;
+    for (int h = 0; h < p.heads; ++h) {
+      const u16* src = static_cast<const u16*>(p.q) + (p.cu_seqlens_q ? 0 : i64(b) * p.q_batch_stride) +
+                       (p.cu_seqlens_q ? row : i64(t)) * p.q_row_stride + i64(h) * p.q_head_stride;
+      u16* dst = static_cast<u16*>(p.q_rot) + (row * p.heads + h) * p.head_dim;
+      rotate_row<T, KvStore<T, T>>(p, src, dst, pos, 1.f);
+    }
+  }
+}
+
+constexpr int KV_ROWS = 16;      // packed query rows per CTA: one m16 tile
+constexpr int KV_KEYS = 64;      // keys per main-loop step, 16 per warp
+constexpr int KV_THREADS = 128;  // 4 warps
+constexpr int KV_WARPS = KV_THREADS / 32;
+
+// Shared memory of kv_decode for cache element C and head-dim bucket D (a multiple of 64, so rows
+// are whole 128-byte groups for common/smem.cuh's swizzle): the Q tile; two stages of K and V
+// tiles (16-bit caches), or two stages of e4m3 bytes and one widened 16-bit K and V tile; after
+// the loop the same bytes hold the warps' partial O for the merge; and the warps' row statistics.
+template <class C, int D>
+struct KvTiles {
+  u16 q[KV_ROWS * D];
+  union {
+    struct {
+      u16 k[2][KV_KEYS * D];
+      u16 v[2][KV_KEYS * D];
+    } wide;
+    struct {
+      u8 k[2][KV_KEYS * D];  // row-major, unswizzled: each thread reads back only its own chunks
+      u8 v[2][KV_KEYS * D];
+      u16 k16[KV_KEYS * D];
+      u16 v16[KV_KEYS * D];
+    } fp8;
+    float o[KV_WARPS][KV_ROWS][D];
+  };
+  float m[KV_WARPS][KV_ROWS];  // each warp's row maxima, log2 units
+  float l[KV_WARPS][KV_ROWS];  // and row sums
+};
+
+// Where position `pos` of sequence b lives: the element offsets of its K and V rows' kv_head.
+__device__ __forceinline__ void kv_rows(const KvParams& p, int b, int pos, int kv_head, i64& k_off, i64& v_off) {
+  i64 block, row;
+  if (p.page_table) {
+    block = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
+    row = pos % p.page_size;
+  } else {
+    block = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+    row = pos;
+  }
+  k_off = block * p.kc_batch_stride + row * p.kc_row_stride + i64(kv_head) * p.kc_head_stride;
+  v_off = block * p.vc_batch_stride + row * p.vc_row_stride + i64(kv_head) * p.vc_head_stride;
+}
+
+// Issues the cp.async copies of keys [n0, n0 + KV_KEYS) of sequence b (cache positions start + n),
+// those from n_end on zero-filled, into stage `stage`. Each thread keeps one column (16-byte
+// chunk) of rows tid / chunks_per_row + i * rows_per_pass, so it can widen its own e4m3 chunks
+// without a barrier.
+template <class C, int D>
+__device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, int stage, int b, int kv_head,
+                                         int start, int n0, int n_end) {
+  constexpr bool FP8 = InputStorage<C>::fp8;
+  constexpr int ELEMS = FP8 ? 16 : 8;  // elements per 16-byte chunk
+  constexpr int PER_ROW = D / ELEMS;
+  constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
+  static_assert(KV_THREADS % PER_ROW == 0 && KV_KEYS % ROWS_PER_PASS == 0, "tile must split evenly");
+  typedef typename InputStorage<C>::type S;
+  const S* kc = static_cast<const S*>(p.k_cache);
+  const S* vc = static_cast<const S*>(p.v_cache);
+  const int col = (threadIdx.x % PER_ROW) * ELEMS;
+  const int row0 = threadIdx.x / PER_ROW;
+  const bool col_ok = col < p.head_dim;
+#pragma unroll
+  for (int i = 0; i < KV_KEYS / ROWS_PER_PASS; ++i) {
+    const int n = row0 + i * ROWS_PER_PASS;
+    const bool ok = col_ok && n0 + n < n_end;
+    i64 k_off = 0, v_off = 0;
+    if (ok) kv_rows(p, b, start + n0 + n, kv_head, k_off, v_off);
+    if constexpr (FP8) {
+      cp_async_16(s.fp8.k[stage] + n * D + col, kc + k_off + col, ok ? 16 : 0);
+      cp_async_16(s.fp8.v[stage] + n * D + col, vc + v_off + col, ok ? 16 : 0);
+    } else {
+      cp_async_16(s.wide.k[stage] + swizzle<D>(n, col), kc + k_off + col, ok ? 16 : 0);
+      cp_async_16(s.wide.v[stage] + swizzle<D>(n, col), vc + v_off + col, ok ? 16 : 0);
+    }
+  }
+}
+
+// e4m3 caches: this thread's chunks of stage `stage` (kv_issue's, landed) widened exactly to T
+// into the 16-bit tiles.
+template <class T, class C, int D>
+__device__ __forceinline__ void kv_widen(KvTiles<C, D>& s, int stage) {
+  constexpr int PER_ROW = D / 16;
+  constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
+  const int col = (threadIdx.x % PER_ROW) * 16;
+  const int row0 = threadIdx.x / PER_ROW;
+#pragma unroll
+  for (int i = 0; i < KV_KEYS / ROWS_PER_PASS; ++i) {
+    const int n = row0 + i * ROWS_PER_PASS;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const uint4 x = *reinterpret_cast<const uint4*>((t ? s.fp8.v[stage] : s.fp8.k[stage]) + n * D + col);
+      u16* dst = t ? s.fp8.v16 : s.fp8.k16;
+      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col)) =
+          make_uint4(widen_e4m3_pair<T>(x.x, 0x1404u), widen_e4m3_pair<T>(x.x, 0x3424u),
+                     widen_e4m3_pair<T>(x.y, 0x1404u), widen_e4m3_pair<T>(x.y, 0x3424u));
+      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col + 8)) =
+          make_uint4(widen_e4m3_pair<T>(x.z, 0x1404u), widen_e4m3_pair<T>(x.z, 0x3424u),
+                     widen_e4m3_pair<T>(x.w, 0x1404u), widen_e4m3_pair<T>(x.w, 0x3424u));
+    }
+  }
+}
+
+// grid (num_splits * row_tiles, heads_kv, batch), KV_THREADS threads. Packed row m of a kv head is
+// query token m / group of query head kv_head * group + m % group; the CTA's 16 rows are one m16
+// tile of mma.sync m16n8k16. Each step's 64 keys arrive by cp.async, the next step's copies in
+// flight under this step's products (two stages). Warp w takes keys 16w .. 16w + 15 of every step
+// with its own online softmax and O; the four warps' (max, sum, O) merge once at the end.
+template <class T, class C, int D>
+__global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const __grid_constant__ KvParams p) {
+  constexpr bool FP8 = InputStorage<C>::fp8;
+  constexpr int DT = D / 8;  // n8 tiles of O per warp
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  KvTiles<C, D>& s = *reinterpret_cast<KvTiles<C, D>*>(smem_raw);
+  const int split = blockIdx.x / p.row_tiles, tile = blockIdx.x % p.row_tiles;
+  const int kv_head = blockIdx.y, b = blockIdx.z;
+  const int group = p.heads / p.heads_kv;
+  const int seqlen_q = kv_seqlen_q(p, b);
+  const int rows = seqlen_q * group;
+  const int row0 = tile * KV_ROWS;
+  if (row0 >= rows) return;
+  const int start = kv_leftpad(p, b);
+  const int seqlen_k = kv_cached(p, b) - start + kv_seqlen_new(p, b);
+  const i64 first_row = kv_first_row(p, b);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  // Keys this CTA's rows may see: row i sees [i + shift - left, i + shift + right] with
+  // shift = seqlen_k - seqlen_q, within [0, seqlen_k); the union over the tile's tokens.
+  const int shift = seqlen_k - seqlen_q;
+  const int tok_lo = row0 / group, tok_hi = min(rows - 1, row0 + KV_ROWS - 1) / group;
+  const int key_lo = p.window_left < 0 ? 0 : max(0, tok_lo + shift - p.window_left);
+  const int key_hi = p.window_right < 0 ? seqlen_k : min(seqlen_k, tok_hi + shift + p.window_right + 1);
+  // This split's share, in whole steps.
+  const int blocks = (max(key_hi - key_lo, 0) + KV_KEYS - 1) / KV_KEYS;
+  const int per_split = (blocks + p.num_splits - 1) / p.num_splits;
+  const int split_lo = key_lo + split * per_split * KV_KEYS;
+  const int split_hi = min(key_hi, split_lo + per_split * KV_KEYS);
+  const int steps = split_hi > split_lo ? (split_hi - split_lo + KV_KEYS - 1) / KV_KEYS : 0;
+  if (steps > 0) {
+    kv_issue<C, D>(p, s, 0, b, kv_head, start, split_lo, split_hi);
+    cp_async_commit();
+  }
+
+  // Q rows into the swizzled tile (the rotated copy when rotary), 16 bytes per load, zeros past
+  // the rows and head_dim.
+  for (int i = threadIdx.x; i < KV_ROWS * D / 8; i += KV_THREADS) {
+    const int r = i / (D / 8), c = (i % (D / 8)) * 8, m = row0 + r;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (m < rows && c < p.head_dim) {
+      const int tk = m / group, hh = kv_head * group + m % group;
+      const u16* src;
+      if (p.q_rot) {
+        src = static_cast<const u16*>(p.q_rot) + ((first_row + tk) * p.heads + hh) * p.head_dim;
+      } else {
+        src = static_cast<const u16*>(p.q) +
+              (p.cu_seqlens_q ? (first_row + tk) * p.q_row_stride : i64(b) * p.q_batch_stride + i64(tk) * p.q_row_stride) +
+              i64(hh) * p.q_head_stride;
+      }
+      x = *reinterpret_cast<const uint4*>(src + c);
+    }
+    *reinterpret_cast<uint4*>(s.q + swizzle<D>(r, c)) = x;
+  }
+
+  // This thread's rows (g and g + 8 of the tile) and their key bounds.
+  const int g = lane / 4, tig = lane % 4;
+  int lo[2], hi[2];
+  bool live[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = row0 + g + 8 * h;
+    live[h] = m < rows;
+    const int token = live[h] ? m / group : 0;
+    lo[h] = max(split_lo, p.window_left < 0 ? 0 : token + shift - p.window_left);
+    hi[h] = min(split_hi, p.window_right < 0 ? seqlen_k : token + shift + p.window_right + 1);
+    if (!live[h]) hi[h] = lo[h];  // sees nothing
+  }
+  // An e4m3 cache's descales: k's scales the scores (inside a softcap's tanh), v's the output.
+  const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head);
+  const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
+  const float tanh_scale = p.softcap_scale * descale_k;
+
+  // ldmatrix addresses: Q as the A operand, this warp's 16 keys of K (B of S = Q K^T) and of V
+  // (B of O = P V, read k-major), in stage 0; a stage is KV_KEYS * D * 2 bytes further.
+  const u16* k_tile = FP8 ? s.fp8.k16 : s.wide.k[0];
+  const u16* v_tile = FP8 ? s.fp8.v16 : s.wide.v[0];
+  const FragmentAddress<D> q_frag(s.q, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const FragmentAddress<D> k_frag(k_tile, 16 * warp + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const FragmentAddress<D> v_frag(v_tile, 16 * warp + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  constexpr u32 STAGE_BYTES = KV_KEYS * D * 2;
+
+  float o[1][DT][4];
+  clear(o);
+  OnlineSoftmax<1> softmax;
+  softmax.init();
+  for (int step = 0; step < steps; ++step) {
+    const int n0 = split_lo + step * KV_KEYS;
+    if (step + 1 < steps) {
+      kv_issue<C, D>(p, s, (step + 1) & 1, b, kv_head, start, n0 + KV_KEYS, split_hi);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    if constexpr (FP8) kv_widen<T, C, D>(s, step & 1);
+    __syncthreads();  // this step's tiles (and, the first time, Q) are in place
+    const u32 stage = FP8 ? 0u : (step & 1) * STAGE_BYTES;
+
+    float sc[1][2][4];
+    clear(sc);
+    u32 q_tiles[1][4], k_tiles[4];
+    warp_gemm<D / 16, T>(sc, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag, stage));
+    if (p.softcap_scale > 0.f) softcap_scores(sc, tanh_scale);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = n0 + 16 * warp + 8 * nt + 2 * tig + (e & 1), h = e / 2;
+        if (key < lo[h] || key >= hi[h]) sc[0][nt][e] = kNegInf;
+      }
+    softmax.update(sc, o, score_log2);
+    u32 p_tiles[1][4], v_tiles[4];
+    warp_gemm<1, T>(o, p_tiles, v_tiles, register_operand<T>(sc), smem_operand<true>(v_frag, stage));
+    __syncthreads();  // every warp is done with this stage before the next issue overwrites it
+  }
+
+  // Merge the warps: each row's max M over the warps, its sum L = sum_w l_w 2^(m_w - M), and
+  // O = sum_w 2^(m_w - M) O_w / L, through shared memory (the tiles are free now).
+  float m_log2[2], l_row[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = softmax.row_sum[0][h];
+    sum += __shfl_xor_sync(0xffffffff, sum, 1);
+    sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    l_row[h] = sum;
+    m_log2[h] = softmax.row_max[0][h] == kNegInf ? kNegInf : softmax.row_max[0][h] * score_log2;
+    if (tig == 0) {
+      s.m[warp][g + 8 * h] = m_log2[h];
+      s.l[warp][g + 8 * h] = sum;
+    }
+  }
+  __syncthreads();
+  const float descale_v = kv_descale(p.descale_v, p.descale_v_scalar, p, b, kv_head);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = g + 8 * h;
+    float top = kNegInf;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) top = fmaxf(top, s.m[w][r]);
+    const float base = top == kNegInf ? 0.f : top;
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) total += s.l[w][r] * fast_exp2(s.m[w][r] - base);
+    const float factor = total > 0.f ? fast_exp2(m_log2[h] - base) * descale_v / total : 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      s.o[warp][r][8 * dt + 2 * tig] = o[0][dt][2 * h] * factor;
+      s.o[warp][r][8 * dt + 2 * tig + 1] = o[0][dt][2 * h + 1] * factor;
+    }
+  }
+  __syncthreads();
+
+  // Epilogue: pairs of columns of the 16 rows, coalesced along each row.
+  const bool split_out = p.num_splits > 1;
+  const i64 total_rows = p.cu_seqlens_q ? i64(p.cu_seqlens_q[p.batch]) : i64(p.batch) * p.seqlen_q;
+  for (int i = threadIdx.x; i < KV_ROWS * D / 2; i += KV_THREADS) {
+    const int r = i / (D / 2), c = 2 * (i % (D / 2)), m = row0 + r;
+    if (m >= rows || c >= p.head_dim) continue;
+    float x0 = 0.f, x1 = 0.f;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) {
+      x0 += s.o[w][r][c];
+      x1 += s.o[w][r][c + 1];
+    }
+    const int token = m / group, head = kv_head * group + m % group;
+    const i64 grow = first_row + token;
+    if (split_out) {
+      *reinterpret_cast<float2*>(p.out_partial + ((i64(split) * p.heads + head) * total_rows + grow) * p.head_dim + c) =
+          make_float2(x0, x1);
+    } else {
+      u16* out = static_cast<u16*>(p.out) +
+                 (p.cu_seqlens_q ? grow * p.o_row_stride : i64(b) * p.o_batch_stride + i64(token) * p.o_row_stride) +
+                 i64(head) * p.o_head_stride;
+      *reinterpret_cast<u32*>(out + c) = T::pack(x0, x1);
+    }
+  }
+  if (threadIdx.x < KV_ROWS && row0 + int(threadIdx.x) < rows && (split_out || p.lse)) {
+    const int r = threadIdx.x, m = row0 + r;
+    float top = kNegInf;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) top = fmaxf(top, s.m[w][r]);
+    const float base = top == kNegInf ? 0.f : top;
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < KV_WARPS; ++w) total += s.l[w][r] * fast_exp2(s.m[w][r] - base);
+    const float lse = total > 0.f ? (base + log2f(total)) * 0.69314718055994531f : kNegInf;
+    const int token = m / group, head = kv_head * group + m % group;
+    const i64 grow = first_row + token;
+    if (split_out) {
+      p.lse_partial[(i64(split) * p.heads + head) * total_rows + grow] = lse;
+    } else {
+      p.lse[p.cu_seqlens_q ? i64(head) * total_rows + grow : (i64(b) * p.heads + head) * p.seqlen_q + token] = lse;
+    }
+  }
+}
+
+struct CombineParams {
+  const float* out_partial;
+  const float* lse_partial;
+  void* out;
+  float* lse;  // null: not wanted
+  // Strides in elements: split, batch, row, head.
+  i64 op_split_stride, op_batch_stride, op_row_stride, op_head_stride;
+  i64 lp_split_stride, lp_batch_stride, lp_row_stride, lp_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  i64 l_batch_stride, l_row_stride, l_head_stride;
+  int splits, batch, seqlen, heads, head_dim;
+};
+
+struct store_f32 {
+  static __device__ __forceinline__ void at(void* p, i64 i, float x) { static_cast<float*>(p)[i] = x; }
+};
+template <class T>
+struct store_16 {
+  static __device__ __forceinline__ void at(void* p, i64 i, float x) { store_elem<T>(p, i, x); }
+};
+
+// One warp per (batch, row, head), COMBINE_WARPS per CTA; grid.x covers batch * seqlen * heads.
+constexpr int COMBINE_WARPS = 4;
+
+template <class Store>
+__global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_constant__ CombineParams p) {
+  const i64 item = i64(blockIdx.x) * COMBINE_WARPS + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (item >= i64(p.batch) * p.seqlen * p.heads) return;
+  const int h = int(item % p.heads);
+  const i64 bi = item / p.heads;
+  const int i = int(bi % p.seqlen), b = int(bi / p.seqlen);
+  const float* lp = p.lse_partial + i64(b) * p.lp_batch_stride + i64(i) * p.lp_row_stride + i64(h) * p.lp_head_stride;
+  float mx = kNegInf;
+  for (int s = lane; s < p.splits; s += 32) mx = fmaxf(mx, lp[s * p.lp_split_stride]);
+  for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, off));
+  const float base = mx == kNegInf ? 0.f : mx;
+  float total = 0.f;
+  for (int s = lane; s < p.splits; s += 32) total += expf(lp[s * p.lp_split_stride] - base);
+  for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(~0u, total, off);
+  const bool empty = total == 0.f;
+  const float lse = empty ? kNegInf : base + logf(total);
+  const float* op = p.out_partial + i64(b) * p.op_batch_stride + i64(i) * p.op_row_stride + i64(h) * p.op_head_stride;
+  const i64 o_at = i64(b) * p.o_batch_stride + i64(i) * p.o_row_stride + i64(h) * p.o_head_stride;
+  for (int c = lane; c < p.head_dim; c += 32) {
+    float acc = 0.f;
+    if (!empty) {
+      for (int s = 0; s < p.splits; ++s) {
+        const float l = lp[s * p.lp_split_stride];
+        if (l != kNegInf) acc += expf(l - lse) * op[s * p.op_split_stride + c];
+      }
+    }
+    Store::at(p.out, o_at + c, acc);
+  }
+  if (p.lse && lane == 0) p.lse[i64(b) * p.l_batch_stride + i64(i) * p.l_row_stride + i64(h) * p.l_head_stride] = lse;
+}
+
+}  // namespace cuflash
+
+namespace cuflash {
+static_assert(sizeof(KvParams) == 384, "params.py KV_PARAMS mirrors KvParams");
+static_assert(sizeof(KvTiles<bf16, 128>) == 544 * 128 + 512 && sizeof(KvTiles<e4m3, 64>) == 544 * 64 + 512,
+              "dispatch.kv_smem_bytes mirrors KvTiles");
+static_assert(sizeof(CombineParams) == 168, "params.py COMBINE_PARAMS mirrors CombineParams");
+}  // namespace cuflash

@@ -1,0 +1,109 @@
+"""The GPU path of attention_with_kvcache and combine: the plan cached under a key of everything
+it reads but pointers, then its launches (plan.KvCachePlan, plan.CombinePlan).
+
+attention_with_kvcache takes its key before the checks, as attention does (plan.py), so that a
+decoding loop's repeated call costs the tensors' descriptions, a dictionary look-up and the
+launches: the key holds each array's layout and each option as passed, and is formed only where
+the checks read nothing else (validate=False, max_seqlen_q given with a packed q, options of the
+plain types of plan.KEY_SCALARS); other calls run the checks every time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cuflash import checks, interop, plan
+
+__all__ = ["attention_with_kvcache", "combine"]
+
+# KvCachePlan.launch's tensors, by argument name; the descales follow.
+_INPUTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
+           "cu_seqlens_q", "rotary_cos", "rotary_sin")
+_NAMES = (*_INPUTS, "descale_k", "descale_v")
+_LENGTHS = _INPUTS.index("cache_seqlens")
+
+
+def attention_with_kvcache(arrays: dict, options: checks.KvOptions) -> Any:
+    """``arrays``: the array arguments but cache_seqlens by name, None where not given;
+    ``options``: the rest, as passed. The caches' pointers must be 16-byte aligned for a cached
+    plan to serve (the checks read that of them)."""
+    keyed = _unchecked_key(arrays, options)
+    if keyed is None:
+        return _run_checked(checks.check_kvcache(arrays, *options))
+    key, framework, tensors = keyed
+    out, lse = plan.run(key, tensors[0].device, plan.aligned_pointers(tensors[1], tensors[2]), _prepare,
+                        (arrays, options), framework, tensors, (None,), (None,), options.return_lse)
+    return (out, lse) if options.return_lse else out
+
+
+def _unchecked_key(arrays: dict, options: checks.KvOptions) -> tuple | None:
+    """(key, q's framework, the launch's tensors) of a call whose checks read only what the key
+    holds; None for any other call (a NumPy array among GPU ones, validate, options of other
+    types), which the checks then take in full."""
+    (cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap, num_splits, descale_k,
+     descale_v, return_lse, validate, dtype) = options
+    if (validate is not False or type(causal) is not bool or type(rotary_interleaved) is not bool
+            or type(return_lse) is not bool or not checks.plain_window(window)
+            or (dtype is not None and type(dtype) is not str)
+            or (max_seqlen_q is None and arrays["cu_seqlens_q"] is not None)):
+        return None
+    scalar_lengths = type(cache_seqlens) in plan.KEY_SCALARS
+    scalars = (cache_seqlens if scalar_lengths else "array", max_seqlen_q, softmax_scale, softcap, num_splits)
+    for value in scalars[1:]:
+        if type(value) not in plan.KEY_SCALARS:
+            return None
+    values = [arrays.get(name) for name in _INPUTS]
+    values[_LENGTHS] = None if scalar_lengths else cache_seqlens
+    tensors, layouts = [], []
+    for name, x in zip(_NAMES, (*values, descale_k, descale_v)):
+        if type(x) in plan.KEY_SCALARS:  # not given, or a descale's number
+            tensors.append(None)
+            layouts.append(x)
+            continue
+        if isinstance(x, np.generic) or not hasattr(x, "shape"):  # another number (np.int32 cache_seqlens)
+            return None
+        kind = interop.framework_of(x, name)
+        if kind == "numpy":
+            return None
+        t = interop.describe(x, kind, name)
+        tensors.append(t)
+        layouts.append(t[2:])  # t.layout, without the property's call
+    key = ("attention_with_kvcache", *layouts, *scalars, rotary_interleaved, causal, window, dtype)
+    return key, interop.framework_of(tensors[0].native, "q"), tuple(tensors)
+
+
+def _launch_tensors(call: checks.KvCall) -> tuple:
+    """KvCachePlan.launch's tensors of a checked call: the inputs (None where not given), then the
+    descale arrays (None where scalar, or the cache is 16-bit)."""
+    t = call.tensors
+    descales = tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
+    return (*(t.get(name) for name in _INPUTS), *descales)
+
+
+def _prepare(arrays: dict, options: checks.KvOptions):
+    call = checks.check_kvcache(arrays, *options)
+    tensors = _launch_tensors(call)
+    return plan.build_kvcache(call, tensors), tensors, True
+
+
+def _run_checked(call: checks.KvCall) -> Any:
+    """A checked call's launches, its plan cached under a key of the checked values."""
+    tensors = _launch_tensors(call)
+    scalar_lengths = call.cache_seqlens if not isinstance(call.cache_seqlens, interop.DeviceTensor) else "array"
+    scalar_descales = tuple(d if isinstance(d, float) else None for d in (call.descale_k, call.descale_v))
+    key = ("attention_with_kvcache checked", *(x.layout if x is not None else None for x in tensors), scalar_lengths,
+           scalar_descales, call.batch, call.max_seqlen_q, call.scale, call.causal, call.window, call.softcap,
+           call.rotary_interleaved, call.rotary_per_row, call.num_splits)
+    out, lse = plan.run(key, tensors[0].device, True, lambda: (plan.build_kvcache(call, tensors), tensors, True), (),
+                        call.framework, tensors, (None,), (None,), call.return_lse)
+    return (out, lse) if call.return_lse else out
+
+
+def combine(call: checks.CombineCall) -> Any:
+    o, l = call.out_partial, call.lse_partial
+    key = ("combine", o.layout, l.layout, call.out_dtype)
+    out, lse = plan.run(key, o.device, True, lambda: (plan.build_combine(o, l, call.out_dtype), (o, l), True), (),
+                        call.framework, (o, l), (None,), (None,), call.return_lse)
+    return (out, lse) if call.return_lse else out

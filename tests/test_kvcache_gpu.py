@@ -1,0 +1,311 @@
+"""attention_with_kvcache and combine on the GPU against the float64 reference with the
+correctness rule (docs/measuring.md): out and lse, and the caches after the call, whose every byte
+but the appended rows must be unchanged (the rest is NaN-poisoned, so a stray read shows in out
+and a stray write in the bytes). Sweeps: page sizes, GQA ratios, cache lengths 0 / 1 / page
+boundary / full, leftpad, batch index, new-token counts, rotary styles, windows, softcap, splits,
+packed q, empty sequences, FP8 (e4m3) caches with scalar and per-(batch, kv head) descales."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.reference import max_error_bound
+from cuflash.reference_kvcache import combine_reference, kvcache_reference
+from kvcache_cases import make_case, reference_args, same_bytes
+
+pytestmark = pytest.mark.gpu
+ATOL = 1e-3
+BF16 = np.dtype(ml_dtypes.bfloat16)
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def to_device(value):
+    """A NumPy argument on the GPU (e4m3 as its uint8 bytes: CuPy has no float8 dtype)."""
+    import cupy as cp
+
+    if not isinstance(value, np.ndarray):
+        return value
+    return cp.asarray(value.view(np.uint8) if value.dtype == E4M3 else value)
+
+
+def to_torch(x: np.ndarray):
+    """A NumPy argument as a torch CUDA tensor (bf16 and e4m3 through their bits)."""
+    import torch
+
+    if x.dtype == BF16:
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
+    if x.dtype == E4M3:
+        return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn).cuda()
+    return torch.from_numpy(x).cuda()
+
+
+def check(args: dict, **options):
+    """One call on device copies of ``args`` (NumPy, 16-bit) with ``options``, checked against the
+    reference: out and lse by the rule, the caches byte for byte but the appended rows (rotated
+    keys within one rounding)."""
+    import cupy as cp
+
+    fp8 = args["k_cache"].dtype == E4M3
+    options = {"return_lse": True} | ({"dtype": "e4m3"} if fp8 else {}) | options
+    device = {name: to_device(value) for name, value in args.items()}
+    out, lse = cuflash.attention_with_kvcache(**device, **options)
+    ref_options = {name: value for name, value in options.items() if name not in ("num_splits", "return_lse",
+                                                                                   "validate", "dtype")}
+    ref_out, ref_lse, ref_k, ref_v = kvcache_reference(**reference_args(args), **ref_options)
+    lowp_out = kvcache_reference(**reference_args(args), **ref_options, dtype=args["q"].dtype)[0]
+    out_h = cp.asnumpy(out)
+    assert np.isfinite(out_h.astype(np.float32)).all(), "out holds NaN: a poisoned cache row was read"
+    ok, err, bound = max_error_bound(out_h, ref_out, lowp_out, atol=ATOL)
+    assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"
+    lse_h = cp.asnumpy(lse)
+    assert np.array_equal(np.isneginf(lse_h), np.isneginf(ref_lse)), "lse: -inf rows differ"
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_h[finite], ref_lse[finite], rtol=1e-2, atol=1e-2)
+    for name, ref in (("k_cache", ref_k), ("v_cache", ref_v)):
+        got = cp.asnumpy(device[name])
+        got = got.view(E4M3) if fp8 else got
+        if same_bytes(got, ref):
+            continue
+        # Rotated keys are rotated in float32 on the GPU, in float64 by the reference: one rounding
+        # of the cache's type apart (an e4m3 step is 1/8 relative, 2^-9 among subnormals).
+        assert name == "k_cache" and "rotary_cos" in args, f"{name}: bytes outside the append changed"
+        before = args[name]
+        untouched = same_bytes_mask(before, ref)
+        assert np.array_equal(bits(got)[untouched], bits(ref)[untouched]), f"{name}: untouched bytes changed"
+        rtol, atol = (0.13, 2.0**-9) if fp8 else (1e-2, 1e-2)
+        np.testing.assert_allclose(got[~untouched].astype(np.float32), ref[~untouched].astype(np.float32),
+                                   rtol=rtol, atol=atol)
+    return out_h
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8 if a.itemsize == 1 else np.uint16)
+
+
+def same_bytes_mask(a, b):
+    return bits(a) == bits(b)
+
+
+def case(r, **kw):
+    return make_case(r, dtype=BF16, **kw)
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_page_sizes_and_gqa(page_size, group):
+    r = np.random.default_rng(page_size or 0)
+    args = case(r, batch=4, heads=2 * group, heads_kv=2, head_dim=128, capacity=300, page_size=page_size, new=1,
+                lens=[0, 1, 256 if page_size is None else page_size, 299])
+    check(args, causal=True)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 5, 8, 16])
+@pytest.mark.parametrize("seqlen_q", [1, 2, 4, 16])
+def test_query_tokens_and_groups(group, seqlen_q):
+    r = np.random.default_rng(group * 100 + seqlen_q)
+    args = case(r, batch=3, seqlen_q=seqlen_q, heads=group * 2, heads_kv=2, head_dim=64, capacity=150,
+                page_size=16, new=seqlen_q)
+    check(args, causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 192, 256])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "half"])
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])
+def test_rotary_and_head_dims(head_dim, rotary, dtype):
+    r = np.random.default_rng(head_dim)
+    args = make_case(r, batch=2, seqlen_q=3, heads=8, heads_kv=2, head_dim=head_dim, capacity=100, page_size=16,
+                     new=3, rotary=rotary, rotary_dim=head_dim // 2 if rotary == "half" else None, dtype=dtype)
+    check(args, causal=True)
+    args = make_case(r, batch=2, seqlen_q=3, heads=8, heads_kv=2, head_dim=head_dim, capacity=100, new=3,
+                     rotary=rotary, dtype=dtype)
+    check(args)  # not causal: q rotated at cache_seqlens
+
+
+@pytest.mark.parametrize("new", [0, 1, 5, 16])
+@pytest.mark.parametrize("leftpad, batch_idx", [(False, False), (True, False), (False, True), (True, True)])
+def test_append_leftpad_batch_idx(new, leftpad, batch_idx):
+    r = np.random.default_rng(new)
+    args = case(r, batch=4, seqlen_q=max(new, 1), heads=4, heads_kv=1, capacity=64, new=new, leftpad=leftpad,
+                batch_idx=batch_idx, rotary="interleaved" if new else None)
+    check(args, causal=True)
+
+
+@pytest.mark.parametrize("window, softcap", [((-1, -1), 30.0), ((16, 0), 0.0), ((5, 2), 0.0), ((0, -1), 5.0),
+                                             ((40, 40), 0.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_windows_and_softcap(window, softcap, causal):
+    r = np.random.default_rng(sum(window) + 2)
+    args = case(r, batch=3, seqlen_q=4, heads=8, heads_kv=2, capacity=200, page_size=64, new=4, leftpad=True)
+    check(args, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 2, 3, 7, 64, 300])
+def test_splits_equal_unsplit(num_splits):
+    r = np.random.default_rng(num_splits)
+    args = case(r, batch=2, seqlen_q=2, heads=16, heads_kv=2, head_dim=128, capacity=1000, page_size=16, new=2)
+    check(args, causal=True, num_splits=num_splits)
+    check(args | dict(q=args["q"][:1], k=args["k"][:1], v=args["v"][:1], page_table=args["page_table"][:1],
+                      cache_seqlens=args["cache_seqlens"][:1] + 0), num_splits=num_splits)
+
+
+@pytest.mark.parametrize("new", [0, 1])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_packed_q(new, num_splits):
+    r = np.random.default_rng(new + 10 * num_splits)
+    args = case(r, batch=5, seqlen_q=7, varlen=True, heads=6, heads_kv=2, capacity=90, page_size=16, new=new,
+                leftpad=True, rotary="half" if new else None)
+    check(args, causal=True, num_splits=num_splits, validate=True)
+
+
+def test_empty_sequences():
+    r = np.random.default_rng(5)
+    args = case(r, batch=3, new=0, lens=[0, 6, 6], page_size=4, capacity=8)
+    args["cache_leftpad"] = np.array([0, 6, 2], np.int32)
+    out = check(args, num_splits=3)
+    assert (out[:2] == 0).all()
+
+
+def test_int_cache_seqlens_and_validate():
+    r = np.random.default_rng(6)
+    args = case(r, batch=2, seqlen_q=2, new=2, lens=[9, 9], capacity=20)
+    args["cache_seqlens"] = 9
+    check(args, causal=True, validate=True)
+
+
+def test_validate_refuses_out_of_range_pages_before_any_write():
+    import cupy as cp
+
+    r = np.random.default_rng(7)
+    args = case(r, batch=2, new=1, page_size=4, capacity=16, lens=[3, 8])
+    args["page_table"][1, 2] = 10**6
+    device = {name: to_device(value) for name, value in args.items()}
+    before = cp.asnumpy(device["k_cache"])
+    with pytest.raises(ValueError, match=r"page_table: entry \[1, 2\]"):
+        cuflash.attention_with_kvcache(**device, validate=True)
+    assert same_bytes(cp.asnumpy(device["k_cache"]), before)
+
+
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("descales", ["scalar", "array", "none"])
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])
+def test_fp8_cache(page_size, descales, dtype):
+    r = np.random.default_rng(11 + (page_size or 0))
+    args = make_case(r, batch=3, seqlen_q=2, heads=8, heads_kv=2, head_dim=128, capacity=200, page_size=page_size,
+                     new=2, leftpad=True, dtype=dtype, cache_dtype=E4M3)
+    if descales == "scalar":
+        args |= dict(descale_k=0.25, descale_v=3.0)
+    elif descales == "array":
+        args |= dict(descale_k=r.uniform(0.05, 2.0, (3, 2)).astype(np.float32),
+                     descale_v=r.uniform(0.05, 2.0, (3, 2)).astype(np.float32))
+    args["k"][0, 0, 0, :4] = [1e4, -1e4, 1e-6, 0.0]  # saturated, subnormal, zero
+    for num_splits in (1, 3):
+        check(dict(args, k_cache=args["k_cache"].copy(), v_cache=args["v_cache"].copy()), causal=True,
+              num_splits=num_splits)
+
+
+@pytest.mark.parametrize("rotary", ["interleaved", "half"])
+@pytest.mark.parametrize("head_dim", [64, 96, 256])
+def test_fp8_cache_rotary_head_dims_softcap(rotary, head_dim):
+    r = np.random.default_rng(head_dim)
+    args = make_case(r, batch=2, seqlen_q=3, heads=4, heads_kv=1, head_dim=head_dim, capacity=70, page_size=16,
+                     new=3, rotary=rotary, dtype=BF16, cache_dtype=E4M3)
+    args |= dict(descale_k=np.full((2, 1), 0.5, np.float32), descale_v=0.125)
+    check(args, causal=True, softcap=20.0)
+
+
+def test_fp8_cache_torch():
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_with_kvcache
+
+    r = np.random.default_rng(12)
+    args = make_case(r, batch=2, seqlen_q=1, new=1, page_size=16, capacity=64, heads=8, heads_kv=2, head_dim=128,
+                     dtype=BF16, cache_dtype=E4M3)
+    descale_k = np.array([[0.5, 1.0], [2.0, 0.25]], np.float32)
+    ref_out, _, ref_k, _ = kvcache_reference(**reference_args(args), descale_k=descale_k, descale_v=0.5)
+
+    k_cache, v_cache = to_torch(args["k_cache"]), to_torch(args["v_cache"])
+    out = flash_attn_with_kvcache(to_torch(args["q"]), k_cache, v_cache, to_torch(args["k"]), to_torch(args["v"]),
+                                  cache_seqlens=to_torch(args["cache_seqlens"]),
+                                  page_table=to_torch(args["page_table"]), k_descale=to_torch(descale_k), v_descale=0.5)
+    assert same_bytes(k_cache.cpu().view(torch.uint8).numpy().view(E4M3), ref_k)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 3, 8, 128), (1, 5, 4, 64), (37, 9, 2, 80)])
+@pytest.mark.parametrize("out_dtype", [None, "bfloat16", "float16"])
+def test_combine(shape, out_dtype):
+    import cupy as cp
+
+    r = np.random.default_rng(8)
+    o = r.standard_normal(shape).astype(np.float32)
+    lse = r.standard_normal(shape[:-1]).astype(np.float32) * 3
+    lse.reshape(shape[0], -1)[:, 0] = -np.inf
+    lse.reshape(shape[0], -1)[0, 1] = -np.inf
+    o.reshape(shape[0], -1, shape[-1])[0, 1] = np.nan
+    out, merged = cuflash.combine(cp.asarray(o), cp.asarray(lse), out_dtype=out_dtype, return_lse=True)
+    ref_out, ref_lse = combine_reference(o, lse)
+    np.testing.assert_allclose(cp.asnumpy(out).astype(np.float64), ref_out, rtol=1e-2 if out_dtype else 1e-5,
+                               atol=1e-2 if out_dtype else 1e-5)
+    np.testing.assert_allclose(cp.asnumpy(merged), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_flash_attn_with_kvcache_updates_the_cache():
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_with_kvcache
+
+    r = np.random.default_rng(9)
+    args = case(r, batch=2, seqlen_q=1, new=1, page_size=16, capacity=64, heads=8, heads_kv=2)
+    ref_out, _, ref_k, _ = kvcache_reference(**reference_args(args))
+
+    k_cache, v_cache = to_torch(args["k_cache"]), to_torch(args["v_cache"])
+    out = flash_attn_with_kvcache(to_torch(args["q"]), k_cache, v_cache, to_torch(args["k"]), to_torch(args["v"]),
+                                  cache_seqlens=to_torch(args["cache_seqlens"]),
+                                  page_table=to_torch(args["page_table"]))
+    assert isinstance(out, torch.Tensor) and out.is_cuda
+    assert same_bytes(k_cache.cpu().view(torch.int16).numpy().view(BF16), ref_k)
+    np.testing.assert_allclose(out.float().cpu().numpy(), ref_out, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_torch_cuda_graph_replays_with_new_cache_and_q(num_splits):
+    """flash_attn_with_kvcache with an append, captured in a torch CUDA graph (no synchronisation,
+    nothing allocated but through torch's allocator, or the capture fails) and replayed after the
+    cache, q, new tokens, lengths and page table are overwritten in place: each replay matches the
+    reference of what the tensors then hold."""
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_with_kvcache
+
+    r = np.random.default_rng(13)
+    shape = dict(batch=3, seqlen_q=2, new=2, heads=8, heads_kv=2, head_dim=128, capacity=640, page_size=16)
+    steps = [case(r, **shape, lens=lens) for lens in ([0, 17, 638], [300, 1, 64])]
+    names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table")
+    static = {name: to_torch(steps[0][name]) for name in names}
+
+    def step():
+        return flash_attn_with_kvcache(static["q"], static["k_cache"], static["v_cache"], static["k"], static["v"],
+                                       cache_seqlens=static["cache_seqlens"], page_table=static["page_table"],
+                                       causal=True, num_splits=num_splits)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles, loads and caches the plan outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for args in steps:
+        for name in names:
+            static[name].copy_(to_torch(args[name]))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, _, ref_k, ref_v = kvcache_reference(**reference_args(args), causal=True)
+        lowp_out = kvcache_reference(**reference_args(args), causal=True, dtype=BF16)[0]
+        ok, err, bound = max_error_bound(out.cpu().view(torch.int16).numpy().view(BF16), ref_out, lowp_out,
+                                         atol=ATOL)
+        assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"
+        for name, ref in (("k_cache", ref_k), ("v_cache", ref_v)):
+            assert same_bytes(static[name].cpu().view(torch.int16).numpy().view(BF16), ref), name

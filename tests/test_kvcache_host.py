@@ -1,0 +1,214 @@
+"""attention_with_kvcache and combine on NumPy arrays (the CPU path): results against the float64
+reference, the in-place rule (every byte of the caches but the appended rows unchanged), and
+every bad argument refused, naming it, before anything is written."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.reference_kvcache import combine_reference, kvcache_reference
+from kvcache_cases import make_case, reference_args, same_bytes
+
+
+def run_and_compare(args: dict, rtol=1e-12, atol=1e-12):
+    before = {name: np.copy(value) if isinstance(value, np.ndarray) else value for name, value in args.items()}
+    out, lse = cuflash.attention_with_kvcache(**args, return_lse=True)
+    ref_out, ref_lse, ref_k, ref_v = kvcache_reference(**reference_args(before))
+    assert out.dtype == args["q"].dtype and out.shape == args["q"].shape and lse.dtype == np.float32
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out.astype(np.float64), ref_out, rtol=rtol, atol=atol)
+    np.testing.assert_allclose(lse, ref_lse.astype(np.float32), rtol=1e-6)
+    assert same_bytes(args["k_cache"], ref_k) and same_bytes(args["v_cache"], ref_v)
+    return out, lse
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64])
+@pytest.mark.parametrize("new", [0, 1, 3])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "half"])
+def test_cache_options(page_size, new, rotary):
+    r = np.random.default_rng(1)
+    if rotary and not new:
+        pytest.skip("rotary embedding comes with an append")
+    args = make_case(r, seqlen_q=max(new, 1), page_size=page_size, new=new, rotary=rotary, leftpad=True,
+                     batch_idx=page_size is None, capacity=70, head_dim=32)
+    run_and_compare(args | dict(causal=True))
+
+
+@pytest.mark.parametrize("causal, window, softcap", [(False, (-1, -1), 0.0), (True, (-1, -1), 5.0),
+                                                     (False, (6, 0), 0.0), (True, (3, -1), 2.0)])
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_masks_softcap_gqa(causal, window, softcap, group):
+    r = np.random.default_rng(2)
+    args = make_case(r, seqlen_q=4, new=4, heads=2 * group, heads_kv=2, page_size=16, rotary="half", rotary_dim=16)
+    run_and_compare(args | dict(causal=causal, window=window, softcap=softcap, softmax_scale=0.3))
+
+
+@pytest.mark.parametrize("new", [0, 1])
+def test_varlen_q(new):
+    r = np.random.default_rng(3)
+    args = make_case(r, batch=4, seqlen_q=5, varlen=True, new=new, page_size=8, rotary="interleaved" if new else None,
+                     leftpad=True)
+    out, lse = run_and_compare(args | dict(causal=True))
+    assert lse.shape == (args["q"].shape[1], args["q"].shape[0])
+
+
+def test_empty_sequences_give_zero_and_minus_inf():
+    r = np.random.default_rng(4)
+    args = make_case(r, new=0, lens=[0, 5, 5], leftpad=False)
+    args["cache_leftpad"] = np.array([0, 5, 2], np.int32)
+    out, lse = run_and_compare(args)
+    assert (out[:2] == 0).all() and np.isneginf(lse[:2]).all() and np.isfinite(lse[2]).all()
+
+
+def test_int_cache_seqlens_and_no_lengths():
+    r = np.random.default_rng(5)
+    args = make_case(r, new=2, seqlen_q=2, lens=[7, 7, 7])
+    args["cache_seqlens"] = 7
+    run_and_compare(args | dict(causal=True))
+    full = make_case(r, new=0, lens=[40, 40, 40])
+    del full["cache_seqlens"]
+    run_and_compare(full)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32])
+def test_low_precision_dtypes(dtype):
+    r = np.random.default_rng(6)
+    args = make_case(r, new=2, seqlen_q=2, page_size=4, dtype=dtype, rotary="interleaved")
+    run_and_compare(args | dict(causal=True), rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_cache():
+    r = np.random.default_rng(7)
+    args = make_case(r, new=1, head_dim=16, cache_dtype=ml_dtypes.float8_e4m3fn, dtype=ml_dtypes.bfloat16)
+    args["k_cache"] = np.nan_to_num(args["k_cache"].astype(np.float32)).astype(ml_dtypes.float8_e4m3fn)
+    args["v_cache"] = np.nan_to_num(args["v_cache"].astype(np.float32)).astype(ml_dtypes.float8_e4m3fn)
+    args |= dict(descale_k=np.full((3, 2), 0.5, np.float32), descale_v=2.0)
+    run_and_compare(args, rtol=1e-2, atol=1e-2)
+
+
+def test_host_path_matches_attention_on_gathered_keys():
+    """Independently of the reference: a contiguous cache with an append is attention over the
+    cached prefix and the new tokens."""
+    r = np.random.default_rng(8)
+    args = make_case(r, batch=2, seqlen_q=3, new=3, lens=[5, 9])
+    q, kc, vc, k, v = (np.copy(args[n]) for n in ("q", "k_cache", "v_cache", "k", "v"))
+    out = cuflash.attention_with_kvcache(**args, causal=True)
+    for b, n in enumerate([5, 9]):
+        keys = np.concatenate([kc[b, :n], k[b]])[None]
+        values = np.concatenate([vc[b, :n], v[b]])[None]
+        np.testing.assert_allclose(out[b:b + 1], cuflash.attention(q[b:b + 1], keys, values, causal=True),
+                                   rtol=1e-10, atol=1e-12)
+
+
+# Combine.
+
+@pytest.mark.parametrize("shape", [(3, 2, 5, 4, 16), (1, 7, 4, 8), (6, 9, 2, 24)])
+@pytest.mark.parametrize("out_dtype", [None, "bfloat16", np.float16])
+def test_combine(shape, out_dtype):
+    r = np.random.default_rng(9)
+    o = r.standard_normal(shape).astype(np.float32)
+    lse = r.standard_normal(shape[:-1]).astype(np.float32)
+    lse.reshape(shape[0], -1)[:, 0] = -np.inf  # a row whose splits are all empty
+    lse.reshape(shape[0], -1)[0, 1] = -np.inf  # one empty split
+    o.reshape(shape[0], -1, shape[-1])[0, 1] = np.nan
+    out, merged = cuflash.combine(o, lse, out_dtype=out_dtype, return_lse=True)
+    ref_out, ref_lse = combine_reference(o, lse)
+    assert out.dtype == np.dtype(out_dtype or np.float32) and merged.shape == shape[1:-1]
+    np.testing.assert_allclose(out.astype(np.float64), ref_out, rtol=1e-2 if out_dtype else 1e-6, atol=1e-6)
+    np.testing.assert_allclose(merged, ref_lse, rtol=1e-6)
+    assert (out.reshape(-1, shape[-1])[0] == 0).all()
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(out_partial=np.zeros((2, 3, 4, 8), np.float64)), TypeError, "out_partial: expected float32"),
+    (dict(lse_partial=np.zeros((2, 3, 5), np.float32)), ValueError, "lse_partial: expected shape"),
+    (dict(out_partial=np.zeros((2, 8), np.float32), lse_partial=np.zeros(2, np.float32)), ValueError, "out_partial"),
+    (dict(out_dtype="int8"), TypeError, "out_dtype"),
+])
+def test_combine_refuses(bad, error, words):
+    args = dict(out_partial=np.zeros((2, 3, 4, 8), np.float32), lse_partial=np.zeros((2, 3, 4), np.float32)) | bad
+    with pytest.raises(error, match=words):
+        cuflash.combine(**args)
+
+
+# Validation.
+
+def base_args():
+    r = np.random.default_rng(10)
+    return make_case(r, batch=2, seqlen_q=2, new=2, heads=4, heads_kv=2, head_dim=16, capacity=16, page_size=4,
+                     lens=[3, 5])
+
+
+def i32(*values):
+    return np.array(values, np.int32)
+
+
+BAD_CALLS = [
+    (dict(q=np.zeros((2, 2, 4, 16), np.int32)), TypeError, "q: dtype int32"),
+    (dict(k_cache=np.zeros((10, 4, 2, 16), np.float32)), TypeError, "k_cache: dtype float32 does not match"),
+    (dict(v_cache=np.zeros((10, 4, 2, 8))), ValueError, "v_cache: shape"),
+    (dict(k_cache=np.zeros((10, 4, 3, 16)), v_cache=np.zeros((10, 4, 3, 16))), ValueError, "heads_kv"),
+    (dict(k=None), ValueError, "k, v: pass both"),
+    (dict(k=np.zeros((2, 2, 2, 8)), v=np.zeros((2, 2, 2, 8))), ValueError, "k: expected"),
+    (dict(k=np.zeros((2, 2, 2, 16), np.float32), v=np.zeros((2, 2, 2, 16), np.float32)), TypeError, "k: dtype"),
+    (dict(cache_seqlens=None), ValueError, "cache_seqlens: required"),
+    (dict(cache_seqlens=np.array([3, 5], np.int64)), TypeError, "cache_seqlens: expected int32"),
+    (dict(cache_seqlens=i32(3, 5, 1)), ValueError, "cache_seqlens: expected shape"),
+    (dict(cache_seqlens=i32(3, 15)), ValueError, "too small for the append"),
+    (dict(cache_seqlens=i32(3, 17)), ValueError, "cache_seqlens: entry 1"),
+    (dict(cache_seqlens=15), ValueError, "too small for the append"),
+    (dict(cache_seqlens=-1), ValueError, "cache_seqlens"),
+    (dict(page_table=i32(0, 1, 2, 3, 4, 5, 6, 7).reshape(2, 4) + 5), ValueError, r"page_table: entry \[1, 1\]"),
+    (dict(page_table=-i32(1, 1, 1, 1, 1, 1, 1, 1).reshape(2, 4)), ValueError, "page_table: entry"),
+    (dict(page_table=np.zeros((2, 4), np.int64)), TypeError, "page_table: expected int32"),
+    (dict(page_table=np.zeros((3, 4), np.int32)), ValueError, "page_table: expected shape"),
+    (dict(page_table=np.zeros((2, 8), np.int32)[:, ::2]), ValueError, "page_table: must be contiguous"),
+    (dict(cache_batch_idx=i32(0, 1)), ValueError, "cache_batch_idx: not taken with a page_table"),
+    (dict(cache_leftpad=i32(4, 0)), ValueError, "cache_leftpad: entry 0"),
+    (dict(rotary_cos=np.ones((16, 4))), ValueError, "rotary_cos, rotary_sin: pass both"),
+    (dict(rotary_cos=np.ones((16, 9)), rotary_sin=np.ones((16, 9))), ValueError, "rotary_dim"),
+    (dict(rotary_cos=np.ones((8, 4)), rotary_sin=np.ones((8, 4))), ValueError, "rotary_cos: 8 positions"),
+    (dict(rotary_cos=np.ones((16, 4)), rotary_sin=np.ones((16, 4)), k=None, v=None), ValueError, "pass k and v"),
+    (dict(descale_k=1.0), ValueError, "descale_k: only an FP8"),
+    (dict(num_splits=-1), ValueError, "num_splits"),
+    (dict(num_splits=1.5), TypeError, "num_splits"),
+    (dict(causal="yes"), TypeError, "causal"),
+    (dict(window=(1,)), TypeError, "window"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
+    (dict(max_seqlen_q=2), ValueError, "max_seqlen_q: only taken with cu_seqlens_q"),
+    (dict(cu_seqlens_q=i32(0, 2)), ValueError, "q: expected 3 dims"),
+]
+
+
+@pytest.mark.parametrize("bad, error, words", BAD_CALLS, ids=[str(i) for i in range(len(BAD_CALLS))])
+def test_bad_arguments_refused_before_any_write(bad, error, words):
+    args = base_args() | bad
+    args = {name: value for name, value in args.items() if value is not None or name == "cache_seqlens"}
+    if args.get("cache_seqlens") is None:
+        args.pop("cache_seqlens")
+        args["cache_seqlens"] = None
+    kc = np.copy(args["k_cache"])
+    with pytest.raises(error, match=words):
+        cuflash.attention_with_kvcache(**args)
+    assert same_bytes(args["k_cache"], kc)
+
+
+def test_rotary_with_more_queries_than_new_tokens_refused():
+    args = base_args()
+    args["k"], args["v"] = args["k"][:, :1], args["v"][:, :1]
+    angles = np.zeros((16, 4))
+    with pytest.raises(ValueError, match="seqlen_q"):
+        cuflash.attention_with_kvcache(**args, rotary_cos=np.cos(angles), rotary_sin=np.sin(angles), causal=True)
+
+
+def test_mixed_sides_refused():
+    cupy = pytest.importorskip("cupy")
+    del cupy
+    args = base_args()
+    args["page_table"] = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(TypeError, match="page_table"):
+        cuflash.attention_with_kvcache(**args)

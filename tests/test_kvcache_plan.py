@@ -1,0 +1,196 @@
+"""attention_with_kvcache's launch plan without a GPU: the kernels, grids and KvParams /
+CombineParams a call launches with (kernels.launch captured, the device stubbed)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from cuflash import checks, dispatch, interop, kernels, plan
+from cuflash.params import COMBINE_PARAMS, KV_PARAMS
+from kvcache_cases import make_case
+
+
+def device_tensor(x, ptr):
+    if x is None:
+        return None
+    if isinstance(x, int):
+        return x
+    return interop.DeviceTensor(None, ptr, tuple(x.shape), tuple(s // x.itemsize for s in x.strides), x.dtype.name,
+                                x.itemsize, 0)
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    launches = []
+    monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm80", (8, 0)))
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: 108)
+    monkeypatch.setattr(kernels, "prepare", lambda choice, arch, device, grid: (choice.name_expression, tuple(grid),
+                                                                               choice.smem_bytes))
+    monkeypatch.setattr(kernels, "launch", lambda kernel, stream, argument: launches.append((kernel, bytes(argument)[8:])))
+    monkeypatch.setattr(interop, "on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(interop, "stream_handle", lambda framework, device: 0)
+    monkeypatch.setattr(interop, "allocate", lambda framework, like, shape, dtype=None: (np.empty(shape), 4096))
+    monkeypatch.setattr(interop, "scratch", lambda framework, like, nbytes: (None, 1 << 20))
+    return launches
+
+
+def planned(args, **options):
+    if "descale_k" in options:  # an FP8 cache: descales as the GPU path takes them
+        dk = options["descale_k"]
+        options["descale_k"] = dk if isinstance(dk, float) else device_tensor(dk, 1024 * 13)
+    call = checks.check_kvcache(
+        {name: args.get(name) for name in ("q", "k_cache", "v_cache", "k", "v", "page_table", "cache_batch_idx",
+                                           "cache_leftpad", "cu_seqlens_q", "rotary_cos", "rotary_sin")},
+        args.get("cache_seqlens"), None, args.get("rotary_interleaved", True), options.get("causal", False), None,
+        options.get("window", (-1, -1)), 0.0, options.get("num_splits", 0), None, None, True, False)
+    if "descale_k" in options:
+        call = call._replace(descale_k=options["descale_k"], descale_v=options["descale_v"])
+    names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
+             "cu_seqlens_q", "rotary_cos", "rotary_sin")
+    tensors = tuple(device_tensor(call.tensors.get(name), 1024 * (i + 1)) for i, name in enumerate(names))
+    call = call._replace(tensors={n: t for n, t in zip(names, tensors) if t is not None},
+                         cache_seqlens=device_tensor(call.cache_seqlens, 1024 * 6))
+    tensors += tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
+    return plan.build_kvcache(call, tensors), tensors
+
+
+def test_paged_split_decode_launches_append_decode_combine(recorder):
+    r = np.random.default_rng(0)
+    args = make_case(r, batch=2, seqlen_q=2, heads=8, heads_kv=2, head_dim=128, capacity=4096, page_size=16, new=2,
+                     dtype=np.float16, rotary="half")
+    built, tensors = planned(args, causal=True)
+    out, lse = built.launch("cupy", tensors, (None,), (None,), True)
+    (append, a_arg), (decode, d_arg), (combine, c_arg) = recorder
+    assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>" and append[1] == (2, 2, 1)
+    # 8 query heads over 2 kv heads, 2 tokens: 8 packed rows, one tile; 4 CTAs would take 2 x 108 / 4
+    # splits, but each split keeps 128 of the 4096 positions.
+    splits = dispatch.kvcache_splits(0, 2, 2, 1, 4096, 108)
+    assert splits == 32 and decode == ("cuflash::kv_decode<cuflash::f16, cuflash::f16, 128>", (splits, 2, 2),
+                                       dispatch.kv_smem_bytes(128))
+    p = np.frombuffer(d_arg, KV_PARAMS)[0]
+    assert p["num_splits"] == splits and p["page_size"] == 16 and p["max_pages"] == 256 and p["window_right"] == 0
+    assert p["rotary_dim"] == 128 and p["rotary_interleaved"] == 0 and p["rotary_per_row"] == 1
+    assert p["lse"] == 0 and p["out"] == 4096 and p["q_rot"] == 1 << 20 and p["out_partial"] > p["q_rot"]
+    c = np.frombuffer(c_arg, COMBINE_PARAMS)[0]
+    assert c["splits"] == splits and c["out"] == 4096 and c["lse"] == 4096 and c["out_partial"] == p["out_partial"]
+    assert combine[0] == "cuflash::kv_combine<cuflash::store_16<cuflash::f16>>"
+    assert combine[1] == dispatch.kv_combine_grid(2 * 2 * 8)
+
+
+def test_filled_gpu_decode_runs_unsplit(recorder):
+    r = np.random.default_rng(1)
+    args = make_case(r, batch=64, seqlen_q=1, heads=32, heads_kv=8, head_dim=64, capacity=64, new=0,
+                     dtype=np.float16)
+    built, tensors = planned(args)
+    built.launch("cupy", tensors, (None,), (None,), False)
+    assert len(recorder) == 1  # no append, no combine
+    p = np.frombuffer(recorder[0][1], KV_PARAMS)[0]
+    assert p["num_splits"] == 1 and p["lse"] == 0 and p["out_partial"] == 0
+
+
+def test_explicit_splits_honoured():
+    assert dispatch.kvcache_splits(7, 64, 8, 1, 100, 132) == 7
+    assert dispatch.kvcache_splits(0, 1, 1, 1, 100, 132) == 1  # too few keys to split
+
+
+def test_kv_kernels_listed_last_for_the_compile_check():
+    names = [c.name_expression for c in dispatch.all_kernels("sm80")]
+    kv = [c.name_expression for c in dispatch.kvcache_all_kernels()]
+    assert names[-len(kv):] == kv and len(kv) == 4 + 4 * 3 + 3  # appends, decodes (16-bit and e4m3 caches), combines
+
+
+def test_fp8_cache_plan_takes_the_descales(recorder):
+    import ml_dtypes
+
+    r = np.random.default_rng(2)
+    args = make_case(r, batch=3, seqlen_q=1, heads=8, heads_kv=2, head_dim=128, capacity=64, page_size=16, new=1,
+                     dtype=ml_dtypes.bfloat16, cache_dtype=ml_dtypes.float8_e4m3fn)
+    descale_k = np.full((3, 2), 0.5, np.float32)
+    built, tensors = planned(args, num_splits=1, descale_k=descale_k, descale_v=2.0)
+    built.launch("cupy", tensors, (None,), (None,), False)
+    (append, a_arg), (decode, d_arg) = recorder
+    assert append[0] == "cuflash::kv_append<cuflash::bf16, cuflash::e4m3>"
+    assert decode[0] == "cuflash::kv_decode<cuflash::bf16, cuflash::e4m3, 128>"
+    p = np.frombuffer(d_arg, KV_PARAMS)[0]
+    assert p["descale_k"] == 1024 * 13 and p["descale_v"] == 0
+    assert p["descale_k_scalar"] == 1.0 and p["descale_v_scalar"] == 2.0
+
+
+class StandInCupyArray:
+    """What interop.describe reads of a CuPy array (shape, strides, dtype, data.ptr), and .get()
+    for the host copies that validate=True takes."""
+
+    def __init__(self, host: np.ndarray, ptr: int):
+        self.host, self.shape, self.strides, self.dtype = host, host.shape, host.strides, host.dtype
+        self.data = type("MemoryPointer", (), {"ptr": ptr, "device_id": 0})()
+
+    def get(self) -> np.ndarray:
+        return self.host
+
+
+StandInCupyArray.__module__ = "cupy.stand_in"  # interop.framework_of tells CuPy arrays by their module
+
+
+def stand_in_call(r, base: int, **options):
+    """attention_with_kvcache on stand-in GPU arrays of one decoding step (paged, append), the
+    arrays' pointers from ``base``; returns the KvParams of the decode launch."""
+    import cuflash
+
+    args = make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=64, capacity=64, page_size=16, new=1,
+                     dtype=np.float16)
+    arrays = {name: StandInCupyArray(x, base + 1024 * i) if isinstance(x, np.ndarray) else x
+              for i, (name, x) in enumerate(args.items())}
+    cuflash.attention_with_kvcache(**(arrays | options))
+    return arrays
+
+
+@pytest.fixture
+def counted_checks(recorder, monkeypatch):
+    """The checks' calls, counted; the plan cache emptied before and after."""
+    calls = []
+    check = checks.check_kvcache
+    monkeypatch.setattr(checks, "check_kvcache", lambda *args: calls.append(args) or check(*args))
+    plan.PLANS.clear()
+    yield calls
+    plan.PLANS.clear()
+
+
+def test_repeated_decode_call_skips_the_checks_and_takes_the_new_pointers(counted_checks, recorder):
+    r = np.random.default_rng(3)
+    stand_in_call(r, 1 << 20, causal=True)
+    assert len(counted_checks) == 1 and len(recorder) == 2  # append, decode
+    arrays = stand_in_call(r, 1 << 24, causal=True)
+    assert len(counted_checks) == 1 and len(recorder) == 4  # the cached plan, unchecked
+    p = np.frombuffer(recorder[-1][1], KV_PARAMS)[0]
+    assert p["q"] == arrays["q"].data.ptr and p["k_cache"] == arrays["k_cache"].data.ptr
+    assert p["cache_seqlens"] == arrays["cache_seqlens"].data.ptr and p["page_table"] == arrays["page_table"].data.ptr
+
+
+@pytest.mark.parametrize("options", [{"validate": True}, {"softmax_scale": np.float32(0.125)}, {"causal": 1},
+                                     {"cache_seqlens": np.int32(5)}])
+def test_calls_the_key_cannot_hold_are_checked_every_time(counted_checks, recorder, options):
+    r = np.random.default_rng(4)
+    for base in (1 << 20, 1 << 24):
+        stand_in_call(r, base, **options)
+    assert len(counted_checks) == 2 and len(recorder) == 4
+
+
+@pytest.mark.parametrize("options, error", [({"num_splits": -1}, ValueError), ({"num_splits": True}, TypeError),
+                                            ({"softcap": -1.0}, ValueError), ({"window": (-2, 0)}, ValueError),
+                                            ({"cache_seqlens": 5.0}, TypeError)])
+def test_a_bad_option_raises_after_a_good_call_of_the_same_layout(counted_checks, recorder, options, error):
+    r = np.random.default_rng(5)
+    stand_in_call(r, 1 << 20)
+    with pytest.raises(error):
+        stand_in_call(r, 1 << 24, **options)
+    assert len(recorder) == 2  # nothing launched for the bad call
+
+
+def test_misaligned_cache_refused_after_an_aligned_call(counted_checks, recorder):
+    r = np.random.default_rng(6)
+    stand_in_call(r, 1 << 20)
+    with pytest.raises(ValueError, match="k_cache: data pointer and strides must be 16-byte aligned"):
+        stand_in_call(r, (1 << 24) + 8)
