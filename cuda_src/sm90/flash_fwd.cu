@@ -31,7 +31,7 @@ constexpr int kEpilogueBarrier = 1;   // named barrier ids 1..CONSUMERS: one per
 constexpr int kSchedulerBarrier = 4;  // ids 4..3 + CONSUMERS: consumer c's turn to issue wgmma (PingPong)
 
 // The CTA's warpgroups: the producer, then CONSUMERS consumers of 64 query rows each.
-template <int CONSUMERS, bool FP8, int BLOCK_N>
+template <int CONSUMERS, bool FP8, bool LEAN_PRODUCER>
 struct Warpgroups {
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "named barrier ids above are laid out for at most 3");
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -41,9 +41,10 @@ struct Warpgroups {
   // consumers, 128 with three); the producer keeps 24, and the consumers share what it frees,
   // rounded down to setmaxnreg's multiple of 8 (240 and 160), so no increase waits for registers
   // that never come. With e4m3 inputs three of the producer's warps transpose V (VTranspose) and
-  // keep 40, which leaves the consumers 232 and 152; 56 (consumers 224) with 192-key blocks, whose
-  // transpose spilled at 40.
-  static constexpr int PRODUCER_REGISTERS = FP8 ? (BLOCK_N > 128 ? 56 : 40) : 24;
+  // keep 56, which leaves the consumers 224 and 152: at 40 (consumers 232) the producer spilled
+  // under NVRTC 13.0 in every FP8 instantiation with 128-key blocks. LEAN_PRODUCER keeps 40 where
+  // the consumers need the 8 more: d192 under a window mask spilled at 224 (NVRTC 13.5: 4 bytes).
+  static constexpr int PRODUCER_REGISTERS = FP8 ? (LEAN_PRODUCER ? 40 : 56) : 24;
   static constexpr int CONSUMER_REGISTERS =
       (65536 / THREADS + (65536 / THREADS - PRODUCER_REGISTERS) / CONSUMERS) / 8 * 8;
 };
@@ -246,10 +247,10 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& p, int tile) {
 // (dispatch.forward_kernel), checked against Smem below.
 template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
           bool SOFTCAP, class Elem, class Input = Elem>
-__global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8, BLOCK_N>::THREADS, 1)
+__global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8, HEAD_DIM == 192 && WINDOW>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdArgsSm90<Input> p) {
   constexpr bool FP8 = InputStorage<Input>::fp8;
-  using Groups = Warpgroups<CONSUMERS, FP8, BLOCK_N>;
+  using Groups = Warpgroups<CONSUMERS, FP8, HEAD_DIM == 192 && WINDOW>;
   constexpr int kBlockM = Groups::BLOCK_M;
   using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS, FP8>;
   static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");
