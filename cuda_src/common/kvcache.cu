@@ -90,18 +90,19 @@ __device__ __forceinline__ int kv_seqlen_new(const KvParams& p, int b) {
   if (!p.k_new) return 0;
   return p.cu_seqlens_q ? kv_seqlen_q(p, b) : p.seqlen_new;
 }
-// Element offset of (logical position, kv head) of sequence b in a cache with the given strides.
-__device__ __forceinline__ i64 kv_slot(const KvParams& p, int b, int position, int kv_head, i64 batch_stride,
-                                       i64 row_stride, i64 head_stride) {
+// Where position `pos` of sequence b lives: the element offsets of its K and V rows' kv_head, in
+// the page the page table names, or the cache row cache_batch_idx (or b) names.
+__device__ __forceinline__ void kv_rows(const KvParams& p, int b, int pos, int kv_head, i64& k_off, i64& v_off) {
   i64 block, row;
   if (p.page_table) {
-    block = p.page_table[i64(b) * p.max_pages + position / p.page_size];
-    row = position % p.page_size;
+    block = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
+    row = pos % p.page_size;
   } else {
     block = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
-    row = position;
+    row = pos;
   }
-  return block * batch_stride + row * row_stride + i64(kv_head) * head_stride;
+  k_off = block * p.kc_batch_stride + row * p.kc_row_stride + i64(kv_head) * p.kc_head_stride;
+  v_off = block * p.vc_batch_stride + row * p.vc_row_stride + i64(kv_head) * p.vc_head_stride;
 }
 
 // The descale of (sequence b, kv head h): the array's entry, or the scalar.
@@ -175,8 +176,10 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
                       new_row * p.kn_row_stride + i64(h) * p.kn_head_stride;
       const u16* vn = static_cast<const u16*>(p.v_new) + (p.cu_seqlens_q ? 0 : i64(b) * p.vn_batch_stride) +
                       new_row * p.vn_row_stride + i64(h) * p.vn_head_stride;
-      S* kc = static_cast<S*>(p.k_cache) + kv_slot(p, b, pos, h, p.kc_batch_stride, p.kc_row_stride, p.kc_head_stride);
-      S* vc = static_cast<S*>(p.v_cache) + kv_slot(p, b, pos, h, p.vc_batch_stride, p.vc_row_stride, p.vc_head_stride);
+      i64 k_off, v_off;
+      kv_rows(p, b, pos, h, k_off, v_off);
+      S* kc = static_cast<S*>(p.k_cache) + k_off;
+      S* vc = static_cast<S*>(p.v_cache) + v_off;
       const float dk = kv_descale(p.descale_k, p.descale_k_scalar, p, b, h);
       const float dv = kv_descale(p.descale_v, p.descale_v_scalar, p, b, h);
       if (p.rotary_dim) {
@@ -227,20 +230,6 @@ struct KvTiles {
   float m[KV_WARPS][KV_ROWS];  // each warp's row maxima, log2 units
   float l[KV_WARPS][KV_ROWS];  // and row sums
 };
-
-// Where position `pos` of sequence b lives: the element offsets of its K and V rows' kv_head.
-__device__ __forceinline__ void kv_rows(const KvParams& p, int b, int pos, int kv_head, i64& k_off, i64& v_off) {
-  i64 block, row;
-  if (p.page_table) {
-    block = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
-    row = pos % p.page_size;
-  } else {
-    block = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
-    row = pos;
-  }
-  k_off = block * p.kc_batch_stride + row * p.kc_row_stride + i64(kv_head) * p.kc_head_stride;
-  v_off = block * p.vc_batch_stride + row * p.vc_row_stride + i64(kv_head) * p.vc_head_stride;
-}
 
 // Issues the cp.async copies of keys [n0, n0 + KV_KEYS) of sequence b (cache positions start + n),
 // those from n_end on zero-filled, into stage `stage`. Each thread keeps one column (16-byte
