@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batches", type=_positive_ints, help="decode: e.g. '1 64' (default: 1 8 64 256)")
     bench.add_argument("--contexts", type=_positive_ints,
                        help="decode: cached tokens per sequence, e.g. '8192 32768' (default: 1k 8k 32k 128k)")
+    bench.add_argument("--eager", action="store_true",
+                       help="decode: time the steps launched back to back instead of as CUDA graph replays "
+                            "(the host's cost per call then counts where the kernels are shorter)")
     bench.add_argument("--repeats", type=int, default=10, help="timed samples per case (median reported)")
     bench.add_argument("--memory", action="store_true",
                        help="the IO and memory report instead of the sweep: peak memory, time and modelled "
@@ -198,8 +201,8 @@ def mode_conflict(args: argparse.Namespace) -> str | None:
     decode = args.mode == "decode"
     given = [option for option, value in (("--memory", args.memory), ("--head-dims", args.head_dims),
                                           ("--seqlens", args.seqlens), ("--batches", args.batches),
-                                          ("--contexts", args.contexts)) if value]
-    wrong = [o for o in given if (o in ("--batches", "--contexts")) != decode]
+                                          ("--contexts", args.contexts), ("--eager", args.eager)) if value]
+    wrong = [o for o in given if (o in ("--batches", "--contexts", "--eager")) != decode]
     if wrong:
         return f"{', '.join(wrong)} {'do not apply to' if decode else 'only apply to'} --mode decode"
     if args.dtype == "e4m3" and (args.mode != "fwd" or args.memory):
@@ -209,7 +212,7 @@ def mode_conflict(args: argparse.Namespace) -> str | None:
 
 def bench_decode_sweep(args: argparse.Namespace, command: str, out: Path) -> int:
     sweep = bench_decode.sweep(bench_decode.available_impls(args.impls), args.quick, args.batches, args.contexts)
-    report = bench_decode.run_sweep(sweep, args.dtype, repeats=args.repeats, command=command)
+    report = bench_decode.run_sweep(sweep, args.dtype, repeats=args.repeats, command=command, eager=args.eager)
     print(bench_decode.markdown_table(report))
     for line in bench_decode.write_outputs(report, out):
         print(line)

@@ -11,6 +11,12 @@ page table). Beside them, in the same run: torch SDPA's CUDNN_ATTENTION and FLAS
 backends over the contiguous 16-bit cache (enable_gqa=True, no append, no mask: SDPA aligns
 is_causal top-left, and the bytes read are the same), and the GPU's device-to-device copy
 bandwidth. Files ``<gpu>-decode.md``, ``.json`` and ``.png`` as the other modes write them.
+
+Each implementation's steps are timed as replays of a torch CUDA graph that holds one step per
+rotated input set (TIMING_GRAPH), as a serving loop that captures its decoding step runs them: the
+figure is the kernels' time, the host's cost per call is benchmarks/host_overhead.py's. Without
+torch, or with ``eager=True``, the steps are launched back to back (TIMING_EAGER), and at small
+batches the host's cost per call is then what is timed.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ MAX_CASE_BYTES = 100 * 10**9
 PEERS = ("sdpa-cudnn", "sdpa-flash")
 COPY_BYTES = 2 << 30  # the device-to-device copy of the bandwidth line
 CHUNK_ELEMENTS = 1 << 28  # random caches are made this many elements at a time
+TIMING_GRAPH = "CUDA graph replays (kernel time)"
+TIMING_EAGER = "launched back to back (host cost included where the kernels are shorter)"
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,7 @@ class DecodeReport:
     copy_gbps: float | None = None  # device-to-device copy, bytes read + written per second
     environment: dict = field(default_factory=dict)
     command: str = ""
+    timing: str = TIMING_GRAPH
 
 
 # ----------------------------------------------------------------------------- report writing
@@ -153,8 +162,8 @@ def markdown_table(report: DecodeReport) -> str:
                  *("n/a" if gbps[c] is None else f"{gbps[c]:,.0f}" for c in columns), *ratios]
         lines.append("| " + " | ".join(cells) + " |")
     copy = "n/a" if report.copy_gbps is None else f"{report.copy_gbps:,.0f}"
-    title = (f"Decode GB/s of the KV cache read (+ appended tokens), head_dim {HEAD_DIM}; device-to-device copy "
-             f"in the same run: {copy} GB/s (read + written)")
+    title = (f"Decode GB/s of the KV cache read (+ appended tokens), head_dim {HEAD_DIM}, each step timed as "
+             f"{report.timing}; device-to-device copy in the same run: {copy} GB/s (read + written)")
     notes = [f"- {m.case.label} at {m.case.shape}: {m.note}" for m in report.measurements if m.note]
     return "\n".join([title, "", *lines] + (["", "Notes:", *notes] if notes else [])) + "\n"
 
@@ -164,6 +173,7 @@ def report_json(report: DecodeReport) -> str:
         "command": report.command,
         "environment": report.environment,
         "copy_gbps": report.copy_gbps,
+        "timing": report.timing,
         "measurements": [{"impl": m.case.impl, "label": m.case.label, **asdict(m.case.shape), "cache": m.case.cache,
                           "page_size": m.case.page_size, "bytes": m.case.bytes_read(), "ms": m.ms, "gbps": m.gbps,
                           "note": m.note} for m in report.measurements],
@@ -249,9 +259,11 @@ def random_cache(shape: tuple[int, ...], cache: str, q_dtype: str, seed: int):
     return out if dtype is None else out.view(dtype)
 
 
-def _cuflash_call(case: DecodeCase, q_dtype: str, seed: int):
+def _cuflash_call(case: DecodeCase, q_dtype: str, seed: int, through_torch: bool):
     """One decoding step of ``case`` on fresh random inputs: append seqlen_q tokens at
-    context - seqlen_q, attend causally over the context (a scattered page table when paged)."""
+    context - seqlen_q, attend causally over the context (a scattered page table when paged).
+    ``through_torch``: torch tensors into cuflash.torch.flash_attn_with_kvcache (what a graph
+    captures: it launches on torch's stream), else CuPy arrays into cuflash.attention_with_kvcache."""
     import cupy as cp
     import numpy as np
 
@@ -271,7 +283,17 @@ def _cuflash_call(case: DecodeCase, q_dtype: str, seed: int):
     else:
         cache_shape = (s.batch, s.context, s.heads_kv, s.head_dim)
     kc, vc = (random_cache(cache_shape, case.cache, q_dtype, seed + j) for j in (3, 4))
-    return lambda: cuflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, causal=True, **options)
+    if not through_torch:
+        return lambda: cuflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, causal=True, **options)
+    import torch
+
+    from cuflash.torch import flash_attn_with_kvcache
+
+    q, k, v, lengths, kc, vc = (torch.from_dlpack(x) for x in (q, k, v, lengths, kc, vc))
+    if case.cache == "e4m3":
+        kc, vc = kc.view(torch.float8_e4m3fn), vc.view(torch.float8_e4m3fn)
+    table = torch.from_dlpack(options["page_table"]) if case.page_size else None
+    return lambda: flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, page_table=table, causal=True)
 
 
 def _sdpa_call(case: DecodeCase, q_dtype: str, seed: int):
@@ -294,15 +316,32 @@ def _sdpa_call(case: DecodeCase, q_dtype: str, seed: int):
     return run
 
 
-def measure(case: DecodeCase, q_dtype: str, repeats: int) -> float:
+def measure(case: DecodeCase, q_dtype: str, repeats: int, timing: str = TIMING_GRAPH) -> float:
     """Median ms of one decoding step, the inputs rotated over 3x the L2 cache (torch SDPA runs on
     torch's default stream, the legacy one CuPy's default shares)."""
     from cuflash.timing import copies_to_defeat_l2, time_ms
 
     rotations = copies_to_defeat_l2(case.bytes_read())
-    make = _cuflash_call if case.impl == "cuflash" else _sdpa_call
-    calls = [make(case, q_dtype, 16 * i) for i in range(rotations)]
-    return time_ms(lambda i: calls[i](), rotations, repeats=repeats)
+    graph = timing == TIMING_GRAPH
+    calls = [_cuflash_call(case, q_dtype, 16 * i, graph) if case.impl == "cuflash" else _sdpa_call(case, q_dtype, 16 * i)
+             for i in range(rotations)]
+    if not graph:
+        return time_ms(lambda i: calls[i](), rotations, repeats=repeats)
+    import cupy as cp
+    import torch
+
+    side = torch.cuda.Stream()  # the first calls compile and cache their plans outside the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    steps = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(steps):
+        for call in calls:
+            call()
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+    return time_ms(lambda i: steps.replay(), 1, repeats=repeats, stream=stream) / rotations
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES) -> float:
@@ -319,33 +358,37 @@ def copy_bandwidth(nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def available_impls(impls) -> list[str]:
-    """``impls`` less the SDPA peers when torch (with CUDA) is not installed."""
+def _torch_gpu() -> bool:
     try:
         import torch
-
-        has_torch = torch.cuda.is_available()
     except ImportError:
-        has_torch = False
+        return False
+    return torch.cuda.is_available()
+
+
+def available_impls(impls) -> list[str]:
+    """``impls`` less the SDPA peers when torch (with CUDA) is not installed."""
+    has_torch = _torch_gpu()
     return [i for i in impls if i == "cuflash" or (i in PEERS and has_torch)]
 
 
 def run_sweep(sweep: list[DecodeCase], q_dtype: str = "bfloat16", repeats: int = 10, command: str = "",
-              progress=sys.stderr) -> DecodeReport:
+              progress=sys.stderr, eager: bool = False) -> DecodeReport:
     import cupy as cp
 
     from cuflash.bench import environment
 
     # Each case's inputs are freed before the next case allocates (the largest take tens of GB).
     pool = cp.get_default_memory_pool()
-    report = DecodeReport([], copy_bandwidth(), environment(), command)
+    timing = TIMING_EAGER if eager or not _torch_gpu() else TIMING_GRAPH
+    report = DecodeReport([], copy_bandwidth(), environment(), command, timing)
     pool.free_all_blocks()
     for done, case in enumerate(sweep, 1):
         s = case.shape
         print(f"\r[{done:>3}/{len(sweep)}] {case.label:<28} q {s.seqlen_q} batch {s.batch:<3} context {s.context:<6} "
               f"heads {s.heads}/{s.heads_kv}", end="", file=progress, flush=True)
         try:
-            report.measurements.append(DecodeMeasurement(case, measure(case, q_dtype, repeats)))
+            report.measurements.append(DecodeMeasurement(case, measure(case, q_dtype, repeats, timing)))
         except Exception as error:  # a peer that refuses a case is reported, not fatal
             report.measurements.append(DecodeMeasurement(case, None, f"{type(error).__name__}: {error}"[:160]))
         pool.free_all_blocks()

@@ -16,8 +16,8 @@ from cuflash.device import gpu_unavailable
 
 def test_parser_takes_decode_batches_and_contexts():
     args = build_parser().parse_args(["bench", "--mode", "decode", "--quick", "--batches", "1,8", "--contexts",
-                                      "4096"])
-    assert args.mode == "decode" and args.quick and args.batches == [1, 8] and args.contexts == [4096]
+                                      "4096", "--eager"])
+    assert args.mode == "decode" and args.quick and args.batches == [1, 8] and args.contexts == [4096] and args.eager
     assert mode_conflict(args) is None
 
 
@@ -26,6 +26,7 @@ def test_parser_takes_decode_batches_and_contexts():
     (["--mode", "decode", "--memory"], "--memory do not apply to --mode decode"),
     (["--batches", "8"], "--batches only apply to --mode decode"),
     (["--mode", "bwd", "--contexts", "1024"], "--contexts only apply to --mode decode"),
+    (["--eager"], "--eager only apply to --mode decode"),
 ])
 def test_options_of_another_mode_are_refused_before_the_gpu_check(argv, message, capsys):
     assert main(["bench", *argv]) == 2
@@ -88,6 +89,7 @@ def _synthetic_report() -> bd.DecodeReport:
 def test_markdown_table_has_gbps_ratios_copy_bandwidth_and_failures():
     text = bd.markdown_table(_synthetic_report())
     assert "device-to-device copy in the same run: 4,321 GB/s" in text
+    assert f"each step timed as {bd.TIMING_GRAPH};" in text
     header = next(line for line in text.splitlines() if line.startswith("| q heads"))
     assert [c.strip() for c in header.strip("|").split("|")][4:] == [
         "cuflash 16-bit contiguous", "cuflash 16-bit page 64", "cuflash e4m3 page 64", "sdpa-cudnn", "sdpa-flash",
@@ -110,6 +112,7 @@ def test_outputs_named_for_the_gpu_and_mode(tmp_path):
     assert "![GB/s against context](synthetic-gpu-decode.png)" in text
     data = json.loads((tmp_path / "synthetic-gpu-decode.json").read_text())
     assert data["copy_gbps"] == 4321.0 and len(data["measurements"]) == 10
+    assert data["timing"] == bd.TIMING_GRAPH
     first = data["measurements"][0]
     assert first["label"] == "cuflash 16-bit contiguous" and first["gbps"] > 0 and first["bytes"] > 0
     assert (tmp_path / "synthetic-gpu-decode.png").read_bytes()[:4] == b"\x89PNG"
@@ -131,9 +134,10 @@ def test_decode_bench_without_gpu_says_so(capsys):
 
 
 @pytest.mark.gpu
-def test_decode_bench_end_to_end(tmp_path):
+@pytest.mark.parametrize("launch", [[], ["--eager"]], ids=["graph", "eager"])
+def test_decode_bench_end_to_end(tmp_path, launch):
     result = subprocess.run([sys.executable, "-m", "cuflash", "bench", "--mode", "decode", "--quick", "--batches",
-                             "2", "--contexts", "2048", "--repeats", "3", "--out", str(tmp_path)],
+                             "2", "--contexts", "2048", "--repeats", "3", "--out", str(tmp_path), *launch],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     (table,) = tmp_path.glob("*-decode.md")
@@ -141,5 +145,6 @@ def test_decode_bench_end_to_end(tmp_path):
         assert table.with_suffix(suffix).stat().st_size > 0, suffix
     data = json.loads(table.with_suffix(".json").read_text())
     assert data["copy_gbps"] > 0
+    assert data["timing"] == (bd.TIMING_EAGER if launch else bd.TIMING_GRAPH)
     ran = {m["label"]: m["gbps"] for m in data["measurements"]}
     assert all((ran[label] or 0) > 0 for label in ran if label.startswith("cuflash")), ran
