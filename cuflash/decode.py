@@ -18,10 +18,9 @@ from cuflash import checks, interop, plan
 
 __all__ = ["attention_with_kvcache", "combine"]
 
-# KvCachePlan.launch's tensors, by argument name; the descales follow.
+# KvCachePlan.launch's pointers, by argument name; descale_k's and descale_v's follow.
 _INPUTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
            "cu_seqlens_q", "rotary_cos", "rotary_sin")
-_NAMES = (*_INPUTS, "descale_k", "descale_v")
 _LENGTHS = _INPUTS.index("cache_seqlens")
 
 
@@ -32,16 +31,19 @@ def attention_with_kvcache(arrays: dict, options: checks.KvOptions) -> Any:
     keyed = _unchecked_key(arrays, options)
     if keyed is None:
         return _run_checked(checks.check_kvcache(arrays, *options))
-    key, framework, tensors = keyed
-    out, lse = plan.run(key, tensors[0].device, plan.aligned_pointers(tensors[1], tensors[2]), _prepare,
-                        (arrays, options), framework, tensors, (None,), (None,), options.return_lse)
+    key, framework, operands = keyed
+    q, pointers = operands
+    out, lse = plan.run(key, q.device, (pointers[1] | pointers[2]) % 16 == 0, _prepare, (arrays, options), framework,
+                        operands, (None,), (None,), options.return_lse)
     return (out, lse) if options.return_lse else out
 
 
 def _unchecked_key(arrays: dict, options: checks.KvOptions) -> tuple | None:
-    """(key, q's framework, the launch's tensors) of a call whose checks read only what the key
-    holds; None for any other call (a NumPy array among GPU ones, validate, options of other
-    types), which the checks then take in full."""
+    """(key, q's framework, KvCachePlan.launch's operands) of a call whose checks read only what
+    the key holds; None for any other call (NumPy or DLPack arrays, frameworks mixed, validate,
+    options of other types), which the checks then take in full. The key holds the arrays'
+    layouts as the framework has them (interop.layouts_and_pointers): a decoding loop's repeated
+    call describes only q, for its outputs."""
     (cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap, num_splits, descale_k,
      descale_v, return_lse, validate, dtype) = options
     if (validate is not False or type(causal) is not bool or type(rotary_interleaved) is not bool
@@ -49,34 +51,33 @@ def _unchecked_key(arrays: dict, options: checks.KvOptions) -> tuple | None:
             or (dtype is not None and type(dtype) is not str)
             or (max_seqlen_q is None and arrays["cu_seqlens_q"] is not None)):
         return None
-    scalar_lengths = type(cache_seqlens) in plan.KEY_SCALARS
-    scalars = (cache_seqlens if scalar_lengths else "array", max_seqlen_q, softmax_scale, softcap, num_splits)
-    for value in scalars[1:]:
-        if type(value) not in plan.KEY_SCALARS:
+    scalar = plan.KEY_SCALARS
+    for value in (max_seqlen_q, softmax_scale, softcap, num_splits):
+        if type(value) not in scalar:
             return None
+    # cache_seqlens and the descales: a number (or None) in the key, or an array among the others.
+    numbers = (cache_seqlens, descale_k, descale_v)
     values = [arrays.get(name) for name in _INPUTS]
-    values[_LENGTHS] = None if scalar_lengths else cache_seqlens
-    tensors, layouts = [], []
-    for name, x in zip(_NAMES, (*values, descale_k, descale_v)):
-        if type(x) in plan.KEY_SCALARS:  # not given, or a descale's number
-            tensors.append(None)
-            layouts.append(x)
-            continue
-        if isinstance(x, np.generic) or not hasattr(x, "shape"):  # another number (np.int32 cache_seqlens)
-            return None
-        kind = interop.framework_of(x, name)
-        if kind == "numpy":
-            return None
-        t = interop.describe(x, kind, name)
-        tensors.append(t)
-        layouts.append(t[2:])  # t.layout, without the property's call
-    key = ("attention_with_kvcache", *layouts, *scalars, rotary_interleaved, causal, window, dtype)
-    return key, interop.framework_of(tensors[0].native, "q"), tuple(tensors)
+    values[_LENGTHS] = None if type(cache_seqlens) in scalar else cache_seqlens
+    values += [None if type(d) in scalar else d for d in numbers[1:]]
+    scalars = (*(x if type(x) in scalar else "array" for x in numbers), max_seqlen_q, softmax_scale, softcap,
+               num_splits)
+    found = interop.layouts_and_pointers(values)
+    if found is None:
+        return None
+    framework, layouts, pointers = found
+    key = ("attention_with_kvcache", framework, *layouts, *scalars, rotary_interleaved, causal, window, dtype)
+    return key, framework, (interop.describe(values[0], framework, "q"), pointers)
+
+
+def _operands(tensors: tuple) -> tuple:
+    """KvCachePlan.launch's operands of a checked call's tensors (q's DeviceTensor, every pointer)."""
+    return tensors[0], tuple(t.ptr if t is not None else 0 for t in tensors)
 
 
 def _launch_tensors(call: checks.KvCall) -> tuple:
-    """KvCachePlan.launch's tensors of a checked call: the inputs (None where not given), then the
-    descale arrays (None where scalar, or the cache is 16-bit)."""
+    """The DeviceTensors of a checked call: the inputs (None where not given), then the descale
+    arrays (None where scalar, or the cache is 16-bit)."""
     t = call.tensors
     descales = tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
     return (*(t.get(name) for name in _INPUTS), *descales)
@@ -85,7 +86,7 @@ def _launch_tensors(call: checks.KvCall) -> tuple:
 def _prepare(arrays: dict, options: checks.KvOptions):
     call = checks.check_kvcache(arrays, *options)
     tensors = _launch_tensors(call)
-    return plan.build_kvcache(call, tensors), tensors, True
+    return plan.build_kvcache(call, tensors), _operands(tensors), True
 
 
 def _run_checked(call: checks.KvCall) -> Any:
@@ -96,8 +97,9 @@ def _run_checked(call: checks.KvCall) -> Any:
     key = ("attention_with_kvcache checked", *(x.layout if x is not None else None for x in tensors), scalar_lengths,
            scalar_descales, call.batch, call.max_seqlen_q, call.scale, call.causal, call.window, call.softcap,
            call.rotary_interleaved, call.rotary_per_row, call.num_splits)
-    out, lse = plan.run(key, tensors[0].device, True, lambda: (plan.build_kvcache(call, tensors), tensors, True), (),
-                        call.framework, tensors, (None,), (None,), call.return_lse)
+    operands = _operands(tensors)
+    out, lse = plan.run(key, tensors[0].device, True, lambda: (plan.build_kvcache(call, tensors), operands, True), (),
+                        call.framework, operands, (None,), (None,), call.return_lse)
     return (out, lse) if call.return_lse else out
 
 

@@ -54,15 +54,15 @@ def planned(args, **options):
     call = call._replace(tensors={n: t for n, t in zip(names, tensors) if t is not None},
                          cache_seqlens=device_tensor(call.cache_seqlens, 1024 * 6))
     tensors += tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
-    return plan.build_kvcache(call, tensors), tensors
+    return plan.build_kvcache(call, tensors), (tensors[0], tuple(t.ptr if t is not None else 0 for t in tensors))
 
 
 def test_paged_split_decode_launches_append_decode_combine(recorder):
     r = np.random.default_rng(0)
     args = make_case(r, batch=2, seqlen_q=2, heads=8, heads_kv=2, head_dim=128, capacity=4096, page_size=16, new=2,
                      dtype=np.float16, rotary="half")
-    built, tensors = planned(args, causal=True)
-    out, lse = built.launch("cupy", tensors, (None,), (None,), True)
+    built, operands = planned(args, causal=True)
+    out, lse = built.launch("cupy", operands, (None,), (None,), True)
     (append, a_arg), (decode, d_arg), (combine, c_arg) = recorder
     assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>" and append[1] == (2, 2, 1)
     # 8 query heads over 2 kv heads, 2 tokens: 8 packed rows, one tile; 4 CTAs would take 2 x 108 / 4
@@ -84,8 +84,8 @@ def test_filled_gpu_decode_runs_unsplit(recorder):
     r = np.random.default_rng(1)
     args = make_case(r, batch=64, seqlen_q=1, heads=32, heads_kv=8, head_dim=64, capacity=64, new=0,
                      dtype=np.float16)
-    built, tensors = planned(args)
-    built.launch("cupy", tensors, (None,), (None,), False)
+    built, operands = planned(args)
+    built.launch("cupy", operands, (None,), (None,), False)
     assert len(recorder) == 1  # no append, no combine
     p = np.frombuffer(recorder[0][1], KV_PARAMS)[0]
     assert p["num_splits"] == 1 and p["lse"] == 0 and p["out_partial"] == 0
@@ -109,8 +109,8 @@ def test_fp8_cache_plan_takes_the_descales(recorder):
     args = make_case(r, batch=3, seqlen_q=1, heads=8, heads_kv=2, head_dim=128, capacity=64, page_size=16, new=1,
                      dtype=ml_dtypes.bfloat16, cache_dtype=ml_dtypes.float8_e4m3fn)
     descale_k = np.full((3, 2), 0.5, np.float32)
-    built, tensors = planned(args, num_splits=1, descale_k=descale_k, descale_v=2.0)
-    built.launch("cupy", tensors, (None,), (None,), False)
+    built, operands = planned(args, num_splits=1, descale_k=descale_k, descale_v=2.0)
+    built.launch("cupy", operands, (None,), (None,), False)
     (append, a_arg), (decode, d_arg) = recorder
     assert append[0] == "cuflash::kv_append<cuflash::bf16, cuflash::e4m3>"
     assert decode[0] == "cuflash::kv_decode<cuflash::bf16, cuflash::e4m3, 128>"
