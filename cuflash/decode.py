@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from cuflash import checks, interop, plan
 
 __all__ = ["attention_with_kvcache", "combine"]
