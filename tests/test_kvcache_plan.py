@@ -194,3 +194,72 @@ def test_misaligned_cache_refused_after_an_aligned_call(counted_checks, recorder
     stand_in_call(r, 1 << 20)
     with pytest.raises(ValueError, match="k_cache: data pointer and strides must be 16-byte aligned"):
         stand_in_call(r, (1 << 24) + 8)
+
+
+def padded(x: np.ndarray) -> np.ndarray:
+    """``x`` as a view with 8 more elements between its rows (other strides, same values)."""
+    wide = np.zeros((*x.shape[:-1], x.shape[-1] + 8), x.dtype)
+    wide[..., :x.shape[-1]] = x
+    return wide[..., :x.shape[-1]]
+
+
+def kv_variants(r) -> list[dict]:
+    """Keyword arguments of decoding calls (NumPy) that differ from the first in one thing each
+    that the checks or the kernels read: an array's shape, strides or dtype, or an option
+    (return_lse is not one: the plan serves both, its launch takes it)."""
+    import ml_dtypes
+
+    base = make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=64, capacity=64, page_size=16, new=1,
+                     dtype=np.float16, rotary="half")
+    fp8 = make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=64, capacity=64, page_size=16, new=1,
+                    dtype=np.float16, cache_dtype=ml_dtypes.float8_e4m3fn)
+    bf16 = {name: x.astype(ml_dtypes.bfloat16) if isinstance(x, np.ndarray) and x.dtype == np.float16 else x
+            for name, x in base.items()}
+    unrotated = {name: x for name, x in base.items() if not name.startswith("rotary")}
+    variants = [base, bf16, unrotated, {**unrotated, "k": None, "v": None},
+                make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=64, capacity=96, page_size=16,
+                          new=1, dtype=np.float16, rotary="half"),
+                make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=1, head_dim=64, capacity=64, page_size=32,
+                          new=1, dtype=np.float16, rotary="half"),
+                make_case(r, batch=2, seqlen_q=2, heads=8, heads_kv=2, head_dim=128, capacity=64, new=2,
+                          dtype=np.float16, rotary="interleaved", leftpad=True, batch_idx=True),
+                {**base, "cache_seqlens": 7}, {**base, "cache_seqlens": 9},
+                fp8, {**fp8, "descale_k": 0.5}, {**fp8, "descale_k": 0.5, "descale_v": 2.0},
+                {**fp8, "descale_k": np.full((2, 2), 0.5, np.float32)}]
+    variants += [{**base, name: padded(base[name])} for name in ("q", "k", "v")]
+    variants.append({**base, "k_cache": padded(base["k_cache"]), "v_cache": padded(base["v_cache"])})
+    variants += [{**base, **option} for option in (
+        {"causal": True}, {"window": (4, 0)}, {"window": (4, 2)}, {"softcap": 5.0}, {"softmax_scale": 0.3},
+        {"softmax_scale": 1}, {"num_splits": 1}, {"num_splits": 3}, {"rotary_interleaved": True})]
+    return variants
+
+
+def test_every_field_the_kernels_read_keys_its_own_plan(counted_checks, recorder):
+    """Each variant (and the same variant on another device) builds its own plan, and launching it
+    from a warm cache, unchecked, launches exactly what a fresh plan launches."""
+    import cuflash
+
+    def gpu_call(args: dict, device: int) -> None:
+        arrays = {}
+        for i, (name, x) in enumerate(args.items()):
+            if isinstance(x, np.ndarray):
+                x = StandInCupyArray(x, (1 << 20) * (i + 1))
+                x.data.device_id = device
+            arrays[name] = x
+        cuflash.attention_with_kvcache(**arrays)
+
+    calls = [(args, device) for args in kv_variants(np.random.default_rng(7)) for device in (0, 1)]
+    for args, device in calls:
+        gpu_call(args, device)
+    assert len(plan.PLANS) == len(counted_checks) == len(calls)
+    warm = []
+    for args, device in calls:
+        recorder.clear()
+        gpu_call(args, device)
+        warm.append(list(recorder))
+    assert len(counted_checks) == len(calls)  # every call a hit, unchecked
+    for (args, device), launched in zip(calls, warm):
+        plan.PLANS.clear()
+        recorder.clear()
+        gpu_call(args, device)
+        assert recorder == launched
