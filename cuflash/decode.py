@@ -16,10 +16,13 @@ from cuflash import checks, interop, plan
 
 __all__ = ["attention_with_kvcache", "combine"]
 
-# KvCachePlan.launch's pointers, by argument name; descale_k's and descale_v's follow.
+# The arrays of KvCachePlan.launch's pointers, by argument name; the descales' follow.
 _INPUTS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
            "cu_seqlens_q", "rotary_cos", "rotary_sin")
-_LENGTHS = _INPUTS.index("cache_seqlens")
+_POINTERS = (*_INPUTS, "descale_k", "descale_v")
+# The options that are a number (or None), held in the key, or an array among the others: their
+# places among the pointers.
+_NUMBER_SLOTS = tuple(_POINTERS.index(name) for name in ("cache_seqlens", "descale_k", "descale_v"))
 
 
 def attention_with_kvcache(arrays: dict, options: checks.KvOptions) -> Any:
@@ -53,18 +56,17 @@ def _unchecked_key(arrays: dict, options: checks.KvOptions) -> tuple | None:
     for value in (max_seqlen_q, softmax_scale, softcap, num_splits):
         if type(value) not in scalar:
             return None
-    # cache_seqlens and the descales: a number (or None) in the key, or an array among the others.
-    numbers = (cache_seqlens, descale_k, descale_v)
-    values = [arrays.get(name) for name in _INPUTS]
-    values[_LENGTHS] = None if type(cache_seqlens) in scalar else cache_seqlens
-    values += [None if type(d) in scalar else d for d in numbers[1:]]
-    scalars = (*(x if type(x) in scalar else "array" for x in numbers), max_seqlen_q, softmax_scale, softcap,
-               num_splits)
+    values = [arrays.get(name) for name in _POINTERS]
+    numbers = [cache_seqlens, descale_k, descale_v]
+    for index, slot in enumerate(_NUMBER_SLOTS):
+        if type(numbers[index]) not in scalar:
+            values[slot], numbers[index] = numbers[index], "array"
     found = interop.layouts_and_pointers(values)
     if found is None:
         return None
     framework, layouts, pointers = found
-    key = ("attention_with_kvcache", framework, *layouts, *scalars, rotary_interleaved, causal, window, dtype)
+    key = ("attention_with_kvcache", framework, *layouts, *numbers, max_seqlen_q, softmax_scale, softcap, num_splits,
+           rotary_interleaved, causal, window, dtype)
     return key, framework, (interop.describe(values[0], framework, "q"), pointers)
 
 
