@@ -2,10 +2,12 @@
 it reads but pointers, then its launches (plan.KvCachePlan, plan.CombinePlan).
 
 attention_with_kvcache takes its key before the checks, as attention does (plan.py), so that a
-decoding loop's repeated call costs the tensors' descriptions, a dictionary look-up and the
-launches: the key holds each array's layout and each option as passed, and is formed only where
-the checks read nothing else (validate=False, max_seqlen_q given with a packed q, options of the
-plain types of plan.KEY_SCALARS); other calls run the checks every time.
+decoding loop's repeated call costs reading its arrays' layouts and pointers, a dictionary look-up
+and the launches: the key holds each array's layout as CuPy or torch has it (no DeviceTensor but
+q's, for its outputs) and each option as passed, and is formed only where the checks read nothing
+else (CuPy arrays or torch CUDA tensors, all of q's framework; validate=False, max_seqlen_q given
+with a packed q, options of the plain types of plan.KEY_SCALARS); other calls run the checks
+every time.
 """
 
 from __future__ import annotations
