@@ -263,3 +263,40 @@ def test_every_field_the_kernels_read_keys_its_own_plan(counted_checks, recorder
         recorder.clear()
         gpu_call(args, device)
         assert recorder == launched
+
+
+class StandInTorchTensor:
+    """What interop reads of a torch tensor: is_cuda, shape, stride(), dtype, get_device(), data_ptr()."""
+
+    __module__ = "torch.stand_in"  # interop.framework_of tells torch by the module and is_cuda
+    is_cuda = True
+
+    def __init__(self, shape, ptr: int, is_cuda: bool = True, device: int = 0):
+        self.shape, self.dtype, self.is_cuda = shape, "torch.bfloat16", is_cuda
+        self._ptr, self._device = ptr, device
+
+    def stride(self):
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+    def get_device(self):
+        return self._device
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def test_layouts_and_pointers_of_one_framework_or_none():
+    q, table = np.zeros((2, 1, 4, 64), np.float16), np.zeros((2, 3), np.int32)
+    cupy_q, cupy_table = StandInCupyArray(q, 1 << 20), StandInCupyArray(table, 2 << 20)
+    torch_q, torch_table = StandInTorchTensor((2, 1, 4, 64), 3 << 20), StandInTorchTensor((2, 3), 4 << 20, device=1)
+    for x in (cupy_q, torch_q):
+        interop.framework_of(x, "q")
+    assert interop.layouts_and_pointers([cupy_q, None, cupy_table]) == (
+        "cupy", (((2, 1, 4, 64), q.strides, q.dtype, 0), None, ((2, 3), (12, 4), table.dtype, 0)),
+        (1 << 20, 0, 2 << 20))
+    assert interop.layouts_and_pointers([torch_q, torch_table, None]) == (
+        "torch", (((2, 1, 4, 64), (256, 256, 64, 1), "torch.bfloat16", 0), ((2, 3), (3, 1), "torch.bfloat16", 1), None),
+        (3 << 20, 4 << 20, 0))
+    cpu_table = StandInTorchTensor((2, 3), 4 << 20, is_cuda=False)
+    for mixed in ([cupy_q, torch_table], [torch_q, cupy_table], [torch_q, cpu_table], [cupy_q, table], [cupy_q, 3]):
+        assert interop.layouts_and_pointers(mixed) is None
