@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["DeviceTensor", "allocate", "contiguous", "describe", "framework_of", "on_device", "realign", "scratch",
-           "stream_handle", "upload", "zero"]
+__all__ = ["DeviceTensor", "allocate", "contiguous", "describe", "framework_of", "layouts_and_pointers", "on_device",
+           "realign", "scratch", "stream_handle", "upload", "zero"]
 
 
 class DeviceTensor(NamedTuple):
@@ -144,6 +144,35 @@ def describe(x: Any, framework: str, name: str) -> DeviceTensor:
     memory = x.data  # CuPy's MemoryPointer: pointer and device without building a Device
     return _new_tuple(DeviceTensor, (x, memory.ptr, x.shape, tuple([s // itemsize for s in x.strides]), dtype_name,
                                      itemsize, memory.device_id))
+
+
+def layouts_and_pointers(arrays: list) -> tuple[str, tuple, tuple] | None:
+    """(framework, layouts, pointers) of a call's ``arrays`` (None where not given), the first
+    given, when all are CuPy arrays of its type or all torch CUDA tensors: what ``describe``
+    reads, in the framework's own terms (CuPy's byte strides and dtype objects) and without
+    building a DeviceTensor, because a repeated call's plan key needs only that (keys of two
+    frameworks never meet: the framework leads the key). Per array the layout (shape, strides,
+    dtype, device) and the pointer; None and 0 where not given. None for any other mix (NumPy,
+    DLPack producers, CPU tensors, numbers), which the caller then describes in full."""
+    cls = type(arrays[0])
+    framework = _KIND_OF_TYPE.get(cls)
+    layouts, pointers = [], []
+    for x in arrays:
+        if x is None:
+            layouts.append(None)
+            pointers.append(0)
+        elif type(x) is not cls:
+            return None
+        elif framework == "cupy":
+            memory = x.data
+            layouts.append((x.shape, x.strides, x.dtype, memory.device_id))
+            pointers.append(memory.ptr)
+        elif framework == "torch" and x.is_cuda:
+            layouts.append((x.shape, x.stride(), x.dtype, x.get_device()))
+            pointers.append(x.data_ptr())
+        else:
+            return None
+    return framework, tuple(layouts), tuple(pointers)
 
 
 def realign(t: DeviceTensor, framework: str) -> DeviceTensor:

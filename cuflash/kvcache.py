@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cuflash import checks, host, interop
+from cuflash import checks, decode, host, interop
 
 __all__ = ["attention_with_kvcache", "combine"]
 
@@ -124,8 +124,6 @@ def attention_with_kvcache(
                                num_splits, descale_k, descale_v, return_lse, validate, dtype)
     if interop.framework_of(q, "q") == "numpy":
         return host.attention_with_kvcache(checks.check_kvcache(arrays, *options))
-    from cuflash import decode  # the GPU path, imported only where it runs
-
     return decode.attention_with_kvcache(arrays, options)
 
 
@@ -151,7 +149,5 @@ def combine(out_partial: Any, lse_partial: Any, *, out_dtype: Any = None, return
     call = checks.check_combine(out_partial, lse_partial, out_dtype, return_lse)
     if call.framework == "numpy":
         return host.combine(call)
-    from cuflash import decode
-
     return decode.combine(call)
 

@@ -370,12 +370,14 @@ class KvCachePlan:
     scratch_offsets: tuple[int | None, int | None, int | None]  # q_rot, out_partial, lse_partial
     scratch_bytes: int
 
-    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
+    def launch(self, framework: str, operands: tuple, given: tuple, given_t: tuple, return_lse: bool,
                cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
-        """(out, lse or None) of one call on ``tensors``: the DeviceTensors (or None) of q, k_cache,
-        v_cache, k, v, cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q,
-        rotary_cos, rotary_sin, descale_k, descale_v (None where scalar)."""
-        q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv = tensors
+        """(out, lse or None) of one call on ``operands``: q's DeviceTensor (the outputs are
+        allocated like it) and the pointers (0 where not given) of q, k_cache, v_cache, k, v,
+        cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos,
+        rotary_sin, descale_k, descale_v (0 where scalar). Pointers alone, because a repeated
+        decoding call reads nothing else of its arrays (decode._unchecked_key)."""
+        q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv) = operands
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
             out, out_ptr = interop.allocate(framework, q, self.out_shape)
@@ -383,11 +385,8 @@ class KvCachePlan:
             owner, base = interop.scratch(framework, q, self.scratch_bytes) if self.scratch_bytes else (None, 0)
             q_rot, o_part, l_part = (base + offset if offset is not None else 0 for offset in self.scratch_offsets)
             split = self.combine is not None
-            pointers = tuple(t.ptr if t is not None else 0 for t in (q, kc, vc, k, v))
-            pointers += (out_ptr, 0 if split else lse_ptr, o_part, l_part)
-            pointers += tuple(t.ptr if t is not None else 0 for t in (seqlens, table, idx, pad, cu, cos, sin))
-            argument = self.argument.fill(*pointers, q_rot, dk.ptr if dk is not None else 0,
-                                          dv.ptr if dv is not None else 0)
+            argument = self.argument.fill(q_ptr, kc, vc, k, v, out_ptr, 0 if split else lse_ptr, o_part, l_part,
+                                          seqlens, table, idx, pad, cu, cos, sin, q_rot, dk, dv)
             if self.append is not None:
                 kernels.launch(self.append, stream, argument)
             if self.decode is not None:
@@ -399,8 +398,8 @@ class KvCachePlan:
 
 
 def build_kvcache(call, tensors: tuple) -> KvCachePlan:
-    """The plan of a checked GPU attention_with_kvcache call (checks.KvCall); ``tensors`` as
-    KvCachePlan.launch takes them."""
+    """The plan of a checked GPU attention_with_kvcache call (checks.KvCall); ``tensors``: the
+    DeviceTensors (or None) of KvCachePlan.launch's pointers."""
     q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv = tensors
     target = family_capability = dispatch.device_target(q.device)
     arch = dispatch.compile_arch("sm80", family_capability[1])

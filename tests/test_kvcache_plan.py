@@ -54,15 +54,15 @@ def planned(args, **options):
     call = call._replace(tensors={n: t for n, t in zip(names, tensors) if t is not None},
                          cache_seqlens=device_tensor(call.cache_seqlens, 1024 * 6))
     tensors += tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
-    return plan.build_kvcache(call, tensors), tensors
+    return plan.build_kvcache(call, tensors), (tensors[0], tuple(t.ptr if t is not None else 0 for t in tensors))
 
 
 def test_paged_split_decode_launches_append_decode_combine(recorder):
     r = np.random.default_rng(0)
     args = make_case(r, batch=2, seqlen_q=2, heads=8, heads_kv=2, head_dim=128, capacity=4096, page_size=16, new=2,
                      dtype=np.float16, rotary="half")
-    built, tensors = planned(args, causal=True)
-    out, lse = built.launch("cupy", tensors, (None,), (None,), True)
+    built, operands = planned(args, causal=True)
+    out, lse = built.launch("cupy", operands, (None,), (None,), True)
     (append, a_arg), (decode, d_arg), (combine, c_arg) = recorder
     assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>" and append[1] == (2, 2, 1)
     # 8 query heads over 2 kv heads, 2 tokens: 8 packed rows, one tile; 4 CTAs would take 2 x 108 / 4
@@ -84,8 +84,8 @@ def test_filled_gpu_decode_runs_unsplit(recorder):
     r = np.random.default_rng(1)
     args = make_case(r, batch=64, seqlen_q=1, heads=32, heads_kv=8, head_dim=64, capacity=64, new=0,
                      dtype=np.float16)
-    built, tensors = planned(args)
-    built.launch("cupy", tensors, (None,), (None,), False)
+    built, operands = planned(args)
+    built.launch("cupy", operands, (None,), (None,), False)
     assert len(recorder) == 1  # no append, no combine
     p = np.frombuffer(recorder[0][1], KV_PARAMS)[0]
     assert p["num_splits"] == 1 and p["lse"] == 0 and p["out_partial"] == 0
@@ -109,8 +109,8 @@ def test_fp8_cache_plan_takes_the_descales(recorder):
     args = make_case(r, batch=3, seqlen_q=1, heads=8, heads_kv=2, head_dim=128, capacity=64, page_size=16, new=1,
                      dtype=ml_dtypes.bfloat16, cache_dtype=ml_dtypes.float8_e4m3fn)
     descale_k = np.full((3, 2), 0.5, np.float32)
-    built, tensors = planned(args, num_splits=1, descale_k=descale_k, descale_v=2.0)
-    built.launch("cupy", tensors, (None,), (None,), False)
+    built, operands = planned(args, num_splits=1, descale_k=descale_k, descale_v=2.0)
+    built.launch("cupy", operands, (None,), (None,), False)
     (append, a_arg), (decode, d_arg) = recorder
     assert append[0] == "cuflash::kv_append<cuflash::bf16, cuflash::e4m3>"
     assert decode[0] == "cuflash::kv_decode<cuflash::bf16, cuflash::e4m3, 128>"
@@ -194,3 +194,109 @@ def test_misaligned_cache_refused_after_an_aligned_call(counted_checks, recorder
     stand_in_call(r, 1 << 20)
     with pytest.raises(ValueError, match="k_cache: data pointer and strides must be 16-byte aligned"):
         stand_in_call(r, (1 << 24) + 8)
+
+
+def padded(x: np.ndarray) -> np.ndarray:
+    """``x`` as a view with 8 more elements between its rows (other strides, same values)."""
+    wide = np.zeros((*x.shape[:-1], x.shape[-1] + 8), x.dtype)
+    wide[..., :x.shape[-1]] = x
+    return wide[..., :x.shape[-1]]
+
+
+def kv_variants(r) -> list[dict]:
+    """Keyword arguments of decoding calls (NumPy) that differ from the first in one thing each
+    that the checks or the kernels read: an array's shape, strides or dtype, or an option
+    (return_lse is not one: the plan serves both, its launch takes it)."""
+    import ml_dtypes
+
+    base = make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=64, capacity=64, page_size=16, new=1,
+                     dtype=np.float16, rotary="half")
+    fp8 = make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=64, capacity=64, page_size=16, new=1,
+                    dtype=np.float16, cache_dtype=ml_dtypes.float8_e4m3fn)
+    bf16 = {name: x.astype(ml_dtypes.bfloat16) if isinstance(x, np.ndarray) and x.dtype == np.float16 else x
+            for name, x in base.items()}
+    unrotated = {name: x for name, x in base.items() if not name.startswith("rotary")}
+    variants = [base, bf16, unrotated, {**unrotated, "k": None, "v": None},
+                make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=2, head_dim=64, capacity=96, page_size=16,
+                          new=1, dtype=np.float16, rotary="half"),
+                make_case(r, batch=2, seqlen_q=1, heads=8, heads_kv=1, head_dim=64, capacity=64, page_size=32,
+                          new=1, dtype=np.float16, rotary="half"),
+                make_case(r, batch=2, seqlen_q=2, heads=8, heads_kv=2, head_dim=128, capacity=64, new=2,
+                          dtype=np.float16, rotary="interleaved", leftpad=True, batch_idx=True),
+                {**base, "cache_seqlens": 7}, {**base, "cache_seqlens": 9},
+                fp8, {**fp8, "descale_k": 0.5}, {**fp8, "descale_k": 0.5, "descale_v": 2.0},
+                {**fp8, "descale_k": np.full((2, 2), 0.5, np.float32)}]
+    variants += [{**base, name: padded(base[name])} for name in ("q", "k", "v")]
+    variants.append({**base, "k_cache": padded(base["k_cache"]), "v_cache": padded(base["v_cache"])})
+    variants += [{**base, **option} for option in (
+        {"causal": True}, {"window": (4, 0)}, {"window": (4, 2)}, {"softcap": 5.0}, {"softmax_scale": 0.3},
+        {"softmax_scale": 1}, {"num_splits": 1}, {"num_splits": 3}, {"rotary_interleaved": True})]
+    return variants
+
+
+def test_every_field_the_kernels_read_keys_its_own_plan(counted_checks, recorder):
+    """Each variant (and the same variant on another device) builds its own plan, and launching it
+    from a warm cache, unchecked, launches exactly what a fresh plan launches."""
+    import cuflash
+
+    def gpu_call(args: dict, device: int) -> None:
+        arrays = {}
+        for i, (name, x) in enumerate(args.items()):
+            if isinstance(x, np.ndarray):
+                x = StandInCupyArray(x, (1 << 20) * (i + 1))
+                x.data.device_id = device
+            arrays[name] = x
+        cuflash.attention_with_kvcache(**arrays)
+
+    calls = [(args, device) for args in kv_variants(np.random.default_rng(7)) for device in (0, 1)]
+    for args, device in calls:
+        gpu_call(args, device)
+    assert len(plan.PLANS) == len(counted_checks) == len(calls)
+    warm = []
+    for args, device in calls:
+        recorder.clear()
+        gpu_call(args, device)
+        warm.append(list(recorder))
+    assert len(counted_checks) == len(calls)  # every call a hit, unchecked
+    for (args, device), launched in zip(calls, warm):
+        plan.PLANS.clear()
+        recorder.clear()
+        gpu_call(args, device)
+        assert recorder == launched
+
+
+class StandInTorchTensor:
+    """What interop reads of a torch tensor: is_cuda, shape, stride(), dtype, get_device(), data_ptr()."""
+
+    __module__ = "torch.stand_in"  # interop.framework_of tells torch by the module and is_cuda
+    is_cuda = True
+
+    def __init__(self, shape, ptr: int, is_cuda: bool = True, device: int = 0):
+        self.shape, self.dtype, self.is_cuda = shape, "torch.bfloat16", is_cuda
+        self._ptr, self._device = ptr, device
+
+    def stride(self):
+        return tuple(int(np.prod(self.shape[i + 1:])) for i in range(len(self.shape)))
+
+    def get_device(self):
+        return self._device
+
+    def data_ptr(self):
+        return self._ptr
+
+
+def test_layouts_and_pointers_of_one_framework_or_none():
+    q, table = np.zeros((2, 1, 4, 64), np.float16), np.zeros((2, 3), np.int32)
+    cupy_q, cupy_table = StandInCupyArray(q, 1 << 20), StandInCupyArray(table, 2 << 20)
+    torch_q, torch_table = StandInTorchTensor((2, 1, 4, 64), 3 << 20), StandInTorchTensor((2, 3), 4 << 20, device=1)
+    for x in (cupy_q, torch_q):
+        interop.framework_of(x, "q")
+    assert interop.layouts_and_pointers([cupy_q, None, cupy_table]) == (
+        "cupy", (((2, 1, 4, 64), q.strides, q.dtype, 0), None, ((2, 3), (12, 4), table.dtype, 0)),
+        (1 << 20, 0, 2 << 20))
+    assert interop.layouts_and_pointers([torch_q, torch_table, None]) == (
+        "torch", (((2, 1, 4, 64), (256, 256, 64, 1), "torch.bfloat16", 0), ((2, 3), (3, 1), "torch.bfloat16", 1), None),
+        (3 << 20, 4 << 20, 0))
+    cpu_table = StandInTorchTensor((2, 3), 4 << 20, is_cuda=False)
+    for mixed in ([cupy_q, torch_table], [torch_q, cupy_table], [torch_q, cpu_table], [cupy_q, table], [cupy_q, 3]):
+        assert interop.layouts_and_pointers(mixed) is None
