@@ -729,4 +729,5 @@ def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, ca
 
 
 def kv_combine_grid(rows: int) -> tuple[int, int, int]:
-    return (max(1, -(-rows // COMBINE_WARPS)), 1, 1)
+    """kv_combine's grid: one CTA per (batch, row, head)."""
+    return (max(1, rows), 1, 1)

@@ -513,14 +513,28 @@ struct store_16 {
   static __device__ __forceinline__ void at(void* p, i64 i, float x) { store_elem<T>(p, i, x); }
 };
 
-// One warp per (batch, row, head), COMBINE_WARPS per CTA; grid.x covers batch * seqlen * heads.
+// One CTA of COMBINE_WARPS warps per (batch, row, head); grid.x covers batch * seqlen * heads.
+// Every warp reads all the splits' lse (a few floats) and reduces it itself, then takes a
+// contiguous quarter of the splits; each lane owns 4 columns of a 128-column chunk, so a warp
+// reads one 512-byte row of out_partial per split, the loads of several splits in flight at once.
+// The warps' sums meet in shared memory.
 constexpr int COMBINE_WARPS = 4;
+constexpr int COMBINE_COLS = 128;  // columns per chunk: 4 per lane
+
+// Four columns c .. c + 3 of a partial row (zeros past head_dim): one 16-byte load when aligned.
+__device__ __forceinline__ float4 combine_load4(const float* row, int c, int head_dim, bool vec) {
+  if (vec) return *reinterpret_cast<const float4*>(row + c);
+  float x[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) x[j] = c + j < head_dim ? row[c + j] : 0.f;
+  return make_float4(x[0], x[1], x[2], x[3]);
+}
 
 template <class Store>
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_constant__ CombineParams p) {
-  const i64 item = i64(blockIdx.x) * COMBINE_WARPS + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (item >= i64(p.batch) * p.seqlen * p.heads) return;
+  __shared__ float4 partial[COMBINE_WARPS][COMBINE_COLS / 4];
+  const i64 item = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = int(item % p.heads);
   const i64 bi = item / p.heads;
   const int i = int(bi % p.seqlen), b = int(bi / p.seqlen);
@@ -534,19 +548,47 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_co
   for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(~0u, total, off);
   const bool empty = total == 0.f;
   const float lse = empty ? kNegInf : base + logf(total);
+
   const float* op = p.out_partial + i64(b) * p.op_batch_stride + i64(i) * p.op_row_stride + i64(h) * p.op_head_stride;
   const i64 o_at = i64(b) * p.o_batch_stride + i64(i) * p.o_row_stride + i64(h) * p.o_head_stride;
-  for (int c = lane; c < p.head_dim; c += 32) {
-    float acc = 0.f;
-    if (!empty) {
-      for (int s = 0; s < p.splits; ++s) {
-        const float l = lp[s * p.lp_split_stride];
-        if (l != kNegInf) acc += expf(l - lse) * op[s * p.op_split_stride + c];
+  // 16-byte loads need every row start 16-byte aligned: the base, the strides and head_dim.
+  const bool vec = p.head_dim % 4 == 0 && reinterpret_cast<size_t>(p.out_partial) % 16 == 0 &&
+                   (p.op_split_stride | p.op_batch_stride | p.op_row_stride | p.op_head_stride) % 4 == 0;
+  const int per_warp = (p.splits + COMBINE_WARPS - 1) / COMBINE_WARPS;
+  const int s_lo = warp * per_warp, s_hi = min(p.splits, s_lo + per_warp);
+  for (int c0 = 0; c0 < p.head_dim; c0 += COMBINE_COLS) {
+    const int c = c0 + 4 * lane;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = s_lo; s0 < s_hi && !empty; s0 += 32) {
+      // Lane j holds split s0 + j's weight; a split that saw no key (lse -inf) weighs 0 and its
+      // out_partial, which may be garbage, is skipped.
+      const float l = s0 + lane < s_hi ? lp[(s0 + lane) * p.lp_split_stride] : kNegInf;
+      const float weight = l == kNegInf ? 0.f : expf(l - lse);
+      const int n = min(32, s_hi - s0);
+#pragma unroll 4
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(~0u, weight, j);
+        if (c < p.head_dim && w != 0.f) {
+          const float4 x = combine_load4(op + i64(s0 + j) * p.op_split_stride, c, p.head_dim, vec);
+          acc.x += w * x.x;
+          acc.y += w * x.y;
+          acc.z += w * x.z;
+          acc.w += w * x.w;
+        }
       }
     }
-    Store::at(p.out, o_at + c, acc);
+    partial[warp][lane] = acc;
+    __syncthreads();  // every warp's sums of this chunk are in place
+    const int col = c0 + threadIdx.x;
+    if (threadIdx.x < COMBINE_COLS && col < p.head_dim) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < COMBINE_WARPS; ++w) sum += reinterpret_cast<const float*>(partial[w])[threadIdx.x];
+      Store::at(p.out, o_at + col, sum);
+    }
+    __syncthreads();  // the chunk's sums are read before the next chunk overwrites them
   }
-  if (p.lse && lane == 0) p.lse[i64(b) * p.l_batch_stride + i64(i) * p.l_row_stride + i64(h) * p.l_head_stride] = lse;
+  if (p.lse && threadIdx.x == 0) p.lse[i64(b) * p.l_batch_stride + i64(i) * p.l_row_stride + i64(h) * p.l_head_stride] = lse;
 }
 
 }  // namespace cuflash
