@@ -279,13 +279,14 @@ __device__ __forceinline__ void kv_widen(KvTiles<C, D>& s, int stage) {
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const uint4 x = *reinterpret_cast<const uint4*>((t ? s.fp8.v[stage] : s.fp8.k[stage]) + n * D + col);
+      uint4 lo, hi;  // elements 0..7 and 8..15 of the chunk
+      widen_e4m3_word<T>(x.x, lo.x, lo.y);
+      widen_e4m3_word<T>(x.y, lo.z, lo.w);
+      widen_e4m3_word<T>(x.z, hi.x, hi.y);
+      widen_e4m3_word<T>(x.w, hi.z, hi.w);
       u16* dst = t ? s.fp8.v16 : s.fp8.k16;
-      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col)) =
-          make_uint4(widen_e4m3_pair<T>(x.x, 0x1404u), widen_e4m3_pair<T>(x.x, 0x3424u),
-                     widen_e4m3_pair<T>(x.y, 0x1404u), widen_e4m3_pair<T>(x.y, 0x3424u));
-      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col + 8)) =
-          make_uint4(widen_e4m3_pair<T>(x.z, 0x1404u), widen_e4m3_pair<T>(x.z, 0x3424u),
-                     widen_e4m3_pair<T>(x.w, 0x1404u), widen_e4m3_pair<T>(x.w, 0x3424u));
+      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col)) = lo;
+      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col + 8)) = hi;
     }
   }
 }
