@@ -90,19 +90,25 @@ __device__ __forceinline__ int kv_seqlen_new(const KvParams& p, int b) {
   if (!p.k_new) return 0;
   return p.cu_seqlens_q ? kv_seqlen_q(p, b) : p.seqlen_new;
 }
+// The element offsets of the K and V rows' kv_head at row `row` of cache block `block` (a page, or
+// a contiguous cache's batch row).
+__device__ __forceinline__ void kv_offsets(const KvParams& p, int block, int row, int kv_head, i64& k_off,
+                                           i64& v_off) {
+  k_off = i64(block) * p.kc_batch_stride + i64(row) * p.kc_row_stride + i64(kv_head) * p.kc_head_stride;
+  v_off = i64(block) * p.vc_batch_stride + i64(row) * p.vc_row_stride + i64(kv_head) * p.vc_head_stride;
+}
+// The block of a contiguous cache's sequence b: the cache row cache_batch_idx (or b) names.
+__device__ __forceinline__ int kv_batch_block(const KvParams& p, int b) {
+  return p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+}
 // Where position `pos` of sequence b lives: the element offsets of its K and V rows' kv_head, in
-// the page the page table names, or the cache row cache_batch_idx (or b) names.
+// the page the page table names, or the cache row kv_batch_block names.
 __device__ __forceinline__ void kv_rows(const KvParams& p, int b, int pos, int kv_head, i64& k_off, i64& v_off) {
-  i64 block, row;
   if (p.page_table) {
-    block = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
-    row = pos % p.page_size;
+    kv_offsets(p, p.page_table[i64(b) * p.max_pages + pos / p.page_size], pos % p.page_size, kv_head, k_off, v_off);
   } else {
-    block = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
-    row = pos;
+    kv_offsets(p, kv_batch_block(p, b), pos, kv_head, k_off, v_off);
   }
-  k_off = block * p.kc_batch_stride + row * p.kc_row_stride + i64(kv_head) * p.kc_head_stride;
-  v_off = block * p.vc_batch_stride + row * p.vc_row_stride + i64(kv_head) * p.vc_head_stride;
 }
 
 // The descale of (sequence b, kv head h): the array's entry, or the scalar.
@@ -231,31 +237,76 @@ struct KvTiles {
   float l[KV_WARPS][KV_ROWS];  // and row sums
 };
 
-// Issues the cp.async copies of keys [n0, n0 + KV_KEYS) of sequence b (cache positions start + n),
-// those from n_end on zero-filled, into stage `stage`. Each thread keeps one column (16-byte
-// chunk) of rows tid / chunks_per_row + i * rows_per_pass, so it can widen its own e4m3 chunks
-// without a barrier.
+// How kv_decode's threads split a step's KV_KEYS x D tile of cache elements C into 16-byte chunks:
+// thread t copies column (t % PER_ROW) * ELEMS of rows t / PER_ROW + i * ROWS_PER_PASS, i < ROWS.
 template <class C, int D>
-__device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, int stage, int b, int kv_head,
-                                         int start, int n0, int n_end) {
-  constexpr bool FP8 = InputStorage<C>::fp8;
-  constexpr int ELEMS = FP8 ? 16 : 8;  // elements per 16-byte chunk
-  constexpr int PER_ROW = D / ELEMS;
-  constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
+struct KvChunks {
+  static constexpr int ELEMS = InputStorage<C>::fp8 ? 16 : 8;  // elements per 16-byte chunk
+  static constexpr int PER_ROW = D / ELEMS;
+  static constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
+  static constexpr int ROWS = KV_KEYS / ROWS_PER_PASS;
   static_assert(KV_THREADS % PER_ROW == 0 && KV_KEYS % ROWS_PER_PASS == 0, "tile must split evenly");
+};
+
+// Where this thread's rows of one step live: block and row in the block (kv_offsets'), block -1 for
+// a row past the split, which kv_issue zero-fills. Looked up a step before the copies, so the
+// page-table loads' latency passes under a step's products instead of holding up the cp.async
+// issue. The rows are ROWS_PER_PASS positions apart: one division places the first, the others
+// carry on from it.
+template <class C, int D>
+struct KvStepRows {
+  typedef KvChunks<C, D> Chunks;
+  int block[Chunks::ROWS];
+  int row[Chunks::ROWS];
+
+  // The rows of keys [n0, n0 + KV_KEYS) of sequence b (cache positions start + n), up to n_end.
+  __device__ __forceinline__ void find(const KvParams& p, int b, int start, int n0, int n_end) {
+    const int n = n0 + int(threadIdx.x) / Chunks::PER_ROW;
+    const int pos = start + n;
+    int page = 0, in_page = pos;
+    const int contiguous_block = p.page_table ? 0 : kv_batch_block(p, b);
+    if (p.page_table) {
+      page = pos / p.page_size;
+      in_page = pos - page * p.page_size;
+    }
+#pragma unroll
+    for (int i = 0; i < Chunks::ROWS; ++i) {
+      if (i > 0) {
+        in_page += Chunks::ROWS_PER_PASS;
+        if (p.page_table) {
+          while (in_page >= p.page_size) {
+            in_page -= p.page_size;
+            ++page;
+          }
+        }
+      }
+      const bool ok = n + i * Chunks::ROWS_PER_PASS < n_end;
+      row[i] = in_page;
+      block[i] = !ok ? -1 : p.page_table ? p.page_table[i64(b) * p.max_pages + page] : contiguous_block;
+    }
+  }
+};
+
+// Issues the cp.async copies of one step's rows (found by `rows`) into stage `stage`, rows past
+// the split zero-filled. Each thread keeps one column of its rows (KvChunks), so it can widen its
+// own e4m3 chunks without a barrier.
+template <class C, int D>
+__device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, int stage, int kv_head,
+                                         const KvStepRows<C, D>& rows) {
+  typedef KvChunks<C, D> Chunks;
   typedef typename InputStorage<C>::type S;
   const S* kc = static_cast<const S*>(p.k_cache);
   const S* vc = static_cast<const S*>(p.v_cache);
-  const int col = (threadIdx.x % PER_ROW) * ELEMS;
-  const int row0 = threadIdx.x / PER_ROW;
+  const int col = (threadIdx.x % Chunks::PER_ROW) * Chunks::ELEMS;
+  const int row0 = threadIdx.x / Chunks::PER_ROW;
   const bool col_ok = col < p.head_dim;
 #pragma unroll
-  for (int i = 0; i < KV_KEYS / ROWS_PER_PASS; ++i) {
-    const int n = row0 + i * ROWS_PER_PASS;
-    const bool ok = col_ok && n0 + n < n_end;
+  for (int i = 0; i < Chunks::ROWS; ++i) {
+    const int n = row0 + i * Chunks::ROWS_PER_PASS;
+    const bool ok = col_ok && rows.block[i] >= 0;
     i64 k_off = 0, v_off = 0;
-    if (ok) kv_rows(p, b, start + n0 + n, kv_head, k_off, v_off);
-    if constexpr (FP8) {
+    if (ok) kv_offsets(p, rows.block[i], rows.row[i], kv_head, k_off, v_off);
+    if constexpr (InputStorage<C>::fp8) {
       cp_async_16(s.fp8.k[stage] + n * D + col, kc + k_off + col, ok ? 16 : 0);
       cp_async_16(s.fp8.v[stage] + n * D + col, vc + v_off + col, ok ? 16 : 0);
     } else {
@@ -269,13 +320,12 @@ __device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, in
 // into the 16-bit tiles.
 template <class T, class C, int D>
 __device__ __forceinline__ void kv_widen(KvTiles<C, D>& s, int stage) {
-  constexpr int PER_ROW = D / 16;
-  constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
-  const int col = (threadIdx.x % PER_ROW) * 16;
-  const int row0 = threadIdx.x / PER_ROW;
+  typedef KvChunks<C, D> Chunks;
+  const int col = (threadIdx.x % Chunks::PER_ROW) * Chunks::ELEMS;
+  const int row0 = threadIdx.x / Chunks::PER_ROW;
 #pragma unroll
-  for (int i = 0; i < KV_KEYS / ROWS_PER_PASS; ++i) {
-    const int n = row0 + i * ROWS_PER_PASS;
+  for (int i = 0; i < Chunks::ROWS; ++i) {
+    const int n = row0 + i * Chunks::ROWS_PER_PASS;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const uint4 x = *reinterpret_cast<const uint4*>((t ? s.fp8.v[stage] : s.fp8.k[stage]) + n * D + col);
@@ -326,9 +376,12 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   const int split_lo = key_lo + split * per_split * KV_KEYS;
   const int split_hi = min(key_hi, split_lo + per_split * KV_KEYS);
   const int steps = split_hi > split_lo ? (split_hi - split_lo + KV_KEYS - 1) / KV_KEYS : 0;
+  KvStepRows<C, D> next_rows;  // the rows of the next step to issue
   if (steps > 0) {
-    kv_issue<C, D>(p, s, 0, b, kv_head, start, split_lo, split_hi);
+    next_rows.find(p, b, start, split_lo, split_hi);
+    kv_issue<C, D>(p, s, 0, kv_head, next_rows);
     cp_async_commit();
+    if (steps > 1) next_rows.find(p, b, start, split_lo + KV_KEYS, split_hi);
   }
 
   // Q rows into the swizzled tile (the rotated copy when rotary), 16 bytes per load, zeros past
@@ -385,8 +438,9 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   for (int step = 0; step < steps; ++step) {
     const int n0 = split_lo + step * KV_KEYS;
     if (step + 1 < steps) {
-      kv_issue<C, D>(p, s, (step + 1) & 1, b, kv_head, start, n0 + KV_KEYS, split_hi);
+      kv_issue<C, D>(p, s, (step + 1) & 1, kv_head, next_rows);
       cp_async_commit();
+      if (step + 2 < steps) next_rows.find(p, b, start, n0 + 2 * KV_KEYS, split_hi);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
