@@ -417,6 +417,7 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     hi[h] = min(split_hi, p.window_right < 0 ? seqlen_k : token + shift + p.window_right + 1);
     if (!live[h]) hi[h] = lo[h];  // sees nothing
   }
+  const int lo_max = max(lo[0], lo[1]), hi_min = min(hi[0], hi[1]);
   // An e4m3 cache's descales: k's scales the scores (inside a softcap's tanh), v's the output.
   const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head);
   const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
@@ -454,13 +455,17 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     u32 q_tiles[1][4], k_tiles[4];
     warp_gemm<D / 16, T>(sc, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag, stage));
     if (p.softcap_scale > 0.f) softcap_scores(sc, tanh_scale);
+    // Only steps that cross a bound of this thread's rows need masking (a dead row's hi = lo makes
+    // every step cross).
+    if (n0 < lo_max || n0 + KV_KEYS > hi_min) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + 16 * warp + 8 * nt + 2 * tig + (e & 1), h = e / 2;
-        if (key < lo[h] || key >= hi[h]) sc[0][nt][e] = kNegInf;
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + 16 * warp + 8 * nt + 2 * tig + (e & 1), h = e / 2;
+          if (key < lo[h] || key >= hi[h]) sc[0][nt][e] = kNegInf;
+        }
+    }
     softmax.update(sc, o, score_log2);
     u32 p_tiles[1][4], v_tiles[4];
     warp_gemm<1, T>(o, p_tiles, v_tiles, register_operand<T>(sc), smem_operand<true>(v_frag, stage));
