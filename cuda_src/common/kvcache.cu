@@ -417,7 +417,16 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     hi[h] = min(split_hi, p.window_right < 0 ? seqlen_k : token + shift + p.window_right + 1);
     if (!live[h]) hi[h] = lo[h];  // sees nothing
   }
-  const int lo_max = max(lo[0], lo[1]), hi_min = min(hi[0], hi[1]);
+  // The keys both live rows see: steps inside them need no mask. A dead row's results are never
+  // written, so its scores may stay unmasked.
+  int lo_max = split_lo, hi_min = split_hi;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (live[h]) {
+      lo_max = max(lo_max, lo[h]);
+      hi_min = min(hi_min, hi[h]);
+    }
+  }
   // An e4m3 cache's descales: k's scales the scores (inside a softcap's tanh), v's the output.
   const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head);
   const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
@@ -455,8 +464,7 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     u32 q_tiles[1][4], k_tiles[4];
     warp_gemm<D / 16, T>(sc, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag, stage));
     if (p.softcap_scale > 0.f) softcap_scores(sc, tanh_scale);
-    // Only steps that cross a bound of this thread's rows need masking (a dead row's hi = lo makes
-    // every step cross).
+    // Only steps that cross a bound of this thread's live rows need masking.
     if (n0 < lo_max || n0 + KV_KEYS > hi_min) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
