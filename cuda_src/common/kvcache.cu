@@ -589,13 +589,46 @@ struct store_16 {
 constexpr int COMBINE_WARPS = 4;
 constexpr int COMBINE_COLS = 128;  // columns per chunk: 4 per lane
 
-// Four columns c .. c + 3 of a partial row (zeros past head_dim): one 16-byte load when aligned.
-__device__ __forceinline__ float4 combine_load4(const float* row, int c, int head_dim, bool vec) {
-  if (vec) return *reinterpret_cast<const float4*>(row + c);
-  float x[4];
+// Four columns c .. c + 3 of a partial row (zeros past head_dim): one 16-byte load when VEC (the
+// rows 16-byte aligned and head_dim a multiple of 4).
+template <bool VEC>
+__device__ __forceinline__ float4 combine_load4(const float* row, int c, int head_dim) {
+  if constexpr (VEC) {
+    return *reinterpret_cast<const float4*>(row + c);
+  } else {
+    float x[4];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) x[j] = c + j < head_dim ? row[c + j] : 0.f;
-  return make_float4(x[0], x[1], x[2], x[3]);
+    for (int j = 0; j < 4; ++j) x[j] = c + j < head_dim ? row[c + j] : 0.f;
+    return make_float4(x[0], x[1], x[2], x[3]);
+  }
+}
+
+// acc += the 4 columns at c of `count` (<= 32) consecutive splits' rows from `first` on, weighted
+// by lane j's `weight` for the j-th (0 for a split that saw no key: its row, which may be garbage,
+// is left out). The loads of COMBINE_BATCH splits are all issued before any is used, so their
+// latencies overlap.
+constexpr int COMBINE_BATCH = 8;
+template <bool VEC>
+__device__ __forceinline__ void combine_splits(float4& acc, const float* first, i64 split_stride, int count,
+                                               float weight, int c, int head_dim) {
+  for (int j0 = 0; j0 < count; j0 += COMBINE_BATCH) {
+    float4 x[COMBINE_BATCH];
+#pragma unroll
+    for (int u = 0; u < COMBINE_BATCH; ++u) {
+      x[u] = j0 + u < count && c < head_dim ? combine_load4<VEC>(first + i64(j0 + u) * split_stride, c, head_dim)
+                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < COMBINE_BATCH; ++u) {
+      const float w = __shfl_sync(~0u, weight, (j0 + u) % 32);
+      if (w != 0.f) {
+        acc.x += w * x[u].x;
+        acc.y += w * x[u].y;
+        acc.z += w * x[u].z;
+        acc.w += w * x[u].w;
+      }
+    }
+  }
 }
 
 template <class Store>
@@ -628,21 +661,14 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_co
     const int c = c0 + 4 * lane;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = s_lo; s0 < s_hi && !empty; s0 += 32) {
-      // Lane j holds split s0 + j's weight; a split that saw no key (lse -inf) weighs 0 and its
-      // out_partial, which may be garbage, is skipped.
       const float l = s0 + lane < s_hi ? lp[(s0 + lane) * p.lp_split_stride] : kNegInf;
       const float weight = l == kNegInf ? 0.f : expf(l - lse);
-      const int n = min(32, s_hi - s0);
-#pragma unroll 4
-      for (int j = 0; j < n; ++j) {
-        const float w = __shfl_sync(~0u, weight, j);
-        if (c < p.head_dim && w != 0.f) {
-          const float4 x = combine_load4(op + i64(s0 + j) * p.op_split_stride, c, p.head_dim, vec);
-          acc.x += w * x.x;
-          acc.y += w * x.y;
-          acc.z += w * x.z;
-          acc.w += w * x.w;
-        }
+      const float* first = op + i64(s0) * p.op_split_stride;
+      const int count = min(32, s_hi - s0);
+      if (vec) {
+        combine_splits<true>(acc, first, p.op_split_stride, count, weight, c, p.head_dim);
+      } else {
+        combine_splits<false>(acc, first, p.op_split_stride, count, weight, c, p.head_dim);
       }
     }
     partial[warp][lane] = acc;
