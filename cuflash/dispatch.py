@@ -667,10 +667,10 @@ KV_APPEND_THREADS = 128
 COMBINE_WARPS = 4  # kvcache.cu's COMBINE_WARPS
 COMBINE_TYPES = {"float32": "cuflash::store_f32", "float16": "cuflash::store_16<cuflash::f16>",
                  "bfloat16": "cuflash::store_16<cuflash::bf16>"}
-# Splits chosen for num_splits=0: the fewest whose CTAs fill the resident slots (SMs x
-# kv_ctas_per_sm) in waves at least KV_WAVE_EFFICIENCY full, each split at least
-# KV_MIN_SPLIT_KEYS of the cache's capacity (the lengths themselves are on the device), at most
-# KV_MAX_SPLITS.
+# Splits chosen for num_splits=0 where the CTAs make less than two waves of the resident slots
+# (SMs x kv_ctas_per_sm): the fewest that fill them in waves at least KV_WAVE_EFFICIENCY full, each
+# split at least KV_MIN_SPLIT_KEYS of the cache's capacity (the lengths themselves are on the
+# device), at most KV_MAX_SPLITS.
 KV_MIN_SPLIT_KEYS = 2 * KV_KEYS
 KV_MAX_SPLITS = 64
 KV_WAVE_EFFICIENCY = 0.9
@@ -728,14 +728,17 @@ def sm_count(device_id: int) -> int:
 
 def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, capacity: int, sms: int,
                    ctas_per_sm: int) -> int:
-    """Key splits per (sequence, kv head, row tile): ``requested`` if given (> 0); else the fewest
-    whose CTAs fill the SMs' resident slots in waves at least KV_WAVE_EFFICIENCY full (decoding is
-    bound by memory, so a last wave of few CTAs leaves the bandwidth idle), or the most efficient
-    count if none is; each split at least KV_MIN_SPLIT_KEYS of the capacity, at most
-    KV_MAX_SPLITS."""
+    """Key splits per (sequence, kv head, row tile): ``requested`` if given (> 0); one where the
+    CTAs already make two waves of the SMs' resident slots (the last wave idles a third at most,
+    and the fp32 partials of many row tiles would cost more than it); else the fewest whose CTAs
+    fill the slots in waves at least KV_WAVE_EFFICIENCY full (decoding is bound by memory, so a
+    last wave of few CTAs leaves the bandwidth idle), or the most efficient count if none is; each
+    split at least KV_MIN_SPLIT_KEYS of the capacity, at most KV_MAX_SPLITS."""
     if requested > 0:
         return requested
     ctas, slots = batch * heads_kv * row_tiles, sms * ctas_per_sm
+    if ctas >= 2 * slots:
+        return 1
 
     def efficiency(splits: int) -> float:
         waves = ctas * splits / slots

@@ -101,7 +101,8 @@ def test_explicit_splits_honoured():
     (8, 8192, 6),     # 64 CTAs: 6 splits fill 384 of the 396 slots
     (1, 32768, 45),   # 8 CTAs: 360 of 396
     (1, 1024, 8),     # 128 positions per split at most: the most efficient of 1..8
-    (512, 8192, 1),   # 4096 CTAs: 10.3 waves, the last 34% full: 0.94 efficient unsplit
+    (96, 8192, 1),    # 768 CTAs: 1.94 waves, 0.97 efficient unsplit
+    (100, 8192, 1),   # 800 CTAs: over two waves, never split
 ])
 def test_auto_splits_fill_the_waves(batch, capacity, splits):
     assert dispatch.kvcache_splits(0, batch, 8, 1, capacity, 132, 3) == splits
