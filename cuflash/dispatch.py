@@ -32,6 +32,7 @@ Words used below:
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -666,10 +667,13 @@ KV_APPEND_THREADS = 128
 COMBINE_WARPS = 4  # kvcache.cu's COMBINE_WARPS
 COMBINE_TYPES = {"float32": "cuflash::store_f32", "float16": "cuflash::store_16<cuflash::f16>",
                  "bfloat16": "cuflash::store_16<cuflash::bf16>"}
-# Splits chosen for num_splits=0: enough CTAs for two per SM, each split at least this many keys
-# of the cache's capacity (the lengths themselves are on the device), at most KV_MAX_SPLITS.
+# Splits chosen for num_splits=0 where the CTAs make less than two waves of the resident slots
+# (SMs x kv_ctas_per_sm): the fewest that fill them in waves at least KV_WAVE_EFFICIENCY full, each
+# split at least KV_MIN_SPLIT_KEYS of the cache's capacity (the lengths themselves are on the
+# device), at most KV_MAX_SPLITS.
 KV_MIN_SPLIT_KEYS = 2 * KV_KEYS
 KV_MAX_SPLITS = 64
+KV_WAVE_EFFICIENCY = 0.9
 
 
 def kv_bucket(head_dim: int) -> int:
@@ -684,6 +688,12 @@ def kv_smem_bytes(bucket: int) -> int:
     stages of 16-bit K and V tiles (or two stages of e4m3 bytes and one widened K and V tile: as
     many bytes), and the four warps' row maxima and sums (kvcache.cu static_asserts it)."""
     return KV_ROWS * bucket * 2 + 2 * 2 * KV_KEYS * bucket * 2 + 2 * (KV_THREADS // 32) * KV_ROWS * 4
+
+
+def kv_ctas_per_sm(bucket: int) -> int:
+    """kv_decode CTAs resident per SM: its __launch_bounds__ minimum (3 up to d128, where shared
+    memory and registers allow exactly that on the A100 / H100 / H200; else 1)."""
+    return 3 if bucket <= 128 else 1
 
 
 def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -> tuple[KernelChoice, KernelChoice]:
@@ -716,17 +726,29 @@ def sm_count(device_id: int) -> int:
     return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
 
 
-def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, capacity: int, sms: int) -> int:
-    """Key splits per (sequence, kv head, row tile): ``requested`` if given (> 0); else enough
-    CTAs for two per SM where batch x heads_kv x row tiles do not fill the GPU, each split at
-    least KV_MIN_SPLIT_KEYS of the capacity, at most KV_MAX_SPLITS."""
+def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, capacity: int, sms: int,
+                   ctas_per_sm: int) -> int:
+    """Key splits per (sequence, kv head, row tile): ``requested`` if given (> 0); one where the
+    CTAs already make two waves of the SMs' resident slots (the last wave idles a third at most,
+    and the fp32 partials of many row tiles would cost more than it); else the fewest whose CTAs
+    fill the slots in waves at least KV_WAVE_EFFICIENCY full (decoding is bound by memory, so a
+    last wave of few CTAs leaves the bandwidth idle), or the most efficient count if none is; each
+    split at least KV_MIN_SPLIT_KEYS of the capacity, at most KV_MAX_SPLITS."""
     if requested > 0:
         return requested
-    ctas = batch * heads_kv * row_tiles
-    if ctas >= sms:
+    ctas, slots = batch * heads_kv * row_tiles, sms * ctas_per_sm
+    if ctas >= 2 * slots:
         return 1
-    return max(1, min(-(-2 * sms // ctas), capacity // KV_MIN_SPLIT_KEYS, KV_MAX_SPLITS))
+
+    def efficiency(splits: int) -> float:
+        waves = ctas * splits / slots
+        return waves / math.ceil(waves)
+
+    candidates = range(1, max(1, min(capacity // KV_MIN_SPLIT_KEYS, KV_MAX_SPLITS)) + 1)
+    full = [s for s in candidates if efficiency(s) >= KV_WAVE_EFFICIENCY]
+    return full[0] if full else max(candidates, key=efficiency)
 
 
 def kv_combine_grid(rows: int) -> tuple[int, int, int]:
-    return (max(1, -(-rows // COMBINE_WARPS)), 1, 1)
+    """kv_combine's grid: one CTA per (batch, row, head)."""
+    return (max(1, rows), 1, 1)

@@ -408,7 +408,8 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     rows = q.shape[0] if call.varlen else call.batch * call.max_seqlen_q
     row_tiles = max(1, -(-(group * call.max_seqlen_q) // dispatch.KV_ROWS))
     splits = dispatch.kvcache_splits(call.num_splits, call.batch, call.heads_kv, row_tiles, call.capacity,
-                                     dispatch.sm_count(q.device))
+                                     dispatch.sm_count(q.device),
+                                     dispatch.kv_ctas_per_sm(dispatch.kv_bucket(call.head_dim)))
 
     def bsh(t, packed: bool) -> tuple[int, int, int]:
         if t is None:

@@ -216,6 +216,27 @@ def test_fp8_cache_rotary_head_dims_softcap(rotary, head_dim):
     check(args, causal=True, softcap=20.0)
 
 
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])
+def test_fp8_cache_widens_every_byte_exactly(dtype):
+    """One cached key, so out is its value row: a row of all 256 e4m3 byte values must come out as
+    exactly those values in q's type (NaN as NaN)."""
+    import cupy as cp
+
+    r = np.random.default_rng(12)
+    v_row = np.arange(256, dtype=np.uint8)
+    r.shuffle(v_row)
+    k_cache = np.zeros((1, 32, 1, 256), np.uint8)
+    k_cache[0, 0, 0] = r.integers(0, 0x7f, 256)  # finite bytes
+    v_cache = np.full((1, 32, 1, 256), 0x7f, np.uint8)  # NaN past the cached key
+    v_cache[0, 0, 0] = v_row
+    q = r.standard_normal((1, 1, 2, 256)).astype(dtype)
+    out = cuflash.attention_with_kvcache(cp.asarray(q), cp.asarray(k_cache), cp.asarray(v_cache), cache_seqlens=1,
+                                         dtype="e4m3")
+    want = v_row.view(E4M3).astype(np.float32)
+    for head in range(2):
+        np.testing.assert_array_equal(cp.asnumpy(out)[0, 0, head].astype(np.float32), want)
+
+
 def test_fp8_cache_torch():
     torch = pytest.importorskip("torch")
     from cuflash.torch import flash_attn_with_kvcache

@@ -65,9 +65,9 @@ def test_paged_split_decode_launches_append_decode_combine(recorder):
     out, lse = built.launch("cupy", operands, (None,), (None,), True)
     (append, a_arg), (decode, d_arg), (combine, c_arg) = recorder
     assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>" and append[1] == (2, 2, 1)
-    # 8 query heads over 2 kv heads, 2 tokens: 8 packed rows, one tile; 4 CTAs would take 2 x 108 / 4
-    # splits, but each split keeps 128 of the 4096 positions.
-    splits = dispatch.kvcache_splits(0, 2, 2, 1, 4096, 108)
+    # 8 query heads over 2 kv heads, 2 tokens: 8 packed rows, one tile; 4 CTAs would take 73 splits
+    # to fill 90% of 108 x 3 slots, but each split keeps 128 of the 4096 positions.
+    splits = dispatch.kvcache_splits(0, 2, 2, 1, 4096, 108, 3)
     assert splits == 32 and decode == ("cuflash::kv_decode<cuflash::f16, cuflash::f16, 128>", (splits, 2, 2),
                                        dispatch.kv_smem_bytes(128))
     p = np.frombuffer(d_arg, KV_PARAMS)[0]
@@ -92,8 +92,20 @@ def test_filled_gpu_decode_runs_unsplit(recorder):
 
 
 def test_explicit_splits_honoured():
-    assert dispatch.kvcache_splits(7, 64, 8, 1, 100, 132) == 7
-    assert dispatch.kvcache_splits(0, 1, 1, 1, 100, 132) == 1  # too few keys to split
+    assert dispatch.kvcache_splits(7, 64, 8, 1, 100, 132, 3) == 7
+    assert dispatch.kvcache_splits(0, 1, 1, 1, 100, 132, 3) == 1  # too few keys to split
+
+
+@pytest.mark.parametrize("batch, capacity, splits", [
+    (64, 8192, 3),    # 512 CTAs: 1.29 waves of 396 slots; 3 splits make 3.88
+    (8, 8192, 6),     # 64 CTAs: 6 splits fill 384 of the 396 slots
+    (1, 32768, 45),   # 8 CTAs: 360 of 396
+    (1, 1024, 8),     # 128 positions per split at most: the most efficient of 1..8
+    (96, 8192, 1),    # 768 CTAs: 1.94 waves, 0.97 efficient unsplit
+    (100, 8192, 1),   # 800 CTAs: over two waves, never split
+])
+def test_auto_splits_fill_the_waves(batch, capacity, splits):
+    assert dispatch.kvcache_splits(0, batch, 8, 1, capacity, 132, 3) == splits
 
 
 def test_kv_kernels_listed_last_for_the_compile_check():

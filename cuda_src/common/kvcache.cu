@@ -90,19 +90,25 @@ __device__ __forceinline__ int kv_seqlen_new(const KvParams& p, int b) {
   if (!p.k_new) return 0;
   return p.cu_seqlens_q ? kv_seqlen_q(p, b) : p.seqlen_new;
 }
+// The element offsets of the K and V rows' kv_head at row `row` of cache block `block` (a page, or
+// a contiguous cache's batch row).
+__device__ __forceinline__ void kv_offsets(const KvParams& p, int block, int row, int kv_head, i64& k_off,
+                                           i64& v_off) {
+  k_off = i64(block) * p.kc_batch_stride + i64(row) * p.kc_row_stride + i64(kv_head) * p.kc_head_stride;
+  v_off = i64(block) * p.vc_batch_stride + i64(row) * p.vc_row_stride + i64(kv_head) * p.vc_head_stride;
+}
+// The block of a contiguous cache's sequence b: the cache row cache_batch_idx (or b) names.
+__device__ __forceinline__ int kv_batch_block(const KvParams& p, int b) {
+  return p.cache_batch_idx ? p.cache_batch_idx[b] : b;
+}
 // Where position `pos` of sequence b lives: the element offsets of its K and V rows' kv_head, in
-// the page the page table names, or the cache row cache_batch_idx (or b) names.
+// the page the page table names, or the cache row kv_batch_block names.
 __device__ __forceinline__ void kv_rows(const KvParams& p, int b, int pos, int kv_head, i64& k_off, i64& v_off) {
-  i64 block, row;
   if (p.page_table) {
-    block = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
-    row = pos % p.page_size;
+    kv_offsets(p, p.page_table[i64(b) * p.max_pages + pos / p.page_size], pos % p.page_size, kv_head, k_off, v_off);
   } else {
-    block = p.cache_batch_idx ? p.cache_batch_idx[b] : b;
-    row = pos;
+    kv_offsets(p, kv_batch_block(p, b), pos, kv_head, k_off, v_off);
   }
-  k_off = block * p.kc_batch_stride + row * p.kc_row_stride + i64(kv_head) * p.kc_head_stride;
-  v_off = block * p.vc_batch_stride + row * p.vc_row_stride + i64(kv_head) * p.vc_head_stride;
 }
 
 // The descale of (sequence b, kv head h): the array's entry, or the scalar.
@@ -231,31 +237,76 @@ struct KvTiles {
   float l[KV_WARPS][KV_ROWS];  // and row sums
 };
 
-// Issues the cp.async copies of keys [n0, n0 + KV_KEYS) of sequence b (cache positions start + n),
-// those from n_end on zero-filled, into stage `stage`. Each thread keeps one column (16-byte
-// chunk) of rows tid / chunks_per_row + i * rows_per_pass, so it can widen its own e4m3 chunks
-// without a barrier.
+// How kv_decode's threads split a step's KV_KEYS x D tile of cache elements C into 16-byte chunks:
+// thread t copies column (t % PER_ROW) * ELEMS of rows t / PER_ROW + i * ROWS_PER_PASS, i < ROWS.
 template <class C, int D>
-__device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, int stage, int b, int kv_head,
-                                         int start, int n0, int n_end) {
-  constexpr bool FP8 = InputStorage<C>::fp8;
-  constexpr int ELEMS = FP8 ? 16 : 8;  // elements per 16-byte chunk
-  constexpr int PER_ROW = D / ELEMS;
-  constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
+struct KvChunks {
+  static constexpr int ELEMS = InputStorage<C>::fp8 ? 16 : 8;  // elements per 16-byte chunk
+  static constexpr int PER_ROW = D / ELEMS;
+  static constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
+  static constexpr int ROWS = KV_KEYS / ROWS_PER_PASS;
   static_assert(KV_THREADS % PER_ROW == 0 && KV_KEYS % ROWS_PER_PASS == 0, "tile must split evenly");
+};
+
+// Where this thread's rows of one step live: block and row in the block (kv_offsets'), block -1 for
+// a row past the split, which kv_issue zero-fills. Looked up a step before the copies, so the
+// page-table loads' latency passes under a step's products instead of holding up the cp.async
+// issue. The rows are ROWS_PER_PASS positions apart: one division places the first, the others
+// carry on from it.
+template <class C, int D>
+struct KvStepRows {
+  typedef KvChunks<C, D> Chunks;
+  int block[Chunks::ROWS];
+  int row[Chunks::ROWS];
+
+  // The rows of keys [n0, n0 + KV_KEYS) of sequence b (cache positions start + n), up to n_end.
+  __device__ __forceinline__ void find(const KvParams& p, int b, int start, int n0, int n_end) {
+    const int n = n0 + int(threadIdx.x) / Chunks::PER_ROW;
+    const int pos = start + n;
+    int page = 0, in_page = pos;
+    const int contiguous_block = p.page_table ? 0 : kv_batch_block(p, b);
+    if (p.page_table) {
+      page = pos / p.page_size;
+      in_page = pos - page * p.page_size;
+    }
+#pragma unroll
+    for (int i = 0; i < Chunks::ROWS; ++i) {
+      if (i > 0) {
+        in_page += Chunks::ROWS_PER_PASS;
+        if (p.page_table) {
+          while (in_page >= p.page_size) {
+            in_page -= p.page_size;
+            ++page;
+          }
+        }
+      }
+      const bool ok = n + i * Chunks::ROWS_PER_PASS < n_end;
+      row[i] = in_page;
+      block[i] = !ok ? -1 : p.page_table ? p.page_table[i64(b) * p.max_pages + page] : contiguous_block;
+    }
+  }
+};
+
+// Issues the cp.async copies of one step's rows (found by `rows`) into stage `stage`, rows past
+// the split zero-filled. Each thread keeps one column of its rows (KvChunks), so it can widen its
+// own e4m3 chunks without a barrier.
+template <class C, int D>
+__device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, int stage, int kv_head,
+                                         const KvStepRows<C, D>& rows) {
+  typedef KvChunks<C, D> Chunks;
   typedef typename InputStorage<C>::type S;
   const S* kc = static_cast<const S*>(p.k_cache);
   const S* vc = static_cast<const S*>(p.v_cache);
-  const int col = (threadIdx.x % PER_ROW) * ELEMS;
-  const int row0 = threadIdx.x / PER_ROW;
+  const int col = (threadIdx.x % Chunks::PER_ROW) * Chunks::ELEMS;
+  const int row0 = threadIdx.x / Chunks::PER_ROW;
   const bool col_ok = col < p.head_dim;
 #pragma unroll
-  for (int i = 0; i < KV_KEYS / ROWS_PER_PASS; ++i) {
-    const int n = row0 + i * ROWS_PER_PASS;
-    const bool ok = col_ok && n0 + n < n_end;
+  for (int i = 0; i < Chunks::ROWS; ++i) {
+    const int n = row0 + i * Chunks::ROWS_PER_PASS;
+    const bool ok = col_ok && rows.block[i] >= 0;
     i64 k_off = 0, v_off = 0;
-    if (ok) kv_rows(p, b, start + n0 + n, kv_head, k_off, v_off);
-    if constexpr (FP8) {
+    if (ok) kv_offsets(p, rows.block[i], rows.row[i], kv_head, k_off, v_off);
+    if constexpr (InputStorage<C>::fp8) {
       cp_async_16(s.fp8.k[stage] + n * D + col, kc + k_off + col, ok ? 16 : 0);
       cp_async_16(s.fp8.v[stage] + n * D + col, vc + v_off + col, ok ? 16 : 0);
     } else {
@@ -269,23 +320,23 @@ __device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, in
 // into the 16-bit tiles.
 template <class T, class C, int D>
 __device__ __forceinline__ void kv_widen(KvTiles<C, D>& s, int stage) {
-  constexpr int PER_ROW = D / 16;
-  constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
-  const int col = (threadIdx.x % PER_ROW) * 16;
-  const int row0 = threadIdx.x / PER_ROW;
+  typedef KvChunks<C, D> Chunks;
+  const int col = (threadIdx.x % Chunks::PER_ROW) * Chunks::ELEMS;
+  const int row0 = threadIdx.x / Chunks::PER_ROW;
 #pragma unroll
-  for (int i = 0; i < KV_KEYS / ROWS_PER_PASS; ++i) {
-    const int n = row0 + i * ROWS_PER_PASS;
+  for (int i = 0; i < Chunks::ROWS; ++i) {
+    const int n = row0 + i * Chunks::ROWS_PER_PASS;
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       const uint4 x = *reinterpret_cast<const uint4*>((t ? s.fp8.v[stage] : s.fp8.k[stage]) + n * D + col);
+      uint4 lo, hi;  // elements 0..7 and 8..15 of the chunk
+      widen_e4m3_word<T>(x.x, lo.x, lo.y);
+      widen_e4m3_word<T>(x.y, lo.z, lo.w);
+      widen_e4m3_word<T>(x.z, hi.x, hi.y);
+      widen_e4m3_word<T>(x.w, hi.z, hi.w);
       u16* dst = t ? s.fp8.v16 : s.fp8.k16;
-      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col)) =
-          make_uint4(widen_e4m3_pair<T>(x.x, 0x1404u), widen_e4m3_pair<T>(x.x, 0x3424u),
-                     widen_e4m3_pair<T>(x.y, 0x1404u), widen_e4m3_pair<T>(x.y, 0x3424u));
-      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col + 8)) =
-          make_uint4(widen_e4m3_pair<T>(x.z, 0x1404u), widen_e4m3_pair<T>(x.z, 0x3424u),
-                     widen_e4m3_pair<T>(x.w, 0x1404u), widen_e4m3_pair<T>(x.w, 0x3424u));
+      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col)) = lo;
+      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col + 8)) = hi;
     }
   }
 }
@@ -325,9 +376,12 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   const int split_lo = key_lo + split * per_split * KV_KEYS;
   const int split_hi = min(key_hi, split_lo + per_split * KV_KEYS);
   const int steps = split_hi > split_lo ? (split_hi - split_lo + KV_KEYS - 1) / KV_KEYS : 0;
+  KvStepRows<C, D> next_rows;  // the rows of the next step to issue
   if (steps > 0) {
-    kv_issue<C, D>(p, s, 0, b, kv_head, start, split_lo, split_hi);
+    next_rows.find(p, b, start, split_lo, split_hi);
+    kv_issue<C, D>(p, s, 0, kv_head, next_rows);
     cp_async_commit();
+    if (steps > 1) next_rows.find(p, b, start, split_lo + KV_KEYS, split_hi);
   }
 
   // Q rows into the swizzled tile (the rotated copy when rotary), 16 bytes per load, zeros past
@@ -363,6 +417,16 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     hi[h] = min(split_hi, p.window_right < 0 ? seqlen_k : token + shift + p.window_right + 1);
     if (!live[h]) hi[h] = lo[h];  // sees nothing
   }
+  // The keys both live rows see: steps inside them need no mask. A dead row's results are never
+  // written, so its scores may stay unmasked.
+  int lo_max = split_lo, hi_min = split_hi;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (live[h]) {
+      lo_max = max(lo_max, lo[h]);
+      hi_min = min(hi_min, hi[h]);
+    }
+  }
   // An e4m3 cache's descales: k's scales the scores (inside a softcap's tanh), v's the output.
   const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head);
   const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
@@ -384,8 +448,9 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   for (int step = 0; step < steps; ++step) {
     const int n0 = split_lo + step * KV_KEYS;
     if (step + 1 < steps) {
-      kv_issue<C, D>(p, s, (step + 1) & 1, b, kv_head, start, n0 + KV_KEYS, split_hi);
+      kv_issue<C, D>(p, s, (step + 1) & 1, kv_head, next_rows);
       cp_async_commit();
+      if (step + 2 < steps) next_rows.find(p, b, start, n0 + 2 * KV_KEYS, split_hi);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
@@ -399,13 +464,16 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     u32 q_tiles[1][4], k_tiles[4];
     warp_gemm<D / 16, T>(sc, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag, stage));
     if (p.softcap_scale > 0.f) softcap_scores(sc, tanh_scale);
+    // Only steps that cross a bound of this thread's live rows need masking.
+    if (n0 < lo_max || n0 + KV_KEYS > hi_min) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int key = n0 + 16 * warp + 8 * nt + 2 * tig + (e & 1), h = e / 2;
-        if (key < lo[h] || key >= hi[h]) sc[0][nt][e] = kNegInf;
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int key = n0 + 16 * warp + 8 * nt + 2 * tig + (e & 1), h = e / 2;
+          if (key < lo[h] || key >= hi[h]) sc[0][nt][e] = kNegInf;
+        }
+    }
     softmax.update(sc, o, score_log2);
     u32 p_tiles[1][4], v_tiles[4];
     warp_gemm<1, T>(o, p_tiles, v_tiles, register_operand<T>(sc), smem_operand<true>(v_frag, stage));
@@ -513,14 +581,61 @@ struct store_16 {
   static __device__ __forceinline__ void at(void* p, i64 i, float x) { store_elem<T>(p, i, x); }
 };
 
-// One warp per (batch, row, head), COMBINE_WARPS per CTA; grid.x covers batch * seqlen * heads.
+// One CTA of COMBINE_WARPS warps per (batch, row, head); grid.x covers batch * seqlen * heads.
+// Every warp reads all the splits' lse (a few floats) and reduces it itself, then takes a
+// contiguous quarter of the splits; each lane owns 4 columns of a 128-column chunk, so a warp
+// reads one 512-byte row of out_partial per split, the loads of several splits in flight at once.
+// The warps' sums meet in shared memory.
 constexpr int COMBINE_WARPS = 4;
+constexpr int COMBINE_COLS = 128;  // columns per chunk: 4 per lane
+
+// Four columns c .. c + 3 of a partial row (zeros past head_dim): one 16-byte load when VEC (the
+// rows 16-byte aligned and head_dim a multiple of 4).
+template <bool VEC>
+__device__ __forceinline__ float4 combine_load4(const float* row, int c, int head_dim) {
+  if constexpr (VEC) {
+    return *reinterpret_cast<const float4*>(row + c);
+  } else {
+    float x[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = c + j < head_dim ? row[c + j] : 0.f;
+    return make_float4(x[0], x[1], x[2], x[3]);
+  }
+}
+
+// acc += the 4 columns at c of `count` (<= 32) consecutive splits' rows from `first` on, weighted
+// by lane j's `weight` for the j-th (0 for a split that saw no key: its row, which may be garbage,
+// is left out). The loads of COMBINE_BATCH splits are all issued before any is used, so their
+// latencies overlap.
+constexpr int COMBINE_BATCH = 8;
+template <bool VEC>
+__device__ __forceinline__ void combine_splits(float4& acc, const float* first, i64 split_stride, int count,
+                                               float weight, int c, int head_dim) {
+  for (int j0 = 0; j0 < count; j0 += COMBINE_BATCH) {
+    float4 x[COMBINE_BATCH];
+#pragma unroll
+    for (int u = 0; u < COMBINE_BATCH; ++u) {
+      x[u] = j0 + u < count && c < head_dim ? combine_load4<VEC>(first + i64(j0 + u) * split_stride, c, head_dim)
+                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < COMBINE_BATCH; ++u) {
+      const float w = __shfl_sync(~0u, weight, (j0 + u) % 32);
+      if (w != 0.f) {
+        acc.x += w * x[u].x;
+        acc.y += w * x[u].y;
+        acc.z += w * x[u].z;
+        acc.w += w * x[u].w;
+      }
+    }
+  }
+}
 
 template <class Store>
 __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_constant__ CombineParams p) {
-  const i64 item = i64(blockIdx.x) * COMBINE_WARPS + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (item >= i64(p.batch) * p.seqlen * p.heads) return;
+  __shared__ float4 partial[COMBINE_WARPS][COMBINE_COLS / 4];
+  const i64 item = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = int(item % p.heads);
   const i64 bi = item / p.heads;
   const int i = int(bi % p.seqlen), b = int(bi / p.seqlen);
@@ -534,19 +649,40 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_co
   for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(~0u, total, off);
   const bool empty = total == 0.f;
   const float lse = empty ? kNegInf : base + logf(total);
+
   const float* op = p.out_partial + i64(b) * p.op_batch_stride + i64(i) * p.op_row_stride + i64(h) * p.op_head_stride;
   const i64 o_at = i64(b) * p.o_batch_stride + i64(i) * p.o_row_stride + i64(h) * p.o_head_stride;
-  for (int c = lane; c < p.head_dim; c += 32) {
-    float acc = 0.f;
-    if (!empty) {
-      for (int s = 0; s < p.splits; ++s) {
-        const float l = lp[s * p.lp_split_stride];
-        if (l != kNegInf) acc += expf(l - lse) * op[s * p.op_split_stride + c];
+  // 16-byte loads need every row start 16-byte aligned: the base, the strides and head_dim.
+  const bool vec = p.head_dim % 4 == 0 && reinterpret_cast<size_t>(p.out_partial) % 16 == 0 &&
+                   (p.op_split_stride | p.op_batch_stride | p.op_row_stride | p.op_head_stride) % 4 == 0;
+  const int per_warp = (p.splits + COMBINE_WARPS - 1) / COMBINE_WARPS;
+  const int s_lo = warp * per_warp, s_hi = min(p.splits, s_lo + per_warp);
+  for (int c0 = 0; c0 < p.head_dim; c0 += COMBINE_COLS) {
+    const int c = c0 + 4 * lane;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = s_lo; s0 < s_hi && !empty; s0 += 32) {
+      const float l = s0 + lane < s_hi ? lp[(s0 + lane) * p.lp_split_stride] : kNegInf;
+      const float weight = l == kNegInf ? 0.f : expf(l - lse);
+      const float* first = op + i64(s0) * p.op_split_stride;
+      const int count = min(32, s_hi - s0);
+      if (vec) {
+        combine_splits<true>(acc, first, p.op_split_stride, count, weight, c, p.head_dim);
+      } else {
+        combine_splits<false>(acc, first, p.op_split_stride, count, weight, c, p.head_dim);
       }
     }
-    Store::at(p.out, o_at + c, acc);
+    partial[warp][lane] = acc;
+    __syncthreads();  // every warp's sums of this chunk are in place
+    const int col = c0 + threadIdx.x;
+    if (threadIdx.x < COMBINE_COLS && col < p.head_dim) {
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < COMBINE_WARPS; ++w) sum += reinterpret_cast<const float*>(partial[w])[threadIdx.x];
+      Store::at(p.out, o_at + col, sum);
+    }
+    __syncthreads();  // the chunk's sums are read before the next chunk overwrites them
   }
-  if (p.lse && lane == 0) p.lse[i64(b) * p.l_batch_stride + i64(i) * p.l_row_stride + i64(h) * p.l_head_stride] = lse;
+  if (p.lse && threadIdx.x == 0) p.lse[i64(b) * p.l_batch_stride + i64(i) * p.l_row_stride + i64(h) * p.l_head_stride] = lse;
 }
 
 }  // namespace cuflash
