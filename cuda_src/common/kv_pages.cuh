@@ -1,0 +1,80 @@
+// The forward kernels' view of a KV cache (FwdParamsPaged): each sequence's lengths, and K/V
+// tiles gathered row by row through the page table with cp.async.
+#pragma once
+#include "common/params.cuh"
+#include "common/seqlen.cuh"
+#include "common/smem.cuh"
+#include "common/types.cuh"
+
+namespace cuflash {
+
+// A sequence of a KV-cache forward: its queries as sequence_of finds them (k_begin unused: keys
+// are found by position, CachedRows), its keys the cached ones and then the appended ones.
+__device__ __forceinline__ Sequence cached_sequence_of(const FwdParamsPaged& p, int batch) {
+  Sequence seq = {0, 0, p.seqlen_q, 0};
+  if (p.cu_seqlens_q != nullptr) {
+    seq.q_begin = p.cu_seqlens_q[batch];
+    seq.seqlen_q = p.seq_end_q[batch] - seq.q_begin;
+  }
+  const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_seqlen;
+  seq.seqlen_k = cached + (p.new_keys < 0 ? seq.seqlen_q : p.new_keys);
+  return seq;
+}
+
+// Where the key positions of one sequence live: dimension-0 entry (page) and row within it.
+struct CachedRows {
+  const int* pages;  // the sequence's page-table row; null: a contiguous cache
+  int page_size;
+  int batch;
+
+  __device__ __forceinline__ CachedRows(const FwdParamsPaged& p, int b)
+      : pages(p.page_table != nullptr ? p.page_table + i64(b) * p.page_table_stride : nullptr),
+        page_size(p.page_size),
+        batch(b) {}
+
+  // Element offset of position `pos` in a cache of these (dimension 0, row) strides.
+  __device__ __forceinline__ i64 offset(int pos, i64 page_stride, i64 row_stride) const {
+    if (pages == nullptr) return i64(batch) * page_stride + i64(pos) * row_stride;
+    return i64(pages[pos / page_size]) * page_stride + i64(pos % page_size) * row_stride;
+  }
+};
+
+// load_tile_async of key positions [first, first + ROWS) of a cache (src: its kv head's column
+// in entry 0), each row found through `rows`; positions past rows_valid are zero-filled and not
+// looked up (their page-table entries may be out of range). As load_tile_async, a thread keeps
+// one column and swizzle where a pass covers a multiple of 8 rows, so that only its row's offset
+// is computed per chunk: per-chunk addresses held across the main loop spill.
+template <int ROWS, int COLS, int ROW_ELEMS, int THREADS>
+__device__ __forceinline__ void load_cached_tile_async(u16* tile, const u16* src, const CachedRows& rows, int first,
+                                                       i64 page_stride, i64 row_stride, int rows_valid,
+                                                       int cols_valid) {
+  constexpr int CHUNKS_PER_ROW = COLS / 8;
+  constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+  static_assert(CHUNKS % THREADS == 0, "tile must split evenly over the CTA");
+  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && (THREADS / CHUNKS_PER_ROW) % 8 == 0) {
+    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
+    const int row = threadIdx.x / CHUNKS_PER_ROW;
+    const int col = (threadIdx.x % CHUNKS_PER_ROW) * 8;
+    u16* dst = tile + swizzle<ROW_ELEMS>(row, col);
+    const bool col_inside = col < cols_valid;
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+      const int r = row + i * ROWS_PER_PASS;
+      const bool inside = col_inside && r < rows_valid;
+      const u16* from = inside ? src + rows.offset(first + r, page_stride, row_stride) + col : src;
+      cp_async_16(dst + i * ROWS_PER_PASS * ROW_ELEMS, from, inside ? 16 : 0);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < CHUNKS / THREADS; ++i) {
+      const int chunk = threadIdx.x + i * THREADS;
+      const int row = chunk / CHUNKS_PER_ROW;
+      const int col = (chunk % CHUNKS_PER_ROW) * 8;
+      const bool inside = row < rows_valid && col < cols_valid;
+      const u16* from = inside ? src + rows.offset(first + row, page_stride, row_stride) + col : src;
+      cp_async_16(tile + swizzle<ROW_ELEMS>(row, col), from, inside ? 16 : 0);
+    }
+  }
+}
+
+}  // namespace cuflash
