@@ -28,12 +28,13 @@ _LENGTHS = _INPUTS.index("cache_seqlens")
 def attention_with_kvcache(arrays: dict, options: checks.KvOptions) -> Any:
     """``arrays``: the array arguments but cache_seqlens by name, None where not given;
     ``options``: the rest, as passed. The caches' pointers must be 16-byte aligned for a cached
-    plan to serve (the checks read that of them)."""
+    plan to serve (the checks read that of them), and q's (the plan may read q with cp.async,
+    dispatch.kvcache_prefill)."""
     keyed = _unchecked_key(arrays, options)
     if keyed is None:
         return _run_checked(checks.check_kvcache(arrays, *options))
     key, framework, tensors = keyed
-    out, lse = plan.run(key, tensors[0].device, plan.aligned_pointers(tensors[1], tensors[2]), _prepare,
+    out, lse = plan.run(key, tensors[0].device, plan.aligned_pointers(*tensors[:3]), _prepare,
                         (arrays, options), framework, tensors, (None,), (None,), options.return_lse)
     return (out, lse) if options.return_lse else out
 
@@ -85,7 +86,7 @@ def _launch_tensors(call: checks.KvCall) -> tuple:
 def _prepare(arrays: dict, options: checks.KvOptions):
     call = checks.check_kvcache(arrays, *options)
     tensors = _launch_tensors(call)
-    return plan.build_kvcache(call, tensors), tensors, True
+    return plan.build_kvcache(call, tensors), tensors, plan.aligned_pointers(tensors[0])
 
 
 def _run_checked(call: checks.KvCall) -> Any:
@@ -96,8 +97,9 @@ def _run_checked(call: checks.KvCall) -> Any:
     key = ("attention_with_kvcache checked", *(x.layout if x is not None else None for x in tensors), scalar_lengths,
            scalar_descales, call.batch, call.max_seqlen_q, call.scale, call.causal, call.window, call.softcap,
            call.rotary_interleaved, call.rotary_per_row, call.num_splits)
-    out, lse = plan.run(key, tensors[0].device, True, lambda: (plan.build_kvcache(call, tensors), tensors, True), (),
-                        call.framework, tensors, (None,), (None,), call.return_lse)
+    aligned = plan.aligned_pointers(tensors[0])  # a plan built for an unaligned q serves only that q
+    out, lse = plan.run(key, tensors[0].device, aligned, lambda: (plan.build_kvcache(call, tensors), tensors, aligned),
+                        (), call.framework, tensors, (None,), (None,), call.return_lse)
     return (out, lse) if call.return_lse else out
 
 

@@ -452,12 +452,6 @@ def all_kernels(family: str) -> list[KernelChoice]:
     if family == "sm80":  # the KV cache kernels, sm80's on every device, last
         for choice in kvcache_all_kernels():
             found.setdefault(choice.name_expression, choice)
-        for bucket in HEAD_DIM_BUCKETS:
-            for dtype in ELEMENT_TYPES:
-                for mask in MASKS:
-                    for softcap in (False, True):
-                        choice = kvcache_prefill_kernel(dtype, bucket, Mask(mask, -1, -1, float(softcap)))
-                        found.setdefault(choice.name_expression, choice)
     return list(found.values())
 
 
@@ -720,6 +714,9 @@ def kvcache_all_kernels() -> list[KernelChoice]:
     found = [k for dtype in ELEMENT_TYPES for cache in (dtype, *FP8_TYPES) for bucket in KV_BUCKETS
              for k in kvcache_kernels(dtype, bucket, cache)]
     found += [combine_kernel(out_dtype) for out_dtype in COMBINE_TYPES]
+    # The forward over the cache; sm80's softcap kernels take every mask (_mask_flags).
+    found += [kvcache_prefill_kernel(dtype, bucket, Mask(mask, -1, -1, float(softcap))) for bucket in HEAD_DIM_BUCKETS
+              for dtype in ELEMENT_TYPES for mask in MASKS for softcap in (False, True)]
     return list({k.name_expression: k for k in found}.values())
 
 

@@ -99,7 +99,8 @@ def test_explicit_splits_honoured():
 def test_kv_kernels_listed_last_for_the_compile_check():
     names = [c.name_expression for c in dispatch.all_kernels("sm80")]
     kv = [c.name_expression for c in dispatch.kvcache_all_kernels()]
-    assert names[-len(kv):] == kv and len(kv) == 4 + 4 * 3 + 3  # appends, decodes (16-bit and e4m3 caches), combines
+    # appends, decodes (16-bit and e4m3 caches), combines, forwards over the cache (three masks and softcap's)
+    assert names[-len(kv):] == kv and len(kv) == 4 + 4 * 3 + 3 + 5 * 2 * 4
 
 
 def test_fp8_cache_plan_takes_the_descales(recorder):
