@@ -41,42 +41,27 @@ struct CachedRows {
 
 // load_tile_async of key positions [first, first + ROWS) of a cache (src: its kv head's column
 // in entry 0), each row found through `rows`; positions past rows_valid are zero-filled and not
-// looked up (their page-table entries may be out of range). Only a row's offset is computed per
-// chunk: per-chunk addresses held across the main loop spill. As load_tile_async, a thread keeps
-// one column and swizzle where a pass covers a multiple of 8 rows (coalesced: a warp reads whole
-// rows); otherwise (head_dim 96 and 192) it takes consecutive chunks of one row, one look-up.
+// looked up (their page-table entries may be out of range). Each thread copies adjacent chunks of
+// one row, so that it looks up one row per tile: a look-up per chunk (load_tile_async's layout,
+// a thread per column) held more addresses across the main loop than it has registers for.
 template <int ROWS, int COLS, int ROW_ELEMS, int THREADS>
 __device__ __forceinline__ void load_cached_tile_async(u16* tile, const u16* src, const CachedRows& rows, int first,
                                                        i64 page_stride, i64 row_stride, int rows_valid,
                                                        int cols_valid) {
   constexpr int CHUNKS_PER_ROW = COLS / 8;
   constexpr int PER_THREAD = ROWS * CHUNKS_PER_ROW / THREADS;
+  constexpr int ROW_THREADS = CHUNKS_PER_ROW / PER_THREAD;
   static_assert(PER_THREAD * THREADS == ROWS * CHUNKS_PER_ROW, "tile must split evenly over the CTA");
-  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && (THREADS / CHUNKS_PER_ROW) % 8 == 0) {
-    constexpr int ROWS_PER_PASS = THREADS / CHUNKS_PER_ROW;
-    const int row = threadIdx.x / CHUNKS_PER_ROW;
-    const int col = (threadIdx.x % CHUNKS_PER_ROW) * 8;
-    u16* dst = tile + swizzle<ROW_ELEMS>(row, col);
-    const bool col_inside = col < cols_valid;
+  static_assert(ROW_THREADS * PER_THREAD == CHUNKS_PER_ROW, "a thread's chunks must lie in one row");
+  const int row = threadIdx.x / ROW_THREADS;
+  const int first_col = (threadIdx.x % ROW_THREADS) * PER_THREAD * 8;
+  const bool row_inside = row < rows_valid;
+  const u16* from = row_inside ? src + rows.offset(first + row, page_stride, row_stride) : src;
 #pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const int r = row + i * ROWS_PER_PASS;
-      const bool inside = col_inside && r < rows_valid;
-      const u16* from = inside ? src + rows.offset(first + r, page_stride, row_stride) + col : src;
-      cp_async_16(dst + i * ROWS_PER_PASS * ROW_ELEMS, from, inside ? 16 : 0);
-    }
-  } else {
-    static_assert(CHUNKS_PER_ROW % PER_THREAD == 0, "a thread's chunks must lie in one row");
-    const int row = threadIdx.x * PER_THREAD / CHUNKS_PER_ROW;
-    const int first_col = (threadIdx.x * PER_THREAD % CHUNKS_PER_ROW) * 8;
-    const bool row_inside = row < rows_valid;
-    const u16* from = row_inside ? src + rows.offset(first + row, page_stride, row_stride) : src;
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const int col = first_col + i * 8;
-      const bool inside = row_inside && col < cols_valid;
-      cp_async_16(tile + swizzle<ROW_ELEMS>(row, col), inside ? from + col : src, inside ? 16 : 0);
-    }
+  for (int i = 0; i < PER_THREAD; ++i) {
+    const int col = first_col + i * 8;
+    const bool inside = row_inside && col < cols_valid;
+    cp_async_16(tile + swizzle<ROW_ELEMS>(row, col), inside ? from + col : src, inside ? 16 : 0);
   }
 }
 
