@@ -754,13 +754,13 @@ KV_PREFILL_ROWS = 128
 def kvcache_prefill(call, q, cache) -> bool:
     """Whether a checked attention_with_kvcache call (checks.KvCall; ``q`` and ``cache``, k_cache,
     its DeviceTensors) runs the forward kernel over the cache rather than kv_decode: long query
-    chunks (KV_PREFILL_ROWS) of a 16-bit cache of q's dtype, no cache_leftpad or cache_batch_idx
-    (the forward kernel finds sequence b's keys at positions 0.. of its page-table row or cache
-    row b), no explicit key split (num_splits > 1 asks for kv_decode's), and a q of 16-byte rows
-    (the forward's cp.async; a rotated q is read from the aligned scratch copy)."""
+    chunks (KV_PREFILL_ROWS) of a 16-bit cache of q's dtype, no cache_leftpad (the forward kernel
+    counts a sequence's keys from position 0), no explicit key split (num_splits > 1 asks for
+    kv_decode's), and a q of 16-byte rows (the forward's cp.async; a rotated q is read from the
+    aligned scratch copy)."""
     if call.max_seqlen_q < KV_PREFILL_ROWS or cache.dtype != q.dtype or call.num_splits > 1:
         return False
-    if "cache_leftpad" in call.tensors or "cache_batch_idx" in call.tensors:
+    if "cache_leftpad" in call.tensors:
         return False
     return bool(call.rotary_dim) or q.aligned_16
 

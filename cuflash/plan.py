@@ -398,10 +398,11 @@ class KvCachePlan:
                 kernels.launch(self.decode, stream, argument)
             if self.forward is not None:
                 cu_ptr = cu.ptr if cu is not None else 0
+                pages = table if table is not None else idx  # cache_batch_idx: one page per sequence
                 kernel, forward_argument = self.forward
                 kernels.launch(kernel, stream, forward_argument.fill(
-                    q_rot or q.ptr, kc.ptr, vc.ptr, out_ptr, lse_ptr, cu_ptr, 0, cu_ptr + 4 if cu else 0, 0,
-                    table.ptr if table is not None else 0, seqlens.ptr if seqlens is not None else 0))
+                    q_rot or q.ptr, kc.ptr, vc.ptr, out_ptr, lse_ptr, cu_ptr, 0, cu_ptr + 4 if cu_ptr else 0, 0,
+                    pages.ptr if pages is not None else 0, seqlens.ptr if seqlens is not None else 0))
             if split and self.decode is not None:
                 kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr))
             del owner
@@ -480,7 +481,7 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
     """(the forward kernel's KernelChoice, its launch and FwdParamsPaged argument) of a call that
     dispatch.kvcache_prefill sends to the forward kernel over the updated cache: q (or its rotated
     copy in the scratch, contiguous) against every cached and appended key of each sequence."""
-    q, kc, vc, k, table = tensors[0], tensors[1], tensors[2], tensors[3], tensors[6]
+    q, kc, vc, k, table, idx = tensors[0], tensors[1], tensors[2], tensors[3], tensors[6], tensors[7]
     mask = dispatch.make_mask(call.causal, call.window, call.softcap, call.max_seqlen_q, call.capacity)
     choice = dispatch.kvcache_prefill_kernel(q.dtype, call.head_dim, mask)
     batch = call.batch
@@ -493,7 +494,10 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
     lse_shape = (call.heads, shape[1]) if call.varlen else (batch, call.heads, call.max_seqlen_q)
     lse = interop.contiguous(lse_shape, q, "float32")
     new_keys = 0 if k is None else -1 if call.varlen else call.seqlen_new
-    cache = (table.strides[0] if table is not None else 0, call.page_size, ints["cache_seqlens_scalar"], new_keys)
+    # A contiguous cache with cache_batch_idx is a paged one of one page of `capacity` rows per
+    # sequence, the indices its page table.
+    pages = (table.strides[0], call.page_size) if table is not None else (1 if idx is not None else 0, call.capacity)
+    cache = (*pages, ints["cache_seqlens_scalar"], new_keys)
     packed = pack_fwd_params_paged(q4, kc, vc, out4, lse, call.scale, mask.window, call.softcap, call.varlen, cache)
     argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_CACHE_POINTERS)
     grid = dispatch.kvcache_prefill_grid(choice, call.heads, batch, call.max_seqlen_q)

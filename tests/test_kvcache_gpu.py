@@ -234,6 +234,14 @@ def test_chunked_prefill_rotary_and_head_dims(head_dim, rotary, dtype):
     check(args)  # a contiguous cache; not causal: q rotated at cache_seqlens
 
 
+@pytest.mark.parametrize("new", [0, CHUNK + 1])
+def test_chunked_prefill_cache_batch_idx(new):
+    r = np.random.default_rng(13 + new)
+    args = case(r, batch=3, seqlen_q=CHUNK + 1, heads=8, heads_kv=2, capacity=400, batch_idx=True, new=new,
+                rotary="half" if new else None)
+    assert checked_plan(args, causal=True).forward is not None
+
+
 def test_chunked_prefill_without_append_and_int_lengths():
     r = np.random.default_rng(12)
     args = case(r, batch=3, seqlen_q=CHUNK + 9, heads=4, heads_kv=4, capacity=333, page_size=16, new=0)

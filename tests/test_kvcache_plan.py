@@ -128,6 +128,7 @@ def test_prefill_of_a_contiguous_cache_reads_q_in_place(recorder):
     p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
     assert p["q"] == 1024 and tuple(p[f"q_{s}_stride"] for s in ("batch", "row", "head")) == (200 * 4 * 64, 256, 64)
     assert p["page_table"] == 0 and p["k_batch_stride"] == 512 * 4 * 64 and p["new_keys"] == 200
+    assert p["page_size"] == 512
     assert p["seqlen_q"] == 200 and p["cu_seqlens_q"] == 0 and p["seq_end_q"] == 0 and p["lse"] == 0
     assert (p["window_left"], p["window_right"]) == (100, 10)
     assert p["lse_batch_stride"] == 4 * 200 and p["lse_head_stride"] == 200
@@ -137,7 +138,7 @@ def test_prefill_of_a_contiguous_cache_reads_q_in_place(recorder):
     ({}, True),
     ({"seqlen_q": dispatch.KV_PREFILL_ROWS - 1}, False),  # short chunks: kv_decode with its splits
     ({"leftpad": True}, False),
-    ({"batch_idx": True, "page_size": None}, False),
+    ({"batch_idx": True, "page_size": None}, True),
     ({"cache_dtype": "float8_e4m3fn"}, False),
 ])
 def test_prefill_route(recorder, change, prefill):
@@ -160,6 +161,17 @@ def test_explicit_splits_keep_the_decode_kernel(recorder, num_splits, prefill):
                      page_size=1, new=0, dtype=np.float16)
     built, _ = planned(args, num_splits=num_splits)
     assert (built.forward is not None) == prefill
+
+
+def test_prefill_takes_cache_batch_idx_as_its_page_table(recorder):
+    args = make_case(np.random.default_rng(7), batch=3, seqlen_q=130, heads=2, heads_kv=1, capacity=200,
+                     batch_idx=True, new=0, dtype=np.float16)
+    built, tensors = planned(args)
+    built.launch("cupy", tensors, (None,), (None,), False)
+    (forward, f_arg), = recorder
+    p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
+    assert p["page_table"] == 1024 * 8 and p["page_table_stride"] == 1 and p["page_size"] == 200
+    assert p["k_batch_stride"] == 200 * 64 and p["new_keys"] == 0
 
 
 def test_prefill_takes_no_unaligned_q(recorder):
