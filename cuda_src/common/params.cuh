@@ -59,9 +59,10 @@ static_assert(sizeof(FwdParamsFp8) == 296, "cuflash/params.py packs 296 bytes");
 // build_kvcache): FwdParams whose k and v are the cache after the append. The keys of sequence b
 // are its cache_seqlens[b] positions, then its new_keys, aligned bottom-right against its queries;
 // position `pos` lives in dimension-0 entry page_table[b][pos / page_size] (k_batch_stride apart),
-// row pos % page_size, or with no page table in entry b, row pos. (A contiguous cache with
-// cache_batch_idx passes the indices as a table of one page per sequence.) Mirrored by FWD_PARAMS_PAGED in
-// cuflash/params.py; a separate struct so that the other kernels' argument keeps its layout.
+// row pos % page_size, or with no page table in entry b, row pos (a contiguous cache with
+// cache_batch_idx passes the indices as a table of one page per sequence). Mirrored by
+// FWD_PARAMS_PAGED in cuflash/params.py; a separate struct so that the other kernels' argument
+// keeps its layout.
 struct FwdParamsPaged : FwdParams {
   const int* page_table;     // (batch, page_table_stride); null: a contiguous cache
   const int* cache_seqlens;  // (batch,) keys cached before the append; null: cache_seqlen for all
