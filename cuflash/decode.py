@@ -30,14 +30,15 @@ _NUMBER_SLOTS = tuple(_POINTERS.index(name) for name in ("cache_seqlens", "desca
 def attention_with_kvcache(arrays: dict, options: checks.KvOptions) -> Any:
     """``arrays``: the array arguments but cache_seqlens by name, None where not given;
     ``options``: the rest, as passed. The caches' pointers must be 16-byte aligned for a cached
-    plan to serve (the checks read that of them)."""
+    plan to serve (the checks read that of them), and q's (the plan may read q with cp.async,
+    dispatch.kvcache_prefill)."""
     keyed = _unchecked_key(arrays, options)
     if keyed is None:
         return _run_checked(checks.check_kvcache(arrays, *options))
     key, framework, operands = keyed
     q, pointers = operands
-    out, lse = plan.run(key, q.device, (pointers[1] | pointers[2]) % 16 == 0, _prepare, (arrays, options), framework,
-                        operands, (None,), (None,), options.return_lse)
+    out, lse = plan.run(key, q.device, (pointers[0] | pointers[1] | pointers[2]) % 16 == 0, _prepare,
+                        (arrays, options), framework, operands, (None,), (None,), options.return_lse)
     return (out, lse) if options.return_lse else out
 
 
@@ -88,7 +89,7 @@ def _launch_tensors(call: checks.KvCall) -> tuple:
 def _prepare(arrays: dict, options: checks.KvOptions):
     call = checks.check_kvcache(arrays, *options)
     tensors = _launch_tensors(call)
-    return plan.build_kvcache(call, tensors), _operands(tensors), True
+    return plan.build_kvcache(call, tensors), _operands(tensors), plan.aligned_pointers(tensors[0])
 
 
 def _run_checked(call: checks.KvCall) -> Any:
@@ -100,8 +101,9 @@ def _run_checked(call: checks.KvCall) -> Any:
            scalar_descales, call.batch, call.max_seqlen_q, call.scale, call.causal, call.window, call.softcap,
            call.rotary_interleaved, call.rotary_per_row, call.num_splits)
     operands = _operands(tensors)
-    out, lse = plan.run(key, tensors[0].device, True, lambda: (plan.build_kvcache(call, tensors), operands, True), (),
-                        call.framework, operands, (None,), (None,), call.return_lse)
+    aligned = plan.aligned_pointers(tensors[0])  # a plan built for an unaligned q serves only that q
+    out, lse = plan.run(key, tensors[0].device, aligned, lambda: (plan.build_kvcache(call, tensors), operands, aligned),
+                        (), call.framework, operands, (None,), (None,), call.return_lse)
     return (out, lse) if call.return_lse else out
 
 

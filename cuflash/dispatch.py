@@ -57,6 +57,9 @@ __all__ = [
     "forward_kernel",
     "forward_launch",
     "helper_grid",
+    "kvcache_prefill",
+    "kvcache_prefill_grid",
+    "kvcache_prefill_kernel",
     "quantize_kernel",
     "head_dim_bucket",
     "make_mask",
@@ -275,14 +278,15 @@ def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int, fp8: bool = Fals
 @functools.lru_cache(maxsize=None)
 def forward_kernel(
     family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None,
-    short: bool = False, out_dtype: str | None = None,
+    short: bool = False, out_dtype: str | None = None, paged: bool = False,
 ) -> KernelChoice:
     """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
     MASKS, ``softcap`` whether scores are capped (``tile`` overrides the tables, for tuning),
     ``short`` whether the sequences have at most SM90_SHORT_ROWS query rows (sm90's tile choice;
     sm90 also takes wider key blocks without a mask or softcap, SM90_WIDE_TILES). ``dtype_name``
     is the inputs' dtype; an FP8_TYPES one takes ``out_dtype``, float16 or bfloat16, for the
-    output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES).
+    output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES). ``paged``: the
+    sm80 kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only.
 
     Which kernel serves a softcap: _mask_flags.
     """
@@ -293,12 +297,16 @@ def forward_kernel(
     bucket = head_dim_bucket(head_dim)
     causal, window = _mask_flags(mask, softcap and family == "sm80")
     fp8 = dtype_name in FP8_TYPES
+    if paged and (family != "sm80" or fp8):
+        raise ValueError(f"paged: the KV-cache forward is sm80's 16-bit kernel, not {family}'s for {dtype_name}")
     if fp8 and out_dtype not in ELEMENT_TYPES:
         raise ValueError(f"out_dtype: expected one of {tuple(ELEMENT_TYPES)} for {dtype_name} inputs, "
                          f"got {out_dtype!r}")
     # The output's element type, then, for FP8, the input's (flash_fwd.cu's Elem and Input).
     types = f"{ELEMENT_TYPES[out_dtype]}, {FP8_TYPES[dtype_name]}" if fp8 else ELEMENT_TYPES[dtype_name]
     flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {types}"
+    if paged:  # Input spelled out before PAGED
+        flags += f", {types}, true"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
         narrow = (softcap and window) or (causal and short)
@@ -716,6 +724,9 @@ def kvcache_all_kernels() -> list[KernelChoice]:
     found = [k for dtype in ELEMENT_TYPES for cache in (dtype, *FP8_TYPES) for bucket in KV_BUCKETS
              for k in kvcache_kernels(dtype, bucket, cache)]
     found += [combine_kernel(out_dtype) for out_dtype in COMBINE_TYPES]
+    # The forward over the cache; sm80's softcap kernels take every mask (_mask_flags).
+    found += [kvcache_prefill_kernel(dtype, bucket, Mask(mask, -1, -1, float(softcap))) for bucket in HEAD_DIM_BUCKETS
+              for dtype in ELEMENT_TYPES for mask in MASKS for softcap in (False, True)]
     return list({k.name_expression: k for k in found}.values())
 
 
@@ -752,3 +763,42 @@ def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, ca
 def kv_combine_grid(rows: int) -> tuple[int, int, int]:
     """kv_combine's grid: one CTA per (batch, row, head)."""
     return (max(1, rows), 1, 1)
+
+
+# Chunked prefill. kv_decode reads a sequence's K and V once per kv head and 16 packed rows, the
+# forward kernel once per query head and SM80_FWD_TILES' 128 rows: from a whole query block per
+# sequence on, the forward reads the cache group x 128 / 16 = 8 x (GQA 4) fewer times and runs
+# its mma.sync on full tiles. Below it, a forward CTA computes mostly padding and the grid has no
+# key splits to fill the GPU with at small batches, where kv_decode's split-KV does.
+KV_PREFILL_ROWS = 128
+
+
+def kvcache_prefill(call, q, cache) -> bool:
+    """Whether a checked attention_with_kvcache call (checks.KvCall; ``q`` and ``cache``, k_cache,
+    its DeviceTensors) runs the forward kernel over the cache rather than kv_decode: long query
+    chunks (KV_PREFILL_ROWS) of a 16-bit cache of q's dtype, no cache_leftpad (the forward kernel
+    counts a sequence's keys from position 0), no explicit key split (num_splits > 1 asks for
+    kv_decode's), and a q of 16-byte rows (the forward's cp.async; a rotated q is read from the
+    aligned scratch copy)."""
+    if call.max_seqlen_q < KV_PREFILL_ROWS or cache.dtype != q.dtype or call.num_splits > 1:
+        return False
+    if "cache_leftpad" in call.tensors:
+        return False
+    return bool(call.rotary_dim) or q.aligned_16
+
+
+def kvcache_prefill_kernel(dtype: str, head_dim: int, mask: Mask) -> KernelChoice:
+    """The sm80 forward that reads K and V from a KV cache (FwdParamsPaged), on every device: the
+    sm90 forward's TMA loads take whole BLOCK_N-row boxes of one sequence, which a page table
+    scatters."""
+    return forward_kernel("sm80", head_dim, mask.kind, dtype, bool(mask.softcap), paged=True)
+
+
+def kvcache_prefill_grid(choice: KernelChoice, heads: int, batch: int, max_seqlen_q: int) -> tuple[int, int, int]:
+    """The forward's grid (forward_launch's sm80 order) over ``batch`` sequences of at most
+    ``max_seqlen_q`` query rows."""
+    m_blocks = -(-max_seqlen_q // choice.tile.block_m)
+    grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
+    if max(grid[1:]) > MAX_GRID_YZ:
+        raise ValueError(f"q: {batch} sequences of {max_seqlen_q} rows and {heads} heads exceed the forward's grid")
+    return grid

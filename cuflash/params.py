@@ -89,6 +89,32 @@ def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[i
     return np.array([(*base.item(), 0, 0, 0, *strides, v_scale)], dtype=FWD_PARAMS_FP8)
 
 
+# FwdParamsPaged: FwdParams' fields, then the KV cache's page table and cached lengths (filled per
+# call after FWD_POINTERS) and its sizes.
+FWD_CACHE_POINTERS = ("page_table", "cache_seqlens")
+FWD_PARAMS_PAGED = np.dtype(
+    _FWD_FIELDS
+    + [(name, np.uint64) for name in FWD_CACHE_POINTERS]
+    + [(name, np.int32) for name in ("page_table_stride", "page_size", "cache_seqlen", "new_keys")],
+    align=True,
+)
+FWD_PARAMS_PAGED_SIZE = 248  # sizeof(FwdParamsPaged) in params.cuh
+
+
+def pack_fwd_params_paged(q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int],
+                          softcap: float, packed: bool, cache: tuple[int, int, int, int]) -> np.ndarray:
+    """One FwdParamsPaged struct with null pointers, for a forward of q against a KV cache: q and
+    out (batch, seqlen_q, heads, head_dim) records, a packed q's as (1, total_q, ...) views with
+    batch stride 0; the caches (entries, rows, heads_kv, head_dim), whose dimension 0 is a page
+    (or a contiguous cache's sequence); lse (batch, heads, seqlen_q), or (heads, total_q) if
+    ``packed``. ``cache``: the page table's row stride, page_size, the scalar cached length and
+    the new keys per sequence (-1: as many as its query rows), params.cuh's order."""
+    base = pack_fwd_params(q, k_cache, v_cache, out, lse, softmax_scale, window, softcap)
+    if packed:
+        base["lse_batch_stride"], base["lse_head_stride"] = 0, lse.strides[0]
+    return np.array([(*base.item(), 0, 0, *cache)], dtype=FWD_PARAMS_PAGED)
+
+
 # cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, FwdParams (FwdParamsFp8 for e4m3
 # inputs), the persistent grid's tiles.
 def _sm90_forward_dtype(base: np.dtype) -> np.dtype:

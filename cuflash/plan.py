@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from cuflash import dispatch, interop, kernels
-from cuflash.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_DESCALES, FWD_POINTERS, KV_POINTERS,
-                            ArgumentBuffer, pack_bwd_params, pack_combine_params, pack_convert_params,
-                            pack_fwd_params, pack_fwd_params_fp8, pack_kv_params, sm90_backward_argument,
+from cuflash.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
+                            FWD_POINTERS, KV_POINTERS, ArgumentBuffer, pack_bwd_params, pack_combine_params,
+                            pack_convert_params, pack_fwd_params, pack_fwd_params_fp8, pack_fwd_params_paged,
+                            pack_kv_params, sm90_backward_argument,
                             sm90_forward_argument)
 
 __all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "PlanCache",
@@ -356,12 +357,15 @@ def _fill(framework: str, native: Any, value: float) -> None:
 @dataclass(frozen=True, eq=False)
 class KvCachePlan:
     """attention_with_kvcache's launches (kv_append when there is something to append or rotate,
-    kv_decode, kv_combine when the keys are split) and their arguments but for pointers; the
-    scratch (rotated q, partial out and lse) is one allocation per call."""
+    then kv_decode and kv_combine when the keys are split, or the forward kernel over the cache:
+    dispatch.kvcache_prefill) and their arguments but for pointers; the scratch (rotated q,
+    partial out and lse) is one allocation per call."""
 
     target: tuple[str, tuple[int, int]]
+    attention: str  # the name expression of the kernel that attends, kv_decode or the forward
     append: kernels.Launch | None
-    decode: kernels.Launch | None  # None: no query rows
+    decode: kernels.Launch | None  # None: no query rows, or the forward attends
+    forward: tuple[kernels.Launch, ArgumentBuffer] | None  # FwdParamsPaged, FWD_POINTERS + FWD_CACHE_POINTERS
     combine: kernels.Launch | None
     argument: ArgumentBuffer  # KvParams, pointers in KV_POINTERS order
     combine_argument: ArgumentBuffer | None  # CombineParams, pointers in COMBINE_POINTERS order
@@ -391,6 +395,11 @@ class KvCachePlan:
                 kernels.launch(self.append, stream, argument)
             if self.decode is not None:
                 kernels.launch(self.decode, stream, argument)
+            if self.forward is not None:
+                kernel, forward_argument = self.forward
+                kernels.launch(kernel, stream, forward_argument.fill(
+                    q_rot or q_ptr, kc, vc, out_ptr, lse_ptr, cu, 0, cu + 4 if cu else 0, 0,
+                    table or idx, seqlens))  # cache_batch_idx: one page per sequence
             if split and self.decode is not None:
                 kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr))
             del owner
@@ -407,9 +416,10 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     group = call.heads // call.heads_kv
     rows = q.shape[0] if call.varlen else call.batch * call.max_seqlen_q
     row_tiles = max(1, -(-(group * call.max_seqlen_q) // dispatch.KV_ROWS))
-    splits = dispatch.kvcache_splits(call.num_splits, call.batch, call.heads_kv, row_tiles, call.capacity,
-                                     dispatch.sm_count(q.device),
-                                     dispatch.kv_ctas_per_sm(dispatch.kv_bucket(call.head_dim)))
+    prefill = dispatch.kvcache_prefill(call, q, kc)
+    splits = 1 if prefill else dispatch.kvcache_splits(call.num_splits, call.batch, call.heads_kv, row_tiles,
+                                                       call.capacity, dispatch.sm_count(q.device),
+                                                       dispatch.kv_ctas_per_sm(dispatch.kv_bucket(call.head_dim)))
 
     def bsh(t, packed: bool) -> tuple[int, int, int]:
         if t is None:
@@ -443,7 +453,8 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     append = (kernels.prepare(append_choice, arch, q.device, (append_rows, call.batch, 1))
               if append_rows and (k is not None or call.rotary_dim) else None)
     decode = (kernels.prepare(decode_choice, arch, q.device, (splits * row_tiles, call.heads_kv, call.batch))
-              if rows else None)
+              if rows and not prefill else None)
+    forward_choice, forward = _kvcache_forward(call, tensors, ints, arch) if prefill else (decode_choice, None)
     combine = combine_argument = None
     lse_shape = (call.heads, rows) if call.varlen else (call.batch, call.heads, call.max_seqlen_q)
     if splits > 1:
@@ -460,8 +471,35 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
                                   dispatch.kv_combine_grid(batch * seqlen * h))
         combine_argument = ArgumentBuffer(pack_combine_params(op, lp, o_strides, l_strides, splits, batch, seqlen, h,
                                                               d), COMBINE_POINTERS)
-    return KvCachePlan(target, append, decode, combine, argument, combine_argument, out_shape, lse_shape,
-                       tuple(offsets), end)
+    return KvCachePlan(target, forward_choice.name_expression, append, decode, forward if rows else None, combine,
+                       argument, combine_argument, out_shape, lse_shape, tuple(offsets), end)
+
+
+def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
+    """(the forward kernel's KernelChoice, its launch and FwdParamsPaged argument) of a call that
+    dispatch.kvcache_prefill sends to the forward kernel over the updated cache: q (or its rotated
+    copy in the scratch, contiguous) against every cached and appended key of each sequence."""
+    q, kc, vc, k, table, idx = tensors[0], tensors[1], tensors[2], tensors[3], tensors[6], tensors[7]
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, call.max_seqlen_q, call.capacity)
+    choice = dispatch.kvcache_prefill_kernel(q.dtype, call.head_dim, mask)
+    batch = call.batch
+    # A packed q is one sequence of all rows (batch stride 0), each found by cu_seqlens_q.
+    shape = (1, *q.shape) if call.varlen else tuple(q.shape)
+    dense = tuple(math.prod(shape[i + 1:]) if i or not call.varlen else 0 for i in range(4))
+    own = (0, *q.strides) if call.varlen else tuple(q.strides)
+    q4 = q._replace(shape=shape, strides=dense if call.rotary_dim else own)
+    out4 = q4._replace(strides=dense)
+    lse_shape = (call.heads, shape[1]) if call.varlen else (batch, call.heads, call.max_seqlen_q)
+    lse = interop.contiguous(lse_shape, q, "float32")
+    new_keys = 0 if k is None else -1 if call.varlen else call.seqlen_new
+    # A contiguous cache with cache_batch_idx is a paged one of one page of `capacity` rows per
+    # sequence, the indices its page table.
+    pages = (table.strides[0], call.page_size) if table is not None else (1 if idx is not None else 0, call.capacity)
+    cache = (*pages, ints["cache_seqlens_scalar"], new_keys)
+    packed = pack_fwd_params_paged(q4, kc, vc, out4, lse, call.scale, mask.window, call.softcap, call.varlen, cache)
+    argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_CACHE_POINTERS)
+    grid = dispatch.kvcache_prefill_grid(choice, call.heads, batch, call.max_seqlen_q)
+    return choice, (kernels.prepare(choice, arch, q.device, grid), argument)
 
 
 @dataclass(frozen=True, eq=False)

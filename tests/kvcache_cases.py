@@ -11,16 +11,18 @@ def make_case(r: np.random.Generator, *, batch: int = 3, seqlen_q: int = 1, head
               head_dim: int = 64, capacity: int = 40, page_size: int | None = None, new: int = 1,
               lens: list[int] | None = None, leftpad: bool = False, batch_idx: bool = False,
               rotary: str | None = None, rotary_dim: int | None = None, varlen: bool = False,
-              dtype=np.float64, cache_dtype=None) -> dict:
+              counts: list[int] | None = None, dtype=np.float64, cache_dtype=None) -> dict:
     """Keyword arguments of attention_with_kvcache (NumPy, ``dtype``). ``new``: tokens appended
     per sequence (0: no k, v); with ``varlen`` q is packed and each sequence's query count (random,
-    0 included, at most ``seqlen_q``) is also its append count. ``lens``: cache_seqlens per
+    0 included, at most ``seqlen_q``; or ``counts``) is also its append count. ``lens``: cache_seqlens per
     sequence, random (0 and the largest that leaves room included) when None. ``rotary``:
     "interleaved" or "half"."""
     cache_dtype = np.dtype(dtype if cache_dtype is None else cache_dtype)
     if varlen:
-        counts = r.integers(0, seqlen_q + 1, batch)
-        counts[r.integers(batch)] = seqlen_q
+        if counts is None:
+            counts = r.integers(0, seqlen_q + 1, batch)
+            counts[r.integers(batch)] = seqlen_q
+        counts = np.asarray(counts)
         cu = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         q = r.standard_normal((int(cu[-1]), heads, head_dim))
         appended = counts if new else np.zeros(batch, np.int64)

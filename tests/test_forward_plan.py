@@ -57,8 +57,9 @@ def test_forward_kernel_flags():
     with pytest.raises(ValueError, match="mask"):
         dispatch.forward_kernel("sm80", 128, "local", "bfloat16")
     forward = [c for c in dispatch.all_kernels("sm80") if c.source == "sm80/flash_fwd.cu"]
-    # Four mask kernels per bucket and 16-bit dtype, and as many per bucket and output dtype of FP8 inputs.
-    assert len(forward) == len(dispatch.HEAD_DIM_BUCKETS) * len(dispatch.ELEMENT_TYPES) * 4 * 2
+    # Four mask kernels per bucket and 16-bit dtype, as many per bucket and output dtype of FP8 inputs, and
+    # of the 16-bit kernels that read a KV cache.
+    assert len(forward) == len(dispatch.HEAD_DIM_BUCKETS) * len(dispatch.ELEMENT_TYPES) * 4 * 3
 
 
 def _tensor(shape, dtype="bfloat16", ptr=1 << 20, strides=None):

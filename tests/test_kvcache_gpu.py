@@ -3,7 +3,9 @@ correctness rule (docs/measuring.md): out and lse, and the caches after the call
 but the appended rows must be unchanged (the rest is NaN-poisoned, so a stray read shows in out
 and a stray write in the bytes). Sweeps: page sizes, GQA ratios, cache lengths 0 / 1 / page
 boundary / full, leftpad, batch index, new-token counts, rotary styles, windows, softcap, splits,
-packed q, empty sequences, FP8 (e4m3) caches with scalar and per-(batch, kv head) descales."""
+packed q, empty sequences, FP8 (e4m3) caches with scalar and per-(batch, kv head) descales; and
+chunked prefill, the query chunks that run the forward kernel over the cache (both families'
+devices run sm80's, dispatch.kvcache_prefill_kernel)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import dispatch, plan
 from cuflash.reference import max_error_bound
 from cuflash.reference_kvcache import combine_reference, kvcache_reference
 from kvcache_cases import make_case, reference_args, same_bytes
@@ -172,6 +175,80 @@ def test_int_cache_seqlens_and_validate():
     r = np.random.default_rng(6)
     args = case(r, batch=2, seqlen_q=2, new=2, lens=[9, 9], capacity=20)
     args["cache_seqlens"] = 9
+    check(args, causal=True, validate=True)
+
+
+# Chunked prefill: sequences of at least this many query rows run the forward over the cache.
+CHUNK = dispatch.KV_PREFILL_ROWS
+
+
+def checked_plan(args: dict, **options):
+    """check(args, **options), and the plan that ran it."""
+    plan.PLANS.clear()
+    check(args, **options)
+    (_, ran), = plan.PLANS.items()
+    return ran
+
+
+@pytest.mark.parametrize("page_size", [None, 1, 16, 64, 128, 256])
+@pytest.mark.parametrize("group", [1, 4])
+def test_chunked_prefill_page_sizes_and_gqa(page_size, group):
+    r = np.random.default_rng(page_size or 0)
+    # Odd chunks, one of 0 rows, each appended after a random cached prefix (0 and full included).
+    args = case(r, batch=4, varlen=True, counts=[CHUNK + 45, 0, 1, 2 * CHUNK + 3], heads=2 * group, heads_kv=2,
+                head_dim=128, capacity=600, page_size=page_size, new=1)
+    ran = checked_plan(args, causal=True)
+    assert "flash_fwd_sm80" in ran.attention and ran.forward is not None and ran.decode is None
+
+
+@pytest.mark.usefixtures("family")  # sm80's forward on either family's device
+def test_chunked_prefill_is_what_runs():
+    r = np.random.default_rng(11)
+    args = case(r, batch=2, seqlen_q=CHUNK, heads=4, heads_kv=1, capacity=400, page_size=16, new=CHUNK)
+    forward = dispatch.kvcache_prefill_kernel("bfloat16", 64, dispatch.Mask("causal", -1, 0, 0.0))
+    assert checked_plan(args, causal=True).attention == forward.name_expression
+    shorter = {name: args[name][:, :CHUNK - 1] for name in ("q", "k", "v")}
+    assert "kv_decode" in checked_plan(args | shorter, causal=True).attention
+
+
+@pytest.mark.parametrize("window, softcap", [((-1, -1), 30.0), ((100, 0), 0.0), ((5, 2), 0.0), ((0, -1), 5.0),
+                                             ((300, 40), 0.0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_chunked_prefill_windows_and_softcap(window, softcap, causal):
+    r = np.random.default_rng(sum(window) + 3)
+    args = case(r, batch=3, seqlen_q=CHUNK + 7, heads=8, heads_kv=2, capacity=450, page_size=64, new=CHUNK + 7)
+    check(args, causal=causal, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(64, BF16), (80, np.dtype(np.float16)), (128, np.dtype(np.float16)),
+                                             (256, BF16)])
+@pytest.mark.parametrize("rotary", [None, "interleaved", "half"])
+def test_chunked_prefill_rotary_and_head_dims(head_dim, dtype, rotary):
+    r = np.random.default_rng(head_dim + 1)
+    args = make_case(r, batch=2, varlen=True, counts=[CHUNK + 1, CHUNK + 60], heads=6, heads_kv=2,
+                     head_dim=head_dim, capacity=400, page_size=16, new=1, rotary=rotary,
+                     rotary_dim=head_dim // 2 if rotary == "half" else None, dtype=dtype)
+    check(args, causal=True)
+    args = make_case(r, batch=2, seqlen_q=CHUNK + 2, heads=6, heads_kv=2, head_dim=head_dim, capacity=300,
+                     new=CHUNK + 2, rotary=rotary, dtype=dtype)
+    check(args)  # a contiguous cache; not causal: q rotated at cache_seqlens
+
+
+@pytest.mark.parametrize("new", [0, CHUNK + 1])
+def test_chunked_prefill_cache_batch_idx(new):
+    r = np.random.default_rng(13 + new)
+    args = case(r, batch=3, seqlen_q=CHUNK + 1, heads=8, heads_kv=2, capacity=400, batch_idx=True, new=new,
+                rotary="half" if new else None)
+    assert checked_plan(args, causal=True).forward is not None
+
+
+def test_chunked_prefill_without_append_and_int_lengths():
+    r = np.random.default_rng(12)
+    args = case(r, batch=3, seqlen_q=CHUNK + 9, heads=4, heads_kv=4, capacity=333, page_size=16, new=0)
+    check(args, causal=True)  # the first rows of a sequence with fewer keys than queries see none: 0
+    args = case(r, batch=2, seqlen_q=CHUNK + 9, heads=4, heads_kv=4, capacity=333, page_size=16, new=0,
+                lens=[300, 300])
+    args["cache_seqlens"] = 300
     check(args, causal=True, validate=True)
 
 

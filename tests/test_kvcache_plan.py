@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cuflash import checks, dispatch, interop, kernels, plan
-from cuflash.params import COMBINE_PARAMS, KV_PARAMS
+from cuflash.params import COMBINE_PARAMS, FWD_PARAMS_PAGED, FWD_PARAMS_PAGED_SIZE, KV_PARAMS
 from kvcache_cases import make_case
 
 
@@ -91,6 +91,110 @@ def test_filled_gpu_decode_runs_unsplit(recorder):
     assert p["num_splits"] == 1 and p["lse"] == 0 and p["out_partial"] == 0
 
 
+def test_chunked_prefill_runs_the_forward_over_the_paged_cache(recorder):
+    r = np.random.default_rng(2)
+    args = make_case(r, batch=3, seqlen_q=300, heads=8, heads_kv=2, head_dim=128, capacity=1024, page_size=16, new=1,
+                     varlen=True, dtype=np.float16, rotary="interleaved")
+    built, tensors = planned(args, causal=True)
+    out, lse = built.launch("cupy", tensors, (None,), (None,), True)
+    (append, _), (forward, f_arg) = recorder  # no decode, no combine
+    assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>"
+    expected = dispatch.kvcache_prefill_kernel("float16", 128, dispatch.Mask("causal", -1, 0, 0.0))
+    assert forward == (expected.name_expression, (8, 3, 3), expected.smem_bytes)  # causal: (heads, batch, blocks)
+    assert built.attention == expected.name_expression and forward[0].endswith("cuflash::f16, true>")
+    p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
+    total = args["q"].shape[0]
+    assert len(f_arg) == FWD_PARAMS_PAGED_SIZE
+    assert p["q"] == 1 << 20 and p["q_batch_stride"] == 0 and p["q_row_stride"] == 8 * 128  # the rotated copy
+    assert p["k"] == 2048 and p["v"] == 3072 and p["o"] == 4096 and p["lse"] == 4096
+    assert p["cu_seqlens_q"] == 1024 * 10 and p["seq_end_q"] == 1024 * 10 + 4 and p["cu_seqlens_k"] == 0
+    assert p["page_table"] == 1024 * 7 and p["cache_seqlens"] == 1024 * 6
+    assert p["page_table_stride"] == 64 and p["page_size"] == 16 and p["new_keys"] == -1
+    assert p["k_batch_stride"] == 16 * 2 * 128 and p["k_row_stride"] == 2 * 128 and p["kv_group"] == 4
+    assert p["window_left"] == -1 and p["window_right"] == 0
+    assert p["lse_batch_stride"] == 0 and p["lse_head_stride"] == total
+    assert out.shape == args["q"].shape and lse.shape == (8, total)
+
+
+def test_prefill_of_a_contiguous_cache_reads_q_in_place(recorder):
+    r = np.random.default_rng(3)
+    args = make_case(r, batch=2, seqlen_q=200, heads=4, heads_kv=4, head_dim=64, capacity=512, new=200,
+                     dtype=np.float16)
+    built, tensors = planned(args, window=(100, 10))
+    built.launch("cupy", tensors, (None,), (None,), False)
+    (append, _), (forward, f_arg) = recorder
+    assert "true, false, cuflash::f16, cuflash::f16, true>" in forward[0]  # the window kernel
+    assert forward[1] == (2, 4, 2)  # (blocks, heads, batch)
+    p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
+    assert p["q"] == 1024 and tuple(p[f"q_{s}_stride"] for s in ("batch", "row", "head")) == (200 * 4 * 64, 256, 64)
+    assert p["page_table"] == 0 and p["k_batch_stride"] == 512 * 4 * 64 and p["new_keys"] == 200
+    assert p["page_size"] == 512
+    assert p["seqlen_q"] == 200 and p["cu_seqlens_q"] == 0 and p["seq_end_q"] == 0 and p["lse"] == 0
+    assert (p["window_left"], p["window_right"]) == (100, 10)
+    assert p["lse_batch_stride"] == 4 * 200 and p["lse_head_stride"] == 200
+
+
+@pytest.mark.parametrize("change, prefill", [
+    ({}, True),
+    ({"seqlen_q": dispatch.KV_PREFILL_ROWS - 1}, False),  # short chunks: kv_decode with its splits
+    ({"leftpad": True}, False),
+    ({"batch_idx": True, "page_size": None}, True),
+    ({"cache_dtype": "float8_e4m3fn"}, False),
+])
+def test_prefill_route(recorder, change, prefill):
+    import ml_dtypes
+
+    case = dict(batch=2, seqlen_q=dispatch.KV_PREFILL_ROWS, heads=4, heads_kv=2, head_dim=64, capacity=512,
+                page_size=64, new=0, dtype=np.float16) | change
+    if case.get("cache_dtype") == "float8_e4m3fn":
+        case["cache_dtype"] = ml_dtypes.float8_e4m3fn
+    args = make_case(np.random.default_rng(4), **case)
+    options = {"descale_k": 1.0, "descale_v": 1.0} if "cache_dtype" in change else {}
+    built, _ = planned(args, **options)
+    assert (built.forward is not None) == prefill and (built.decode is None) == prefill
+    assert ("flash_fwd_sm80" in built.attention) == prefill
+
+
+@pytest.mark.parametrize("num_splits, prefill", [(0, True), (1, True), (2, False)])
+def test_explicit_splits_keep_the_decode_kernel(recorder, num_splits, prefill):
+    args = make_case(np.random.default_rng(5), batch=1, seqlen_q=256, heads=2, heads_kv=1, capacity=512,
+                     page_size=1, new=0, dtype=np.float16)
+    built, _ = planned(args, num_splits=num_splits)
+    assert (built.forward is not None) == prefill
+
+
+def test_prefill_takes_cache_batch_idx_as_its_page_table(recorder):
+    args = make_case(np.random.default_rng(7), batch=3, seqlen_q=130, heads=2, heads_kv=1, capacity=200,
+                     batch_idx=True, new=0, dtype=np.float16)
+    built, tensors = planned(args)
+    built.launch("cupy", tensors, (None,), (None,), False)
+    (forward, f_arg), = recorder
+    p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
+    assert p["page_table"] == 1024 * 8 and p["page_table_stride"] == 1 and p["page_size"] == 200
+    assert p["k_batch_stride"] == 200 * 64 and p["new_keys"] == 0
+
+
+def test_prefill_takes_no_unaligned_q(recorder):
+    args = make_case(np.random.default_rng(6), batch=1, seqlen_q=256, heads=2, heads_kv=1, capacity=512,
+                     page_size=16, new=0, dtype=np.float16)
+    call = checks.check_kvcache({name: args.get(name) for name in ("q", "k_cache", "v_cache", "k", "v", "page_table",
+                                                                  "cache_batch_idx", "cache_leftpad", "cu_seqlens_q",
+                                                                  "rotary_cos", "rotary_sin")},
+                                args["cache_seqlens"], None, True, False, None, (-1, -1), 0.0, 0, None, None, False,
+                                False)
+    q, kc = device_tensor(args["q"], 1024 + 2), device_tensor(args["k_cache"], 2048)
+    assert not dispatch.kvcache_prefill(call, q, kc)
+    assert dispatch.kvcache_prefill(call, q._replace(ptr=1024), kc)
+
+
+def test_paged_forward_is_sm80_and_16bit_only():
+    with pytest.raises(ValueError, match="paged"):
+        dispatch.forward_kernel("sm90", 128, "none", "bfloat16", paged=True)
+    with pytest.raises(ValueError, match="paged"):
+        dispatch.forward_kernel("sm80", 128, "none", "float8_e4m3fn", out_dtype="bfloat16", paged=True)
+    assert FWD_PARAMS_PAGED.itemsize == FWD_PARAMS_PAGED_SIZE
+
+
 def test_explicit_splits_honoured():
     assert dispatch.kvcache_splits(7, 64, 8, 1, 100, 132, 3) == 7
     assert dispatch.kvcache_splits(0, 1, 1, 1, 100, 132, 3) == 1  # too few keys to split
@@ -111,7 +215,8 @@ def test_auto_splits_fill_the_waves(batch, capacity, splits):
 def test_kv_kernels_listed_last_for_the_compile_check():
     names = [c.name_expression for c in dispatch.all_kernels("sm80")]
     kv = [c.name_expression for c in dispatch.kvcache_all_kernels()]
-    assert names[-len(kv):] == kv and len(kv) == 4 + 4 * 3 + 3  # appends, decodes (16-bit and e4m3 caches), combines
+    # appends, decodes (16-bit and e4m3 caches), combines, forwards over the cache (three masks and softcap's)
+    assert names[-len(kv):] == kv and len(kv) == 4 + 4 * 3 + 3 + 5 * 2 * 4
 
 
 def test_fp8_cache_plan_takes_the_descales(recorder):

@@ -55,14 +55,36 @@ struct FwdParamsFp8 : FwdParams {
 };
 static_assert(sizeof(FwdParamsFp8) == 296, "cuflash/params.py packs 296 bytes");
 
-// The kernel argument of a forward whose inputs are Input.
-template <class Input>
+// The forward of 16-bit queries against a KV cache (chunked prefill, cuflash/plan.py
+// build_kvcache): FwdParams whose k and v are the cache after the append. The keys of sequence b
+// are its cache_seqlens[b] positions, then its new_keys, aligned bottom-right against its queries;
+// position `pos` lives in dimension-0 entry page_table[b][pos / page_size] (k_batch_stride apart),
+// row pos % page_size, or with no page table in entry b, row pos (a contiguous cache with
+// cache_batch_idx passes the indices as a table of one page per sequence). Mirrored by
+// FWD_PARAMS_PAGED in cuflash/params.py; a separate struct so that the other kernels' argument
+// keeps its layout.
+struct FwdParamsPaged : FwdParams {
+  const int* page_table;     // (batch, page_table_stride); null: a contiguous cache
+  const int* cache_seqlens;  // (batch,) keys cached before the append; null: cache_seqlen for all
+  int page_table_stride;
+  int page_size;
+  int cache_seqlen;
+  int new_keys;  // keys appended per sequence; -1: as many as its query rows (a packed q)
+};
+static_assert(sizeof(FwdParamsPaged) == 248, "cuflash/params.py packs 248 bytes");
+
+// The kernel argument of a forward whose inputs are Input, reading K and V from a KV cache if PAGED.
+template <class Input, bool PAGED = false>
 struct FwdArgs {
   typedef FwdParams type;
 };
 template <>
-struct FwdArgs<e4m3> {
+struct FwdArgs<e4m3, false> {
   typedef FwdParamsFp8 type;
+};
+template <class Input>
+struct FwdArgs<Input, true> {
+  typedef FwdParamsPaged type;
 };
 
 // Backward pass: inputs of the forward, its output and LSE, the upstream gradient, fp32

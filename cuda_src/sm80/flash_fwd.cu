@@ -3,8 +3,10 @@
 // mma.sync m16n8k16 with fp32 accumulators; softmax stays in registers. Only O and the LSE reach
 // global memory. e4m3 inputs (Input = e4m3) are staged as bytes and widened to Elem in shared
 // memory (common/fp8.cuh), with their descales folded into the softmax scale and the final
-// normalisation.
+// normalisation. PAGED kernels read K and V from a KV cache, through its page table
+// (common/kv_pages.cuh).
 #include "common/fp8.cuh"
+#include "common/kv_pages.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
 #include "common/seqlen.cuh"
@@ -21,13 +23,15 @@ namespace cuflash {
 // query rows. SMEM_BYTES: the dynamic shared memory the host launches with
 // (dispatch.forward_kernel), checked against the tiles below. CAUSAL, WINDOW: the mask
 // (common/mask.cuh). SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16, the
-// type of the products and of O. Input: the type of q, k and v, Elem or e4m3.
+// type of the products and of O. Input: the type of q, k and v, Elem or e4m3. PAGED: k and v are
+// a KV cache (FwdParamsPaged), 16-bit only.
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP,
-          class Elem, class Input = Elem>
+          class Elem, class Input = Elem, bool PAGED = false>
 __global__ void __launch_bounds__(WARPS * 32)
-    flash_fwd_sm80(const __grid_constant__ typename FwdArgs<Input>::type p) {
+    flash_fwd_sm80(const __grid_constant__ typename FwdArgs<Input, PAGED>::type p) {
   typedef typename InputStorage<Input>::type Stored;
   constexpr bool FP8 = InputStorage<Input>::fp8;
+  static_assert(!(FP8 && PAGED), "a KV cache is read by the 16-bit kernels only");
   constexpr int THREADS = WARPS * 32;
   constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;  // shared row pitch, see swizzle()
   constexpr int MT = BLOCK_M / (16 * WARPS);            // 16-row tiles per warp
@@ -58,7 +62,13 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int m_block = CAUSAL ? gridDim.z - 1 - blockIdx.z : blockIdx.x;
   const int head = CAUSAL ? blockIdx.x : blockIdx.y;
   const int batch = CAUSAL ? blockIdx.y : blockIdx.z;
-  const Sequence seq = sequence_of(p, batch);
+  const Sequence seq = [&] {
+    if constexpr (PAGED) {
+      return cached_sequence_of(p, batch);
+    } else {
+      return sequence_of(p, batch);
+    }
+  }();
   const int first_row = m_block * BLOCK_M;
   if (first_row >= seq.seqlen_q) return;
   const int kv_head = head / p.kv_group;
@@ -71,10 +81,22 @@ __global__ void __launch_bounds__(WARPS * 32)
 
   const Stored* q = static_cast<const Stored*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
                  (seq.q_begin + first_row) * p.q_row_stride;
-  const Stored* k = static_cast<const Stored*>(p.k) + batch * p.k_batch_stride + kv_head * p.k_head_stride +
-                 seq.k_begin * p.k_row_stride;
-  const Stored* v = static_cast<const Stored*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
-                 seq.k_begin * p.v_row_stride;
+  // A KV cache's rows are found per position (fetch_keys), from its kv head's column.
+  const Stored* k = static_cast<const Stored*>(p.k) + (PAGED ? 0 : batch * p.k_batch_stride) +
+                 kv_head * p.k_head_stride + seq.k_begin * p.k_row_stride;
+  const Stored* v = static_cast<const Stored*>(p.v) + (PAGED ? 0 : batch * p.v_batch_stride) +
+                 kv_head * p.v_head_stride + seq.k_begin * p.v_row_stride;
+  // Key rows [first, first + BLOCK_N) of K or V (src, with its strides) into `tile`.
+  const auto fetch_keys = [&](u16* tile, u8* staging, const Stored* src, i64 batch_stride, i64 row_stride,
+                              int first) {
+    if constexpr (PAGED) {
+      load_cached_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
+          tile, src, CachedRows(p, batch), first, batch_stride, row_stride, seq.seqlen_k - first, p.head_dim);
+    } else {
+      fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(tile, staging, src + first * row_stride,
+                                                                     row_stride, seq.seqlen_k - first, p.head_dim);
+    }
+  };
 
   // Fragment rows of this thread: Q and V use ldmatrix matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
   // in that order; K's B fragments pair (keys 0-7 | 8-15) with (k 0-7 | 8-15) the other way round.
@@ -82,7 +104,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const FragmentAddress<ROW_ELEMS> k_frag(sK, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const FragmentAddress<ROW_ELEMS> v_frag(sV, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
 
-  const ScoreScales<typename FwdArgs<Input>::type, SOFTCAP> scales(p, batch, kv_head);
+  const ScoreScales<typename FwdArgs<Input, PAGED>::type, SOFTCAP> scales(p, batch, kv_head);
 
   float o[MT][DT][4];
   clear(o);
@@ -93,9 +115,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     fetch_tile_async<Input, BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ, q_staging, q, p.q_row_stride,
                                                                    seq.seqlen_q - first_row, p.head_dim);
     const int last = n_range.end - 1;
-    fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-        sK, k_staging, k + last * BLOCK_N * p.k_row_stride, p.k_row_stride, seq.seqlen_k - last * BLOCK_N,
-        p.head_dim);
+    fetch_keys(sK, k_staging, k, p.k_batch_stride, p.k_row_stride, last * BLOCK_N);
     cp_async_commit();
     if constexpr (FP8) {
       // Widened now, by the thread that staged each chunk; the loop's first barrier publishes sQ
@@ -113,8 +133,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       cp_async_wait<0>();
       land_tile<Input, BLOCK_N, ROW_ELEMS, THREADS, Elem>(sK, k_staging);
       __syncthreads();
-      fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-          sV, v_staging, v + n * BLOCK_N * p.v_row_stride, p.v_row_stride, seq.seqlen_k - n * BLOCK_N, p.head_dim);
+      fetch_keys(sV, v_staging, v, p.v_batch_stride, p.v_row_stride, n * BLOCK_N);
       cp_async_commit();
 
       // S = Q K^T. A fragments of Q (rows x k) and B fragments of K (keys x k, i.e. K^T
@@ -133,9 +152,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       land_tile<Input, BLOCK_N, ROW_ELEMS, THREADS, Elem>(sV, v_staging);
       __syncthreads();
       if (n > n_range.begin) {
-        fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-            sK, k_staging, k + (n - 1) * BLOCK_N * p.k_row_stride, p.k_row_stride,
-            seq.seqlen_k - (n - 1) * BLOCK_N, p.head_dim);
+        fetch_keys(sK, k_staging, k, p.k_batch_stride, p.k_row_stride, (n - 1) * BLOCK_N);
         cp_async_commit();
       }
 
