@@ -8,8 +8,8 @@
 // kv_decode: attention of the packed rows of one kv head (its group of query heads times the
 //   query tokens, GQA packing) over one split of the key range, reading K and V once per kv head
 //   and split through the page table: mma.sync m16n8k16 on the 16 packed rows, K/V tiles by
-//   cp.async in two stages. With one split it writes out (and lse); with several, fp32 partial out
-//   and lse for kv_combine.
+//   cp.async in two stages (four of an e4m3 cache's bytes). With one split it writes out (and
+//   lse); with several, fp32 partial out and lse for kv_combine.
 // kv_combine: the splits merged through their lse; also cuflash.combine's kernel.
 //
 // The cache's element type C is q's 16-bit T, or e4m3 (an FP8 cache, values stored / descale):
@@ -456,9 +456,10 @@ __device__ __forceinline__ void kv_values_e4m3(float (&o)[1][D / 8][4], const fl
 
 // grid (num_splits * row_tiles, heads_kv, batch), KV_THREADS threads. Packed row m of a kv head is
 // query token m / group of query head kv_head * group + m % group; the CTA's 16 rows are one m16
-// tile of mma.sync m16n8k16. Each step's 64 keys arrive by cp.async, the next step's copies in
-// flight under this step's products (two stages). Warp w takes keys 16w .. 16w + 15 of every step
-// with its own online softmax and O; the four warps' (max, sum, O) merge once at the end.
+// tile of mma.sync m16n8k16. Each step's 64 keys arrive by cp.async, the next steps' copies in
+// flight under this step's products (STAGES - 1 of them). Warp w takes keys 16w .. 16w + 15 of
+// every step with its own online softmax and O; the four warps' (max, sum, O) merge once at the
+// end.
 template <class T, class C, int D>
 __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const __grid_constant__ KvParams p) {
   constexpr bool FP8 = InputStorage<C>::fp8;
