@@ -564,7 +564,7 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   // e4m3 caches: Q's fragments held through the loop (the Q tile written above).
   u32 q_e4m3[KV_HELD_Q_GROUPS<D>][4][4];
   if constexpr (FP8 && KV_HELD_Q_GROUPS<D> == D / 64) {
-    __syncthreads();
+    __syncthreads();  // the Q tile, written by every thread, is in place
 #pragma unroll
     for (int kq = 0; kq < D / 64; ++kq) kv_query_e4m3<D>(q_e4m3[kq], s.q, lane, kq);
   }
@@ -602,6 +602,7 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
+          // e4m3 caches: kv_scores_e4m3's key order.
           const int key = n0 + 16 * warp + (FP8 ? 4 * tig + 2 * nt : 8 * nt + 2 * tig) + (e & 1), h = e / 2;
           if (key < lo[h] || key >= hi[h]) sc[0][nt][e] = kNegInf;
         }
