@@ -693,8 +693,8 @@ def kv_bucket(head_dim: int) -> int:
 
 def kv_smem_bytes(bucket: int) -> int:
     """sizeof(KvTiles<C, bucket>), for a 16-bit or an e4m3 cache alike: the 16-bit Q tile, two
-    stages of 16-bit K and V tiles (or two stages of e4m3 bytes and one widened K and V tile: as
-    many bytes), and the four warps' row maxima and sums (kvcache.cu static_asserts it)."""
+    stages of 16-bit K and V tiles (or four stages of e4m3 bytes: as many bytes), and the four
+    warps' row maxima and sums (kvcache.cu static_asserts it)."""
     return KV_ROWS * bucket * 2 + 2 * 2 * KV_KEYS * bucket * 2 + 2 * (KV_THREADS // 32) * KV_ROWS * 4
 
 

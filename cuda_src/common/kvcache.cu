@@ -8,13 +8,13 @@
 // kv_decode: attention of the packed rows of one kv head (its group of query heads times the
 //   query tokens, GQA packing) over one split of the key range, reading K and V once per kv head
 //   and split through the page table: mma.sync m16n8k16 on the 16 packed rows, K/V tiles by
-//   cp.async in two stages. With one split it writes out (and lse); with several, fp32 partial out
-//   and lse for kv_combine.
+//   cp.async in two stages (four of an e4m3 cache's bytes). With one split it writes out (and
+//   lse); with several, fp32 partial out and lse for kv_combine.
 // kv_combine: the splits merged through their lse; also cuflash.combine's kernel.
 //
 // The cache's element type C is q's 16-bit T, or e4m3 (an FP8 cache, values stored / descale):
-// kv_decode widens its e4m3 tiles exactly to T and scales the scores by descale_k and the output
-// by descale_v.
+// kv_decode widens its e4m3 bytes exactly to T in registers right before each mma.sync, and
+// scales the scores by descale_k and the output by descale_v.
 #include "common/e4m3.cuh"
 #include "common/smem.cuh"
 #include "common/softcap.cuh"
@@ -213,10 +213,17 @@ constexpr int KV_KEYS = 64;      // keys per main-loop step, 16 per warp
 constexpr int KV_THREADS = 128;  // 4 warps
 constexpr int KV_WARPS = KV_THREADS / 32;
 
+// e4m3 caches keep KV_FP8_STAGES steps of bytes in shared memory: a step of e4m3 holds half the
+// bytes of a 16-bit one, and decoding is bound by the bytes each SM has in flight, so four stages
+// (three steps in flight) take the 16-bit two stages' shared memory and keep 1.5x their bytes
+// coming.
+constexpr int KV_FP8_STAGES = 4;
+
 // Shared memory of kv_decode for cache element C and head-dim bucket D (a multiple of 64, so rows
 // are whole 128-byte groups for common/smem.cuh's swizzle): the Q tile; two stages of K and V
-// tiles (16-bit caches), or two stages of e4m3 bytes and one widened 16-bit K and V tile; after
-// the loop the same bytes hold the warps' partial O for the merge; and the warps' row statistics.
+// tiles (16-bit caches), or KV_FP8_STAGES stages of e4m3 bytes, which the warps widen in registers
+// (kv_scores_e4m3, kv_values_e4m3); after the loop the same bytes hold the warps' partial O for
+// the merge; and the warps' row statistics.
 template <class C, int D>
 struct KvTiles {
   u16 q[KV_ROWS * D];
@@ -226,16 +233,31 @@ struct KvTiles {
       u16 v[2][KV_KEYS * D];
     } wide;
     struct {
-      u8 k[2][KV_KEYS * D];  // row-major, unswizzled: each thread reads back only its own chunks
-      u8 v[2][KV_KEYS * D];
-      u16 k16[KV_KEYS * D];
-      u16 v16[KV_KEYS * D];
+      u8 k[KV_FP8_STAGES][KV_KEYS * D];  // 16-byte chunks placed by e4m3_k_chunk
+      u8 v[KV_FP8_STAGES][KV_KEYS * D];  // and by e4m3_v_chunk
     } fp8;
     float o[KV_WARPS][KV_ROWS][D];
   };
   float m[KV_WARPS][KV_ROWS];  // each warp's row maxima, log2 units
   float l[KV_WARPS][KV_ROWS];  // and row sums
 };
+
+// Where 16-byte chunk c of key row n of an e4m3 K tile sits in its row. A warp reads a K row's
+// chunks 4 kq + tig (kv_scores_e4m3) for two rows n, n + 1 at a time: flipping bit 2 for odd rows
+// spreads those eight reads over the eight bank groups (rows of 64 bytes already do).
+template <int D>
+__device__ __forceinline__ int e4m3_k_chunk(int n, int c) {
+  return D >= 128 ? c ^ ((n & 1) << 2) : c;
+}
+// And of an e4m3 V tile: a warp reads rows 4 tig + i (kv_values_e4m3) at lane g's D / 8 bytes, the
+// quarter-warp of lanes g = 2p, 2p + 1 over four rows tig: the XOR by the row's tig gives the
+// eight chunks distinct bank groups (at d64 two share one: its rows are 64 bytes).
+template <int D>
+__device__ __forceinline__ int e4m3_v_chunk(int n, int c) {
+  static_assert(D == 64 || D == 128 || D == 256, "a bucket of KV_BUCKETS");
+  const int tig = (n >> 2) & 3;
+  return D == 256 ? c ^ ((tig & 1) | ((tig & 2) << 1)) : c ^ ((2 * tig) & (D / 16 - 2));
+}
 
 // How kv_decode's threads split a step's KV_KEYS x D tile of cache elements C into 16-byte chunks:
 // thread t copies column (t % PER_ROW) * ELEMS of rows t / PER_ROW + i * ROWS_PER_PASS, i < ROWS.
@@ -288,8 +310,7 @@ struct KvStepRows {
 };
 
 // Issues the cp.async copies of one step's rows (found by `rows`) into stage `stage`, rows past
-// the split zero-filled. Each thread keeps one column of its rows (KvChunks), so it can widen its
-// own e4m3 chunks without a barrier.
+// the split zero-filled.
 template <class C, int D>
 __device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, int stage, int kv_head,
                                          const KvStepRows<C, D>& rows) {
@@ -307,8 +328,8 @@ __device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, in
     i64 k_off = 0, v_off = 0;
     if (ok) kv_offsets(p, rows.block[i], rows.row[i], kv_head, k_off, v_off);
     if constexpr (InputStorage<C>::fp8) {
-      cp_async_16(s.fp8.k[stage] + n * D + col, kc + k_off + col, ok ? 16 : 0);
-      cp_async_16(s.fp8.v[stage] + n * D + col, vc + v_off + col, ok ? 16 : 0);
+      cp_async_16(s.fp8.k[stage] + n * D + 16 * e4m3_k_chunk<D>(n, col / 16), kc + k_off + col, ok ? 16 : 0);
+      cp_async_16(s.fp8.v[stage] + n * D + 16 * e4m3_v_chunk<D>(n, col / 16), vc + v_off + col, ok ? 16 : 0);
     } else {
       cp_async_16(s.wide.k[stage] + swizzle<D>(n, col), kc + k_off + col, ok ? 16 : 0);
       cp_async_16(s.wide.v[stage] + swizzle<D>(n, col), vc + v_off + col, ok ? 16 : 0);
@@ -316,39 +337,133 @@ __device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, in
   }
 }
 
-// e4m3 caches: this thread's chunks of stage `stage` (kv_issue's, landed) widened exactly to T
-// into the 16-bit tiles.
-template <class T, class C, int D>
-__device__ __forceinline__ void kv_widen(KvTiles<C, D>& s, int stage) {
-  typedef KvChunks<C, D> Chunks;
-  const int col = (threadIdx.x % Chunks::PER_ROW) * Chunks::ELEMS;
-  const int row0 = threadIdx.x / Chunks::PER_ROW;
+// e4m3 caches: the products read the byte tiles and widen each operand in registers right before
+// its mma.sync, each byte once. Two reorderings make every thread's bytes of a fragment adjacent:
+// - S = Q K^T takes K as B (n = key, k = head dim): the head-dim axis is permuted for Q and K
+//   alike, which leaves Q K^T unchanged. In k step kb (kq = kb / 4), lane (g, tig)'s k indices
+//   2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9 are head-dim bytes 64 kq + 16 tig + 4 (kb % 4) + 0..3:
+//   one 16-byte read of a K row covers four k steps.
+// - n8 tile nt of the scores holds the warp's keys 4 (g / 2) + 2 nt + g % 2 at lane g, so S's
+//   columns 2 tig, 2 tig + 1 of both tiles, which become P's k indices 2 tig, 2 tig + 1 and
+//   2 tig + 8, 2 tig + 9 in O = P V, are keys 4 tig .. 4 tig + 3: four rows of V at one column.
+//   Lane g reads D / 8 adjacent bytes of each of those rows, so the head-dim columns of O are
+//   permuted too: column n = g of tile dt is head dim (D / 8) g + dt.
+
+// Up to d128 each lane holds its Q fragments through the loop; at d256 they would not fit beside
+// O's 128 registers, so each step reloads them, four k steps at a time.
+template <int D>
+constexpr int KV_HELD_Q_GROUPS = D <= 128 ? D / 64 : 1;
+
+// This lane's Q fragments of k steps 4 kq .. 4 kq + 3, in the permuted head-dim order, from the
+// swizzled Q tile.
+template <int D>
+__device__ __forceinline__ void kv_query_e4m3(u32 (&q)[4][4], const u16* q_tile, int lane, int kq) {
+  const int g = lane / 4, tig = lane % 4;
 #pragma unroll
-  for (int i = 0; i < Chunks::ROWS; ++i) {
-    const int n = row0 + i * Chunks::ROWS_PER_PASS;
+  for (int h = 0; h < 2; ++h)  // rows g and g + 8
 #pragma unroll
-    for (int t = 0; t < 2; ++t) {
-      const uint4 x = *reinterpret_cast<const uint4*>((t ? s.fp8.v[stage] : s.fp8.k[stage]) + n * D + col);
-      uint4 lo, hi;  // elements 0..7 and 8..15 of the chunk
-      widen_e4m3_word<T>(x.x, lo.x, lo.y);
-      widen_e4m3_word<T>(x.y, lo.z, lo.w);
-      widen_e4m3_word<T>(x.z, hi.x, hi.y);
-      widen_e4m3_word<T>(x.w, hi.z, hi.w);
-      u16* dst = t ? s.fp8.v16 : s.fp8.k16;
-      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col)) = lo;
-      *reinterpret_cast<uint4*>(dst + swizzle<D>(n, col + 8)) = hi;
+    for (int half = 0; half < 2; ++half) {
+      const uint4 x = *reinterpret_cast<const uint4*>(q_tile + swizzle<D>(g + 8 * h, 64 * kq + 16 * tig + 8 * half));
+      q[2 * half][h] = x.x;
+      q[2 * half][2 + h] = x.y;
+      q[2 * half + 1][h] = x.z;
+      q[2 * half + 1][2 + h] = x.w;
     }
+}
+
+// sc += Q K^T over k steps 4 kq .. 4 kq + 3 for this warp's 16 keys of an e4m3 K tile.
+template <class T, int D>
+__device__ __forceinline__ void kv_scores_e4m3_group(float (&sc)[1][2][4], const u32 (&q)[4][4], const u8* k_tile,
+                                                     int kq, int warp, int lane) {
+  const int g = lane / 4, tig = lane % 4;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int n = 16 * warp + 4 * (g / 2) + 2 * nt + g % 2;
+    const uint4 x = *reinterpret_cast<const uint4*>(k_tile + n * D + 16 * e4m3_k_chunk<D>(n, 4 * kq + tig));
+    const u32 words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u32 b0, b1;
+      widen_e4m3_word<T>(words[j], b0, b1);
+      T::mma(sc[0][nt], q[j], b0, b1);
+    }
+  }
+}
+
+// sc += Q K^T for this warp's 16 keys of an e4m3 K tile; `held`: kv_query_e4m3's fragments of
+// every group when KV_HELD_Q_GROUPS covers them, else they come from the Q tile.
+template <class T, int D>
+__device__ __forceinline__ void kv_scores_e4m3(float (&sc)[1][2][4], const u32 (&held)[KV_HELD_Q_GROUPS<D>][4][4],
+                                               const u16* q_tile, const u8* k_tile, int warp, int lane) {
+#pragma unroll
+  for (int kq = 0; kq < D / 64; ++kq) {
+    if constexpr (KV_HELD_Q_GROUPS<D> == D / 64) {
+      kv_scores_e4m3_group<T, D>(sc, held[kq], k_tile, kq, warp, lane);
+    } else {
+      u32 q[4][4];
+      kv_query_e4m3<D>(q, q_tile, lane, kq);
+      kv_scores_e4m3_group<T, D>(sc, q, k_tile, kq, warp, lane);
+    }
+  }
+}
+
+// o += P V for this warp's 16 keys of an e4m3 V tile, P the scores' registers.
+template <class T, int D>
+__device__ __forceinline__ void kv_values_e4m3(float (&o)[1][D / 8][4], const float (&sc)[1][2][4], const u8* v_tile,
+                                               int warp, int lane) {
+  constexpr int BYTES = D / 8;  // this lane's bytes of a V row
+  const int g = lane / 4, tig = lane % 4;
+  u32 a[4];
+  register_operand<T>(sc).load(a, 0, 0);
+  u32 rows[4][BYTES / 4];  // keys 4 tig + i, head dims BYTES g ..
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int n = 16 * warp + 4 * tig + i;
+#pragma unroll
+    for (int c = 0; c < BYTES; c += 16) {
+      const int at = BYTES * g + c;
+      const u8* src = v_tile + n * D + 16 * e4m3_v_chunk<D>(n, at / 16) + at % 16;
+      if constexpr (BYTES >= 16) {
+        const uint4 x = *reinterpret_cast<const uint4*>(src);
+        rows[i][c / 4] = x.x;
+        rows[i][c / 4 + 1] = x.y;
+        rows[i][c / 4 + 2] = x.z;
+        rows[i][c / 4 + 3] = x.w;
+      } else {
+        const uint2 x = *reinterpret_cast<const uint2*>(src);
+        rows[i][0] = x.x;
+        rows[i][1] = x.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < BYTES / 4; ++w) {
+    // Keys 0, 1 (and 2, 3) of head dims 4 w .. 4 w + 3 interleaved: each 16-bit half is one column's
+    // pair, so widening a word gives two columns' b0 (b1).
+    const u32 k01_c01 = __byte_perm(rows[0][w], rows[1][w], 0x5140);
+    const u32 k01_c23 = __byte_perm(rows[0][w], rows[1][w], 0x7362);
+    const u32 k23_c01 = __byte_perm(rows[2][w], rows[3][w], 0x5140);
+    const u32 k23_c23 = __byte_perm(rows[2][w], rows[3][w], 0x7362);
+    u32 b0[4], b1[4];
+    widen_e4m3_word<T>(k01_c01, b0[0], b0[1]);
+    widen_e4m3_word<T>(k01_c23, b0[2], b0[3]);
+    widen_e4m3_word<T>(k23_c01, b1[0], b1[1]);
+    widen_e4m3_word<T>(k23_c23, b1[2], b1[3]);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) T::mma(o[0][4 * w + c], a, b0[c], b1[c]);
   }
 }
 
 // grid (num_splits * row_tiles, heads_kv, batch), KV_THREADS threads. Packed row m of a kv head is
 // query token m / group of query head kv_head * group + m % group; the CTA's 16 rows are one m16
-// tile of mma.sync m16n8k16. Each step's 64 keys arrive by cp.async, the next step's copies in
-// flight under this step's products (two stages). Warp w takes keys 16w .. 16w + 15 of every step
-// with its own online softmax and O; the four warps' (max, sum, O) merge once at the end.
+// tile of mma.sync m16n8k16. Each step's 64 keys arrive by cp.async, the next steps' copies in
+// flight under this step's products (STAGES - 1 of them). Warp w takes keys 16w .. 16w + 15 of
+// every step with its own online softmax and O; the four warps' (max, sum, O) merge once at the
+// end.
 template <class T, class C, int D>
 __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const __grid_constant__ KvParams p) {
   constexpr bool FP8 = InputStorage<C>::fp8;
+  constexpr int STAGES = FP8 ? KV_FP8_STAGES : 2;
   constexpr int DT = D / 8;  // n8 tiles of O per warp
   extern __shared__ __align__(128) unsigned char smem_raw[];
   KvTiles<C, D>& s = *reinterpret_cast<KvTiles<C, D>*>(smem_raw);
@@ -382,6 +497,13 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     kv_issue<C, D>(p, s, 0, kv_head, next_rows);
     cp_async_commit();
     if (steps > 1) next_rows.find(p, b, start, split_lo + KV_KEYS, split_hi);
+    // The further stages' steps (e4m3 caches).
+#pragma unroll
+    for (int i = 1; i < STAGES - 1 && i < steps; ++i) {
+      kv_issue<C, D>(p, s, i, kv_head, next_rows);
+      cp_async_commit();
+      if (i + 1 < steps) next_rows.find(p, b, start, split_lo + (i + 1) * KV_KEYS, split_hi);
+    }
   }
 
   // Q rows into the swizzled tile (the rotated copy when rotary), 16 bytes per load, zeros past
@@ -432,14 +554,20 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
   const float tanh_scale = p.softcap_scale * descale_k;
 
-  // ldmatrix addresses: Q as the A operand, this warp's 16 keys of K (B of S = Q K^T) and of V
-  // (B of O = P V, read k-major), in stage 0; a stage is KV_KEYS * D * 2 bytes further.
-  const u16* k_tile = FP8 ? s.fp8.k16 : s.wide.k[0];
-  const u16* v_tile = FP8 ? s.fp8.v16 : s.wide.v[0];
+  // 16-bit caches' ldmatrix addresses: Q as the A operand, this warp's 16 keys of K (B of
+  // S = Q K^T) and of V (B of O = P V, read k-major), in stage 0; a stage is KV_KEYS * D * 2 bytes
+  // further.
   const FragmentAddress<D> q_frag(s.q, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
-  const FragmentAddress<D> k_frag(k_tile, 16 * warp + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
-  const FragmentAddress<D> v_frag(v_tile, 16 * warp + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+  const FragmentAddress<D> k_frag(s.wide.k[0], 16 * warp + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const FragmentAddress<D> v_frag(s.wide.v[0], 16 * warp + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
   constexpr u32 STAGE_BYTES = KV_KEYS * D * 2;
+  // e4m3 caches: Q's fragments held through the loop (the Q tile written above).
+  u32 q_e4m3[KV_HELD_Q_GROUPS<D>][4][4];
+  if constexpr (FP8 && KV_HELD_Q_GROUPS<D> == D / 64) {
+    __syncthreads();  // the Q tile, written by every thread, is in place
+#pragma unroll
+    for (int kq = 0; kq < D / 64; ++kq) kv_query_e4m3<D>(q_e4m3[kq], s.q, lane, kq);
+  }
 
   float o[1][DT][4];
   clear(o);
@@ -447,22 +575,26 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   softmax.init();
   for (int step = 0; step < steps; ++step) {
     const int n0 = split_lo + step * KV_KEYS;
-    if (step + 1 < steps) {
-      kv_issue<C, D>(p, s, (step + 1) & 1, kv_head, next_rows);
+    if (step + STAGES - 1 < steps) {
+      kv_issue<C, D>(p, s, u32(step + STAGES - 1) % STAGES, kv_head, next_rows);
       cp_async_commit();
-      if (step + 2 < steps) next_rows.find(p, b, start, n0 + 2 * KV_KEYS, split_hi);
-      cp_async_wait<1>();
+      if (step + STAGES < steps) next_rows.find(p, b, start, n0 + STAGES * KV_KEYS, split_hi);
+      cp_async_wait<STAGES - 1>();
     } else {
-      cp_async_wait<0>();
+      cp_async_wait_at_most<STAGES - 2>(steps - 1 - step);  // the steps after this one may stay in flight
     }
-    if constexpr (FP8) kv_widen<T, C, D>(s, step & 1);
     __syncthreads();  // this step's tiles (and, the first time, Q) are in place
-    const u32 stage = FP8 ? 0u : (step & 1) * STAGE_BYTES;
+    const u32 stage = (step & 1) * STAGE_BYTES;
+    const int fp8_stage = u32(step) % STAGES;
 
     float sc[1][2][4];
     clear(sc);
-    u32 q_tiles[1][4], k_tiles[4];
-    warp_gemm<D / 16, T>(sc, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag, stage));
+    if constexpr (FP8) {
+      kv_scores_e4m3<T, D>(sc, q_e4m3, s.q, s.fp8.k[fp8_stage], warp, lane);
+    } else {
+      u32 q_tiles[1][4], k_tiles[4];
+      warp_gemm<D / 16, T>(sc, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag, stage));
+    }
     if (p.softcap_scale > 0.f) softcap_scores(sc, tanh_scale);
     // Only steps that cross a bound of this thread's live rows need masking.
     if (n0 < lo_max || n0 + KV_KEYS > hi_min) {
@@ -470,13 +602,18 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int key = n0 + 16 * warp + 8 * nt + 2 * tig + (e & 1), h = e / 2;
+          // e4m3 caches: kv_scores_e4m3's key order.
+          const int key = n0 + 16 * warp + (FP8 ? 4 * tig + 2 * nt : 8 * nt + 2 * tig) + (e & 1), h = e / 2;
           if (key < lo[h] || key >= hi[h]) sc[0][nt][e] = kNegInf;
         }
     }
     softmax.update(sc, o, score_log2);
-    u32 p_tiles[1][4], v_tiles[4];
-    warp_gemm<1, T>(o, p_tiles, v_tiles, register_operand<T>(sc), smem_operand<true>(v_frag, stage));
+    if constexpr (FP8) {
+      kv_values_e4m3<T, D>(o, sc, s.fp8.v[fp8_stage], warp, lane);
+    } else {
+      u32 p_tiles[1][4], v_tiles[4];
+      warp_gemm<1, T>(o, p_tiles, v_tiles, register_operand<T>(sc), smem_operand<true>(v_frag, stage));
+    }
     __syncthreads();  // every warp is done with this stage before the next issue overwrites it
   }
 
@@ -510,8 +647,10 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     const float factor = total > 0.f ? fast_exp2(m_log2[h] - base) * descale_v / total : 0.f;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
-      s.o[warp][r][8 * dt + 2 * tig] = o[0][dt][2 * h] * factor;
-      s.o[warp][r][8 * dt + 2 * tig + 1] = o[0][dt][2 * h + 1] * factor;
+      // e4m3 caches' O columns are permuted (kv_values_e4m3): column n of tile dt is head dim
+      // (D / 8) n + dt.
+      s.o[warp][r][FP8 ? (D / 8) * (2 * tig) + dt : 8 * dt + 2 * tig] = o[0][dt][2 * h] * factor;
+      s.o[warp][r][FP8 ? (D / 8) * (2 * tig + 1) + dt : 8 * dt + 2 * tig + 1] = o[0][dt][2 * h + 1] * factor;
     }
   }
   __syncthreads();

@@ -33,6 +33,18 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // the thread's reads of its own copies below the wait.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// Waits until at most min(pending, MAX) groups are pending, `pending` known only at run time (a
+// pipeline's last steps, with fewer groups behind them than stages).
+template <int MAX>
+__device__ __forceinline__ void cp_async_wait_at_most(int pending) {
+  if constexpr (MAX > 0) {
+    if (pending < MAX) {
+      cp_async_wait_at_most<MAX - 1>(pending);
+      return;
+    }
+  }
+  cp_async_wait<MAX>();
+}
 
 // Copies rows [0, rows_valid) x cols [0, cols_valid) of a global tile into a swizzled shared tile,
 // zero-filling the rest. Every thread of the CTA takes part.
