@@ -288,8 +288,8 @@ def forward_kernel(
     is the inputs' dtype; an FP8_TYPES one takes ``out_dtype``, float16 or bfloat16, for the
     output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES). ``paged``: the
     kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only; sm90's takes
-    SM90_FWD_TILES' key blocks whatever the mask, which its gather splits into whole passes of the
-    producer warpgroup (sm90/kv_pages.cuh), and at d64 two consumers (SM90_NARROW_TILES).
+    SM90_FWD_TILES' key blocks whatever the mask (beside its gathering producer's registers the
+    wide tiles spill at d192 and d256) and at d64 two consumers (SM90_NARROW_TILES).
 
     Which kernel serves a softcap: _mask_flags.
     """
