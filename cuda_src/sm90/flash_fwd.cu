@@ -374,9 +374,9 @@ __global__ void __launch_bounds__(
       // This tile's Q buffer is free once every consumer warp has finished the epilogue of the
       // last tile that used it (a fresh barrier's parity-1 phase counts as complete, so the first
       // use does not wait).
+      // Only Q's copier counts them: the gathering threads take no Q buffer.
       const int q_buffer = tiles_done % Q_BUFFERS;
-      if (copies_q) mbarrier_wait(&q_empty[q_buffer], ((tiles_done / Q_BUFFERS) & 1) ^ 1);
-      ++tiles_done;
+      if (copies_q) mbarrier_wait(&q_empty[q_buffer], ((tiles_done++ / Q_BUFFERS) & 1) ^ 1);
       if (n_range.begin >= n_range.end) continue;  // no keys: the consumers write zeros, nothing to load
       // A packed batch's maps have one batch of all rows; its sequences are row offsets.
       const int map_batch = a.cu_seqlens_q == nullptr ? c.batch : 0;
@@ -389,34 +389,36 @@ __global__ void __launch_bounds__(
         tma_load_panels<Smem::PANELS>(smem + q_buffer * Smem::Q_BYTES, Smem::Q_PANEL, &p.q, &q_full[q_buffer],
                                       c.head, seq.q_begin + first_row, map_batch);
       }
-      // Block n of K or V into `tile`, completing on `full`: by TMA through `map`, or PAGED gathered
-      // from `cache` (its kv head's column, the cache's strides).
+      // The key block from `key_row` of K or V into `tile`, completing on `full`: by TMA through
+      // `map`, or PAGED gathered from `cache` (its kv head's column, the cache's strides; a cached
+      // sequence's keys start at position 0).
       const auto load_keys = [&](unsigned char* tile, const TensorMap* map, u64* full, const void* cache,
-                                 i64 head_stride, i64 page_stride, i64 row_stride, int n) {
+                                 i64 head_stride, i64 page_stride, i64 row_stride, int key_row) {
         if constexpr (PAGED) {
           const u16* const column = static_cast<const u16*>(cache) + kv_head * head_stride;
-          gather_cached_tile<BLOCK_N, HEAD_DIM>(tile, Smem::KV_PANEL, column, CachedRows(a, c.batch), n * BLOCK_N,
-                                                page_stride, row_stride, seq.seqlen_k - n * BLOCK_N, a.head_dim,
+          gather_cached_tile<BLOCK_N, HEAD_DIM>(tile, Smem::KV_PANEL, column, CachedRows(a, c.batch), key_row,
+                                                page_stride, row_stride, seq.seqlen_k - key_row, a.head_dim,
                                                 threadIdx.x);
           cp_async_mbarrier_arrive(full);
         } else {
           mbarrier_arrive_expect_tx(full, Smem::KV_BYTES);
-          tma_load_panels<Smem::PANELS>(tile, Smem::KV_PANEL, map, full, kv_head, seq.k_begin + n * BLOCK_N, map_batch);
+          tma_load_panels<Smem::PANELS>(tile, Smem::KV_PANEL, map, full, kv_head, key_row, map_batch);
         }
       };
 
       // Key blocks from the last to the first, as the consumers take them (see there).
       for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
+        const int key_row = seq.k_begin + n * BLOCK_N;
         const u32 offset = pos.stage * Smem::KV_BYTES;
         // Wait for the consumers to release this stage's previous tile (the first lap does not
         // wait, as above), then copy: TMA's bytes announced on the full barrier, or each gathering
         // thread's arrival there once its copies have landed.
         mbarrier_wait(&k_empty[pos.stage], pos.phase ^ 1);
         load_keys(smem + Smem::K + offset, &p.k, &k_full[pos.stage], a.k, a.k_head_stride, a.k_batch_stride,
-                  a.k_row_stride, n);
+                  a.k_row_stride, key_row);
         mbarrier_wait(&v_empty[pos.stage], pos.phase ^ 1);
         load_keys(smem + Smem::V + offset, &p.v, &v_full[pos.stage], a.v, a.v_head_stride, a.v_batch_stride,
-                  a.v_row_stride, n);
+                  a.v_row_stride, key_row);
       }
     }
     // A gathering thread leaves only once its last copies have landed.
