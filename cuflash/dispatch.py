@@ -88,7 +88,8 @@ def _mask_flags(mask: str, softcap_in_window: bool) -> tuple[bool, bool]:
     softcap measured 2-14% slower than the window kernel. sm90's forward caps scores in each
     mask's own kernel, where causal keeps its grid order and unmasked steps (key blocks that no
     row's mask cuts, which skip the per-element mask), and d64 its third consumer
-    (forward_kernel)."""
+    (forward_kernel); but its forward over a KV cache takes the window kernel too: beside the
+    gathering producer, the causal one with softcap spilled 8 bytes at d128 (NVRTC 13.0)."""
     return mask == "causal" and not softcap_in_window, mask == "window" or softcap_in_window
 
 
@@ -298,7 +299,7 @@ def forward_kernel(
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
-    causal, window = _mask_flags(mask, softcap and family == "sm80")
+    causal, window = _mask_flags(mask, softcap and (family == "sm80" or paged))
     fp8 = dtype_name in FP8_TYPES
     if paged and fp8:
         raise ValueError(f"paged: the KV-cache forward is a 16-bit kernel, not one for {dtype_name}")

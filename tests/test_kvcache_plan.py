@@ -218,11 +218,18 @@ def test_sm90_paged_forward_keeps_whole_gather_passes(head_dim, block_m, block_n
     assert choice.name_expression.endswith("cuflash::bf16, cuflash::bf16, true>")
 
 
+@pytest.mark.parametrize("mask", dispatch.MASKS)
+def test_sm90_paged_softcap_runs_the_window_kernel(mask):
+    choice = dispatch.kvcache_prefill_kernel("sm90", "float16", 128, dispatch.Mask(mask, -1, -1, 30.0))
+    assert "false, true, true, cuflash::f16, cuflash::f16, true>" in choice.name_expression  # window, softcap
+    assert not choice.blocks_slowest
+
+
 def test_sm90_paged_kernels_listed_last_for_the_compile_check():
     names = [c.name_expression for c in dispatch.all_kernels("sm90")]
     paged = [c.name_expression for c in dispatch.kvcache_prefill_kernels("sm90")]
-    # 4 kernel head dims, 2 dtypes, 3 masks, with and without softcap
-    assert names[-len(paged):] == paged and len(paged) == 4 * 2 * 3 * 2
+    # 4 kernel head dims, 2 dtypes, 3 masks and softcap's (the window kernel for every mask)
+    assert names[-len(paged):] == paged and len(paged) == 4 * 2 * 4
     assert all("flash_fwd_sm90" in name and name.endswith(", true>") for name in paged)
 
 

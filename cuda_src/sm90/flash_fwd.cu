@@ -50,12 +50,16 @@ struct Warpgroups {
   // keep 56, which leaves the consumers 224 and 152: at 40 (consumers 232) the producer spilled
   // under NVRTC 13.0 in every FP8 instantiation with 128-key blocks. LEAN_PRODUCER keeps 40 where
   // the consumers need the 8 more: d192 under a window mask spilled at 224 (NVRTC 13.5: 4 bytes).
-  // The paged gather keeps 56 too: at 40 it spilled 56 bytes (d192, window), while the paged
-  // kernel's consumers fit in 224.
+  // The paged gather keeps 56: at 40 it spilled 8-56 bytes, at every head dim under NVRTC 13.5
+  // (d192 under a window its consumers fit in 224).
   static constexpr int PRODUCER_REGISTERS = BUSY_PRODUCER ? (LEAN_PRODUCER ? 40 : 56) : 24;
   static constexpr int CONSUMER_REGISTERS =
       (65536 / THREADS + (65536 / THREADS - PRODUCER_REGISTERS) / CONSUMERS) / 8 * 8;
 };
+
+// Which kernels' busy producers keep 40 registers (Warpgroups says why).
+template <int HEAD_DIM, bool WINDOW, bool PAGED>
+constexpr bool kLeanProducer = !PAGED && HEAD_DIM == 192 && WINDOW;
 
 // FlashAttention-3's ping-pong: the consumer warpgroups take turns, round robin, issuing their
 // wgmma, so the tensor cores run one warpgroup's Q K^T and P V while the others compute their
@@ -257,11 +261,11 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& p, int tile) {
 template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
           bool SOFTCAP, class Elem, class Input = Elem, bool PAGED = false>
 __global__ void __launch_bounds__(
-    Warpgroups<CONSUMERS, InputStorage<Input>::fp8 || PAGED, HEAD_DIM == 192 && WINDOW && !PAGED>::THREADS, 1)
+    Warpgroups<CONSUMERS, InputStorage<Input>::fp8 || PAGED, kLeanProducer<HEAD_DIM, WINDOW, PAGED>>::THREADS, 1)
     flash_fwd_sm90(const __grid_constant__ FwdArgsSm90<Input, PAGED> p) {
   constexpr bool FP8 = InputStorage<Input>::fp8;
   static_assert(!(FP8 && PAGED), "a KV cache is read by the 16-bit kernels only");
-  using Groups = Warpgroups<CONSUMERS, FP8 || PAGED, HEAD_DIM == 192 && WINDOW && !PAGED>;
+  using Groups = Warpgroups<CONSUMERS, FP8 || PAGED, kLeanProducer<HEAD_DIM, WINDOW, PAGED>>;
   constexpr int kBlockM = Groups::BLOCK_M;
   using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS, FP8>;
   static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");

@@ -32,7 +32,7 @@ __device__ __forceinline__ void gather_cached_tile(unsigned char* tile, u32 pane
   if (chunk >= CHUNKS) return;  // d192: the last 8 lanes of each row
   const int col = chunk * 8;
   const bool col_inside = col < cols_valid;
-  // Eight passes' page look-ups in flight at a time: all of them (16 at d128) spilled the
+  // Four passes' page look-ups in flight at a time: all of them (16 at d128) spilled the
   // producer's 56 registers (sm90/flash_fwd.cu, Warpgroups).
 #pragma unroll 4
   for (int pass = 0; pass < ROWS / ROWS_PER_PASS; ++pass) {
