@@ -59,6 +59,7 @@ __all__ = [
     "helper_grid",
     "kvcache_prefill",
     "kvcache_prefill_kernel",
+    "kvcache_prefill_kernels",
     "kvcache_prefill_launch",
     "quantize_kernel",
     "head_dim_bucket",

@@ -378,7 +378,7 @@ __global__ void __launch_bounds__(
       // This tile's Q buffer is free once every consumer warp has finished the epilogue of the
       // last tile that used it (a fresh barrier's parity-1 phase counts as complete, so the first
       // use does not wait).
-      // Only Q's copier counts them: the gathering threads take no Q buffer.
+      // Only Q's copier counts the tiles: a PAGED kernel's other gathering threads take no Q buffer.
       const int q_buffer = tiles_done % Q_BUFFERS;
       if (copies_q) mbarrier_wait(&q_empty[q_buffer], ((tiles_done++ / Q_BUFFERS) & 1) ^ 1);
       if (n_range.begin >= n_range.end) continue;  // no keys: the consumers write zeros, nothing to load
