@@ -103,20 +103,34 @@ def test_filled_gpu_decode_runs_unsplit(recorder):
     assert p["num_splits"] == 1 and p["lse"] == 0 and p["out_partial"] == 0
 
 
-def test_chunked_prefill_runs_the_forward_over_the_paged_cache(recorder):
+# sm80's causal grid: (heads, batch, blocks); sm90's: 3 query blocks x 8 heads x 3 sequences,
+# unequal over 1024 keys, one CTA per tile.
+@pytest.mark.parametrize("family, grid", [("sm80", (8, 3, 3)), ("sm90", (72, 1, 1))])
+def test_chunked_prefill_runs_the_forward_over_the_paged_cache(request, family, grid):
+    launches = request.getfixturevalue("sm90_recorder" if family == "sm90" else "recorder")
     r = np.random.default_rng(2)
     args = make_case(r, batch=3, seqlen_q=300, heads=8, heads_kv=2, head_dim=128, capacity=1024, page_size=16, new=1,
                      varlen=True, dtype=np.float16, rotary="interleaved")
     built, tensors = planned(args, causal=True)
     out, lse = built.launch("cupy", tensors, (None,), (None,), True)
-    (append, _), (forward, f_arg) = recorder  # no decode, no combine
+    (append, _), (forward, f_arg) = launches  # no decode, no combine
     assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>"
-    expected = dispatch.kvcache_prefill_kernel("sm80", "float16", 128, dispatch.Mask("causal", -1, 0, 0.0))
-    assert forward == (expected.name_expression, (8, 3, 3), expected.smem_bytes)  # causal: (heads, batch, blocks)
+    expected = dispatch.kvcache_prefill_kernel(family, "float16", 128, dispatch.Mask("causal", -1, 0, 0.0))
+    assert forward == (expected.name_expression, grid, expected.smem_bytes)
     assert built.attention == expected.name_expression and forward[0].endswith("cuflash::f16, true>")
-    p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
+    assert f"flash_fwd_{family}" in built.attention
+    if family == "sm90":
+        assert len(f_arg) == FWD_PARAMS_SM90_PAGED_SIZE
+        s = np.frombuffer(f_arg, FWD_PARAMS_SM90_PAGED)[0]
+        assert (s["m_blocks"], s["heads"], s["batches"], s["tiles"]) == (3, 8, 3, 72)
+        # Q's map over the rotated copy; the cache is gathered, its maps left zero.
+        assert int.from_bytes(bytes(s["q"])[:8], "little") == 1 << 20
+        assert not any(bytes(s["k"])) and not any(bytes(s["v"]))
+        p = s["base"]
+    else:
+        assert len(f_arg) == FWD_PARAMS_PAGED_SIZE
+        p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
     total = args["q"].shape[0]
-    assert len(f_arg) == FWD_PARAMS_PAGED_SIZE
     assert p["q"] == 1 << 20 and p["q_batch_stride"] == 0 and p["q_row_stride"] == 8 * 128  # the rotated copy
     assert p["k"] == 2048 and p["v"] == 3072 and p["o"] == 4096 and p["lse"] == 4096
     assert p["cu_seqlens_q"] == 1024 * 10 and p["seq_end_q"] == 1024 * 10 + 4 and p["cu_seqlens_k"] == 0
@@ -128,16 +142,22 @@ def test_chunked_prefill_runs_the_forward_over_the_paged_cache(recorder):
     assert out.shape == args["q"].shape and lse.shape == (8, total)
 
 
-def test_prefill_of_a_contiguous_cache_reads_q_in_place(recorder):
+# sm80: (blocks, heads, batch); sm90: 2 query blocks x 4 heads x 2 sequences, persistent over at
+# most 1024 keys.
+@pytest.mark.parametrize("family, grid", [("sm80", (2, 4, 2)), ("sm90", (16, 1, 1))])
+def test_prefill_of_a_contiguous_cache_reads_q_in_place(request, family, grid):
+    launches = request.getfixturevalue("sm90_recorder" if family == "sm90" else "recorder")
     r = np.random.default_rng(3)
     args = make_case(r, batch=2, seqlen_q=200, heads=4, heads_kv=4, head_dim=64, capacity=512, new=200,
                      dtype=np.float16)
     built, tensors = planned(args, window=(100, 10))
     built.launch("cupy", tensors, (None,), (None,), False)
-    (append, _), (forward, f_arg) = recorder
+    (append, _), (forward, f_arg) = launches
+    assert f"flash_fwd_{family}<64," in forward[0]
     assert "true, false, cuflash::f16, cuflash::f16, true>" in forward[0]  # the window kernel
-    assert forward[1] == (2, 4, 2)  # (blocks, heads, batch)
-    p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
+    assert forward[1] == grid
+    p = np.frombuffer(f_arg, FWD_PARAMS_SM90_PAGED)[0]["base"] if family == "sm90" else \
+        np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
     assert p["q"] == 1024 and tuple(p[f"q_{s}_stride"] for s in ("batch", "row", "head")) == (200 * 4 * 64, 256, 64)
     assert p["page_table"] == 0 and p["k_batch_stride"] == 512 * 4 * 64 and p["new_keys"] == 200
     assert p["page_size"] == 512
@@ -231,45 +251,6 @@ def test_sm90_paged_kernels_listed_last_for_the_compile_check():
     # 4 kernel head dims, 2 dtypes, 3 masks and softcap's (the window kernel for every mask)
     assert names[-len(paged):] == paged and len(paged) == 4 * 2 * 4
     assert all("flash_fwd_sm90" in name and name.endswith(", true>") for name in paged)
-
-
-def test_sm90_chunked_prefill_runs_its_forward_over_the_paged_cache(sm90_recorder):
-    r = np.random.default_rng(21)
-    args = make_case(r, batch=3, seqlen_q=300, heads=8, heads_kv=2, head_dim=128, capacity=1024, page_size=16, new=1,
-                     varlen=True, dtype=np.float16, rotary="interleaved")
-    built, tensors = planned(args, causal=True)
-    out, lse = built.launch("cupy", tensors, (None,), (None,), True)
-    (append, _), (forward, f_arg) = sm90_recorder
-    expected = dispatch.kvcache_prefill_kernel("sm90", "float16", 128, dispatch.Mask("causal", -1, 0, 0.0))
-    # 3 query blocks x 8 heads x 3 sequences, unequal over 1024 keys: one CTA per tile.
-    assert forward == (expected.name_expression, (72, 1, 1), expected.smem_bytes)
-    assert built.attention == expected.name_expression and "flash_fwd_sm90" in built.attention
-    assert len(f_arg) == FWD_PARAMS_SM90_PAGED_SIZE
-    s = np.frombuffer(f_arg, FWD_PARAMS_SM90_PAGED)[0]
-    assert (s["m_blocks"], s["heads"], s["batches"], s["tiles"]) == (3, 8, 3, 72)
-    # Q's map over the rotated copy; the cache is gathered, its maps left zero.
-    assert int.from_bytes(bytes(s["q"])[:8], "little") == 1 << 20
-    assert not any(bytes(s["k"])) and not any(bytes(s["v"]))
-    p = s["base"]
-    total = args["q"].shape[0]
-    assert p["q"] == 1 << 20 and p["q_batch_stride"] == 0 and p["k"] == 2048 and p["v"] == 3072
-    assert p["page_table"] == 1024 * 7 and p["cache_seqlens"] == 1024 * 6 and p["cu_seqlens_q"] == 1024 * 10
-    assert p["page_size"] == 16 and p["new_keys"] == -1 and p["kv_group"] == 4
-    assert p["lse_batch_stride"] == 0 and p["lse_head_stride"] == total
-    assert out.shape == args["q"].shape and lse.shape == (8, total)
-
-
-def test_sm90_prefill_of_a_short_cache_runs_persistent(sm90_recorder):
-    r = np.random.default_rng(22)
-    args = make_case(r, batch=2, seqlen_q=200, heads=4, heads_kv=4, head_dim=64, capacity=512, new=200,
-                     dtype=np.float16)
-    built, tensors = planned(args, window=(100, 10))
-    built.launch("cupy", tensors, (None,), (None,), False)
-    (append, _), (forward, f_arg) = sm90_recorder
-    assert "flash_fwd_sm90<64, 2, 128," in forward[0] and "true, false, cuflash::f16, cuflash::f16, true>" in forward[0]
-    assert forward[1] == (16, 1, 1)  # 2 query blocks x 4 heads x 2 sequences, at most 1024 keys
-    p = np.frombuffer(f_arg, FWD_PARAMS_SM90_PAGED)[0]["base"]
-    assert p["q"] == 1024 and p["page_table"] == 0 and p["page_size"] == 512 and p["new_keys"] == 200
 
 
 def test_sm90_prefill_falls_back_where_no_tensor_map_fits_q(sm90_recorder):
