@@ -50,8 +50,8 @@ struct Warpgroups {
   // keep 56, which leaves the consumers 224 and 152: at 40 (consumers 232) the producer spilled
   // under NVRTC 13.0 in every FP8 instantiation with 128-key blocks. LEAN_PRODUCER keeps 40 where
   // the consumers need the 8 more: d192 under a window mask spilled at 224 (NVRTC 13.5: 4 bytes).
-  // The paged gather keeps 56: at 40 it spilled 8-56 bytes, at every head dim under NVRTC 13.5
-  // (d192 under a window its consumers fit in 224).
+  // The paged gather keeps 56: at 40 it spilled 12-56 bytes at every head dim (NVRTC 13.5), while
+  // its consumers fit in 224, d192 under a window included.
   static constexpr int PRODUCER_REGISTERS = BUSY_PRODUCER ? (LEAN_PRODUCER ? 40 : 56) : 24;
   static constexpr int CONSUMER_REGISTERS =
       (65536 / THREADS + (65536 / THREADS - PRODUCER_REGISTERS) / CONSUMERS) / 8 * 8;
