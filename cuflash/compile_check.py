@@ -67,9 +67,7 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
     switch: the smallest and largest head dims, both dtypes, each mask, softcap, each dQ order,
     sm80's two-CTA backward tile, FP8 inputs into either output type (sm80's d96 the closest to
     its spill allowance; sm90's d64 with three consumers at 152 registers), and the KV cache
-    kernels (sm80's forward over a cache at d64 with softcap, at its allowance under NVRTC 13.0;
-    sm90's at d192 under a window, whose gathering producer and consumers are closest to their
-    registers)."""
+    kernels (the forward over a cache at d64 with softcap, at its allowance under NVRTC 13.0)."""
     if family == "sm80":
         return [
             dispatch.forward_kernel("sm80", 64, "none", "float16"),
@@ -82,7 +80,7 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
             *dispatch.kvcache_kernels("bfloat16", 256),
             *dispatch.kvcache_kernels("float16", 64, "float8_e4m3fn"),
             dispatch.combine_kernel("float16"),
-            dispatch.kvcache_prefill_kernel("sm80", "bfloat16", 64, dispatch.Mask("window", -1, -1, 30.0)),
+            dispatch.kvcache_prefill_kernel("bfloat16", 64, dispatch.Mask("window", -1, -1, 30.0)),
         ]
     return [
         dispatch.forward_kernel("sm90", 64, "causal", "float16", short=True),
@@ -92,7 +90,6 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
         dispatch.forward_kernel("sm90", 256, "window", "float8_e4m3fn", softcap=True, out_dtype="bfloat16"),
         dispatch.backward_kernels("sm90", 64, "causal", "float16", dq_order="walk")[1],
         dispatch.backward_kernels("sm90", 128, "window", "bfloat16", softcap=True, dq_order="turns")[1],
-        dispatch.kvcache_prefill_kernel("sm90", "float16", 192, dispatch.Mask("window", -1, -1, 30.0)),
     ]
 
 

@@ -58,9 +58,8 @@ __all__ = [
     "forward_launch",
     "helper_grid",
     "kvcache_prefill",
+    "kvcache_prefill_grid",
     "kvcache_prefill_kernel",
-    "kvcache_prefill_kernels",
-    "kvcache_prefill_launch",
     "quantize_kernel",
     "head_dim_bucket",
     "make_mask",
@@ -89,8 +88,7 @@ def _mask_flags(mask: str, softcap_in_window: bool) -> tuple[bool, bool]:
     softcap measured 2-14% slower than the window kernel. sm90's forward caps scores in each
     mask's own kernel, where causal keeps its grid order and unmasked steps (key blocks that no
     row's mask cuts, which skip the per-element mask), and d64 its third consumer
-    (forward_kernel); but its forward over a KV cache takes the window kernel too: beside the
-    gathering producer, the causal one with softcap spilled 8 bytes at d128 (NVRTC 13.0)."""
+    (forward_kernel)."""
     return mask == "causal" and not softcap_in_window, mask == "window" or softcap_in_window
 
 
@@ -145,10 +143,9 @@ SM90_FWD_TILES = {
     256: Tile(128, 64, 12, stages=2),  # Q 64 KB + 2 x (K 32 KB + V 32 KB) = 192 KB
 }
 # d64 with two consumers (128-row tiles) where a third does not pay: softcap in the window kernel,
-# whose tanh and bounds push three consumers past their 160 registers (132 B of spills), for
+# whose tanh and bounds push three consumers past their 160 registers (132 B of spills), and for
 # causal masks over short sequences (``short``: at most SM90_SHORT_ROWS query rows), where the
-# 192-row tiles waste more on the diagonal than the third warpgroup gains, and in the paged kernel,
-# whose gathering producer leaves three consumers 152 registers (48 B of spills).
+# 192-row tiles waste more on the diagonal than the third warpgroup gains.
 SM90_NARROW_TILES = {64: Tile(128, 128, 12, stages=4)}
 SM90_SHORT_ROWS = 1024
 # Unmasked kernels (mask "none", no softcap) at d128, d192 and d256 take wider key blocks: fewer
@@ -289,9 +286,7 @@ def forward_kernel(
     sm90 also takes wider key blocks without a mask or softcap, SM90_WIDE_TILES). ``dtype_name``
     is the inputs' dtype; an FP8_TYPES one takes ``out_dtype``, float16 or bfloat16, for the
     output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES). ``paged``: the
-    kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only; sm90's takes
-    SM90_FWD_TILES' key blocks whatever the mask (beside its gathering producer's registers the
-    wide tiles spill at d192 and d256) and at d64 two consumers (SM90_NARROW_TILES).
+    sm80 kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only.
 
     Which kernel serves a softcap: _mask_flags.
     """
@@ -300,10 +295,10 @@ def forward_kernel(
     if mask not in MASKS:
         raise ValueError(f"mask: expected one of {MASKS}, got {mask!r}")
     bucket = head_dim_bucket(head_dim)
-    causal, window = _mask_flags(mask, softcap and (family == "sm80" or paged))
+    causal, window = _mask_flags(mask, softcap and family == "sm80")
     fp8 = dtype_name in FP8_TYPES
-    if paged and fp8:
-        raise ValueError(f"paged: the KV-cache forward is a 16-bit kernel, not one for {dtype_name}")
+    if paged and (family != "sm80" or fp8):
+        raise ValueError(f"paged: the KV-cache forward is sm80's 16-bit kernel, not {family}'s for {dtype_name}")
     if fp8 and out_dtype not in ELEMENT_TYPES:
         raise ValueError(f"out_dtype: expected one of {tuple(ELEMENT_TYPES)} for {dtype_name} inputs, "
                          f"got {out_dtype!r}")
@@ -314,9 +309,8 @@ def forward_kernel(
         flags += f", {types}, true"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
-        narrow = (softcap and window) or (causal and short) or paged
-        wide = (mask == "none" and not softcap and not paged
-                and not (short and kernel_dim in SM90_WIDE_LONG_ONLY))
+        narrow = (softcap and window) or (causal and short)
+        wide = mask == "none" and not softcap and not (short and kernel_dim in SM90_WIDE_LONG_ONLY)
         tables = ((SM90_FP8_NARROW_TILES, SM90_FP8_WIDE_TILES, SM90_FP8_FWD_TILES) if fp8
                   else (SM90_NARROW_TILES, SM90_WIDE_TILES, SM90_FWD_TILES))
         special = tables[0] if narrow else tables[1] if wide else {}
@@ -456,9 +450,9 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         choice = forward_kernel(family, bucket, mask, "float8_e4m3fn", softcap, short=short,
                                                 out_dtype=out_dtype)
                         found.setdefault(choice.name_expression, choice)
-    # The KV cache kernels last: sm80's, which run on every device, or sm90's forward over a cache.
-    for choice in kvcache_all_kernels() if family == "sm80" else kvcache_prefill_kernels("sm90"):
-        found.setdefault(choice.name_expression, choice)
+    if family == "sm80":  # the KV cache kernels, sm80's on every device, last
+        for choice in kvcache_all_kernels():
+            found.setdefault(choice.name_expression, choice)
     return list(found.values())
 
 
@@ -730,16 +724,9 @@ def kvcache_all_kernels() -> list[KernelChoice]:
     found = [k for dtype in ELEMENT_TYPES for cache in (dtype, *FP8_TYPES) for bucket in KV_BUCKETS
              for k in kvcache_kernels(dtype, bucket, cache)]
     found += [combine_kernel(out_dtype) for out_dtype in COMBINE_TYPES]
-    found += kvcache_prefill_kernels("sm80")  # the forward over the cache
-    return list({k.name_expression: k for k in found}.values())
-
-
-def kvcache_prefill_kernels(family: str) -> list[KernelChoice]:
-    """Every forward over a KV cache of ``family`` (sm80's softcap kernels take every mask,
-    _mask_flags)."""
-    buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
-    found = [kvcache_prefill_kernel(family, dtype, bucket, Mask(mask, -1, -1, float(softcap)))
-             for bucket in buckets for dtype in ELEMENT_TYPES for mask in MASKS for softcap in (False, True)]
+    # The forward over the cache; sm80's softcap kernels take every mask (_mask_flags).
+    found += [kvcache_prefill_kernel(dtype, bucket, Mask(mask, -1, -1, float(softcap))) for bucket in HEAD_DIM_BUCKETS
+              for dtype in ELEMENT_TYPES for mask in MASKS for softcap in (False, True)]
     return list({k.name_expression: k for k in found}.values())
 
 
@@ -800,32 +787,18 @@ def kvcache_prefill(call, q, cache) -> bool:
     return bool(call.rotary_dim) or q.aligned_16
 
 
-def kvcache_prefill_kernel(family: str, dtype: str, head_dim: int, mask: Mask) -> KernelChoice:
-    """``family``'s forward that reads K and V from a KV cache (FwdParamsPaged) through its page
-    table: sm80's by cp.async in every thread, sm90's by cp.async in the producer warpgroup, which
-    follows a page table's scattered rows where TMA's boxes of one sequence's rows cannot (Q keeps
-    its TMA copy). sm90's tile depends on no length (forward_kernel)."""
-    return forward_kernel(family, head_dim, mask.kind, dtype, bool(mask.softcap), paged=True)
+def kvcache_prefill_kernel(dtype: str, head_dim: int, mask: Mask) -> KernelChoice:
+    """The sm80 forward that reads K and V from a KV cache (FwdParamsPaged), on every device: the
+    sm90 forward's TMA loads take whole BLOCK_N-row boxes of one sequence, which a page table
+    scatters."""
+    return forward_kernel("sm80", head_dim, mask.kind, dtype, bool(mask.softcap), paged=True)
 
 
-def kvcache_prefill_launch(family: str, q, mask: Mask, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                           device: int) -> ForwardLaunch:
-    """The forward over a KV cache on a device of ``family`` and its grid, as forward_launch's,
-    over ``batch`` sequences of at most ``max_seqlen_q`` query rows (q a DeviceTensor, BSHD; a
-    packed q as a batch-of-one view) and ``max_seqlen_k`` keys: sm90's where a tensor map
-    describes q, else sm80's."""
-    choice = kvcache_prefill_kernel(family, q.dtype, q.shape[3], mask)
-    if choice.family == "sm90" and not tma_ready(q):
-        choice = kvcache_prefill_kernel("sm80", q.dtype, q.shape[3], mask)
+def kvcache_prefill_grid(choice: KernelChoice, heads: int, batch: int, max_seqlen_q: int) -> tuple[int, int, int]:
+    """The forward's grid (forward_launch's sm80 order) over ``batch`` sequences of at most
+    ``max_seqlen_q`` query rows."""
     m_blocks = -(-max_seqlen_q // choice.tile.block_m)
-    heads = q.shape[2]
-    if choice.family == "sm90":
-        tiles = m_blocks * heads * batch
-        if tiles >= 2**31:
-            raise ValueError(f"q: {tiles} query tiles exceed the sm90 forward's int32 tile index")
-        unequal = sm90_tiles_unequal(mask, True)  # sequences of their own lengths, cached and new
-        return ForwardLaunch(choice, (max(1, sm90_ctas(unequal, max_seqlen_k, tiles, device)), 1, 1), m_blocks)
     grid = (heads, batch, m_blocks) if choice.blocks_slowest else (m_blocks, heads, batch)
     if max(grid[1:]) > MAX_GRID_YZ:
         raise ValueError(f"q: {batch} sequences of {max_seqlen_q} rows and {heads} heads exceed the forward's grid")
-    return ForwardLaunch(choice, grid, m_blocks)
+    return grid

@@ -116,7 +116,7 @@ def pack_fwd_params_paged(q, k_cache, v_cache, out, lse, softmax_scale: float, w
 
 
 # cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, FwdParams (FwdParamsFp8 for e4m3
-# inputs, FwdParamsPaged for a KV cache), the persistent grid's tiles.
+# inputs), the persistent grid's tiles.
 def _sm90_forward_dtype(base: np.dtype) -> np.dtype:
     return tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP), ("base", base),
                             ("m_blocks", np.int32), ("heads", np.int32), ("batches", np.int32), ("tiles", np.int32)])
@@ -126,11 +126,6 @@ FWD_PARAMS_SM90 = _sm90_forward_dtype(FWD_PARAMS)
 FWD_PARAMS_SM90_SIZE = 640  # sizeof(FwdParamsSm90)
 FWD_PARAMS_SM90_FP8 = _sm90_forward_dtype(FWD_PARAMS_FP8)
 FWD_PARAMS_SM90_FP8_SIZE = 704  # sizeof(FwdParamsSm90Of<FwdParamsFp8>)
-FWD_PARAMS_SM90_PAGED = _sm90_forward_dtype(FWD_PARAMS_PAGED)
-FWD_PARAMS_SM90_PAGED_SIZE = 704  # sizeof(FwdParamsSm90Of<FwdParamsPaged>)
-# Per base struct: the sm90 struct around it and the pointers each fill takes after FWD_POINTERS.
-_SM90_FORWARD_LAYOUTS = {FWD_PARAMS: (FWD_PARAMS_SM90, ()), FWD_PARAMS_FP8: (FWD_PARAMS_SM90_FP8, FWD_DESCALES),
-                         FWD_PARAMS_PAGED: (FWD_PARAMS_SM90_PAGED, FWD_CACHE_POINTERS)}
 
 
 def tma_view(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -173,19 +168,18 @@ def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: in
     """The FwdParamsSm90 argument for repeated launches: tensor maps of q (boxes of ``block_m``
     rows of one head's 64-column panel, sm90/fwd_params.cuh) and of k and v (``block_n`` rows),
     then ``packed``, pack_fwd_params' struct for the same call (or pack_fwd_params_fp8's, whose
-    descale pointers each fill takes after FWD_POINTERS; or pack_fwd_params_paged's, with
-    FWD_CACHE_POINTERS and k and v None: a KV cache is gathered without maps, which stay zero),
-    then ``tiles`` (query blocks, heads, batches). The maps hold the addresses, so each fill
-    encodes them again (cached per address)."""
-    layout, more_pointers = _SM90_FORWARD_LAYOUTS[packed.dtype]
-    struct = np.zeros(1, layout)
+    descale pointers each fill takes after FWD_POINTERS), then ``tiles`` (query blocks, heads,
+    batches). The maps hold the addresses, so each fill encodes them again (cached per
+    address)."""
+    fp8 = packed.dtype == FWD_PARAMS_FP8
+    struct = np.zeros(1, FWD_PARAMS_SM90_FP8 if fp8 else FWD_PARAMS_SM90)
     struct["base"] = packed
     m_blocks, heads, batches = tiles
     struct["m_blocks"], struct["heads"], struct["batches"] = tiles
     struct["tiles"] = m_blocks * heads * batches
-    mapped = [("q", q, block_m)] + ([("k", k, block_n), ("v", v, block_n)] if k is not None else [])
-    return ArgumentBuffer(struct, FWD_POINTERS, within="base", tensor_maps=_map_fields(FWD_POINTERS, *mapped),
-                          more_pointers=more_pointers)
+    maps = _map_fields(FWD_POINTERS, ("q", q, block_m), ("k", k, block_n), ("v", v, block_n))
+    return ArgumentBuffer(struct, FWD_POINTERS, within="base", tensor_maps=maps,
+                          more_pointers=FWD_DESCALES if fp8 else ())
 
 
 def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, block_m: int, block_n: int) -> ArgumentBuffer:

@@ -454,7 +454,7 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
               if append_rows and (k is not None or call.rotary_dim) else None)
     decode = (kernels.prepare(decode_choice, arch, q.device, (splits * row_tiles, call.heads_kv, call.batch))
               if rows and not prefill else None)
-    forward_choice, forward = _kvcache_forward(call, tensors, ints, target) if prefill else (decode_choice, None)
+    forward_choice, forward = _kvcache_forward(call, tensors, ints, arch) if prefill else (decode_choice, None)
     combine = combine_argument = None
     lse_shape = (call.heads, rows) if call.varlen else (call.batch, call.heads, call.max_seqlen_q)
     if splits > 1:
@@ -475,13 +475,13 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
                        argument, combine_argument, out_shape, lse_shape, tuple(offsets), end)
 
 
-def _kvcache_forward(call, tensors: tuple, ints: dict, target: tuple) -> tuple:
-    """(the forward kernel's KernelChoice, its launch and FwdParamsPaged argument, sm90's inside
-    FwdParamsSm90Of) of a call that dispatch.kvcache_prefill sends to the forward kernel over the
-    updated cache: q (or its rotated copy in the scratch, contiguous) against every cached and
-    appended key of each sequence, on ``target``'s (family, capability) device."""
+def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
+    """(the forward kernel's KernelChoice, its launch and FwdParamsPaged argument) of a call that
+    dispatch.kvcache_prefill sends to the forward kernel over the updated cache: q (or its rotated
+    copy in the scratch, contiguous) against every cached and appended key of each sequence."""
     q, kc, vc, k, table, idx = tensors[0], tensors[1], tensors[2], tensors[3], tensors[6], tensors[7]
     mask = dispatch.make_mask(call.causal, call.window, call.softcap, call.max_seqlen_q, call.capacity)
+    choice = dispatch.kvcache_prefill_kernel(q.dtype, call.head_dim, mask)
     batch = call.batch
     # A packed q is one sequence of all rows (batch stride 0), each found by cu_seqlens_q.
     shape = (1, *q.shape) if call.varlen else tuple(q.shape)
@@ -497,16 +497,9 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, target: tuple) -> tuple:
     pages = (table.strides[0], call.page_size) if table is not None else (1 if idx is not None else 0, call.capacity)
     cache = (*pages, ints["cache_seqlens_scalar"], new_keys)
     packed = pack_fwd_params_paged(q4, kc, vc, out4, lse, call.scale, mask.window, call.softcap, call.varlen, cache)
-    (family, capability), device = target, q.device
-    launch = dispatch.kvcache_prefill_launch(family, q4, mask, batch, call.max_seqlen_q, call.capacity, device)
-    choice = launch.kernel
-    if choice.family == "sm90":
-        argument = sm90_forward_argument(packed, q4, None, None, choice.tile.block_m, choice.tile.block_n,
-                                         (launch.m_blocks, call.heads, batch))
-    else:
-        argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_CACHE_POINTERS)
-    arch = dispatch.compile_arch(choice.family, capability)
-    return choice, (kernels.prepare(choice, arch, device, launch.grid), argument)
+    argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_CACHE_POINTERS)
+    grid = dispatch.kvcache_prefill_grid(choice, call.heads, batch, call.max_seqlen_q)
+    return choice, (kernels.prepare(choice, arch, q.device, grid), argument)
 
 
 @dataclass(frozen=True, eq=False)

@@ -106,8 +106,7 @@ def test_every_fp8_instantiation_is_listed_after_the_16bit_kernels():
     fp8 = [n for n in names if n.endswith("cuflash::e4m3>")]
     assert len(fp8) == len(dispatch.HEAD_DIM_BUCKETS) * len(dispatch.ELEMENT_TYPES) * 4
     assert names[-len(fp8):] == fp8
-    paged = {c.name_expression for c in dispatch.kvcache_prefill_kernels("sm90")}
-    names = [c.name_expression for c in dispatch.all_kernels("sm90") if c.name_expression not in paged]
+    names = [c.name_expression for c in dispatch.all_kernels("sm90")]
     fp8 = [n for n in names if n.endswith("cuflash::e4m3>")]
     # As for 16-bit inputs: kernel head dims x output dtypes x three masks x softcap or not, d64's
     # two-consumer causal (with and without softcap) and d128's unmasked short calls.

@@ -8,9 +8,8 @@ import contextlib
 import numpy as np
 import pytest
 
-from cuflash import checks, dispatch, interop, kernels, params, plan, tma
-from cuflash.params import (COMBINE_PARAMS, FWD_PARAMS_PAGED, FWD_PARAMS_PAGED_SIZE, FWD_PARAMS_SM90_PAGED,
-                            FWD_PARAMS_SM90_PAGED_SIZE, KV_PARAMS)
+from cuflash import checks, dispatch, interop, kernels, plan
+from cuflash.params import COMBINE_PARAMS, FWD_PARAMS_PAGED, FWD_PARAMS_PAGED_SIZE, KV_PARAMS
 from kvcache_cases import make_case
 
 
@@ -36,17 +35,6 @@ def recorder(monkeypatch):
     monkeypatch.setattr(interop, "allocate", lambda framework, like, shape, dtype=None: (np.empty(shape), 4096))
     monkeypatch.setattr(interop, "scratch", lambda framework, like, nbytes: (None, 1 << 20))
     return launches
-
-
-@pytest.fixture
-def sm90_recorder(recorder, monkeypatch):
-    """recorder on an sm90 device of 132 SMs, whose tensor maps are encoded as their addresses."""
-    monkeypatch.setattr(dispatch, "device_target", lambda device: ("sm90", (9, 0)))
-    monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
-    monkeypatch.setattr(tma, "encode_tiled", lambda args: args.address.to_bytes(8, "little") + bytes(120))
-    params._tensor_map.cache_clear()
-    yield recorder
-    params._tensor_map.cache_clear()  # no fake map may outlive the test
 
 
 def planned(args, **options):
@@ -103,34 +91,20 @@ def test_filled_gpu_decode_runs_unsplit(recorder):
     assert p["num_splits"] == 1 and p["lse"] == 0 and p["out_partial"] == 0
 
 
-# sm80's causal grid: (heads, batch, blocks); sm90's: 3 query blocks x 8 heads x 3 sequences,
-# unequal over 1024 keys, one CTA per tile.
-@pytest.mark.parametrize("family, grid", [("sm80", (8, 3, 3)), ("sm90", (72, 1, 1))])
-def test_chunked_prefill_runs_the_forward_over_the_paged_cache(request, family, grid):
-    launches = request.getfixturevalue("sm90_recorder" if family == "sm90" else "recorder")
+def test_chunked_prefill_runs_the_forward_over_the_paged_cache(recorder):
     r = np.random.default_rng(2)
     args = make_case(r, batch=3, seqlen_q=300, heads=8, heads_kv=2, head_dim=128, capacity=1024, page_size=16, new=1,
                      varlen=True, dtype=np.float16, rotary="interleaved")
     built, tensors = planned(args, causal=True)
     out, lse = built.launch("cupy", tensors, (None,), (None,), True)
-    (append, _), (forward, f_arg) = launches  # no decode, no combine
+    (append, _), (forward, f_arg) = recorder  # no decode, no combine
     assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>"
-    expected = dispatch.kvcache_prefill_kernel(family, "float16", 128, dispatch.Mask("causal", -1, 0, 0.0))
-    assert forward == (expected.name_expression, grid, expected.smem_bytes)
+    expected = dispatch.kvcache_prefill_kernel("float16", 128, dispatch.Mask("causal", -1, 0, 0.0))
+    assert forward == (expected.name_expression, (8, 3, 3), expected.smem_bytes)  # causal: (heads, batch, blocks)
     assert built.attention == expected.name_expression and forward[0].endswith("cuflash::f16, true>")
-    assert f"flash_fwd_{family}" in built.attention
-    if family == "sm90":
-        assert len(f_arg) == FWD_PARAMS_SM90_PAGED_SIZE
-        s = np.frombuffer(f_arg, FWD_PARAMS_SM90_PAGED)[0]
-        assert (s["m_blocks"], s["heads"], s["batches"], s["tiles"]) == (3, 8, 3, 72)
-        # Q's map over the rotated copy; the cache is gathered, its maps left zero.
-        assert int.from_bytes(bytes(s["q"])[:8], "little") == 1 << 20
-        assert not any(bytes(s["k"])) and not any(bytes(s["v"]))
-        p = s["base"]
-    else:
-        assert len(f_arg) == FWD_PARAMS_PAGED_SIZE
-        p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
+    p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
     total = args["q"].shape[0]
+    assert len(f_arg) == FWD_PARAMS_PAGED_SIZE
     assert p["q"] == 1 << 20 and p["q_batch_stride"] == 0 and p["q_row_stride"] == 8 * 128  # the rotated copy
     assert p["k"] == 2048 and p["v"] == 3072 and p["o"] == 4096 and p["lse"] == 4096
     assert p["cu_seqlens_q"] == 1024 * 10 and p["seq_end_q"] == 1024 * 10 + 4 and p["cu_seqlens_k"] == 0
@@ -142,22 +116,16 @@ def test_chunked_prefill_runs_the_forward_over_the_paged_cache(request, family, 
     assert out.shape == args["q"].shape and lse.shape == (8, total)
 
 
-# sm80: (blocks, heads, batch); sm90: 2 query blocks x 4 heads x 2 sequences, persistent over at
-# most 1024 keys.
-@pytest.mark.parametrize("family, grid", [("sm80", (2, 4, 2)), ("sm90", (16, 1, 1))])
-def test_prefill_of_a_contiguous_cache_reads_q_in_place(request, family, grid):
-    launches = request.getfixturevalue("sm90_recorder" if family == "sm90" else "recorder")
+def test_prefill_of_a_contiguous_cache_reads_q_in_place(recorder):
     r = np.random.default_rng(3)
     args = make_case(r, batch=2, seqlen_q=200, heads=4, heads_kv=4, head_dim=64, capacity=512, new=200,
                      dtype=np.float16)
     built, tensors = planned(args, window=(100, 10))
     built.launch("cupy", tensors, (None,), (None,), False)
-    (append, _), (forward, f_arg) = launches
-    assert f"flash_fwd_{family}<64," in forward[0]
+    (append, _), (forward, f_arg) = recorder
     assert "true, false, cuflash::f16, cuflash::f16, true>" in forward[0]  # the window kernel
-    assert forward[1] == grid
-    p = np.frombuffer(f_arg, FWD_PARAMS_SM90_PAGED)[0]["base"] if family == "sm90" else \
-        np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
+    assert forward[1] == (2, 4, 2)  # (blocks, heads, batch)
+    p = np.frombuffer(f_arg, FWD_PARAMS_PAGED)[0]
     assert p["q"] == 1024 and tuple(p[f"q_{s}_stride"] for s in ("batch", "row", "head")) == (200 * 4 * 64, 256, 64)
     assert p["page_table"] == 0 and p["k_batch_stride"] == 512 * 4 * 64 and p["new_keys"] == 200
     assert p["page_size"] == 512
@@ -219,47 +187,12 @@ def test_prefill_takes_no_unaligned_q(recorder):
     assert dispatch.kvcache_prefill(call, q._replace(ptr=1024), kc)
 
 
-@pytest.mark.parametrize("family", dispatch.FAMILIES)
-def test_paged_forward_is_16bit_only(family):
+def test_paged_forward_is_sm80_and_16bit_only():
     with pytest.raises(ValueError, match="paged"):
-        dispatch.forward_kernel(family, 128, "none", "float8_e4m3fn", out_dtype="bfloat16", paged=True)
+        dispatch.forward_kernel("sm90", 128, "none", "bfloat16", paged=True)
+    with pytest.raises(ValueError, match="paged"):
+        dispatch.forward_kernel("sm80", 128, "none", "float8_e4m3fn", out_dtype="bfloat16", paged=True)
     assert FWD_PARAMS_PAGED.itemsize == FWD_PARAMS_PAGED_SIZE
-    assert FWD_PARAMS_SM90_PAGED.itemsize == FWD_PARAMS_SM90_PAGED_SIZE
-    assert FWD_PARAMS_SM90_PAGED.fields["base"][1] == 3 * tma.TENSOR_MAP_BYTES
-
-
-@pytest.mark.parametrize("head_dim, block_m, block_n", [(64, 128, 128), (96, 128, 128), (128, 128, 128),
-                                                        (192, 128, 64), (256, 128, 64)])
-@pytest.mark.parametrize("mask", dispatch.MASKS)
-def test_sm90_paged_forward_keeps_whole_gather_passes(head_dim, block_m, block_n, mask):
-    # The masked tables' key blocks even unmasked (no 176-key wide tile), two consumers at d64.
-    choice = dispatch.kvcache_prefill_kernel("sm90", "bfloat16", head_dim, dispatch.Mask(mask, -1, -1, 0.0))
-    assert choice.family == "sm90" and (choice.tile.block_m, choice.tile.block_n) == (block_m, block_n)
-    assert choice.name_expression.endswith("cuflash::bf16, cuflash::bf16, true>")
-
-
-@pytest.mark.parametrize("mask", dispatch.MASKS)
-def test_sm90_paged_softcap_runs_the_window_kernel(mask):
-    choice = dispatch.kvcache_prefill_kernel("sm90", "float16", 128, dispatch.Mask(mask, -1, -1, 30.0))
-    assert "false, true, true, cuflash::f16, cuflash::f16, true>" in choice.name_expression  # window, softcap
-    assert not choice.blocks_slowest
-
-
-def test_sm90_paged_kernels_listed_last_for_the_compile_check():
-    names = [c.name_expression for c in dispatch.all_kernels("sm90")]
-    paged = [c.name_expression for c in dispatch.kvcache_prefill_kernels("sm90")]
-    # 4 kernel head dims, 2 dtypes, 3 masks and softcap's (the window kernel for every mask)
-    assert names[-len(paged):] == paged and len(paged) == 4 * 2 * 4
-    assert all("flash_fwd_sm90" in name and name.endswith(", true>") for name in paged)
-
-
-def test_sm90_prefill_falls_back_where_no_tensor_map_fits_q(sm90_recorder):
-    r = np.random.default_rng(23)
-    args = make_case(r, batch=2, seqlen_q=200, heads=4, heads_kv=2, capacity=512, page_size=64, new=0,
-                     dtype=np.float16)
-    args["q"] = np.broadcast_to(args["q"][:, :, :1], args["q"].shape)  # heads broadcast: stride 0
-    built, _ = planned(args)
-    assert "flash_fwd_sm80" in built.attention and built.attention.endswith("cuflash::f16, cuflash::f16, true>")
 
 
 def test_explicit_splits_honoured():

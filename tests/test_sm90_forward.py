@@ -121,11 +121,8 @@ def test_sm90_dispatch():
     tile = dispatch.Tile(128, 64, 12, stages=2)
     assert dispatch.forward_kernel("sm90", 256, "none", "bfloat16", tile=tile).tile == tile
     # Kernel head dims x dtypes x three masks x softcap or not, d64's two-consumer causal (with and
-    # without softcap) and d128's unmasked short calls; as many of e4m3 inputs (tests/test_fp8_plan.py);
-    # the forwards over a KV cache (tests/test_kvcache_plan.py).
-    paged = [c for c in SM90_FORWARD if c.name_expression.endswith(", true>")]
-    assert len([c for c in SM90_FORWARD if not c.name_expression.endswith("e4m3>")]) - len(paged) == \
-        4 * 2 * 3 * 2 + 2 * 2 + 2
+    # without softcap) and d128's unmasked short calls; as many of e4m3 inputs (tests/test_fp8_plan.py).
+    assert len([c for c in SM90_FORWARD if not c.name_expression.endswith("e4m3>")]) == 4 * 2 * 3 * 2 + 2 * 2 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     # The sm90 backward main kernel: head dims up to 128, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")

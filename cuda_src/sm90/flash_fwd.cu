@@ -11,10 +11,6 @@
 // producer warpgroup's otherwise idle warps (VTranspose), because 8-bit wgmma reads its B operand
 // K-major only and V arrives keys x head_dim. The descales scale the scores (common/fp8.cuh,
 // ScoreScales) and the final O; the output is Elem.
-//
-// PAGED kernels read K and V from a KV cache (FwdParamsPaged): the whole producer warpgroup
-// gathers their rows through the page table by cp.async (sm90/kv_pages.cuh), while Q keeps its
-// TMA copy.
 #include "common/fp8.cuh"
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
@@ -22,7 +18,6 @@
 #include "common/softmax.cuh"
 #include "common/types.cuh"
 #include "sm90/fwd_params.cuh"
-#include "sm90/kv_pages.cuh"
 #include "sm90/mbarrier.cuh"
 #include "sm90/tiles.cuh"
 #include "sm90/tma.cuh"
@@ -35,9 +30,8 @@ constexpr int kConsumerRows = 64;  // one wgmma M per consumer warpgroup
 constexpr int kEpilogueBarrier = 1;   // named barrier ids 1..CONSUMERS: one per consumer warpgroup
 constexpr int kSchedulerBarrier = 4;  // ids 4..3 + CONSUMERS: consumer c's turn to issue wgmma (PingPong)
 
-// The CTA's warpgroups: the producer, then CONSUMERS consumers of 64 query rows each. BUSY_PRODUCER:
-// the producer's warps do more than one thread's TMA copies (FP8's transpose, PAGED's gather).
-template <int CONSUMERS, bool BUSY_PRODUCER, bool LEAN_PRODUCER>
+// The CTA's warpgroups: the producer, then CONSUMERS consumers of 64 query rows each.
+template <int CONSUMERS, bool FP8, bool LEAN_PRODUCER>
 struct Warpgroups {
   static_assert(CONSUMERS == 2 || CONSUMERS == 3, "named barrier ids above are laid out for at most 3");
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
@@ -50,16 +44,10 @@ struct Warpgroups {
   // keep 56, which leaves the consumers 224 and 152: at 40 (consumers 232) the producer spilled
   // under NVRTC 13.0 in every FP8 instantiation with 128-key blocks. LEAN_PRODUCER keeps 40 where
   // the consumers need the 8 more: d192 under a window mask spilled at 224 (NVRTC 13.5: 4 bytes).
-  // The paged gather keeps 56: at 40 it spilled 12-56 bytes at every head dim (NVRTC 13.5), while
-  // its consumers fit in 224, d192 under a window included.
-  static constexpr int PRODUCER_REGISTERS = BUSY_PRODUCER ? (LEAN_PRODUCER ? 40 : 56) : 24;
+  static constexpr int PRODUCER_REGISTERS = FP8 ? (LEAN_PRODUCER ? 40 : 56) : 24;
   static constexpr int CONSUMER_REGISTERS =
       (65536 / THREADS + (65536 / THREADS - PRODUCER_REGISTERS) / CONSUMERS) / 8 * 8;
 };
-
-// Which kernels' busy producers keep 40 registers (Warpgroups says why).
-template <int HEAD_DIM, bool WINDOW, bool PAGED>
-constexpr bool kLeanProducer = !PAGED && HEAD_DIM == 192 && WINDOW;
 
 // FlashAttention-3's ping-pong: the consumer warpgroups take turns, round robin, issuing their
 // wgmma, so the tensor cores run one warpgroup's Q K^T and P V while the others compute their
@@ -244,8 +232,7 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& p, int tile) {
 // zero-fills the rest, and the epilogue stores only real columns). CONSUMERS: consumer
 // warpgroups, 64 query rows each. BLOCK_N keys per step, STAGES deep K/V ring. CAUSAL, WINDOW: the
 // mask (common/mask.cuh); SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16,
-// the output's type. Input: the type of q, k and v, and of the products: Elem or e4m3. PAGED: k
-// and v are a KV cache (FwdParamsPaged), 16-bit only, gathered by the producer warpgroup.
+// the output's type. Input: the type of q, k and v, and of the products: Elem or e4m3.
 //
 // Persistent: the CTAs walk the tiles round robin (tile_coord); the host sizes the grid (one CTA
 // per SM for equal tiles, one per tile where a mask makes them unequal and the hardware's block
@@ -259,13 +246,11 @@ __device__ __forceinline__ TileCoord tile_coord(const Params& p, int tile) {
 // other exchange. SMEM_BYTES: the dynamic shared memory the host launches with
 // (dispatch.forward_kernel), checked against Smem below.
 template <int HEAD_DIM, int CONSUMERS, int BLOCK_N, int STAGES, int Q_BUFFERS, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
-          bool SOFTCAP, class Elem, class Input = Elem, bool PAGED = false>
-__global__ void __launch_bounds__(
-    Warpgroups<CONSUMERS, InputStorage<Input>::fp8 || PAGED, kLeanProducer<HEAD_DIM, WINDOW, PAGED>>::THREADS, 1)
-    flash_fwd_sm90(const __grid_constant__ FwdArgsSm90<Input, PAGED> p) {
+          bool SOFTCAP, class Elem, class Input = Elem>
+__global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8, HEAD_DIM == 192 && WINDOW>::THREADS, 1)
+    flash_fwd_sm90(const __grid_constant__ FwdArgsSm90<Input> p) {
   constexpr bool FP8 = InputStorage<Input>::fp8;
-  static_assert(!(FP8 && PAGED), "a KV cache is read by the 16-bit kernels only");
-  using Groups = Warpgroups<CONSUMERS, FP8 || PAGED, kLeanProducer<HEAD_DIM, WINDOW, PAGED>>;
+  using Groups = Warpgroups<CONSUMERS, FP8, HEAD_DIM == 192 && WINDOW>;
   constexpr int kBlockM = Groups::BLOCK_M;
   using Smem = FwdSmem<HEAD_DIM, kBlockM, BLOCK_N, STAGES, Q_BUFFERS, FP8>;
   static_assert(Q_BUFFERS == 1 || Q_BUFFERS == 2, "one Q buffer, or two taken by tile parity");
@@ -273,19 +258,10 @@ __global__ void __launch_bounds__(
   constexpr int NT = BLOCK_N / 8;   // 8-key column tiles of S
   constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of O
   constexpr int KSLICES = FP8 ? NT / 4 : NT / 2;  // k-slices of P V: 32 keys for e4m3, else 16
-  // FwdParams, FwdParamsFp8 with the descales, or FwdParamsPaged with the page table.
-  typedef typename FwdArgs<Input, PAGED>::type Base;
+  typedef typename FwdArgs<Input>::type Base;  // FwdParams, or FwdParamsFp8 with the descales
   const Base& a = p.base;
-  const auto sequence = [&](int batch) {
-    if constexpr (PAGED) {
-      return cached_sequence_of(a, batch);
-    } else {
-      return sequence_of(a, batch);
-    }
-  };
 
-  // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes; a PAGED kernel's K
-  // and V stages: one arrival per producer thread once its copies have landed. Empty barriers:
+  // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
   // one arrival per consumer warp once its warpgroup is done with the buffer (for K and V: its
   // wgmma have read the stage; for Q: its epilogue has read O back out of Q's buffer). e4m3: V's
   // stages go to the transposing warps (v_empty: one arrival per warp once it has read the stage),
@@ -310,8 +286,8 @@ __global__ void __launch_bounds__(
     }
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(&k_full[s], PAGED ? 128 : 1);
-      mbarrier_init(&v_full[s], PAGED ? 128 : 1);
+      mbarrier_init(&k_full[s], 1);
+      mbarrier_init(&v_full[s], 1);
       mbarrier_init(&k_empty[s], CONSUMERS * 4);
       mbarrier_init(&v_empty[s], FP8 ? Transpose::WARPS : CONSUMERS * 4);
       if constexpr (FP8) {
@@ -325,8 +301,8 @@ __global__ void __launch_bounds__(
   __syncthreads();
 
   if (threadIdx.x < 128) {
-    // Producer warpgroup. Only thread 0 issues copies (PAGED: copies Q, while all four warps gather
-    // K and V); for e4m3 warps 1-3 transpose V; the rest give their registers away and leave.
+    // Producer warpgroup. Only thread 0 issues copies; for e4m3 warps 1-3 transpose V; the rest
+    // give their registers away and leave.
     setmaxnreg_dec<Groups::PRODUCER_REGISTERS>();
     if constexpr (FP8) {
       if (threadIdx.x >= 32) {
@@ -336,7 +312,7 @@ __global__ void __launch_bounds__(
         RingPosition<STAGES> pos;
         for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
           const TileCoord c = tile_coord<CAUSAL>(p, tile);
-          const Sequence seq = sequence(c.batch);
+          const Sequence seq = sequence_of(a, c.batch);
           if (c.m_block * kBlockM >= seq.seqlen_q) continue;
           const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
           const BlockRange n_range = key_blocks<kBlockM, BLOCK_N>(mask, c.m_block);
@@ -359,18 +335,15 @@ __global__ void __launch_bounds__(
         return;
       }
     }
-    if (!PAGED && threadIdx.x != 0) return;
-    const bool copies_q = !PAGED || threadIdx.x == 0;
-    if (copies_q) prefetch_tensor_map(&p.q);
-    if constexpr (!PAGED) {
-      prefetch_tensor_map(&p.k);
-      prefetch_tensor_map(&p.v);
-    }
+    if (threadIdx.x != 0) return;
+    prefetch_tensor_map(&p.q);
+    prefetch_tensor_map(&p.k);
+    prefetch_tensor_map(&p.v);
     RingPosition<STAGES> pos;
     int tiles_done = 0;  // tiles with rows, each ending in an epilogue that hands its Q buffer back
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
       const TileCoord c = tile_coord<CAUSAL>(p, tile);
-      const Sequence seq = sequence(c.batch);
+      const Sequence seq = sequence_of(a, c.batch);
       const int first_row = c.m_block * kBlockM;
       if (first_row >= seq.seqlen_q) continue;  // past a packed sequence's end: no rows
       const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
@@ -378,9 +351,8 @@ __global__ void __launch_bounds__(
       // This tile's Q buffer is free once every consumer warp has finished the epilogue of the
       // last tile that used it (a fresh barrier's parity-1 phase counts as complete, so the first
       // use does not wait).
-      // Only Q's copier counts the tiles: a PAGED kernel's other gathering threads take no Q buffer.
       const int q_buffer = tiles_done % Q_BUFFERS;
-      if (copies_q) mbarrier_wait(&q_empty[q_buffer], ((tiles_done++ / Q_BUFFERS) & 1) ^ 1);
+      mbarrier_wait(&q_empty[q_buffer], ((tiles_done++ / Q_BUFFERS) & 1) ^ 1);
       if (n_range.begin >= n_range.end) continue;  // no keys: the consumers write zeros, nothing to load
       // A packed batch's maps have one batch of all rows; its sequences are row offsets.
       const int map_batch = a.cu_seqlens_q == nullptr ? c.batch : 0;
@@ -388,47 +360,25 @@ __global__ void __launch_bounds__(
       // Rows past the tensor's end arrive as zeros (TMA's out-of-bounds fill); rows past a packed
       // sequence's end arrive from the next sequence and are never used (query rows: not stored;
       // key rows: masked to -inf, so P is 0 there).
-      if (copies_q) {
-        mbarrier_arrive_expect_tx(&q_full[q_buffer], Smem::Q_BYTES);
-        tma_load_panels<Smem::PANELS>(smem + q_buffer * Smem::Q_BYTES, Smem::Q_PANEL, &p.q, &q_full[q_buffer],
-                                      c.head, seq.q_begin + first_row, map_batch);
-      }
-      // The key block from `key_row` of K or V into `tile`, completing on `full`: by TMA through
-      // `map`, or PAGED gathered from `cache` (its kv head's column, the cache's strides; a cached
-      // sequence's keys start at position 0).
-      const auto load_keys = [&](unsigned char* tile, const TensorMap* map, u64* full, const void* cache,
-                                 i64 head_stride, i64 page_stride, i64 row_stride, int key_row) {
-        if constexpr (PAGED) {
-          const u16* const column = static_cast<const u16*>(cache) + kv_head * head_stride;
-          gather_cached_tile<BLOCK_N, HEAD_DIM>(tile, Smem::KV_PANEL, column, CachedRows(a, c.batch), key_row,
-                                                page_stride, row_stride, seq.seqlen_k - key_row, a.head_dim,
-                                                threadIdx.x);
-          cp_async_mbarrier_arrive(full);
-        } else {
-          mbarrier_arrive_expect_tx(full, Smem::KV_BYTES);
-          tma_load_panels<Smem::PANELS>(tile, Smem::KV_PANEL, map, full, kv_head, key_row, map_batch);
-        }
-      };
+      mbarrier_arrive_expect_tx(&q_full[q_buffer], Smem::Q_BYTES);
+      tma_load_panels<Smem::PANELS>(smem + q_buffer * Smem::Q_BYTES, Smem::Q_PANEL, &p.q, &q_full[q_buffer], c.head,
+                                    seq.q_begin + first_row, map_batch);
 
       // Key blocks from the last to the first, as the consumers take them (see there).
       for (int n = n_range.end - 1; n >= n_range.begin; --n, pos.advance()) {
         const int key_row = seq.k_begin + n * BLOCK_N;
         const u32 offset = pos.stage * Smem::KV_BYTES;
         // Wait for the consumers to release this stage's previous tile (the first lap does not
-        // wait, as above), then copy: TMA's bytes announced on the full barrier, or each gathering
-        // thread's arrival there once its copies have landed.
+        // wait, as above), announce the bytes, copy.
         mbarrier_wait(&k_empty[pos.stage], pos.phase ^ 1);
-        load_keys(smem + Smem::K + offset, &p.k, &k_full[pos.stage], a.k, a.k_head_stride, a.k_batch_stride,
-                  a.k_row_stride, key_row);
+        mbarrier_arrive_expect_tx(&k_full[pos.stage], Smem::KV_BYTES);
+        tma_load_panels<Smem::PANELS>(smem + Smem::K + offset, Smem::KV_PANEL, &p.k, &k_full[pos.stage], kv_head,
+                                      key_row, map_batch);
         mbarrier_wait(&v_empty[pos.stage], pos.phase ^ 1);
-        load_keys(smem + Smem::V + offset, &p.v, &v_full[pos.stage], a.v, a.v_head_stride, a.v_batch_stride,
-                  a.v_row_stride, key_row);
+        mbarrier_arrive_expect_tx(&v_full[pos.stage], Smem::KV_BYTES);
+        tma_load_panels<Smem::PANELS>(smem + Smem::V + offset, Smem::KV_PANEL, &p.v, &v_full[pos.stage], kv_head,
+                                      key_row, map_batch);
       }
-    }
-    // A gathering thread leaves only once its last copies have landed.
-    if constexpr (PAGED) {
-      cp_async_commit();
-      cp_async_wait<0>();
     }
   } else {
     // Consumer warpgroups: warps 4-7, 8-11 (and 12-15), warpgroup-aligned as wgmma requires.
@@ -455,7 +405,7 @@ __global__ void __launch_bounds__(
 
     for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
       const TileCoord c = tile_coord<CAUSAL>(p, tile);
-      const Sequence seq = sequence(c.batch);
+      const Sequence seq = sequence_of(a, c.batch);
       const int first_row = c.m_block * kBlockM;
       if (first_row >= seq.seqlen_q) continue;
       const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
@@ -484,9 +434,6 @@ __global__ void __launch_bounds__(
 
         // The first block: S, then P (o is still zero, so its correction is moot).
         mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
-        // A gathered stage was written by cp.async, through the generic proxy, and wgmma reads it
-        // through the async proxy: the fence orders the two (the TMA copies need none).
-        if constexpr (PAGED) fence_proxy_async_shared();
         __syncwarp();  // reconverge after the spin: wgmma is .aligned
         turns.wait_turn();
         wgmma_fence();
@@ -511,7 +458,6 @@ __global__ void __launch_bounds__(
         const auto step = [&](bool masked) {
           mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
           mbarrier_wait(&pv_full[v_pos.stage], v_pos.phase);
-          if constexpr (PAGED) fence_proxy_async_shared();  // as for the first block
           __syncwarp();
           turns.wait_turn();
           wgmma_fence();  // s was read by the softmax, o rescaled and pv_a packed by ordinary instructions
@@ -554,7 +500,6 @@ __global__ void __launch_bounds__(
 
         // P V of the last block.
         mbarrier_wait(&pv_full[v_pos.stage], v_pos.phase);
-        if constexpr (PAGED) fence_proxy_async_shared();
         __syncwarp();
         turns.wait_turn();
         wgmma_fence();

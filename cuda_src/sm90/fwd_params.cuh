@@ -1,11 +1,9 @@
 // Run-time arguments of the sm90 forward kernel: the three tensor maps TMA loads Q, K and V
 // through, then the sm80 kernel's arguments for everything else (FwdParams: output and LSE
 // pointers and strides, packed-batch offsets, lengths, mask and softmax constants; FwdParamsFp8
-// for e4m3 inputs, with the descales; FwdParamsPaged for a KV cache, whose K and V are gathered
-// through its page table and whose k and v maps are unused), so both families read one set of
-// fields, then the tile counts of the persistent grid. Mirrored by FWD_PARAMS_SM90,
-// FWD_PARAMS_SM90_FP8 and FWD_PARAMS_SM90_PAGED in cuflash/params.py (cuflash.tma.param_dtype
-// lays the 64-byte-aligned maps out).
+// for e4m3 inputs, with the descales), so both families read one set of fields, then the tile
+// counts of the persistent grid. Mirrored by FWD_PARAMS_SM90 and FWD_PARAMS_SM90_FP8 in
+// cuflash/params.py (cuflash.tma.param_dtype lays the 64-byte-aligned maps out).
 #pragma once
 #include "common/params.cuh"
 #include "sm90/tma.cuh"
@@ -32,12 +30,10 @@ struct FwdParamsSm90Of {
 typedef FwdParamsSm90Of<FwdParams> FwdParamsSm90;
 static_assert(sizeof(FwdParamsSm90) == 640 && alignof(FwdParamsSm90) == 64, "cuflash/params.py packs 640 bytes");
 static_assert(sizeof(FwdParamsSm90Of<FwdParamsFp8>) == 704, "cuflash/params.py packs 704 bytes");
-static_assert(sizeof(FwdParamsSm90Of<FwdParamsPaged>) == 704, "cuflash/params.py packs 704 bytes");
 
-// The kernel argument of a forward whose inputs are Input, reading a KV cache if PAGED
-// (common/params.cuh, FwdArgs).
-template <class Input, bool PAGED = false>
-using FwdArgsSm90 = FwdParamsSm90Of<typename FwdArgs<Input, PAGED>::type>;
+// The kernel argument of a forward whose inputs are Input (common/params.cuh, FwdArgs).
+template <class Input>
+using FwdArgsSm90 = FwdParamsSm90Of<typename FwdArgs<Input>::type>;
 
 }  // namespace sm90
 }  // namespace cuflash

@@ -55,14 +55,6 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(u64* bar, u32 bytes) {
                : "memory");
 }
 
-// One arrival of this thread, made once all of its earlier cp.async copies have landed: how
-// cp.async, which completes no transaction bytes, fills a stage that waiters take from a full
-// barrier. .noinc: the arrival counts against the barrier's init count (one per copying thread)
-// rather than being added to the phase's pending count for a separate arrive to balance.
-__device__ __forceinline__ void cp_async_mbarrier_arrive(u64* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
 // Whether the phase with parity `parity` has completed. try_wait (not test_wait) may suspend the
 // thread for a while in hardware before answering no, which spares issue slots while spinning.
 // Acquire semantics: after a yes, the data the completing copies or arrivals released is visible.
