@@ -12,8 +12,8 @@ backends over the contiguous 16-bit cache (enable_gqa=True, no append, no mask: 
 is_causal top-left, and the bytes read are the same), and the GPU's device-to-device copy
 bandwidth. Files ``<gpu>-decode.md``, ``.json`` and ``.png`` as the other modes write them.
 
-Each implementation's steps are timed as replays of a torch CUDA graph that holds one step per
-rotated input set (TIMING_GRAPH), as a serving loop that captures its decoding step runs them: the
+Each implementation's steps are timed as replays of a torch CUDA graph that holds GRAPH_STEPS steps,
+the rotated input sets in turn (TIMING_GRAPH), as a serving loop that captures its decoding step runs them: the
 figure is the kernels' time, the host's cost per call is benchmarks/host_overhead.py's. Without
 torch, or with ``eager=True``, the steps are launched back to back (TIMING_EAGER), and at small
 batches the host's cost per call is then what is timed.
@@ -45,6 +45,9 @@ PEERS = ("sdpa-cudnn", "sdpa-flash")
 COPY_BYTES = 2 << 30  # the device-to-device copy of the bandwidth line
 CHUNK_ELEMENTS = 1 << 28  # random caches are made this many elements at a time
 TIMING_GRAPH = "CUDA graph replays (kernel time)"
+# Steps per captured graph, the input sets taken in turn: a replay's own launch (~10 us) then
+# weighs under 1 us a step even at batch 1, where a step takes ~15 us.
+GRAPH_STEPS = 24
 TIMING_EAGER = "launched back to back (host cost included where the kernels are shorter)"
 
 
@@ -336,12 +339,13 @@ def measure(case: DecodeCase, q_dtype: str, repeats: int, timing: str = TIMING_G
         for call in calls:
             call()
     torch.cuda.current_stream().wait_stream(side)
+    count = max(rotations, GRAPH_STEPS)
     steps = torch.cuda.CUDAGraph()
     with torch.cuda.graph(steps):
-        for call in calls:
-            call()
+        for i in range(count):
+            calls[i % rotations]()
     stream = cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    return time_ms(lambda i: steps.replay(), 1, repeats=repeats, stream=stream) / rotations
+    return time_ms(lambda i: steps.replay(), 1, repeats=repeats, stream=stream) / count
 
 
 def copy_bandwidth(nbytes: int = COPY_BYTES) -> float:
