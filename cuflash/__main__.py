@@ -175,9 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what one timed call does: forward, backward (forward run untimed) or both; or decode: "
                             "a decoding step against a KV cache, in GB/s (its own sweep, --batches, --contexts)")
     bench.add_argument("--family", choices=["auto", *dispatch.FAMILIES], default="auto",
-                       help="cuflash kernel family (sm90 runs sm80's forward for tensors no tensor map describes, "
-                            "and sm80's backward for head dims above 128; the compilation notes name "
-                            "each kernel)")
+                       help="cuflash kernel family (sm90 runs sm80's kernels for tensors no tensor map describes; "
+                            "the compilation notes name each kernel)")
     bench.add_argument("--impls", nargs="+", choices=bench_module.IMPLEMENTATIONS,
                        default=list(bench_module.IMPLEMENTATIONS), help="what to time (peers that are not installed are skipped)")
     bench.add_argument("--batches", type=_positive_ints, help="decode: e.g. '1 64' (default: 1 8 64 256)")

@@ -492,8 +492,7 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
             inputs = {"dtype_name": "float8_e4m3fn", "out_dtype": "bfloat16"} if dtype == "e4m3" else {"dtype_name": dtype}
             choices = [dispatch.forward_kernel(family, head_dim, mask, **inputs)] if mode != "bwd" else []
             if mode != "fwd":
-                backward = dispatch.backward_family(family, head_dim)
-                choices.append(dispatch.backward_kernels(backward, head_dim, mask, dtype)[1])
+                choices.append(dispatch.backward_kernels(family, head_dim, mask, dtype)[1])
             for choice in choices:
                 arch = dispatch.compile_arch(choice.family, capability)
                 cold = kernels.compile_kernel(choice, arch, use_cache=False).seconds

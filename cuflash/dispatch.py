@@ -5,10 +5,9 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 9.x runs ``sm90``, other devices from 8.0 up run ``sm80``; anything older than 8.0 is refused.
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
 every head-dim bucket (forward_launch still runs sm80's for tensors that no tensor map can
-describe, and the ``KernelChoice`` names the family that runs). Its backward main kernel serves
-head dims up to 128, in either mode (backward_family), and sm80's main kernel everywhere else;
-the preprocess and convert kernels that run around either (common/flash_bwd_helpers.cu) are
-built for the sm80 target on every device.
+describe, and the ``KernelChoice`` names the family that runs). So does its backward main
+kernel (backward_kernel_dim); the preprocess and convert kernels that run around
+either family's (common/flash_bwd_helpers.cu) are built for the sm80 target on every device.
 FP8 (e4m3) inputs run each family's forward: sm90's multiplies them in e4m3 (wgmma), sm80's
 stages the bytes and widens them to the 16-bit output type in shared memory (half the bytes of a
 bf16 call read, bf16's tensor-core rate); sm80's also serves sm90 devices where no tensor map can
@@ -350,13 +349,16 @@ SM80_BWD_TILES = {
 }
 
 
-# sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per head-dim bucket: 128 keys per CTA
-# (64 per consumer warpgroup), 64 query rows per step, 12 warps; K, V, the Q/dO ring and two dS
-# tiles in shared memory. It serves head dims up to 128, in either mode; the rest runs sm80's main
-# kernel (backward_family).
+# sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per kernel head dim (the smallest that
+# holds the call's; TMA zero-fills the missing columns): 64 query rows per step, 12 warps; K, V,
+# the Q/dO ring, two tiles of block_n keys x 64 queries (dS^T, or dS^T and P^T) and the fp32 dQ
+# block in shared memory. Up to d128, 128 keys per CTA (64 per consumer warpgroup); at d256 the
+# consumers split the head dim over 64 keys, and one stage is all that fits beside the 65 KB dQ
+# block.
 SM90_BWD_TILES = {
-    64: Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 = 128 KB
-    128: Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 = 160 KB
+    64: Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 + dQ 17 = 145 KB
+    128: Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 + dQ 33 = 193 KB
+    256: Tile(64, 64, 12, stages=1),  # K 32 + V 32 + Q 32 + dO 32 + dS 8 + P 8 + dQ 65 = 209 KB
 }
 
 
@@ -367,12 +369,12 @@ SM90_BWD_TILES = {
 SM90_BWD_DQ_ROW_PAD = 4
 
 
-def backward_family(family: str, head_dim: int) -> str:
-    """The family whose main backward kernel serves this head dim on a device of ``family`` (every
-    mask, softcap and both modes run on either)."""
-    if family == "sm90" and head_dim_bucket(head_dim) in SM90_BWD_TILES:
-        return "sm90"
-    return "sm80"
+def backward_kernel_dim(family: str, head_dim: int) -> int:
+    """The head dim the backward main kernel of ``family`` is built for: the
+    bucket, or on sm90 the smallest of SM90_BWD_TILES that holds it. The fp32 dQ rows are this
+    wide, plus SM90_BWD_DQ_ROW_PAD on sm90."""
+    bucket = head_dim_bucket(head_dim)
+    return min(d for d in SM90_BWD_TILES if d >= bucket) if family == "sm90" else bucket
 
 
 @functools.lru_cache(maxsize=None)
@@ -380,9 +382,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
                      dq_order: str = "any", tile: Tile | None = None) -> tuple[KernelChoice, ...]:
     """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
     forward_kernel (softcap runs in the window kernel, _mask_flags), ``dq_order`` one of DQ_ORDERS,
-    ``tile`` overrides the table, for tuning. The sm90 family has its own main kernel where
-    backward_family says so, between the shared preprocess and convert kernels; otherwise the
-    family raises ValueError."""
+    ``tile`` overrides the table, for tuning. Each family has its own main kernel between the
+    shared preprocess and convert kernels."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -392,17 +393,15 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     if dq_order not in dq_orders(family, mask, softcap):
         raise ValueError(f"dq_order: expected one of {dq_orders(family, mask, softcap)} for {family}, mask "
                          f"{mask!r} and softcap {softcap}, got {dq_order!r}")
-    bucket = head_dim_bucket(head_dim)
+    bucket = backward_kernel_dim(family, head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     causal, window = _mask_flags(mask, softcap)
     helpers = tuple(KernelChoice("sm80", HELPERS_SOURCE, f"cuflash::flash_bwd_{step}<{HELPER_THREADS}, {elem}>",
                                  HELPER_THREADS, 0) for step in ("preprocess", "convert"))
     if family == "sm90":
-        if backward_family(family, head_dim) != "sm90":
-            raise ValueError(f"family: no sm90 backward kernel for head_dim {head_dim}")
         tile = tile or SM90_BWD_TILES[bucket]
-        # K and V (block_n rows), the Q and dO stages (block_m rows), two dS tiles (block_n rows of
-        # 64 queries), the fp32 dQ block, and the alignment slack.
+        # K and V (block_n rows), the Q and dO stages (block_m rows), two tiles of block_n rows of
+        # 64 queries, the fp32 dQ block, and the alignment slack.
         smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + SM90_SMEM_ALIGN_SLACK)
         main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {smem}, {_cpp(causal)}, {_cpp(window)}, "
@@ -424,8 +423,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
 def all_kernels(family: str) -> list[KernelChoice]:
     """Every instantiation of a family, for the ahead-of-time compile check: its forward and
     backward kernels (sm90's devices also run the shared preprocess and convert kernels, built for
-    the sm80 target, and sm80's main backward kernel where backward_family says so: those are
-    sm80's instantiations)."""
+    the sm80 target, and sm80's main backward kernel where no tensor map describes the tensors:
+    those are sm80's instantiations)."""
     found: dict[str, KernelChoice] = {}
     buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
     for bucket in buckets:
@@ -435,8 +434,6 @@ def all_kernels(family: str) -> list[KernelChoice]:
                     for short in (False, True):  # sm90 picks some tiles by length
                         choice = forward_kernel(family, bucket, mask, dtype, softcap, short=short)
                         found.setdefault(choice.name_expression, choice)
-                    if backward_family(family, bucket) != family:
-                        continue
                     for dq_order in dq_orders(family, mask, softcap):
                         for choice in backward_kernels(family, bucket, mask, dtype, softcap, dq_order):
                             if choice.family == family:
@@ -583,11 +580,12 @@ def forward_launch(family: str, q, k, v, mask: Mask, batch: int, max_seqlen_q: i
     return ForwardLaunch(choice, grid, m_blocks)
 
 
-# sm90 walks for causal backwards over at most this many keys, in either mode.
-WALK_CAUSAL_KEYS = 2048
+# sm90 walks for causal backwards over at most this many keys, in either mode, per kernel head dim
+# (SM90_BWD_TILES). d256's 64-key blocks ran faster one CTA per block: 2k 1.16-1.23x, 1k 1.02x.
+WALK_CAUSAL_KEYS = {64: 2048, 128: 2048, 256: 0}
 
 
-def dq_order(family: str, mask: Mask, max_seqlen_k: int, deterministic: bool) -> str:
+def dq_order(family: str, head_dim: int, mask: Mask, max_seqlen_k: int, deterministic: bool) -> str:
     """DQ_ORDERS entry of a backward whose main kernel is ``family``'s. sm90 walks rather than
     running one CTA per key block, in either mode, for causal sequences up to WALK_CAUSAL_KEYS
     keys, whose key blocks are few and of unequal length, so that walking them amortises each
@@ -595,7 +593,8 @@ def dq_order(family: str, mask: Mask, max_seqlen_k: int, deterministic: bool) ->
     softcap runs the window kernel, which does not walk. Otherwise default mode takes any order,
     and deterministic mode takes turns where the family has them, else walks."""
     orders = dq_orders(family, mask.kind, bool(mask.softcap))
-    if family == "sm90" and "walk" in orders and max_seqlen_k <= WALK_CAUSAL_KEYS:
+    if (family == "sm90" and "walk" in orders
+            and max_seqlen_k <= WALK_CAUSAL_KEYS[backward_kernel_dim(family, head_dim)]):
         return "walk"
     if not deterministic:
         return "any"
@@ -617,10 +616,10 @@ def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seql
     """The backward's kernels, dQ order and main grid (DeviceTensors as for forward_launch): sm90's
     main kernel where it serves the head dim and tensor maps can describe the tensors."""
     heads, head_dim = q.shape[2], q.shape[3]
-    main_family = backward_family(family, head_dim)
-    if main_family == "sm90" and not all(tma_ready(t) for t in (q, k, v, dout)):
+    main_family = family
+    if family == "sm90" and not all(tma_ready(t) for t in (q, k, v, dout)):
         main_family = "sm80"
-    order = dq_order(main_family, mask, max_seqlen_k, deterministic)
+    order = dq_order(main_family, head_dim, mask, max_seqlen_k, deterministic)
     preprocess, main, convert = backward_kernels(main_family, head_dim, mask.kind, q.dtype, bool(mask.softcap),
                                                  order)
     n_blocks = -(-max_seqlen_k // main.tile.block_n)

@@ -266,15 +266,15 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     arch = dispatch.compile_arch("sm80", capability)  # the preprocess and convert kernels
     group = heads // kt.shape[2]
     # Scratch, one allocation: fp32 dq_accum, [int32 dq_turns,] [fp32 dk_accum, dv_accum,] fp32
-    # delta, the zeroed ones first. dq_accum rows are padded to the head-dim bucket so the
+    # delta, the zeroed ones first. dq_accum rows are padded to the main kernel's head dim so the
     # kernel's reductions need no column checks (flash_bwd.cu), sm90's by a few columns more
     # (dispatch.SM90_BWD_DQ_ROW_PAD), the rows of one head contiguous. dq_turns: a counter per
     # (batch, head, query block). GQA: the walk and turns (the orders that repeat bitwise) keep
     # one dK/dV slice per query head, plainly stored and summed by the convert kernel; otherwise
     # heads_kv slices added to atomically, so zeroed.
     per_query_head = walk or turns
-    bucket = dispatch.head_dim_bucket(head_dim)
-    dq_row = bucket + (dispatch.SM90_BWD_DQ_ROW_PAD if main.family == "sm90" else 0)
+    dq_row = (dispatch.backward_kernel_dim(main.family, head_dim)
+              + (dispatch.SM90_BWD_DQ_ROW_PAD if main.family == "sm90" else 0))
     arrays = [((splits, qt.shape[0], heads, rows_q, dq_row), "float32")]
     if turns:
         arrays.append(((batch, heads, -(-max_seqlen_q // main.tile.block_m)), "int32"))

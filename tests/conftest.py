@@ -39,11 +39,11 @@ def family(request, monkeypatch):
 @pytest.fixture(params=["walk", "turns"])
 def causal_dq_order(request, monkeypatch):
     """Runs a deterministic-mode test once per way sm90 orders dQ for short causal sequences: the
-    walk (taken up to dispatch.WALK_CAUSAL_KEYS keys) and turns per query block (taken beyond it,
-    here from zero keys on). sm80 walks in both runs."""
+    walk (taken up to dispatch.WALK_CAUSAL_KEYS keys, here up to 2048 at every head dim) and turns
+    per query block (taken beyond it, here from zero keys on). sm80 walks in both runs."""
     from cuflash import dispatch, plan
 
-    if request.param == "turns":
-        monkeypatch.setattr(dispatch, "WALK_CAUSAL_KEYS", 0)
+    keys = 2048 if request.param == "walk" else 0
+    monkeypatch.setattr(dispatch, "WALK_CAUSAL_KEYS", dict.fromkeys(dispatch.SM90_BWD_TILES, keys))
     monkeypatch.setattr(plan, "PLANS", plan.PlanCache())  # no plan built under the other setting
     return request.param

@@ -101,7 +101,7 @@ def test_deterministic_matches_reference_and_repeats_bitwise(head_dim, causal, s
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_backward_long_sequence(head_dim, causal, deterministic, rng):
     """16k keys in float16: a dQ reduction whose error grows with the number of key blocks (as a
     fixed-point quantum does: docs/kernels.md, determinism)

@@ -124,7 +124,7 @@ def test_sm90_dispatch():
     # without softcap) and d128's unmasked short calls; as many of e4m3 inputs (tests/test_fp8_plan.py).
     assert len([c for c in SM90_FORWARD if not c.name_expression.endswith("e4m3>")]) == 4 * 2 * 3 * 2 + 2 * 2 + 2
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
-    # The sm90 backward main kernel: head dims up to 128, either mode.
+    # The sm90 backward main kernel: every head dim, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
     assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, 198656, true, false, false, 0, cuflash::f16>"
@@ -146,14 +146,19 @@ def test_sm90_dispatch():
     with pytest.raises(ValueError, match="dq_order"):
         dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", dq_order="turns")
     assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 64 * 132 * 4 + 1024 <= 227 * 1024
-    for head_dim, mask, softcap, dq_order in ((192, "none", False, "any"), (192, "window", True, "any"),
+    # Above head dim 128 the consumers split the head dim over 64-key blocks (one Q/dO stage); 160
+    # to 256 run the d256 kernel, whose dQ rows are 260 floats.
+    for head_dim, mask, softcap, dq_order in ((160, "none", False, "any"), (192, "window", True, "any"),
                                               (256, "none", True, "any"), (256, "causal", False, "turns")):
-        assert dispatch.backward_family("sm90", head_dim) == "sm80"
-        with pytest.raises(ValueError, match="no sm90 backward"):
-            dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, dq_order)
-    assert dispatch.backward_family("sm80", 64) == "sm80"
+        wide = dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, dq_order)[1]
+        assert wide.family == "sm90" and wide.tile == dispatch.Tile(64, 64, 12, stages=1)
+        assert wide.name_expression.startswith(f"cuflash::sm90::flash_bwd_sm90<256, 1, {wide.smem_bytes}, ")
+        assert wide.smem_bytes == ((2 * 64 + 2 * 64) * 256 + 2 * 64 * 64) * 2 + 64 * 260 * 4 + 1024 <= 227 * 1024
+        assert dispatch.backward_kernel_dim("sm90", head_dim) == 256
+    assert [dispatch.backward_kernel_dim("sm90", d) for d in (64, 96, 128)] == [64, 128, 128]
+    assert [dispatch.backward_kernel_dim("sm80", d) for d in (96, 160)] == [96, 192]
     # dims x dtypes x dQ orders of each mask and of softcap: the walk only causal without softcap
-    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 2 * 2 * (3 + 2 + 2 + 2)
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 3 * 2 * (3 + 2 + 2 + 2)
     with pytest.raises(ValueError, match="dq_order"):
         dispatch.backward_kernels("sm90", 64, "window", "bfloat16", dq_order="walk")
 

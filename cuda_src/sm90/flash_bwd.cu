@@ -1,16 +1,24 @@
 // FlashAttention-3-style backward for Hopper (sm_90a), the main kernel between the preprocess
 // (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels of common/flash_bwd_helpers.cu.
-// One CTA per (block of 128 keys, head, batch) of three warpgroups. Warpgroup 0 is the producer:
-// one thread loads K and V once and streams the Q and dO blocks of 64 query rows by TMA through a
-// ring of STAGES stages. Warpgroups 1 and 2 are consumers, each owning 64 of the keys, with dK and
-// dV in registers for the whole loop. Per query block, in the transposed orientation so that the
-// keys are wgmma's M:
+// One CTA per (key block, head, batch) of three warpgroups. Warpgroup 0 is the producer: one
+// thread loads K and V once and streams the Q and dO blocks of 64 query rows by TMA through a ring
+// of STAGES stages. Warpgroups 1 and 2 are consumers, with dK and dV in registers for the whole
+// loop. Per query block, in the transposed orientation so that the keys are wgmma's M:
 //   S^T = K Q^T and dP^T = V dO^T   (shared-memory wgmma),
 //   P^T = exp2(S^T scale log2(e) - lse log2(e)), dS^T = P^T (dP^T - delta)   (registers),
-//   dV += P^T dO and dK += dS^T Q   (register-A wgmma, Q and dO read MN-major as stored),
+//   dV += P^T dO and dK += dS^T Q   (Q and dO read MN-major as stored),
 //   dQ += dS K   (dS through shared memory, both operands MN-major; the fp32 block staged in
 //                 shared memory and added to global by one bulk reduction, which warp 1 of
 //                 the producer warpgroup issues).
+// Two ways to share the work between the consumers (BwdLayout):
+//  - up to head dim 128, blocks of 128 keys, each consumer owning 64 of them for the whole step:
+//    its S^T and dP^T cover all 64 queries, P^T and dS^T feed dV and dK from registers, and dQ's
+//    columns are split between the consumers;
+//  - above (head dim 256), blocks of 64 keys that both consumers own, each holding half of the
+//    head dim's columns of dK, dV and dQ (64 + 64 + 64 fp32 registers per thread; 64 keys x 256
+//    columns of dK and dV alone would be 256). Each computes S^T and dP^T for half of the query
+//    block's 64 rows and stages its half of P^T and dS^T in shared memory, from where dV and dK
+//    read all of them.
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
 // How the key blocks' dQ terms meet (DQ_ORDER, dispatch.DQ_ORDERS):
 //  - any order (default mode): one CTA per key block, bulk reductions into one fp32 dQ per head.
@@ -42,9 +50,7 @@ namespace cuflash {
 namespace sm90 {
 
 constexpr int kBwdThreads = 384;  // producer + two consumer warpgroups
-constexpr int kBwdBlockN = 128;   // keys per CTA: 64 per consumer warpgroup, one wgmma M each
-constexpr int kBwdBlockM = 64;    // query rows per step: one wgmma N of S^T
-constexpr int kBwdKeysPerGroup = 64;
+constexpr int kBwdBlockM = 64;    // query rows per step
 constexpr int kDsBarrier = 1;     // named barrier of both consumers (256 threads): dS is in shared memory
 constexpr int kStatsBarrier = 2;  // ids 2 and 3: one consumer warpgroup's staged lse and delta
 constexpr int kDqFullBarrier = 4;   // the staged dQ block is ready for the writer warp
@@ -62,18 +68,27 @@ constexpr int kDqRowPad = 4;
 constexpr int kBwdProducerRegisters = 24;
 constexpr int kBwdConsumerRegisters = 240;
 
-// Shared memory from a 1024-byte-aligned base: K, V, the Q and dO stages, two dS buffers, the fp32
-// dQ block (kBwdBlockM rows of HEAD_DIM + kDqRowPad). Tiles of
-// HEAD_DIM columns are HEAD_DIM / 64 panels of 64 columns (one 128-byte swizzle row each), as TMA
-// stores them; dS (128 keys x 64 queries) is one such panel.
+// The consumers' shares (above) and the shared memory, from a 1024-byte-aligned base: K, V, the Q
+// and dO stages, two tiles of BLOCK_N keys x 64 queries (dS^T by step parity, or dS^T and P^T when
+// the consumers split the head dim), the fp32 dQ block (kBwdBlockM rows of HEAD_DIM + kDqRowPad).
+// Tiles of HEAD_DIM columns are HEAD_DIM / 64 panels of 64 columns (one 128-byte swizzle row each),
+// as TMA stores them; a dS^T or P^T tile is one such panel.
 template <int HEAD_DIM, int STAGES>
-struct BwdSmem {
+struct BwdLayout {
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dims 64, 128 and 256");
+  static constexpr bool SPLIT_DIMS = HEAD_DIM > 128;
+  static constexpr int BLOCK_N = SPLIT_DIMS ? 64 : 128;                   // keys per CTA
+  static constexpr int GROUP_KEYS = SPLIT_DIMS ? 0 : 64;                  // key offset of consumer 1
+  static constexpr int QUERY_COLS = SPLIT_DIMS ? kBwdBlockM / 2 : kBwdBlockM;  // of S^T, per consumer
+  static constexpr int OWN_DIMS = SPLIT_DIMS ? HEAD_DIM / 2 : HEAD_DIM;   // of dK and dV, per consumer
+  static constexpr int DQ_DIMS = SPLIT_DIMS ? HEAD_DIM / 2 : 64;          // of dQ, per consumer
+  static constexpr int DQ_CONSUMERS = HEAD_DIM / DQ_DIMS;                 // 1 at head dim 64
   static constexpr int PANELS = HEAD_DIM / 64;
-  static constexpr u32 KV_PANEL = kBwdBlockN * 128;
+  static constexpr u32 KV_PANEL = BLOCK_N * 128;
   static constexpr u32 QD_PANEL = kBwdBlockM * 128;
   static constexpr u32 KV_BYTES = PANELS * KV_PANEL;
   static constexpr u32 QD_BYTES = PANELS * QD_PANEL;
-  static constexpr u32 DS_BYTES = kBwdBlockN * 128;
+  static constexpr u32 DS_BYTES = BLOCK_N * 128;
   static constexpr u32 K = 0;
   static constexpr u32 V = KV_BYTES;
   static constexpr u32 Q = 2 * KV_BYTES;
@@ -109,21 +124,21 @@ __device__ __forceinline__ void pass_turn(int* counter) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
-// HEAD_DIM: 64 or 128 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
+// HEAD_DIM: 64, 128 or 256 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
 // blocks see only the query blocks its range reaches); SOFTCAP: tanh-capped scores
 // (common/softcap.cuh), which run the window kernel for every mask (dispatch.backward_kernels).
 // DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16. SMEM_BYTES: the dynamic
-// shared memory the host launches with (dispatch.backward_kernels), checked against BwdSmem.
+// shared memory the host launches with (dispatch.backward_kernels), checked against BwdLayout.
 template <int HEAD_DIM, int STAGES, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER, class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
-  using Smem = BwdSmem<HEAD_DIM, STAGES>;
-  static_assert(SMEM_BYTES == Smem::BYTES + kSmemAlignSlack, "the host's shared memory differs from BwdSmem");
+  using L = BwdLayout<HEAD_DIM, STAGES>;
+  static_assert(SMEM_BYTES == L::BYTES + kSmemAlignSlack, "the host's shared memory differs from BwdLayout");
   constexpr bool WALK = DQ_ORDER == kDqWalk;
   constexpr bool TURNS = DQ_ORDER == kDqTurns;
   // The consumer warpgroups computing dQ (at head_dim 64 only the first) and the writer warp.
-  constexpr int kDqWriterThreads = 128 * Smem::PANELS + 32;
-  constexpr int DT = HEAD_DIM / 8;  // 8-column tiles of dK and dV
+  constexpr int kDqWriterThreads = 128 * L::DQ_CONSUMERS + 32;
+  constexpr int DT = L::OWN_DIMS / 8;  // a consumer's 8-column tiles of dK and dV
   constexpr float kLog2e = 1.4426950408889634f;
   const BwdParams& a = p.base;
 
@@ -132,7 +147,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   // hoisted global loads in registers.
   __shared__ float stats[2][2][2 * kBwdBlockM];
   __shared__ u64 kv_full, kv_empty;
-  __shared__ u64 qd_full[STAGES], qd_empty[STAGES];
+  // With the head dim split, Q and dO of a stage have their own barriers: the consumers are done
+  // with Q (dK) before dO (dV), and the producer refills each as soon as it is free. Otherwise the
+  // q barriers guard both (one wait and one arrival fewer per step: measured 1-3% of the time).
+  __shared__ u64 q_full[STAGES], q_empty[STAGES], do_full[STAGES], do_empty[STAGES];
+  u64* const dout_full = L::SPLIT_DIMS ? do_full : q_full;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem =
       smem_raw + ((kSmemAlignSlack - (smem_addr(smem_raw) & (kSmemAlignSlack - 1))) & (kSmemAlignSlack - 1));
@@ -152,7 +171,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
                                     : blockIdx.y;
   const int batch = CAUSAL && !WALK ? blockIdx.y : blockIdx.z;
   const Sequence seq = sequence_of(a, batch);
-  const int n_blocks = (seq.seqlen_k + kBwdBlockN - 1) / kBwdBlockN;
+  const int n_blocks = (seq.seqlen_k + L::BLOCK_N - 1) / L::BLOCK_N;
   const int n_first = CAUSAL && !WALK ? blockIdx.z : GROUPED ? blockIdx.x / a.turn_heads : blockIdx.x;
   const int n_stride = WALK ? a.dq_splits : n_blocks;
   if (n_first >= n_blocks || head >= a.heads) return;
@@ -172,15 +191,17 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     mbarrier_init(&kv_empty, 2 * 4);  // one arrival per consumer warp
 #pragma unroll
     for (int s = 0; s < STAGES; ++s) {
-      mbarrier_init(&qd_full[s], 1);
-      mbarrier_init(&qd_empty[s], 2 * 4);  // one arrival per consumer warp
+      mbarrier_init(&q_full[s], 1);
+      mbarrier_init(&do_full[s], 1);
+      mbarrier_init(&q_empty[s], 2 * 4);  // one arrival per consumer warp
+      mbarrier_init(&do_empty[s], 2 * 4);
     }
     mbarrier_init_fence();
   }
   // Publishes the initialised barriers before anyone arrives or waits; the last CTA-wide barrier.
   __syncthreads();
 
-  float* const dq_block = reinterpret_cast<float*>(smem + Smem::DQ);
+  float* const dq_block = reinterpret_cast<float*>(smem + L::DQ);
   if (threadIdx.x < 128) {
     // Producer warpgroup: thread 0 issues every copy, warp 1 writes dQ; the rest give their
     // registers away.
@@ -197,7 +218,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       // consumers wait once more at the end, matching the count).
       named_barrier_arrive(kDqEmptyBarrier, kDqWriterThreads);
       for (int round = 0, n_block; (n_block = walk_block(round)) < n_blocks; ++round) {
-        const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
+        const BlockRange m_range = query_blocks<kBwdBlockM, L::BLOCK_N>(mask, n_block);
         // Walk: a key block reduces into each query block's rows once, so only the previous
         // block's reductions can target the rows this one's will; they complete first, and the
         // adds into every element apply in key-block order.
@@ -208,11 +229,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           if (elected) {
             // Turns: this key block's place among those that see query block m (mask.cuh's
             // key_blocks, the exact inverse of query_blocks).
-            if (TURNS) wait_for_turn(turns + m, n_block - key_blocks<kBwdBlockM, kBwdBlockN>(mask, m).begin);
+            if (TURNS) wait_for_turn(turns + m, n_block - key_blocks<kBwdBlockM, L::BLOCK_N>(mask, m).begin);
             // The block's rows inside the sequence, contiguous in global memory.
             const int rows = min(kBwdBlockM, seq.seqlen_q - m * kBwdBlockM);
-            bulk_reduce_add_f32(dq + static_cast<i64>(seq.q_begin + m * kBwdBlockM) * Smem::DQ_ROW, dq_block,
-                                rows * Smem::DQ_ROW * 4);
+            bulk_reduce_add_f32(dq + static_cast<i64>(seq.q_begin + m * kBwdBlockM) * L::DQ_ROW, dq_block,
+                                rows * L::DQ_ROW * 4);
             tma_store_commit();
             tma_store_wait_read<0>();
           }
@@ -235,58 +256,64 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     RingPosition<STAGES> pos;
     int blocks_loaded = 0;
     for (int round = 0, n_block; (n_block = walk_block(round)) < n_blocks; ++round) {
-      const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
+      const BlockRange m_range = query_blocks<kBwdBlockM, L::BLOCK_N>(mask, n_block);
       if (m_range.begin >= m_range.end) continue;
       // K and V are overwritten once every consumer warp is done with the previous block's.
       if (blocks_loaded > 0) mbarrier_wait(&kv_empty, (blocks_loaded - 1) & 1);
       ++blocks_loaded;
-      mbarrier_arrive_expect_tx(&kv_full, 2 * Smem::KV_BYTES);
-      const int key_row = seq.k_begin + n_block * kBwdBlockN;
-      tma_load_panels<Smem::PANELS>(smem + Smem::K, Smem::KV_PANEL, &p.k, &kv_full, kv_head, key_row, map_batch);
-      tma_load_panels<Smem::PANELS>(smem + Smem::V, Smem::KV_PANEL, &p.v, &kv_full, kv_head, key_row, map_batch);
+      mbarrier_arrive_expect_tx(&kv_full, 2 * L::KV_BYTES);
+      const int key_row = seq.k_begin + n_block * L::BLOCK_N;
+      tma_load_panels<L::PANELS>(smem + L::K, L::KV_PANEL, &p.k, &kv_full, kv_head, key_row, map_batch);
+      tma_load_panels<L::PANELS>(smem + L::V, L::KV_PANEL, &p.v, &kv_full, kv_head, key_row, map_batch);
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance()) {
         const int m = query_block(m_range, i);
         // Rows past the tensor arrive as zeros, rows past a packed sequence from the next one:
         // their lse is taken as +inf below, so P and dS are 0 there.
         const int row = seq.q_begin + m * kBwdBlockM;
-        mbarrier_wait(&qd_empty[pos.stage], pos.phase ^ 1);
-        mbarrier_arrive_expect_tx(&qd_full[pos.stage], 2 * Smem::QD_BYTES);
-        const u32 offset = pos.stage * Smem::QD_BYTES;
-        tma_load_panels<Smem::PANELS>(smem + Smem::Q + offset, Smem::QD_PANEL, &p.q, &qd_full[pos.stage], head, row,
-                                      map_batch);
-        tma_load_panels<Smem::PANELS>(smem + Smem::DO + offset, Smem::QD_PANEL, &p.dout, &qd_full[pos.stage], head, row,
-                                      map_batch);
+        const u32 offset = pos.stage * L::QD_BYTES;
+        mbarrier_wait(&q_empty[pos.stage], pos.phase ^ 1);
+        mbarrier_arrive_expect_tx(&q_full[pos.stage], L::SPLIT_DIMS ? L::QD_BYTES : 2 * L::QD_BYTES);
+        tma_load_panels<L::PANELS>(smem + L::Q + offset, L::QD_PANEL, &p.q, &q_full[pos.stage], head, row, map_batch);
+        if constexpr (L::SPLIT_DIMS) {
+          mbarrier_wait(&do_empty[pos.stage], pos.phase ^ 1);
+          mbarrier_arrive_expect_tx(&do_full[pos.stage], L::QD_BYTES);
+        }
+        tma_load_panels<L::PANELS>(smem + L::DO + offset, L::QD_PANEL, &p.dout, &dout_full[pos.stage], head, row,
+                                   map_batch);
       }
     }
     return;
   }
 
-  // Consumer warpgroups 1 and 2: keys consumer * 64 .. + 63 of each block.
+  // Consumer warpgroups 1 and 2: keys consumer * GROUP_KEYS .. + 63 of each block.
   setmaxnreg_inc<kBwdConsumerRegisters>();
   const int consumer = threadIdx.x / 128 - 1;
   const int t = threadIdx.x % 128;
   const int warp = t / 32;
   const int lane = t % 32;
-  const int group_row = consumer * kBwdKeysPerGroup;  // this warpgroup's first key inside the block
-  const u64 k_desc = smem_desc_sw128(smem + Smem::K + group_row * 128);
-  const u64 v_desc = smem_desc_sw128(smem + Smem::V + group_row * 128);
+  const int group_row = consumer * L::GROUP_KEYS;  // this warpgroup's first key inside the block
+  // The first of this warpgroup's query columns of S^T, and of its head-dim columns of dK and dV.
+  const int query_col0 = L::SPLIT_DIMS ? consumer * L::QUERY_COLS : 0;
+  const int dim_col0 = L::SPLIT_DIMS ? consumer * L::OWN_DIMS : 0;
+  const u64 k_desc = smem_desc_sw128(smem + L::K + group_row * 128);
+  const u64 v_desc = smem_desc_sw128(smem + L::V + group_row * 128);
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   // A constant at head_dim 128: with the test `consumer < PANELS` there (always true), ptxas spilled
   // 200-240 bytes in every d128 kernel, which cost 2-8% of a call.
-  const bool computes_dq = Smem::PANELS == 2 || consumer == 0;
+  const bool computes_dq = L::DQ_CONSUMERS == 2 || consumer == 0;
   // The pad columns are reduced into global's pad columns, which nothing reads: zeros, not
   // whatever shared memory held.
   for (int i = t; i < kBwdBlockM * kDqRowPad; i += 128)
-    if (consumer == 0) dq_block[i / kDqRowPad * Smem::DQ_ROW + HEAD_DIM + i % kDqRowPad] = 0.f;
+    if (consumer == 0) dq_block[i / kDqRowPad * L::DQ_ROW + HEAD_DIM + i % kDqRowPad] = 0.f;
   RingPosition<STAGES> pos;
   int blocks_loaded = 0;
   int step = 0;  // over the CTA's whole walk: the parity of the dS and statistics buffers
 
   for (int round = 0, n_block; (n_block = walk_block(round)) < n_blocks; ++round) {
-    const BlockRange m_range = query_blocks<kBwdBlockM, kBwdBlockN>(mask, n_block);
+    const BlockRange m_range = query_blocks<kBwdBlockM, L::BLOCK_N>(mask, n_block);
     // The two keys of this thread's accumulator rows, inside the sequence.
-    const int key0 = n_block * kBwdBlockN + group_row + warp * 16 + lane / 4;
+    const int key0 = n_block * L::BLOCK_N + group_row + warp * 16 + lane / 4;
     float dk[1][DT][4], dv[1][DT][4];
     clear(dk);
     clear(dv);
@@ -309,9 +336,16 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       // choice is uniform across the CTA, and no product is in flight between steps, so the branch
       // does not serialise any wgmma.
       const auto query_step = [&](int m, bool masked) {
-        const u32 qd_offset = pos.stage * Smem::QD_BYTES;
-        unsigned char* const ds_tile = smem + Smem::DS + (step % 2) * Smem::DS_BYTES;
-        float s[1][8][4], dp[1][8][4];
+        const u32 qd_offset = pos.stage * L::QD_BYTES;
+        // dS^T alternates per step between the two tiles where each consumer keeps P^T in
+        // registers: a warp still reading the previous one (its dQ product) has passed this step's
+        // barrier only after finishing the one before. With the head dim split, both consumers
+        // compute dQ, so both have passed the previous step's dQ-empty barrier, after their dQ
+        // products, before either writes the next dS^T; the second tile holds P^T.
+        unsigned char* const ds_tile = smem + L::DS + (L::SPLIT_DIMS ? 0 : (step % 2) * L::DS_BYTES);
+        unsigned char* const p_tile = smem + L::DS + L::DS_BYTES;
+        constexpr int NQ = L::QUERY_COLS / 8;  // 8-column tiles of this consumer's S^T
+        float s[1][NQ][4], dp[1][NQ][4];
         // Stage this block's statistics (the other parity's buffer may still be read by slower
         // warps of the warpgroup; this one was last read two steps ago, before the previous
         // barrier): thread t copies lse (t < 64) or delta (t >= 64) of row t % 64, asynchronously,
@@ -326,15 +360,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
                      query < seq.seqlen_q ? 4 : 0);
           cp_async_commit();
         }
-        mbarrier_wait(&qd_full[pos.stage], pos.phase);
-        __syncwarp();  // reconverge after the spin: wgmma is .aligned
+        mbarrier_wait(&q_full[pos.stage], pos.phase);
+        if constexpr (L::SPLIT_DIMS) mbarrier_wait(&do_full[pos.stage], pos.phase);
+        __syncwarp();  // reconverge after the spins: wgmma is .aligned
         wgmma_fence();
-        // S^T = K Q^T and dP^T = V dO^T, K-major operands.
-        wgmma_ss_panels<64, Elem, Smem::PANELS>(flat(s), k_desc, Smem::KV_PANEL,
-                                                smem_desc_sw128(smem + Smem::Q + qd_offset), Smem::QD_PANEL);
+        // S^T = K Q^T and dP^T = V dO^T over this consumer's query columns, K-major operands (a
+        // split's second half starts 32 rows, 4096 bytes, into the Q and dO panels: a whole number
+        // of swizzle periods).
+        wgmma_ss_panels<L::QUERY_COLS, Elem, L::PANELS>(
+            flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(smem + L::Q + qd_offset + query_col0 * 128), L::QD_PANEL);
         wgmma_commit();
-        wgmma_ss_panels<64, Elem, Smem::PANELS>(flat(dp), v_desc, Smem::KV_PANEL,
-                                                smem_desc_sw128(smem + Smem::DO + qd_offset), Smem::QD_PANEL);
+        wgmma_ss_panels<L::QUERY_COLS, Elem, L::PANELS>(
+            flat(dp), v_desc, L::KV_PANEL, smem_desc_sw128(smem + L::DO + qd_offset + query_col0 * 128), L::QD_PANEL);
         wgmma_commit();
         cp_async_wait<0>();
         named_barrier_sync(kStatsBarrier + consumer, 128);
@@ -349,17 +386,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           softcap_scores(s, a.softcap_tanh_scale);
         }
 
-        // P^T: columns are queries 8 nt + 2 (lane % 4) + e of the block.
-        const int query_base = m * kBwdBlockM + 2 * (lane % 4);
+        // P^T: columns are queries query_col0 + 8 nt + 2 (lane % 4) + e of the block.
+        const int stat_base = query_col0 + 2 * (lane % 4);
+        const int query_base = m * kBwdBlockM + stat_base;
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
+        for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int query = query_base + 8 * nt + e;
             // A row that saw no key (lse = -inf) or lies past the sequence (lse 0) only occurs in
             // masked blocks, where the select makes P 0, never inf * 0.
-            const float lse_log2 = step_stats[8 * nt + 2 * (lane % 4) + e] * kLog2e;
-            const float row_delta = SOFTCAP ? step_stats[kBwdBlockM + 8 * nt + 2 * (lane % 4) + e] : 0.f;
+            const float lse_log2 = step_stats[stat_base + 8 * nt + e] * kLog2e;
+            const float row_delta = SOFTCAP ? step_stats[kBwdBlockM + stat_base + 8 * nt + e] : 0.f;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const bool seen = !masked || (query >= query_begin[h] && query < query_end[h]);
@@ -376,85 +414,115 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           fence_registers(flat(dp));
           // dS^T = P^T (dP^T - delta), in place of dP^T.
 #pragma unroll
-          for (int nt = 0; nt < 8; ++nt)
+          for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float row_delta = step_stats[kBwdBlockM + 8 * nt + 2 * (lane % 4) + e];
+              const float row_delta = step_stats[kBwdBlockM + stat_base + 8 * nt + e];
 #pragma unroll
               for (int h = 0; h < 2; ++h)
                 dp[0][nt][2 * h + e] = s[0][nt][2 * h + e] * (dp[0][nt][2 * h + e] - row_delta);
             }
         }
-        u32 p_a[4][4], ds_a[4][4];
+        u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
         pack_a<Elem>(s, p_a);
         pack_a<Elem>(dp, ds_a);
 
-        // dV += P^T dO and dK += dS^T Q: K = the 64 queries (4 k16 steps of 16 rows, 2048 bytes),
-        // N = the head dim, dO and Q read MN-major as stored.
-        wgmma_fence();
+        // This consumer's columns of a (keys x 64 queries) tile in shared memory, rows = keys:
+        // dQ's A operand read MN-major, and with the head dim split, dV's and dK's read K-major.
+        const auto store_tile = [&](unsigned char* tile, const u32(&values)[NQ / 2][4]) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          wgmma_rs<HEAD_DIM, Elem, true>(flat(dv), p_a[j],
-                                         desc_advance(smem_desc_sw128_mn(smem + Smem::DO + qd_offset, Smem::QD_PANEL),
-                                                      2048 * j),
-                                         true);
+          for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
-          wgmma_rs<HEAD_DIM, Elem, true>(flat(dk), ds_a[j],
-                                         desc_advance(smem_desc_sw128_mn(smem + Smem::Q + qd_offset, Smem::QD_PANEL),
-                                                      2048 * j),
-                                         true);
-        wgmma_commit();
+            for (int h = 0; h < 2; ++h) {
+              const int row = group_row + warp * 16 + h * 8 + lane / 4;
+              *reinterpret_cast<u32*>(tile + swizzled_offset(row, query_col0 + 8 * nt + 2 * (lane % 4), L::DS_BYTES)) =
+                  values[nt / 2][(nt % 2) * 2 + h];
+            }
+        };
+        // Q's and dO's panels of this consumer's dK and dV columns, read MN-major: K = the 64
+        // queries (4 k16 steps of 16 rows, 2048 bytes).
+        const u64 q_mn = smem_desc_sw128_mn(smem + L::Q + qd_offset + (dim_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+        const u64 do_mn = smem_desc_sw128_mn(smem + L::DO + qd_offset + (dim_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+        if constexpr (L::SPLIT_DIMS) {
+          // Both halves of P^T and dS^T in shared memory before dK += dS^T Q and dV += P^T dO read
+          // them (K-major A, 32 bytes per k16 step); dK first, whose completion frees Q's stage.
+          store_tile(ds_tile, ds_a);
+          store_tile(p_tile, p_a);
+          // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
+          fence_proxy_async_shared();
+          named_barrier_sync(kDsBarrier, 256);
+          wgmma_fence();
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            wgmma_ss_t<L::OWN_DIMS, Elem, false, true>(flat(dk), desc_advance(smem_desc_sw128(ds_tile), 32 * j),
+                                                       desc_advance(q_mn, 2048 * j), true);
+          wgmma_commit();
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            wgmma_ss_t<L::OWN_DIMS, Elem, false, true>(flat(dv), desc_advance(smem_desc_sw128(p_tile), 32 * j),
+                                                       desc_advance(do_mn, 2048 * j), true);
+          wgmma_commit();
+        } else {
+          // dV += P^T dO and dK += dS^T Q from registers, N = the head dim.
+          wgmma_fence();
+#pragma unroll
+          for (int j = 0; j < 4; ++j) wgmma_rs<HEAD_DIM, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * j), true);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) wgmma_rs<HEAD_DIM, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * j), true);
+          wgmma_commit();
+          store_tile(ds_tile, ds_a);
+          fence_proxy_async_shared();
+          named_barrier_sync(kDsBarrier, 256);
+          // dV and dK first: their A registers (P, dS) die here, which leaves room for dQ's
+          // accumulator (at head_dim 128, issuing dQ beside them spilled 144 bytes).
+          fence_registers(flat(dk));
+          fence_registers(flat(dv));
+          wgmma_wait<0>();
+          fence_registers(flat(dk));
+          fence_registers(flat(dv));
+          // Every product of this step that reads Q and dO is done: one arrival per warp frees the stage.
+          if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
+        }
 
-        // dS^T to shared memory, rows = keys, 64 query columns: dQ's A operand read MN-major. The
-        // buffer alternates per step: a warp still reading the previous one (its dQ product) has
-        // passed this step's barrier only after finishing the one before.
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = group_row + warp * 16 + h * 8 + lane / 4;
-            *reinterpret_cast<u32*>(ds_tile + swizzled_offset(row, 8 * nt + 2 * (lane % 4), Smem::DS_BYTES)) =
-                ds_a[nt / 2][(nt % 2) * 2 + h];
-          }
-        // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
-        fence_proxy_async_shared();
-        named_barrier_sync(kDsBarrier, 256);
-        // dV and dK first: their A registers (P, dS) die here, which leaves room for dQ's
-        // accumulator (at head_dim 128, issuing dQ beside them spilled 144 bytes).
-        fence_registers(flat(dk));
-        fence_registers(flat(dv));
-        wgmma_wait<0>();
-        fence_registers(flat(dk));
-        fence_registers(flat(dv));
-        // Every product of this step that reads Q and dO is done: one arrival per warp frees the stage.
-        if (lane == 0) mbarrier_arrive(&qd_empty[pos.stage]);
-
-        // dQ = dS K: M = the 64 queries, K = the 128 keys (8 k16 steps of 16 rows), N = 64 columns
-        // of the head dim per warpgroup (panel `consumer` of K; at head_dim 64 only consumer 0).
-        // Split by columns rather than by keys, each element has one writer: measured with
-        // per-thread reductions, two warpgroups adding into the same elements cost 20-30%.
-        float dq_part[1][8][4];
+        // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = DQ_DIMS
+        // columns of the head dim per warpgroup (from panel consumer * DQ_DIMS / 64 of K; at
+        // head_dim 64 only consumer 0). Split by columns rather than by keys, each element has one
+        // writer: measured with per-thread reductions, two warpgroups adding into the same
+        // elements cost 20-30%.
+        float dq_part[1][L::DQ_DIMS / 8][4];
         if (computes_dq) {
           wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < kBwdBlockN / 16; ++j)
-            wgmma_ss_t<64, Elem, true, true>(
-                flat(dq_part), desc_advance(smem_desc_sw128_mn(ds_tile, Smem::DS_BYTES), 2048 * j),
-                desc_advance(smem_desc_sw128_mn(smem + Smem::K + consumer * Smem::KV_PANEL, Smem::KV_PANEL), 2048 * j),
+          for (int j = 0; j < L::BLOCK_N / 16; ++j)
+            wgmma_ss_t<L::DQ_DIMS, Elem, true, true>(
+                flat(dq_part), desc_advance(smem_desc_sw128_mn(ds_tile, L::DS_BYTES), 2048 * j),
+                desc_advance(smem_desc_sw128_mn(smem + L::K + consumer * (L::DQ_DIMS / 64) * L::KV_PANEL, L::KV_PANEL),
+                             2048 * j),
                 j > 0);
           wgmma_commit();
           fence_registers(flat(dq_part));
+          if constexpr (L::SPLIT_DIMS) {
+            // dK, dV and dQ in flight in that order: free Q's stage, then dO's, as each completes.
+            fence_registers(flat(dk));
+            fence_registers(flat(dv));
+            wgmma_wait<2>();
+            fence_registers(flat(dk));
+            if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
+            wgmma_wait<1>();
+            fence_registers(flat(dv));
+            if (lane == 0) mbarrier_arrive(&do_empty[pos.stage]);
+          }
           wgmma_wait<0>();
           fence_registers(flat(dq_part));
           // The writer's previous reduction has read the staged block.
           named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
-          // Accumulator rows are queries, columns this warpgroup's 64 head-dim columns.
+          // Accumulator rows are queries, columns this warpgroup's head-dim columns.
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            float* const row = dq_block + (warp * 16 + h * 8 + lane / 4) * Smem::DQ_ROW + consumer * 64 + 2 * (lane % 4);
+            float* const row =
+                dq_block + (warp * 16 + h * 8 + lane / 4) * L::DQ_ROW + consumer * L::DQ_DIMS + 2 * (lane % 4);
 #pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
+            for (int nt = 0; nt < L::DQ_DIMS / 8; ++nt)
               *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
           }
           // Read by the writer's bulk reduction through the async proxy.
@@ -469,7 +537,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         const int m = query_block(m_range, i);
         // A block with rows past the sequence's end takes the masked copy too: those rows staged lse
         // 0 (nothing to copy), and only the mask's select makes their P 0.
-        if (!kUnmaskedCopy || needs_mask<kBwdBlockM, kBwdBlockN>(mask, m, n_block) ||
+        if (!kUnmaskedCopy || needs_mask<kBwdBlockM, L::BLOCK_N>(mask, m, n_block) ||
             (m + 1) * kBwdBlockM > seq.seqlen_q) {
           query_step(m, true);
         } else {
@@ -486,7 +554,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     // 4-byte store made the epilogue ~2,900 instructions against ~300. GQA: the group's query
     // heads add into fp32 slices, or, in the orders that repeat bitwise (walk, turns), each stores
     // its own slice (summed in order by the convert).
-    const int col = 2 * (lane % 4);
+    const int col = dim_col0 + 2 * (lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = key0 + 8 * h;

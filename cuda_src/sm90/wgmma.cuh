@@ -177,6 +177,7 @@ struct WgmmaElem<f16> {
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
   "wgmma.mma_async.sync.aligned." SHAPE ".f32.e4m3.e4m3 " D ", " A ", %" DESC_B ", p, 1, 1;\n}\n"
 
+#define CUFLASH_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUFLASH_D32                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -215,6 +216,7 @@ struct WgmmaElem<f16> {
 #define CUFLASH_ACC8(d, i)                                                                               \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),            \
       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CUFLASH_ACC16(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8)
 #define CUFLASH_ACC32(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16), CUFLASH_ACC8(d, 24)
 #define CUFLASH_ACC40(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32)
 #define CUFLASH_ACC48(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32), CUFLASH_ACC8(d, 40)
@@ -281,6 +283,13 @@ struct WgmmaElem<f16> {
 template <int N>
 struct Wgmma;
 
+// N = 32 serves only the backward's S^T and dP^T at head dims above 128, where each consumer
+// warpgroup takes half of a 64-query block (flash_bwd.cu).
+template <>
+struct Wgmma<32> {
+  CUFLASH_WGMMA_SS_MEMBER(16, "m64n32k16", CUFLASH_D16, CUFLASH_ACC16, "16", "17", "18")
+};
+
 template <>
 struct Wgmma<64> {
   CUFLASH_WGMMA_SS_MEMBER(32, "m64n64k16", CUFLASH_D32, CUFLASH_ACC32, "32", "33", "34")
@@ -294,6 +303,7 @@ template <>
 struct Wgmma<128> {
   CUFLASH_WGMMA_SS_MEMBER(64, "m64n128k16", CUFLASH_D64, CUFLASH_ACC64, "64", "65", "66")
   CUFLASH_WGMMA_RS_MEMBER(64, "m64n128k16", CUFLASH_D64, CUFLASH_ACC64, "{%64, %65, %66, %67}", "68", "69", "70")
+  CUFLASH_WGMMA_SS_T_MEMBER(64, "m64n128k16", CUFLASH_D64, CUFLASH_ACC64, "64", "65", "66", "67", "68")
   CUFLASH_WGMMA_E4M3_MEMBERS(64, "m64n128k32", CUFLASH_D64, CUFLASH_ACC64, "{%64, %65, %66, %67}", "64", "65", "66",
                              "68", "69")
 };
@@ -342,6 +352,7 @@ struct Wgmma<256> {
 #undef CUFLASH_WGMMA_SS
 #undef CUFLASH_WGMMA_SS_T
 #undef CUFLASH_WGMMA_RS
+#undef CUFLASH_D16
 #undef CUFLASH_D32
 #undef CUFLASH_D40
 #undef CUFLASH_D48
@@ -350,6 +361,7 @@ struct Wgmma<256> {
 #undef CUFLASH_D96
 #undef CUFLASH_D128
 #undef CUFLASH_ACC8
+#undef CUFLASH_ACC16
 #undef CUFLASH_ACC32
 #undef CUFLASH_ACC40
 #undef CUFLASH_ACC48
@@ -389,7 +401,7 @@ __device__ __forceinline__ void wgmma_ss_panels(float (&d)[N / 2], u64 desc_a, u
 
 // The ss form with either operand MN-major (smem_desc_sw128_mn's descriptor, the instruction's
 // transpose flag set): TRANS_A for an A stored M-contiguous, TRANS_B for a B stored N-contiguous.
-// N = 64.
+// N = 64 or 128.
 template <int N, class Elem, bool TRANS_A, bool TRANS_B>
 __device__ __forceinline__ void wgmma_ss_t(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool accumulate) {
   detail::Wgmma<N>::template ss_t<Elem, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate ? 1u : 0u);
