@@ -94,7 +94,7 @@ def _mask_flags(mask: str, softcap_in_window: bool) -> tuple[bool, bool]:
 def dq_orders(family: str, mask: str, softcap: bool) -> tuple[str, ...]:
     """The DQ_ORDERS a family's backward main kernel has for ``mask`` and ``softcap``: sm80 no
     turns, and sm90 walks only in its causal kernel (dq_order takes the walk there for short
-    sequences, and nowhere else)."""
+    sequences in deterministic mode, and nowhere else)."""
     if family != "sm90":
         return DQ_ORDERS[:2]
     return DQ_ORDERS if _mask_flags(mask, softcap)[0] else ("any", "turns")
@@ -406,8 +406,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
                 + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + SM90_SMEM_ALIGN_SLACK)
         main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {smem}, {_cpp(causal)}, {_cpp(window)}, "
                 f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
-        main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile,
-                                   blocks_slowest=causal and dq_order != "walk")
+        # A causal head's key blocks run side by side (flash_bwd.cu), unlike sm80's.
+        main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile)
         return helpers[0], main_choice, helpers[1]
     tile = tile or SM80_BWD_TILES[bucket]
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
@@ -580,24 +580,25 @@ def forward_launch(family: str, q, k, v, mask: Mask, batch: int, max_seqlen_q: i
     return ForwardLaunch(choice, grid, m_blocks)
 
 
-# sm90 walks for causal backwards over at most this many keys, in either mode, per kernel head dim
-# (SM90_BWD_TILES). d256's 64-key blocks ran faster one CTA per block: 2k 1.16-1.23x, 1k 1.02x.
-WALK_CAUSAL_KEYS = {64: 2048, 128: 2048, 256: 0}
+# sm90's deterministic mode walks causal sequences up to this many keys, per kernel head dim
+# (SM90_BWD_TILES); elsewhere one CTA per key block runs faster (flash_bwd.cu: a causal head's key
+# blocks side by side). Measured against the walk, d128: default 1.22-1.33x, deterministic
+# 1.04-1.08x at 1k-2k; d256 1.22-1.93x; d64 default 0.98-1.11x, deterministic 0.81-0.86x.
+WALK_CAUSAL_KEYS = {64: 2048, 128: 0, 256: 0}
 
 
 def dq_order(family: str, head_dim: int, mask: Mask, max_seqlen_k: int, deterministic: bool) -> str:
-    """DQ_ORDERS entry of a backward whose main kernel is ``family``'s. sm90 walks rather than
-    running one CTA per key block, in either mode, for causal sequences up to WALK_CAUSAL_KEYS
-    keys, whose key blocks are few and of unequal length, so that walking them amortises each
-    CTA's start and balances the work (causal 512 and 1k: +4-10% at d64 and d128, 2k even). A
-    softcap runs the window kernel, which does not walk. Otherwise default mode takes any order,
-    and deterministic mode takes turns where the family has them, else walks."""
+    """DQ_ORDERS entry of a backward whose main kernel is ``family``'s. Default mode takes any
+    order. Deterministic mode takes turns where the family has them, else walks; sm90 walks its
+    causal sequences up to WALK_CAUSAL_KEYS keys, whose key blocks are few and of unequal length,
+    so that walking them amortises each CTA's start and balances the work (a softcap runs the
+    window kernel, which does not walk)."""
     orders = dq_orders(family, mask.kind, bool(mask.softcap))
+    if not deterministic:
+        return "any"
     if (family == "sm90" and "walk" in orders
             and max_seqlen_k <= WALK_CAUSAL_KEYS[backward_kernel_dim(family, head_dim)]):
         return "walk"
-    if not deterministic:
-        return "any"
     return "turns" if "turns" in orders else "walk"
 
 
@@ -632,7 +633,7 @@ def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seql
     splits = max(1, min(n_blocks, slots // (batch * heads))) if order == "walk" else 1
     # Turns without a causal mask: the key blocks of turn_heads heads interleaved (flash_bwd.cu),
     # as many heads as make one wave of their key blocks.
-    grouped = order == "turns" and not main.blocks_slowest
+    grouped = order == "turns" and not _mask_flags(mask.kind, bool(mask.softcap))[0]
     turn_heads = max(1, min(heads, slots // n_blocks)) if grouped else 1
     # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
     if order == "walk":

@@ -128,13 +128,13 @@ def test_sm90_dispatch():
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
     assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, 198656, true, false, false, 0, cuflash::f16>"
-    assert main.threads == 384 and main.blocks_slowest
+    # A causal head's key blocks run side by side (key block fastest in the grid), in every order.
+    assert main.threads == 384 and not main.blocks_slowest
     assert not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
     walk = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", dq_order="walk")[1]
     assert walk.name_expression.endswith("true, false, false, 1, cuflash::bf16>") and not walk.blocks_slowest
-    # Taking turns keeps the default grid, causal key blocks slowest (the order the turns rely on).
     turns = dispatch.backward_kernels("sm90", 64, "causal", "bfloat16", dq_order="turns")[1]
-    assert turns.name_expression.endswith("true, false, false, 2, cuflash::bf16>") and turns.blocks_slowest
+    assert turns.name_expression.endswith("true, false, false, 2, cuflash::bf16>") and not turns.blocks_slowest
     # A softcap runs the window kernel for every mask, as in the forward, and so never walks.
     for mask in ("none", "causal", "window"):
         for dq_order in ("any", "turns"):
@@ -375,9 +375,19 @@ def test_sm90_backward_plan(monkeypatch):
     assert main_choice.family == "sm90" and main_arch == "sm_90a"
     # The preprocess and the converts of dQ, dK and dV (GQA): sm80's, built for the device.
     assert sorted((c.family, arch) for c, arch in loaded) == [("sm80", "sm_90")] * 4 + [("sm90", "sm_90a")]
-    # Causal over at most 2048 keys: the ordered grid (splits, heads, batch), each of the
-    # ceil(300 / 128) key blocks a split here (the mock device's SMs fill with 3 x 4 x 2 CTAs).
-    assert built.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, false, 1, cuflash::bf16>")
+    # Causal in default mode: one CTA per key block in any order, a head's ceil(300 / 128) key
+    # blocks side by side (key blocks, heads, batch).
+    assert built.main.grid == (3, 4, 2) and main_choice.name_expression.endswith("true, false, false, 0, cuflash::bf16>")
+    # Deterministic at head dim 64 over at most 2048 keys: the ordered grid (splits, heads, batch),
+    # each of the ceil(300 / 128) key blocks a split here (the mock device's SMs fill with 3 x 4 x 2
+    # CTAs); at head dim 128, turns on the default grid.
+    q64, k64 = _tensor((2, 300, 4, 64)), _tensor((2, 300, 2, 64), ptr=3 << 20)
+    walked = plan.build_backward(q64, k64, k64, q64, q64, lse, (q64, k64, k64), 0.1, _mask((-1, 0), 0.0), True, 2,
+                                 300, 300)
+    assert walked.main.grid == (3, 4, 2)
+    assert loaded[walked.main.function - 1][0].name_expression.endswith("true, false, false, 1, cuflash::bf16>")
+    taking_turns = plan.build_backward(q, k, k, q, q, lse, (q, k, k), 0.1, _mask((-1, 0), 0.0), True, 2, 300, 300)
+    assert loaded[taking_turns.main.function - 1][0].name_expression.endswith("true, false, false, 2, cuflash::bf16>")
     pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 13, 0, 0)
     main = np.frombuffer(ArgumentBuffer.struct_bytes(built.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
     shared = ArgumentBuffer.struct_bytes(built.argument.fill(*pointers))
@@ -389,19 +399,19 @@ def test_sm90_backward_plan(monkeypatch):
     # their own tensor (dK and dV have the two K/V heads).
     assert built.preprocess.grid == (19, 4, 2)
     assert [launch.grid for launch, *_ in built.converts] == [(19, 4, 2), (19, 2, 2), (19, 2, 2)]
-    # Longer: one CTA per key block, causal blocks slowest (heads, batch, ceil(3000 / 128)).
+    # Longer: the same grid (ceil(3000 / 128), heads, batch).
     q_long, k_long = _tensor((2, 3000, 4, 128)), _tensor((2, 3000, 2, 128), ptr=3 << 20)
     lse_long = _tensor((2, 4, 3000), "float32", ptr=6 << 20)
     long = plan.build_backward(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
                                _mask((-1, 0), 0.0), False, 2, 3000, 3000)
-    assert long.main.grid == (4, 2, 24)
+    assert long.main.grid == (24, 4, 2)
     # Deterministic over the same: taking turns on that grid, the turn counters (one int32 per
     # (batch, head, 64 query rows)) zeroed right after dq_accum (rows of 128 + 4 columns), the
     # per-query-head dK/dV slices after them, not zeroed.
     loaded.clear()
     turns = plan.build_backward(q_long, k_long, k_long, q_long, q_long, lse_long, (q_long, k_long, k_long), 0.1,
                                 _mask((-1, 0), 0.0), True, 2, 3000, 3000)
-    assert turns.main.grid == (4, 2, 24)
+    assert turns.main.grid == (24, 4, 2)
     assert loaded[turns.main.function - 1][0].name_expression.endswith("true, false, false, 2, cuflash::bf16>")
     dq_bytes = 4 * 2 * 4 * 3000 * 132
     counter_bytes = -(-4 * 2 * 4 * 47 // 512) * 512

@@ -22,7 +22,8 @@
 // P is recomputed from the forward's log-sum-exp; no buffer grows with seqlen_q x seqlen_k.
 // How the key blocks' dQ terms meet (DQ_ORDER, dispatch.DQ_ORDERS):
 //  - any order (default mode): one CTA per key block, bulk reductions into one fp32 dQ per head.
-//  - walk (default mode's short causal sequences): grid (dq_splits, heads, batch); CTA s walks one
+//  - walk (deterministic mode's short causal sequences at head dim 64): grid (dq_splits, heads,
+//    batch); CTA s walks one
 //    key block of each round of dq_splits consecutive ones (K and V reloaded per block) and adds
 //    dQ into its own fp32 split, each element from one thread in program order (the convert
 //    kernel adds the splits in order), which amortises each CTA's start over its blocks.
@@ -34,8 +35,7 @@
 //    every causal key block sees, so each key block trails the one before it by a reduction
 //    rather than by the query blocks only that one sees. GQA's dK and dV are stored per query
 //    head and summed in order by the convert kernel.
-// The walk and turns repeat bitwise; deterministic mode takes turns, and walks short causal
-// sequences as default mode does.
+// The walk and turns repeat bitwise (dispatch.dq_order picks between them).
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/softcap.cuh"
@@ -156,9 +156,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   unsigned char* const smem =
       smem_raw + ((kSmemAlignSlack - (smem_addr(smem_raw) & (kSmemAlignSlack - 1))) & (kSmemAlignSlack - 1));
 
-  // As sm80's backward: one key block per CTA, causal key blocks slowest in the grid, the first
-  // (seeing the most queries) dispatched first; walking CTAs walk theirs (above). Taking turns
-  // relies on that order: a CTA waits only for key blocks of lower index, dispatched before it.
+  // One key block per CTA, a head's key blocks adjacent in the grid: (key blocks, heads, batch);
+  // walking CTAs walk theirs (above). Under a causal mask each walks its query blocks from the
+  // last, which every key block sees, so a head's CTAs read the same Q and dO block at once, from
+  // L2. sm80's order (causal key blocks slowest, longest first, each walking up from its diagonal)
+  // reads them from memory: it took 1.16x the time at d64 causal 4k and 1.6-1.8x at d256 1k-2k,
+  // where one Q/dO stage hides little of a load. Taking turns relies on the order of the grid: a
+  // CTA waits only for key blocks of lower index, dispatched before it.
   // Without a causal mask, turns interleave the key blocks of a group of turn_heads heads, key
   // block slowest: grid (key blocks x turn_heads, head groups, batch). CTAs that start together
   // then belong to different heads or are a head's consecutive key blocks, started in order, so
@@ -166,13 +170,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   // key blocks adjacent in the grid: 17-19% over default mode at d64 1k-4k).
   // A packed batch's CTAs past a shorter sequence, and a last group's past the heads, leave at once.
   constexpr bool GROUPED = TURNS && !CAUSAL;
-  const int head = CAUSAL && !WALK ? blockIdx.x
-                   : GROUPED        ? blockIdx.y * a.turn_heads + blockIdx.x % a.turn_heads
-                                    : blockIdx.y;
-  const int batch = CAUSAL && !WALK ? blockIdx.y : blockIdx.z;
+  constexpr bool LAST_FIRST = TURNS || (CAUSAL && !WALK);
+  const int head = GROUPED ? blockIdx.y * a.turn_heads + blockIdx.x % a.turn_heads : blockIdx.y;
+  const int batch = blockIdx.z;
   const Sequence seq = sequence_of(a, batch);
   const int n_blocks = (seq.seqlen_k + L::BLOCK_N - 1) / L::BLOCK_N;
-  const int n_first = CAUSAL && !WALK ? blockIdx.z : GROUPED ? blockIdx.x / a.turn_heads : blockIdx.x;
+  const int n_first = GROUPED ? blockIdx.x / a.turn_heads : blockIdx.x;
   const int n_stride = WALK ? a.dq_splits : n_blocks;
   if (n_first >= n_blocks || head >= a.heads) return;
   // The key block of the walk's round `round`: block s of even rounds and block dq_splits - 1 - s
@@ -181,8 +184,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const auto walk_block = [&](int round) {
     return round * n_stride + (WALK && (round & 1) ? n_stride - 1 - n_first : n_first);
   };
-  // The i-th query block of a key block's range: the last first when taking turns (above).
-  const auto query_block = [](const BlockRange& range, int i) { return TURNS ? range.end - 1 - i : range.begin + i; };
+  // The i-th query block of a key block's range (the last first: above).
+  const auto query_block = [](const BlockRange& range, int i) { return LAST_FIRST ? range.end - 1 - i : range.begin + i; };
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
   const int kv_head = head / a.kv_group;
 
