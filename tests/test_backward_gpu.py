@@ -31,7 +31,7 @@ def _check_gradients(q, k, v, causal, dtype_name, rng):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
-@pytest.mark.usefixtures("family")  # the sm90 main kernel where it serves the case, sm80's elsewhere
+@pytest.mark.usefixtures("family")  # each family runs its own backward
 def test_backward_matches_reference(dtype_name, head_dim, causal, seqlens, group, rng):
     from tests.gpu_reference import random_bshd
 

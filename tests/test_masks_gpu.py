@@ -117,7 +117,7 @@ def test_window_rows_without_keys_give_zero_and_minus_inf(rng):
     assert bool(cp.all(cp.isfinite(lse[:, :, 198:])))
 
 
-@pytest.mark.usefixtures("family")  # the sm90 backward serves windows; sm80's runs elsewhere
+@pytest.mark.usefixtures("family")  # each family runs its own backward
 @pytest.mark.parametrize("case", WINDOWS, ids=_window_id)
 def test_window_backward_matches_reference(case, rng):
     from tests.gpu_reference import check_backward
@@ -126,7 +126,7 @@ def test_window_backward_matches_reference(case, rng):
     check_backward(*_window_inputs(case, rng), causal, dtype_name, rng, window=window)
 
 
-@pytest.mark.usefixtures("family")  # the sm90 backward serves head dims up to 128; sm80's runs the rest
+@pytest.mark.usefixtures("family")  # each family runs its own backward
 @pytest.mark.parametrize("case", SOFTCAPS, ids=_softcap_id)
 def test_softcap_backward_matches_reference(case, rng):
     from tests.gpu_reference import check_backward
