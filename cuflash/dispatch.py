@@ -6,8 +6,8 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
 every head-dim bucket (forward_launch still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). So does its backward main
-kernel (backward_kernel_dim); the preprocess and convert kernels that run around
-either family's (common/flash_bwd_helpers.cu) are built for the sm80 target on every device.
+kernel (backward_kernel_dim); the preprocess and convert kernels that run around either family's
+(common/flash_bwd_helpers.cu) are built for the sm80 target on every device.
 FP8 (e4m3) inputs run each family's forward: sm90's multiplies them in e4m3 (wgmma), sm80's
 stages the bytes and widens them to the 16-bit output type in shared memory (half the bytes of a
 bf16 call read, bf16's tensor-core rate); sm80's also serves sm90 devices where no tensor map can
@@ -370,9 +370,9 @@ SM90_BWD_DQ_ROW_PAD = 4
 
 
 def backward_kernel_dim(family: str, head_dim: int) -> int:
-    """The head dim the backward main kernel of ``family`` is built for: the
-    bucket, or on sm90 the smallest of SM90_BWD_TILES that holds it. The fp32 dQ rows are this
-    wide, plus SM90_BWD_DQ_ROW_PAD on sm90."""
+    """The head dim the backward main kernel of ``family`` is built for: the bucket, or on sm90 the
+    smallest of SM90_BWD_TILES that holds it. The fp32 dQ rows are this wide, plus
+    SM90_BWD_DQ_ROW_PAD on sm90."""
     bucket = head_dim_bucket(head_dim)
     return min(d for d in SM90_BWD_TILES if d >= bucket) if family == "sm90" else bucket
 
@@ -393,28 +393,28 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     if dq_order not in dq_orders(family, mask, softcap):
         raise ValueError(f"dq_order: expected one of {dq_orders(family, mask, softcap)} for {family}, mask "
                          f"{mask!r} and softcap {softcap}, got {dq_order!r}")
-    bucket = backward_kernel_dim(family, head_dim)
+    kernel_dim = backward_kernel_dim(family, head_dim)
     elem = ELEMENT_TYPES[dtype_name]
     causal, window = _mask_flags(mask, softcap)
     helpers = tuple(KernelChoice("sm80", HELPERS_SOURCE, f"cuflash::flash_bwd_{step}<{HELPER_THREADS}, {elem}>",
                                  HELPER_THREADS, 0) for step in ("preprocess", "convert"))
     if family == "sm90":
-        tile = tile or SM90_BWD_TILES[bucket]
+        tile = tile or SM90_BWD_TILES[kernel_dim]
         # K and V (block_n rows), the Q and dO stages (block_m rows), two tiles of block_n rows of
         # 64 queries, the fp32 dQ block, and the alignment slack.
-        smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * bucket + 2 * tile.block_n * 64) * 2
-                + tile.block_m * (bucket + SM90_BWD_DQ_ROW_PAD) * 4 + SM90_SMEM_ALIGN_SLACK)
-        main = (f"cuflash::sm90::flash_bwd_sm90<{bucket}, {tile.stages}, {smem}, {_cpp(causal)}, {_cpp(window)}, "
+        smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * kernel_dim + 2 * tile.block_n * 64) * 2
+                + tile.block_m * (kernel_dim + SM90_BWD_DQ_ROW_PAD) * 4 + SM90_SMEM_ALIGN_SLACK)
+        main = (f"cuflash::sm90::flash_bwd_sm90<{kernel_dim}, {tile.stages}, {smem}, {_cpp(causal)}, {_cpp(window)}, "
                 f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         # A causal head's key blocks run side by side (flash_bwd.cu), unlike sm80's.
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile)
         return helpers[0], main_choice, helpers[1]
-    tile = tile or SM80_BWD_TILES[bucket]
+    tile = tile or SM80_BWD_TILES[kernel_dim]
     # K, V, two buffers each of Q and dO, the P and dS tiles (rows of block_n elements), and two
     # buffers each of the rows' fp32 log-sum-exp and delta.
-    smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(bucket) + 2 * tile.block_m * tile.block_n) * 2
+    smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(kernel_dim) + 2 * tile.block_m * tile.block_n) * 2
             + 4 * tile.block_m * 4)
-    main = (f"cuflash::flash_bwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
+    main = (f"cuflash::flash_bwd_sm80<{kernel_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
             f"{smem}, {_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, {elem}>")
     return (helpers[0], KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
                                      blocks_slowest=causal and dq_order != "walk"), helpers[1])
@@ -635,7 +635,8 @@ def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seql
     # as many heads as make one wave of their key blocks.
     grouped = order == "turns" and not _mask_flags(mask.kind, bool(mask.softcap))[0]
     turn_heads = max(1, min(heads, slots // n_blocks)) if grouped else 1
-    # Causal key blocks go slowest in the grid, longest first (flash_bwd.cu).
+    # sm80's causal key blocks go slowest in the grid, longest first; sm90's run a head's side by
+    # side (flash_bwd.cu).
     if order == "walk":
         grid = (splits, heads, batch)
     elif grouped:

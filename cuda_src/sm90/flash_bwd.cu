@@ -23,10 +23,10 @@
 // How the key blocks' dQ terms meet (DQ_ORDER, dispatch.DQ_ORDERS):
 //  - any order (default mode): one CTA per key block, bulk reductions into one fp32 dQ per head.
 //  - walk (deterministic mode's short causal sequences at head dim 64): grid (dq_splits, heads,
-//    batch); CTA s walks one
-//    key block of each round of dq_splits consecutive ones (K and V reloaded per block) and adds
-//    dQ into its own fp32 split, each element from one thread in program order (the convert
-//    kernel adds the splits in order), which amortises each CTA's start over its blocks.
+//    batch); CTA s walks one key block of each round of dq_splits consecutive ones (K and V
+//    reloaded per block) and adds dQ into its own fp32 split, each element from one thread in
+//    program order (the convert kernel adds the splits in order), which amortises each CTA's
+//    start over its blocks.
 //  - turns (deterministic mode): the default grid, each query block's reductions applied in
 //    key-block order. A counter per (batch, head, query block) holds how many key blocks have
 //    added theirs; the writer warp waits for its CTA's turn before each reduction and passes the
