@@ -12,7 +12,8 @@ Everything here is NumPy only (no CuPy), so it runs anywhere and serves three ro
   for; ``attention_reference(..., p_dtype=ml_dtypes.float8_e4m3fn)`` is FlashAttention-3's FP8
   baseline (P rounded to e4m3 before ``P @ v``).
 
-Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``k`` and ``v`` may have
+Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``v`` may have its own head dim
+``head_dim_v`` (then so do ``out`` and ``dout``). ``k`` and ``v`` may have
 ``heads_kv`` heads with ``heads_q % heads_kv == 0``; query head ``h`` uses kv head
 ``h // (heads_q // heads_kv)``. Which keys a query sees is :func:`allowed_keys` (causal and
 sliding windows, flash-attn's semantics, aligned bottom-right). ``softcap > 0`` replaces the
@@ -316,8 +317,8 @@ def attention_backward_reference(
 
     Returns
     -------
-    dq : (batch, seqlen_q, heads, head_dim), dk and dv : (batch, seqlen_k, heads_kv, head_dim),
-    all float64.
+    dq : (batch, seqlen_q, heads, head_dim), dk : (batch, seqlen_k, heads_kv, head_dim),
+    dv : (batch, seqlen_k, heads_kv, head_dim_v), all float64.
     """
     q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
     dout = np.asarray(dout, dtype=np.float64)
@@ -387,7 +388,8 @@ def attention_varlen_reference(
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`attention_reference` of each sequence of a packed batch.
 
-    q is ``(total_q, heads, head_dim)``, k and v ``(total_k, heads_kv, head_dim)``; sequence ``i``
+    q is ``(total_q, heads, head_dim)``, k ``(total_k, heads_kv, head_dim)`` and v
+    ``(total_k, heads_kv, head_dim_v)``; sequence ``i``
     owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``
     (either may be empty) and sees only its own keys, with causal and window alignment per
     sequence. ``options``: causal, softmax_scale, window, softcap, dtype. ``seqused_q`` /
@@ -397,7 +399,7 @@ def attention_varlen_reference(
 
     Returns
     -------
-    out : (total_q, heads, head_dim) ; lse : (heads, total_q), ``-inf`` for rows that see no key.
+    out : (total_q, heads, head_dim_v) ; lse : (heads, total_q), ``-inf`` for rows that see no key.
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     dtype = np.dtype(options.get("dtype", np.float64))
