@@ -17,23 +17,25 @@ _OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.
 
 
 def _output(result: np.ndarray, lse: np.ndarray, dtype, out, return_lse: bool):
-    """The float64 result cast to the inputs' dtype, into ``out`` when given."""
+    """The float64 result cast to the inputs' dtype, C-contiguous as the GPU path's (the torch
+    ops' fake outputs say so), into ``out`` when given."""
     if out is None:
-        out = result.astype(dtype)
+        out = result.astype(dtype, order="C")
     else:
         out[...] = result.astype(dtype)
     return (out, lse.astype(np.float32)) if return_lse else out
 
 
 def _gradients(result, given: dict, dtype) -> tuple:
-    """The float64 (dq, dk, dv) cast to the inputs' dtype, into the arrays given by name."""
+    """The float64 (dq, dk, dv) cast to the inputs' dtype, C-contiguous, into the arrays given by
+    name."""
     grads = []
     for name, value in zip(("dq", "dk", "dv"), result):
         if given.get(name) is not None:
             given[name][...] = value.astype(dtype)
             grads.append(given[name])
         else:
-            grads.append(value.astype(dtype))
+            grads.append(value.astype(dtype, order="C"))
     return tuple(grads)
 
 
