@@ -18,6 +18,7 @@ from cuflash.reference import (
     attention_varlen_backward_reference,
     attention_varlen_reference,
 )
+from tests.finite_differences import finite_difference_gradients
 
 pytestmark = pytest.mark.filterwarnings("error")
 
@@ -83,23 +84,6 @@ def test_low_precision_baseline_has_head_dim_v(dtype):
     assert lowp.shape == exact.shape == (1, 9, 4, 40) and lowp.dtype == np.dtype(dtype)
     error = np.abs(lowp.astype(np.float64) - exact).max()
     assert 0 < error < 0.05
-
-
-def finite_difference_gradients(loss, arrays, eps=1e-6):
-    grads = []
-    for index, x in enumerate(arrays):
-        numeric = np.zeros_like(x)
-        for pos in np.ndindex(x.shape):
-            shifted = list(arrays)
-            plus, minus = x.copy(), x.copy()
-            plus[pos] += eps
-            minus[pos] -= eps
-            shifted[index] = plus
-            f_plus = loss(*shifted)
-            shifted[index] = minus
-            numeric[pos] = (f_plus - loss(*shifted)) / (2 * eps)
-        grads.append(numeric)
-    return grads
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=list(MASKS))

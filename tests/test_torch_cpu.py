@@ -52,6 +52,17 @@ def lowp_gradients(q, k, v, dout, causal, scale):
     return out, [x.grad for x in leaves]
 
 
+def assert_out_and_gradients_follow_rule(out, q, k, v, dout, causal):
+    """out and the gradients autograd left in q, k, v against the float64 reference, under the rule."""
+    ref_out, _ = reference.attention_reference(float64(q), float64(k), float64(v), causal=causal)
+    ref_grads = reference.attention_backward_reference(float64(dout), float64(q), float64(k), float64(v),
+                                                       causal=causal)
+    lowp_out, lowp_grads = lowp_gradients(q, k, v, dout, causal, 1 / math.sqrt(q.shape[-1]))
+    assert_rule("out", out, ref_out, lowp_out)
+    for name, got, ref, lowp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads, lowp_grads):
+        assert_rule(name, got, ref, lowp)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens, heads", [((17, 113), (4, 4)), ((113, 17), (4, 2)), ((1, 64), (6, 1))])
@@ -61,19 +72,12 @@ def test_attention_forward_and_backward_on_cpu(dtype, causal, seqlens, heads):
     q = random_tensor(rng, (2, seqlen_q, heads_q, 64), dtype)
     k, v = (random_tensor(rng, (2, seqlen_k, heads_kv, 64), dtype) for _ in range(2))
     dout = torch.from_numpy(rng.standard_normal(q.shape)).to(dtype)
-    scale = 1 / math.sqrt(64)
 
     out = ct.attention(q, k, v, causal=causal)
     out.backward(dout)
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
 
-    ref_out, _ = reference.attention_reference(float64(q), float64(k), float64(v), causal=causal)
-    ref_grads = reference.attention_backward_reference(float64(dout), float64(q), float64(k), float64(v),
-                                                       causal=causal)
-    lowp_out, lowp_grads = lowp_gradients(q, k, v, dout, causal, scale)
-    assert_rule("out", out, ref_out, lowp_out)
-    for name, got, ref, lowp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads, lowp_grads):
-        assert_rule(name, got, ref, lowp)
+    assert_out_and_gradients_follow_rule(out, q, k, v, dout, causal)
 
 
 def test_flash_attn_varlen_func_on_cpu():
@@ -136,13 +140,7 @@ def test_head_dim_v_forward_and_backward_on_cpu(dtype, causal, head_dims, heads)
     out.backward(dout)
     assert out.shape == dout.shape and v.grad.shape == v.shape and k.grad.shape == k.shape
 
-    ref_out, _ = reference.attention_reference(float64(q), float64(k), float64(v), causal=causal)
-    ref_grads = reference.attention_backward_reference(float64(dout), float64(q), float64(k), float64(v),
-                                                       causal=causal)
-    lowp_out, lowp_grads = lowp_gradients(q, k, v, dout, causal, 1 / math.sqrt(head_dim))
-    assert_rule("out", out, ref_out, lowp_out)
-    for name, got, ref, lowp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads, lowp_grads):
-        assert_rule(name, got, ref, lowp)
+    assert_out_and_gradients_follow_rule(out, q, k, v, dout, causal)
 
 
 def test_head_dim_v_varlen_on_cpu_is_the_reference_cast():
