@@ -359,3 +359,8 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
         out.copy_(result)
         result = out
     return result, lse
+
+
+# Context parallelism (ring attention over torch.distributed), imported last: it runs this
+# module's ops.
+from cuflash.torch import distributed  # noqa: E402
