@@ -103,15 +103,20 @@ class _Ring(NamedTuple):
     layout: str
     local_length: int
 
-    def blocks(self, source: int, window: tuple[int, int]):
+    def blocks(self, source: int, window: tuple[int, int]) -> list[_Block]:
         """The blocks of this rank's queries against the keys that rank ``source`` holds, with
-        rows and keys as slices of the two shards."""
+        rows and keys as slices of the two shards, unmasked neighbours joined."""
+        blocks = []
         for query in _chunks(self.rank, self.size, self.local_length, self.layout):
             for key in _chunks(source, self.size, self.local_length, self.layout):
                 block = _block(query, key, *window)
-                if block is not None:
-                    yield _Block(_shifted(block.rows, query.local_start), _shifted(block.keys, key.local_start),
-                                 block.window)
+                if block is None:
+                    continue
+                blocks.append(_Block(_shifted(block.rows, query.local_start), _shifted(block.keys, key.local_start),
+                                     block.window))
+                while len(blocks) > 1 and (joined := _joined(blocks[-2], blocks[-1])) is not None:
+                    blocks[-2:] = [joined]
+        return blocks
 
     def source(self, step: int) -> int:
         """The rank whose K/V block this rank holds at ``step``."""
@@ -129,6 +134,19 @@ class _Ring(NamedTuple):
 
 def _shifted(part: slice, start: int) -> slice:
     return slice(part.start + start, part.stop + start)
+
+
+def _joined(first: _Block, second: _Block) -> Optional[_Block]:
+    """One block for two unmasked ones that share their keys (or rows) and touch: one launch
+    instead of two, as zigzag's off-diagonal steps allow (both query chunks against one key chunk,
+    or one query chunk against both key chunks) and every step without a mask."""
+    if first.window != (-1, -1) or second.window != (-1, -1):
+        return None
+    if first.keys == second.keys and first.rows.stop == second.rows.start:
+        return _Block(slice(first.rows.start, second.rows.stop), first.keys, first.window)
+    if first.rows == second.rows and first.keys.stop == second.keys.start:
+        return _Block(first.rows, slice(first.keys.start, second.keys.stop), first.window)
+    return None
 
 
 class _Transfer(NamedTuple):
