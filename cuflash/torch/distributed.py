@@ -67,8 +67,9 @@ def _check_layout(layout, local_length: int) -> None:
 
 
 class _Block(NamedTuple):
-    """The part of a (query chunk, key chunk) pair that takes part: rows and keys relative to the
-    chunks, and the (left, right) window that masks it, aligned bottom-right as the kernels do."""
+    """The part of a (query chunk, key chunk) pair that takes part: its rows and keys (in the
+    chunks, or in the shards once shifted), and the (left, right) window that masks it, aligned
+    bottom-right as the kernels do."""
     rows: slice
     keys: slice
     window: tuple[int, int]
@@ -76,8 +77,8 @@ class _Block(NamedTuple):
 
 def _block(query: _Chunk, key: _Chunk, left: int, right: int) -> Optional[_Block]:
     """Query ``query.global_start + i`` sees key ``key.global_start + j`` iff
-    ``i + d - left <= j <= i + d + right`` (-1: unbounded), ``d`` the distance between the chunks.
-    None where no pair does. The rows and keys are cut to those that take part, which makes the
+    ``i + d - left <= j <= i + d + right`` (-1: unbounded), ``d`` the distance between the chunks
+    (of equal lengths in both layouts). None where no pair does. The rows and keys are cut to those that take part, which makes the
     window of the cut block non-negative (the kernels take no other), and a block that sees
     everything gets no mask at all."""
     n, d = query.length, query.global_start - key.global_start
@@ -125,8 +126,9 @@ class _Ring(NamedTuple):
     def pass_on(self, tensor: torch.Tensor, tag: int) -> "_Transfer":
         """Starts sending ``tensor`` to the next rank and receiving its twin from the previous one."""
         received = torch.empty_like(tensor)
-        following = dist.get_global_rank(self.group or dist.group.WORLD, (self.rank + 1) % self.size)
-        preceding = dist.get_global_rank(self.group or dist.group.WORLD, (self.rank - 1) % self.size)
+        group = dist.group.WORLD if self.group is None else self.group
+        following = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        preceding = dist.get_global_rank(group, (self.rank - 1) % self.size)
         requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, following, self.group, tag),
                                            dist.P2POp(dist.irecv, received, preceding, self.group, tag)])
         return _Transfer(received, requests)
@@ -175,7 +177,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     merged = torch.logaddexp(lse, block_lse)
     # Rows no key has reached stay at -inf; a reference of 0 gives them weights 0, not NaN.
     reference = torch.where(torch.isneginf(merged), 0.0, merged)
-    weight, block_weight = ((torch.exp(x - reference)).transpose(1, 2).unsqueeze(-1) for x in (lse, block_lse))
+    weight, block_weight = (torch.exp(x - reference).transpose(1, 2).unsqueeze(-1) for x in (lse, block_lse))
     out.mul_(weight).add_(block_out.float() * block_weight)
     lse.copy_(merged)
 
@@ -253,17 +255,14 @@ def _check_tensors(q, k, v) -> None:
 
 
 def _ring_of(group, q: torch.Tensor, layout: str) -> _Ring:
-    # new_group hands the processes outside the group this marker instead of a group.
-    if group is dist.GroupMember.NON_GROUP_MEMBER:
-        raise ValueError("group: this process is not a member of the group")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
+    outside = group is dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives the processes outside it
+    if group is not None and not outside and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     if not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
-    rank = dist.get_rank(group)
-    if rank < 0:
+    if outside or dist.get_rank(group) < 0:
         raise ValueError("group: this process is not a member of the group")
-    return _Ring(group, rank, dist.get_world_size(group), layout, q.shape[1])
+    return _Ring(group, dist.get_rank(group), dist.get_world_size(group), layout, q.shape[1])
 
 
 def _check_agreement(ring: _Ring, q, k, causal: bool, options: _Options) -> None:
