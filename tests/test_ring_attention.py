@@ -179,6 +179,7 @@ def test_zigzag_positions_balance_a_causal_mask():
     (lambda x: ring.ring_attention(x, x[:, :4], x[:, :4], layout="contiguous"), ValueError, "k: expected"),
     (lambda x: ring.ring_attention(x, x, x[..., :32]), ValueError, "v: expected the shape of k"),
     (lambda x: ring.ring_attention(x.numpy(), x, x), TypeError, "q: expected a torch.Tensor"),
+    (lambda x: ring.ring_attention(x, x.half(), x), TypeError, "k: expected the dtype and device of q"),
     (lambda x: ring.ring_attention(x, x, x), ValueError, "group: torch.distributed is not initialized"),
     (lambda x: ring.sequence_positions(4, 4, 6), ValueError, "rank"),
 ])

@@ -182,10 +182,18 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(merged)
 
 
+def _partial_precision(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the blocks take it. A CPU tensor of 16 bits becomes float32 (exactly), so that the
+    CPU path returns float32 partial results, each block's 16-bit rounding avoided; the kernels
+    take 16-bit tensors only, and their partials are rounded (docs/context_parallel.md)."""
+    return x.float() if x.device.type == "cpu" and x.element_size() < 4 else x
+
+
 def _forward(q, k, v, ring: _Ring, options: _Options):
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))  # one message per step
+    dtype, q = q.dtype, _partial_precision(q)
+    kv = _partial_precision(torch.stack((k, v)))  # one message per step
     for step in range(ring.size):
         transfer = ring.pass_on(kv, _KV_TAG) if step + 1 < ring.size else None
         for rows, keys, window in ring.blocks(ring.source(step), options.window):
@@ -195,12 +203,13 @@ def _forward(q, k, v, ring: _Ring, options: _Options):
             _merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
         if transfer is not None:
             kv = transfer.wait()
-    return out.to(q.dtype), lse
+    return out.to(dtype), lse
 
 
 def _backward(dout, q, k, v, out, lse, ring: _Ring, options: _Options):
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))
+    dtype, dout, q, out = q.dtype, *(_partial_precision(x) for x in (dout, q, out))
+    kv = _partial_precision(torch.stack((k, v)))
     # The dK/dV of the block this rank holds, accumulated by the ranks it has visited.
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     gradients = None
@@ -221,7 +230,7 @@ def _backward(dout, q, k, v, out, lse, ring: _Ring, options: _Options):
     # After the last step each block has visited every rank; one more pass brings it home.
     if gradients is not None:
         dkv = gradients.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -245,6 +254,10 @@ def _check_tensors(q, k, v) -> None:
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
             raise ValueError(f"{name}: expected (batch, seqlen_local, heads, head_dim), got shape {tuple(x.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype or x.device != q.device:
+            raise TypeError(f"{name}: expected the dtype and device of q ({q.dtype}, {q.device}), got {x.dtype}, "
+                            f"{x.device}")
     if k.shape != v.shape:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
