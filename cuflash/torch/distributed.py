@@ -7,7 +7,7 @@ of the current one; each rank merges its partial outputs exactly through their l
 backward sends each block's dK and dV around the ring with it and keeps dQ local. Every block
 runs cuflash's own ops (``torch.ops.cuflash.attention_forward`` / ``attention_backward``): the
 kernels on CUDA tensors (NCCL), cuflash's CPU path on CPU tensors (gloo). docs/context_parallel.md
-explains the layouts, the block masks and the merge.
+explains the layouts, the block masks, the merge and the precision of the partial results.
 """
 
 # No `from __future__ import annotations`: the same convention as the package's custom ops.
