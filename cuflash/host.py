@@ -59,10 +59,13 @@ def attention(q, k, v, causal: bool, scale: float, window, softcap: float, retur
 
 
 def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap: float) -> tuple:
-    """The reference gradients of arrays q, k, v, dout (by name), into dq, dk, dv where given."""
+    """The gradients of arrays q, k, v, dout, out, lse (by name), into dq, dk, dv where given: P
+    recomputed from the given lse and rowsum(dP * P) from the given out, as the kernels do, so
+    that a block of a longer attention (a ring's) gets its share of the whole one's gradients."""
     q = arrays["q"]
-    result = reference.attention_backward_reference(arrays["dout"], q, arrays["k"], arrays["v"], causal=causal,
-                                                    softmax_scale=scale, window=window, softcap=softcap)
+    result = reference.attention_backward_from_lse(arrays["dout"], q, arrays["k"], arrays["v"], arrays["out"],
+                                                   arrays["lse"], causal=causal, softmax_scale=scale, window=window,
+                                                   softcap=softcap)
     return _gradients(result, arrays, q.dtype)
 
 

@@ -32,6 +32,7 @@ import numpy.typing as npt
 
 __all__ = [
     "allowed_keys",
+    "attention_backward_from_lse",
     "attention_backward_reference",
     "attention_varlen_backward_reference",
     "attention_varlen_reference",
@@ -320,6 +321,53 @@ def attention_backward_reference(
     dq : (batch, seqlen_q, heads, head_dim), dk : (batch, seqlen_k, heads_kv, head_dim),
     dv : (batch, seqlen_k, heads_kv, head_dim_v), all float64.
     """
+
+    def softmax(bi, h, s, dp):
+        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        p = np.exp(s - np.where(np.isneginf(m), 0, m))
+        l = p.sum(axis=-1, keepdims=True)
+        p /= np.where(l == 0, 1, l)
+        return p, (p * dp).sum(axis=-1, keepdims=True)
+
+    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax)
+
+
+def attention_backward_from_lse(
+    dout: npt.ArrayLike,
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    out: npt.ArrayLike,
+    lse: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The gradients as the kernels compute them, in float64: ``P = exp(S - lse)`` and
+    ``rowsum(dP ∘ P) = rowsum(dout ∘ out)`` from the given ``out`` (batch, seqlen_q, heads,
+    head_dim) and ``lse`` (batch, heads, seqlen_q), not from a softmax over these keys alone.
+
+    Equal to :func:`attention_backward_reference` when out and lse are this call's; with those of
+    an attention over more keys (a ring's other blocks), the contribution of these keys to the
+    whole attention's gradients. Rows with ``lse = -inf`` contribute nothing.
+    """
+    out_h = np.asarray(out, dtype=np.float64).transpose(0, 2, 1, 3)
+    dout_h = np.asarray(dout, dtype=np.float64).transpose(0, 2, 1, 3)
+    lse = np.asarray(lse, dtype=np.float64)
+
+    def softmax(bi, h, s, dp):
+        row_lse = lse[bi, h, :, None]
+        p = np.where(np.isneginf(row_lse), 0, np.exp(s - np.where(np.isneginf(row_lse), 0, row_lse)))
+        return p, (dout_h[bi, h] * out_h[bi, h]).sum(axis=-1, keepdims=True)
+
+    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax)
+
+
+def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax):
+    """The backward's loop over (batch, head), ``softmax(bi, h, s, dp)`` giving P and
+    ``rowsum(dP ∘ P)`` from the masked scores ``s`` and ``dP``."""
     q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != q.shape[:3] + (v.shape[3],):
@@ -335,13 +383,10 @@ def attention_backward_reference(
             kv = h // group
             s = _softcapped(qh[bi, h] @ kh[bi, kv].T * scale, softcap)
             s = np.where(allowed, s, -np.inf)
-            m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-            p = np.exp(s - np.where(np.isneginf(m), 0, m))
-            l = p.sum(axis=-1, keepdims=True)
-            p /= np.where(l == 0, 1, l)
-            dv[bi, kv] += p.T @ doh[bi, h]
             dp = doh[bi, h] @ vh[bi, kv].T
-            ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+            p, delta = softmax(bi, h, s, dp)
+            dv[bi, kv] += p.T @ doh[bi, h]
+            ds = p * (dp - delta)
             if softcap:
                 ds *= 1 - np.where(allowed, s / softcap, 0) ** 2
             dq[bi, h] = ds @ kh[bi, kv] * scale

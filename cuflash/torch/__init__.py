@@ -10,7 +10,8 @@ and ``flash_attn_varlen_func`` its packed-batch twin (``attention_varlen`` the c
 ``flash_attn_with_kvcache`` and ``flash_attn_combine`` are FlashAttention-3's inference entry
 points (forward only, the caches updated in place, called directly rather than as custom ops);
 arguments cuflash does not support yet raise NotImplementedError naming them, never silently
-ignored.
+ignored. ``cuflash.torch.distributed.ring_attention`` is the attention of a sequence sharded
+across the processes of a ``torch.distributed`` group (context parallelism).
 """
 
 # No `from __future__ import annotations`: custom_op reads the signature's real types.
@@ -24,8 +25,8 @@ import torch
 import cuflash
 from cuflash import checks
 
-__all__ = ["attention", "attention_varlen", "flash_attn_combine", "flash_attn_func", "flash_attn_varlen_func",
-           "flash_attn_with_kvcache"]
+__all__ = ["attention", "attention_varlen", "distributed", "flash_attn_combine", "flash_attn_func",
+           "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -366,3 +367,8 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
         out.copy_(result)
         result = out
     return result, lse
+
+
+# Context parallelism (ring attention over torch.distributed), imported last: it runs this
+# module's ops.
+from cuflash.torch import distributed  # noqa: E402
