@@ -61,8 +61,11 @@ def attention(
         (float16, bfloat16, float32 or float64: the CPU reference path). FP8 (e4m3): torch
         ``float8_e4m3fn``, NumPy ``ml_dtypes.float8_e4m3fn``, or uint8 bytes with
         ``dtype="e4m3"`` (CuPy cannot hold a float8 dtype); see docs/fp8.md.
-    k, v : array, shape (batch, seqlen_k, heads_kv, head_dim)
+    k : array, shape (batch, seqlen_k, heads_kv, head_dim)
+    v : array, shape (batch, seqlen_k, heads_kv, head_dim_v)
         Same dtype and device as q; ``heads % heads_kv == 0`` (GQA; MQA when heads_kv is 1).
+        head_dim_v, like head_dim a multiple of 8 up to 256, may differ from head_dim on the CPU
+        path (NumPy arrays, CPU torch tensors); the GPU kernels take head_dim_v == head_dim so far.
     causal : bool
         Query i sees key j only if ``j <= i + seqlen_k - seqlen_q`` (aligned bottom-right).
     softmax_scale : float, optional
@@ -79,8 +82,8 @@ def attention(
         Also return the log-sum-exp of the scaled scores, float32 (batch, heads, seqlen_q),
         natural log; ``-inf`` for a row that sees no key (its output row is 0).
     out : array, optional
-        Where to write the output, shape and dtype of q (``out_dtype`` for FP8 inputs), same
-        framework and device.
+        Where to write the output: (batch, seqlen_q, heads, head_dim_v), dtype of q
+        (``out_dtype`` for FP8 inputs), same framework and device.
     descale_q, descale_k, descale_v : float or array, optional
         FP8 inputs only: the factors that turn the stored e4m3 values into the values they
         stand for (``x * descale``): None (1), a positive number, or float32 of shape
@@ -94,8 +97,9 @@ def attention(
     Returns
     -------
     out or (out, lse)
-        In the caller's framework: torch in, torch out (on torch's current stream); CuPy or
-        another DLPack producer in, CuPy out; NumPy in, NumPy out.
+        out is (batch, seqlen_q, heads, head_dim_v). In the caller's framework: torch in, torch
+        out (on torch's current stream); CuPy or another DLPack producer in, CuPy out; NumPy in,
+        NumPy out.
 
     Raises
     ------
@@ -110,6 +114,8 @@ def attention(
         ``out``, a non-finite or non-positive softmax_scale or descale, a descale array of the
         wrong shape or device, a descale or out_dtype given with inputs that are not FP8, FP8
         GPU inputs whose head_dim is not a multiple of 16.
+    NotImplementedError
+        GPU inputs whose head_dim_v differs from head_dim.
 
     Notes
     -----
@@ -174,9 +180,9 @@ def _prepare_forward_fp8(framework: str, qt, kt, vt, out_t, causal: bool, scale:
     batch, seqlen_q, heads = qt.shape[:3]
     mask = dispatch.make_mask(causal, window, softcap, seqlen_q, kt.shape[1])
     descales = fp8.descale_q, fp8.descale_k, fp8.descale_v
-    built = plan.build_forward(qt, kt, vt, out_t or interop.contiguous(qt.shape, qt, fp8.out_dtype),
-                               interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale, mask, batch,
-                               seqlen_q, descales=descales)
+    out_t = out_t or interop.contiguous(checks.output_shape(qt, vt), qt, fp8.out_dtype)
+    built = plan.build_forward(qt, kt, vt, out_t, interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale,
+                               mask, batch, seqlen_q, descales=descales)
     return built, (qt, kt, vt, *descales), aligned
 
 
@@ -190,7 +196,7 @@ def _prepare_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_sc
         qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
     batch, seqlen_q, heads = qt.shape[:3]
     mask = dispatch.make_mask(causal, window, softcap, seqlen_q, kt.shape[1])
-    built = plan.build_forward(qt, kt, vt, out_t or interop.contiguous(qt.shape, qt),
+    built = plan.build_forward(qt, kt, vt, out_t or interop.contiguous(checks.output_shape(qt, vt), qt),
                                interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale, mask, batch,
                                seqlen_q)
     return built, (qt, kt, vt), aligned
@@ -221,7 +227,7 @@ def attention_backward(
 
     Parameters
     ----------
-    dout : array, shape and dtype of q
+    dout : array, shape of out, dtype of q
         Upstream gradient of ``out``.
     q, k, v, out : arrays
         The forward's inputs and output, as for :func:`attention`.
@@ -246,7 +252,7 @@ def attention_backward(
         seqlen_k, heads, head_dim) fp32 instead of heads_kv; time on the H200: within 17% of
         default mode at every standard shape, 1k to 16k tokens, causal or not.
     dq, dk, dv : arrays, optional
-        Where to write the gradients (shapes of q, k, v; dtype of q).
+        Where to write the gradients (shapes of q, k, v, so dv has head_dim_v; dtype of q).
 
     Returns
     -------
@@ -256,9 +262,9 @@ def attention_backward(
 
     Raises
     ------
-    TypeError, ValueError
+    TypeError, ValueError, NotImplementedError
         As for :func:`attention`, and for a deterministic that is not a bool (or 0 / 1), dout/out
-        not matching q, an lse that is not float32 or not (batch, heads, seqlen_q), or gradients
+        not of out's shape and q's dtype, an lse that is not float32 or not (batch, heads, seqlen_q), or gradients
         passed in dq/dk/dv of the wrong shape or dtype.
     """
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
@@ -296,7 +302,7 @@ def _prepare_backward(framework: str, tensors: dict, given_t: tuple, causal: boo
     if not aligned:
         qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                      for t in (qt, kt, vt, dout_t, out_t))
-    grads = tuple(t or interop.contiguous(like.shape, qt) for t, like in zip(given_t, (qt, kt, kt)))
+    grads = tuple(t or interop.contiguous(like.shape, qt) for t, like in zip(given_t, (qt, kt, vt)))
     mask = dispatch.make_mask(causal, window, softcap, seqlen_q, kt.shape[1])
     built = plan.build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads, scale, mask, deterministic, batch, seqlen_q,
                                 kt.shape[1])

@@ -34,6 +34,7 @@ __all__ = [
     "check_varlen_grid",
     "declared_dtype",
     "framework",
+    "output_shape",
     "plain_window",
     "resolve_fp8",
     "resolve_flag",
@@ -75,8 +76,8 @@ def _check_dtype(name: str, x: Any, allowed: tuple[str, ...], on_device: bool) -
 
 
 def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1, fp8: bool = False) -> None:
-    """Shapes, dtypes, strides and devices of q, k, v (DeviceTensors, or NumPy arrays);
-    ``min_seqlen`` 0 for a packed batch, whose total length may be 0; ``fp8``: the caller (a
+    """Shapes, dtypes, strides and devices of q, k, v (DeviceTensors, or NumPy arrays); v's
+    head_dim may differ from q's on the host only; ``min_seqlen`` 0 for a packed batch, whose total length may be 0; ``fp8``: the caller (a
     forward) also takes float8_e4m3fn."""
     allowed = (DEVICE_DTYPES if on_device else HOST_DTYPES) + ((FP8_DTYPE,) if fp8 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -89,8 +90,8 @@ def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1, fp8: bool = False) 
     batch, seqlen_q, heads, head_dim = q.shape
     if k.shape[0] != batch or v.shape[0] != batch:
         raise ValueError(f"k, v: batch must match q's {batch}, got {k.shape[0]} and {v.shape[0]}")
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)} but for head_dim")
     if k.shape[3] != head_dim:
         raise ValueError(f"k: head_dim {k.shape[3]} must equal q's {head_dim}")
     for name, size, least in (("batch", batch, 1), ("seqlen_q", seqlen_q, min_seqlen),
@@ -99,8 +100,12 @@ def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1, fp8: bool = False) 
             raise ValueError(f"q, k: {name} must be at least {least}, got {size}")
     if heads % k.shape[2] != 0:
         raise ValueError(f"k: heads_kv ({k.shape[2]}) must divide q's heads ({heads}) for GQA/MQA")
-    if head_dim < 8 or head_dim % 8 != 0 or head_dim > 256:
-        raise ValueError(f"q: head_dim must be a positive multiple of 8 and at most 256, got {head_dim}")
+    for name, size in (("q", head_dim), ("v", v.shape[3])):
+        if size < 8 or size % 8 != 0 or size > 256:
+            raise ValueError(f"{name}: head_dim must be a positive multiple of 8 and at most 256, got {size}")
+    if on_device and v.shape[3] != head_dim:
+        raise NotImplementedError(f"v: head_dim {v.shape[3]} differs from q's {head_dim}; the GPU kernels take "
+                                  f"head_dim_v == head_dim so far (NumPy arrays and CPU tensors take both)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if element_strides(x)[3] != 1 and 0 not in x.shape:  # an empty tensor's strides are arbitrary
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, stride is "
@@ -215,12 +220,17 @@ def check_out(name: str, t, expected_shape: tuple[int, ...], like, on_device: bo
                          f"writes 16-byte vectors)")
 
 
+def output_shape(q, v) -> tuple[int, ...]:
+    """The shape of attention's output (and of its gradient dout): q's with v's head_dim."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 def check_backward_inputs(tensors: dict, lse_shape: tuple[int, ...], on_device: bool) -> None:
-    """dout and out like q; lse float32, contiguous, of ``lse_shape``, on q's device; gradients
-    passed in dq, dk, dv shaped like q, k, v."""
-    qt, kt = tensors["q"], tensors["k"]
-    _check_like("dout", tensors["dout"], qt.shape, qt, on_device)
-    _check_like("out", tensors["out"], qt.shape, qt, on_device)
+    """dout and out of output_shape, q's dtype; lse float32, contiguous, of ``lse_shape``, on q's
+    device; gradients passed in dq, dk, dv shaped like q, k, v."""
+    qt, kt, vt = tensors["q"], tensors["k"], tensors["v"]
+    _check_like("dout", tensors["dout"], output_shape(qt, vt), qt, on_device)
+    _check_like("out", tensors["out"], output_shape(qt, vt), qt, on_device)
     lse_t = tensors["lse"]
     if dtype_name(lse_t) != "float32":
         raise TypeError(f"lse: expected float32 (as the forward's return_lse=True gives it), got {dtype_name(lse_t)}")
@@ -231,7 +241,7 @@ def check_backward_inputs(tensors: dict, lse_shape: tuple[int, ...], on_device: 
         raise ValueError("lse: must be contiguous")
     if on_device and lse_t.device != qt.device:
         raise ValueError(f"lse: on device {lse_t.device}, but q is on device {qt.device}")
-    for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", kt.shape)):
+    for name, like_shape in (("dq", qt.shape), ("dk", kt.shape), ("dv", vt.shape)):
         if name in tensors:
             check_out(name, tensors[name], like_shape, qt, on_device)
 
@@ -244,7 +254,7 @@ def check_forward(q, k, v, out, softmax_scale: Any, on_device: bool, descales: t
     scale = resolve_scale(softmax_scale, q.shape[3])
     fp8 = resolve_fp8(q, k, v, *descales, out_dtype, on_device)
     if out is not None:
-        check_out("out", out, tuple(q.shape), q, on_device, fp8 and fp8.out_dtype)
+        check_out("out", out, output_shape(q, v), q, on_device, fp8 and fp8.out_dtype)
     return scale, fp8
 
 

@@ -17,23 +17,25 @@ _OUT_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.
 
 
 def _output(result: np.ndarray, lse: np.ndarray, dtype, out, return_lse: bool):
-    """The float64 result cast to the inputs' dtype, into ``out`` when given."""
+    """The float64 result cast to the inputs' dtype, C-contiguous as the GPU path's (the torch
+    ops' fake outputs say so), into ``out`` when given."""
     if out is None:
-        out = result.astype(dtype)
+        out = result.astype(dtype, order="C")
     else:
         out[...] = result.astype(dtype)
     return (out, lse.astype(np.float32)) if return_lse else out
 
 
 def _gradients(result, given: dict, dtype) -> tuple:
-    """The float64 (dq, dk, dv) cast to the inputs' dtype, into the arrays given by name."""
+    """The float64 (dq, dk, dv) cast to the inputs' dtype, C-contiguous, into the arrays given by
+    name."""
     grads = []
     for name, value in zip(("dq", "dk", "dv"), result):
         if given.get(name) is not None:
             given[name][...] = value.astype(dtype)
             grads.append(given[name])
         else:
-            grads.append(value.astype(dtype))
+            grads.append(value.astype(dtype, order="C"))
     return tuple(grads)
 
 
@@ -57,10 +59,13 @@ def attention(q, k, v, causal: bool, scale: float, window, softcap: float, retur
 
 
 def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap: float) -> tuple:
-    """The reference gradients of arrays q, k, v, dout (by name), into dq, dk, dv where given."""
+    """The gradients of arrays q, k, v, dout, out, lse (by name), into dq, dk, dv where given: P
+    recomputed from the given lse and rowsum(dP * P) from the given out, as the kernels do, so
+    that a block of a longer attention (a ring's) gets its share of the whole one's gradients."""
     q = arrays["q"]
-    result = reference.attention_backward_reference(arrays["dout"], q, arrays["k"], arrays["v"], causal=causal,
-                                                    softmax_scale=scale, window=window, softcap=softcap)
+    result = reference.attention_backward_from_lse(arrays["dout"], q, arrays["k"], arrays["v"], arrays["out"],
+                                                   arrays["lse"], causal=causal, softmax_scale=scale, window=window,
+                                                   softcap=softcap)
     return _gradients(result, arrays, q.dtype)
 
 

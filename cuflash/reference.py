@@ -12,7 +12,8 @@ Everything here is NumPy only (no CuPy), so it runs anywhere and serves three ro
   for; ``attention_reference(..., p_dtype=ml_dtypes.float8_e4m3fn)`` is FlashAttention-3's FP8
   baseline (P rounded to e4m3 before ``P @ v``).
 
-Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``k`` and ``v`` may have
+Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``v`` may have its own head dim
+``head_dim_v`` (then so do ``out`` and ``dout``). ``k`` and ``v`` may have
 ``heads_kv`` heads with ``heads_q % heads_kv == 0``; query head ``h`` uses kv head
 ``h // (heads_q // heads_kv)``. Which keys a query sees is :func:`allowed_keys` (causal and
 sliding windows, flash-attn's semantics, aligned bottom-right). ``softcap > 0`` replaces the
@@ -31,6 +32,7 @@ import numpy.typing as npt
 
 __all__ = [
     "allowed_keys",
+    "attention_backward_from_lse",
     "attention_backward_reference",
     "attention_varlen_backward_reference",
     "attention_varlen_reference",
@@ -316,9 +318,56 @@ def attention_backward_reference(
 
     Returns
     -------
-    dq : (batch, seqlen_q, heads, head_dim), dk and dv : (batch, seqlen_k, heads_kv, head_dim),
-    all float64.
+    dq : (batch, seqlen_q, heads, head_dim), dk : (batch, seqlen_k, heads_kv, head_dim),
+    dv : (batch, seqlen_k, heads_kv, head_dim_v), all float64.
     """
+
+    def softmax(bi, h, s, dp):
+        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
+        p = np.exp(s - np.where(np.isneginf(m), 0, m))
+        l = p.sum(axis=-1, keepdims=True)
+        p /= np.where(l == 0, 1, l)
+        return p, (p * dp).sum(axis=-1, keepdims=True)
+
+    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax)
+
+
+def attention_backward_from_lse(
+    dout: npt.ArrayLike,
+    q: npt.ArrayLike,
+    k: npt.ArrayLike,
+    v: npt.ArrayLike,
+    out: npt.ArrayLike,
+    lse: npt.ArrayLike,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The gradients as the kernels compute them, in float64: ``P = exp(S - lse)`` and
+    ``rowsum(dP ∘ P) = rowsum(dout ∘ out)`` from the given ``out`` (batch, seqlen_q, heads,
+    head_dim) and ``lse`` (batch, heads, seqlen_q), not from a softmax over these keys alone.
+
+    Equal to :func:`attention_backward_reference` when out and lse are this call's; with those of
+    an attention over more keys (a ring's other blocks), the contribution of these keys to the
+    whole attention's gradients. Rows with ``lse = -inf`` contribute nothing.
+    """
+    out_h = np.asarray(out, dtype=np.float64).transpose(0, 2, 1, 3)
+    dout_h = np.asarray(dout, dtype=np.float64).transpose(0, 2, 1, 3)
+    lse = np.asarray(lse, dtype=np.float64)
+
+    def softmax(bi, h, s, dp):
+        row_lse = lse[bi, h, :, None]
+        p = np.where(np.isneginf(row_lse), 0, np.exp(s - np.where(np.isneginf(row_lse), 0, row_lse)))
+        return p, (dout_h[bi, h] * out_h[bi, h]).sum(axis=-1, keepdims=True)
+
+    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax)
+
+
+def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax):
+    """The backward's loop over (batch, head), ``softmax(bi, h, s, dp)`` giving P and
+    ``rowsum(dP ∘ P)`` from the masked scores ``s`` and ``dP``."""
     q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != q.shape[:3] + (v.shape[3],):
@@ -334,13 +383,10 @@ def attention_backward_reference(
             kv = h // group
             s = _softcapped(qh[bi, h] @ kh[bi, kv].T * scale, softcap)
             s = np.where(allowed, s, -np.inf)
-            m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-            p = np.exp(s - np.where(np.isneginf(m), 0, m))
-            l = p.sum(axis=-1, keepdims=True)
-            p /= np.where(l == 0, 1, l)
-            dv[bi, kv] += p.T @ doh[bi, h]
             dp = doh[bi, h] @ vh[bi, kv].T
-            ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+            p, delta = softmax(bi, h, s, dp)
+            dv[bi, kv] += p.T @ doh[bi, h]
+            ds = p * (dp - delta)
             if softcap:
                 ds *= 1 - np.where(allowed, s / softcap, 0) ** 2
             dq[bi, h] = ds @ kh[bi, kv] * scale
@@ -387,7 +433,8 @@ def attention_varlen_reference(
 ) -> tuple[np.ndarray, np.ndarray]:
     """:func:`attention_reference` of each sequence of a packed batch.
 
-    q is ``(total_q, heads, head_dim)``, k and v ``(total_k, heads_kv, head_dim)``; sequence ``i``
+    q is ``(total_q, heads, head_dim)``, k ``(total_k, heads_kv, head_dim)`` and v
+    ``(total_k, heads_kv, head_dim_v)``; sequence ``i``
     owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``
     (either may be empty) and sees only its own keys, with causal and window alignment per
     sequence. ``options``: causal, softmax_scale, window, softcap, dtype. ``seqused_q`` /
@@ -397,7 +444,7 @@ def attention_varlen_reference(
 
     Returns
     -------
-    out : (total_q, heads, head_dim) ; lse : (heads, total_q), ``-inf`` for rows that see no key.
+    out : (total_q, heads, head_dim_v) ; lse : (heads, total_q), ``-inf`` for rows that see no key.
     """
     q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     dtype = np.dtype(options.get("dtype", np.float64))

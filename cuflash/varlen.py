@@ -47,8 +47,10 @@ def attention_varlen(
     Parameters
     ----------
     q : array, (total_q, heads, head_dim)
-    k, v : arrays, (total_k, heads_kv, head_dim)
-        dtypes, devices and head rules as for :func:`cuflash.attention`.
+    k : array, (total_k, heads_kv, head_dim)
+    v : array, (total_k, heads_kv, head_dim_v)
+        dtypes, devices and head rules as for :func:`cuflash.attention` (head_dim_v != head_dim on
+        the CPU path only).
     cu_seqlens_q, cu_seqlens_k : int32 arrays, (batch + 1,)
         Cumulative lengths starting at 0, on q's side (device or NumPy).
     max_seqlen_q, max_seqlen_k : int, optional
@@ -61,7 +63,8 @@ def attention_varlen(
     return_lse : bool
         Also return lse, float32 (heads, total_q); -inf for rows that see no key.
     out : array, optional
-        Where to write the output (shape and dtype of q; ``out_dtype`` for FP8 inputs).
+        Where to write the output ((total_q, heads, head_dim_v), dtype of q; ``out_dtype`` for
+        FP8 inputs).
     validate : bool
         Check that the cumulative lengths start at 0, do not decrease and end at the packed length,
         and that max_seqlen_* are not smaller than a real sequence: a device-to-host copy and
@@ -87,6 +90,8 @@ def attention_varlen(
     ------
     TypeError, ValueError
         Bad arguments, each naming the argument.
+    NotImplementedError
+        GPU inputs whose head_dim_v differs from head_dim.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
@@ -105,8 +110,8 @@ def attention_varlen(
     fp8 = checks.resolve_fp8(tensors["q"], tensors["k"], tensors["v"], descale_q, descale_k, descale_v, out_dtype,
                              on_device, lengths.batch)
     if out is not None:
-        checks.check_out("out", tensors["out"], tuple(tensors["q"].shape), tensors["q"], on_device,
-                         fp8 and fp8.out_dtype)
+        checks.check_out("out", tensors["out"], checks.output_shape(tensors["q"], tensors["v"]), tensors["q"],
+                         on_device, fp8 and fp8.out_dtype)
     if not on_device:
         return host.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
                                      scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k)
@@ -116,8 +121,8 @@ def attention_varlen(
     out_t = tensors.get("out")
     total_q, heads, _ = qt.shape
     if total_q == 0 or kt.shape[0] == 0:  # no work: out is empty, or zero with lse -inf
-        filled = plan.fill_empty(framework, qt, (out,), (out_t,), (qt.shape,), (heads, total_q) if return_lse else None,
-                                 fp8 and fp8.out_dtype)
+        filled = plan.fill_empty(framework, qt, (out,), (out_t,), (checks.output_shape(qt, vt),),
+                                 (heads, total_q) if return_lse else None, fp8 and fp8.out_dtype)
         return filled if return_lse else filled[0]
     # Windows normalised against the packed lengths, which bound every sequence's.
     mask = dispatch.make_mask(causal, window, softcap, total_q, kt.shape[0])
@@ -143,7 +148,8 @@ def _prepare_forward(tensors: tuple, out_t, scale: float, mask: dispatch.Mask, b
     qt, kt, vt = tensors[:3]
     heads, total_q = qt.shape[1], qt.shape[0]
     built = plan.build_forward(*(checks.as_batch_of_one(t) for t in
-                                 (qt, kt, vt, out_t or interop.contiguous(qt.shape, qt, fp8 and fp8.out_dtype))),
+                                 (qt, kt, vt, out_t or interop.contiguous(checks.output_shape(qt, vt), qt,
+                                                                          fp8 and fp8.out_dtype))),
                                interop.contiguous((heads, total_q), qt, "float32"), scale, mask, batch,
                                max_seqlen_q, cu_seqlens, tensors[3:] or None)
     return built, tensors, True
@@ -197,7 +203,7 @@ def attention_varlen_backward(
     lse_t = tensors["lse"]
     given_t = tuple(tensors.get(name) for name in ("dq", "dk", "dv"))
     if qt.shape[0] == 0 or kt.shape[0] == 0:  # no work: the gradients are empty or zero
-        return plan.fill_empty(framework, qt, given, given_t, (qt.shape, kt.shape, kt.shape))
+        return plan.fill_empty(framework, qt, given, given_t, (qt.shape, kt.shape, vt.shape))
     mask = dispatch.make_mask(causal, window, softcap, qt.shape[0], kt.shape[0])
     max_seqlen_q, max_seqlen_k = int(lengths.max_seqlen_q), int(lengths.max_seqlen_k)
     key = ("attention_varlen_backward", *(t.layout for t in (qt, kt, vt, dout_t, out_t, lse_t)),
@@ -215,7 +221,7 @@ def _prepare_backward(tensors: tuple, given_t: tuple, scale: float, mask: dispat
     """The backward plan of a checked, aligned packed batch: (plan, tensors, cache it)."""
     qt, kt, vt, out_t, dout_t, lse_t = tensors
     grads = tuple(checks.as_batch_of_one(t or interop.contiguous(like.shape, qt))
-                  for t, like in zip(given_t, (qt, kt, kt)))
+                  for t, like in zip(given_t, (qt, kt, vt)))
     built = plan.build_backward(*(checks.as_batch_of_one(t) for t in (qt, kt, vt, out_t, dout_t)), lse_t, grads,
                                 scale, mask, deterministic, lengths.batch, max_seqlen_q, max_seqlen_k,
                                 (lengths.device_q, lengths.device_k))

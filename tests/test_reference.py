@@ -14,6 +14,7 @@ from cuflash.reference import (
     attention_reference,
     max_error_bound,
 )
+from tests.finite_differences import finite_difference_gradients
 
 # Any RuntimeWarning (overflow, invalid value, divide by zero) is a failure.
 pytestmark = pytest.mark.filterwarnings("error")
@@ -242,16 +243,43 @@ def test_backward_reference_matches_finite_differences(causal, shapes):
         out, _ = attention_reference(q_, k_, v_, causal=causal, softmax_scale=0.7)
         return float((out * dout).sum())
 
-    eps = 1e-6
-    for index, x in enumerate((q, k, v)):
-        numeric = np.zeros_like(x)
-        for pos in np.ndindex(x.shape):
-            args = [q, k, v]
-            plus, minus = x.copy(), x.copy()
-            plus[pos] += eps
-            minus[pos] -= eps
-            args[index] = plus
-            f_plus = loss(*args)
-            args[index] = minus
-            numeric[pos] = (f_plus - loss(*args)) / (2 * eps)
-        np.testing.assert_allclose(grads[index], numeric, rtol=1e-6, atol=1e-7)
+    for got, numeric in zip(grads, finite_difference_gradients(loss, [q, k, v])):
+        np.testing.assert_allclose(got, numeric, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("causal, window, softcap", [(False, (-1, -1), 0.0), (True, (3, 0), 0.0),
+                                                     (False, (2, 1), 4.0)])
+def test_backward_from_lse_equals_the_reference(causal, window, softcap):
+    """17 queries against 9 keys: under the windows some rows see no key (lse = -inf)."""
+    from cuflash.reference import attention_backward_from_lse, attention_backward_reference
+
+    rng = np.random.default_rng()
+    q = rng.standard_normal((2, 17, 4, 8))
+    k, v = rng.standard_normal((2, 9, 2, 8)), rng.standard_normal((2, 9, 2, 8))
+    dout = rng.standard_normal(q.shape)
+    options = dict(causal=causal, window=window, softcap=softcap, softmax_scale=0.6)
+    out, lse = attention_reference(q, k, v, **options)
+    got = attention_backward_from_lse(dout, q, k, v, out, lse, **options)
+    for got_x, want in zip(got, attention_backward_reference(dout, q, k, v, **options)):
+        np.testing.assert_allclose(got_x, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 4.0])
+def test_backward_from_lse_splits_over_key_blocks(softcap):
+    """With the whole attention's out and lse, each key block's gradients are its share of the
+    whole's: dq sums over the blocks, dk and dv are the blocks' rows."""
+    from cuflash.reference import attention_backward_from_lse, attention_backward_reference
+
+    rng = np.random.default_rng()
+    q = rng.standard_normal((1, 13, 2, 8))
+    k, v = rng.standard_normal((1, 11, 2, 8)), rng.standard_normal((1, 11, 2, 8))
+    dout = rng.standard_normal(q.shape)
+    out, lse = attention_reference(q, k, v, softcap=softcap)
+    expected = attention_backward_reference(dout, q, k, v, softcap=softcap)
+    dq = np.zeros_like(q)
+    for keys in (slice(0, 4), slice(4, 11)):
+        block = attention_backward_from_lse(dout, q, k[:, keys], v[:, keys], out, lse, softcap=softcap)
+        dq += block[0]
+        for got, want in zip(block[1:], expected[1:]):
+            np.testing.assert_allclose(got, want[:, keys], rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(dq, expected[0], rtol=1e-10, atol=1e-12)

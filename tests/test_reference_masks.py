@@ -16,6 +16,7 @@ from cuflash.reference import (
     attention_varlen_backward_reference,
     attention_varlen_reference,
 )
+from tests.finite_differences import finite_difference_gradients
 
 WINDOWS = [(-1, -1), (0, 0), (3, -1), (-1, 2), (4, 1), (0, 5), (40, 40)]
 
@@ -65,20 +66,6 @@ def test_softcap_changes_scores_as_tanh():
     np.testing.assert_allclose(lse[0, 0], np.log(np.exp(s).sum(axis=-1)), rtol=1e-12)
 
 
-def _finite_difference_gradients(loss, arrays, eps=1e-6):
-    grads = []
-    for index, x in enumerate(arrays):
-        numeric = np.zeros_like(x)
-        for pos in np.ndindex(x.shape):
-            plus, minus = list(arrays), list(arrays)
-            plus[index], minus[index] = x.copy(), x.copy()
-            plus[index][pos] += eps
-            minus[index][pos] -= eps
-            numeric[pos] = (loss(*plus) - loss(*minus)) / (2 * eps)
-        grads.append(numeric)
-    return grads
-
-
 @pytest.mark.parametrize("causal, window, softcap", [(False, (-1, -1), 1.3), (True, (2, -1), 0.7),
                                                      (False, (1, 1), 2.0), (True, (0, 0), 0.0)])
 def test_backward_with_window_and_softcap_matches_finite_differences(causal, window, softcap):
@@ -91,7 +78,7 @@ def test_backward_with_window_and_softcap_matches_finite_differences(causal, win
     def loss(q_, k_, v_):
         return float((attention_reference(q_, k_, v_, **options)[0] * dout).sum())
 
-    for got, numeric in zip(grads, _finite_difference_gradients(loss, [q, k, v])):
+    for got, numeric in zip(grads, finite_difference_gradients(loss, [q, k, v])):
         np.testing.assert_allclose(got, numeric, rtol=1e-6, atol=1e-7)
 
 

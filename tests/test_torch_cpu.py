@@ -52,6 +52,17 @@ def lowp_gradients(q, k, v, dout, causal, scale):
     return out, [x.grad for x in leaves]
 
 
+def assert_out_and_gradients_follow_rule(out, q, k, v, dout, causal):
+    """out and the gradients autograd left in q, k, v against the float64 reference, under the rule."""
+    ref_out, _ = reference.attention_reference(float64(q), float64(k), float64(v), causal=causal)
+    ref_grads = reference.attention_backward_reference(float64(dout), float64(q), float64(k), float64(v),
+                                                       causal=causal)
+    lowp_out, lowp_grads = lowp_gradients(q, k, v, dout, causal, 1 / math.sqrt(q.shape[-1]))
+    assert_rule("out", out, ref_out, lowp_out)
+    for name, got, ref, lowp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads, lowp_grads):
+        assert_rule(name, got, ref, lowp)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens, heads", [((17, 113), (4, 4)), ((113, 17), (4, 2)), ((1, 64), (6, 1))])
@@ -61,19 +72,12 @@ def test_attention_forward_and_backward_on_cpu(dtype, causal, seqlens, heads):
     q = random_tensor(rng, (2, seqlen_q, heads_q, 64), dtype)
     k, v = (random_tensor(rng, (2, seqlen_k, heads_kv, 64), dtype) for _ in range(2))
     dout = torch.from_numpy(rng.standard_normal(q.shape)).to(dtype)
-    scale = 1 / math.sqrt(64)
 
     out = ct.attention(q, k, v, causal=causal)
     out.backward(dout)
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
 
-    ref_out, _ = reference.attention_reference(float64(q), float64(k), float64(v), causal=causal)
-    ref_grads = reference.attention_backward_reference(float64(dout), float64(q), float64(k), float64(v),
-                                                       causal=causal)
-    lowp_out, lowp_grads = lowp_gradients(q, k, v, dout, causal, scale)
-    assert_rule("out", out, ref_out, lowp_out)
-    for name, got, ref, lowp in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref_grads, lowp_grads):
-        assert_rule(name, got, ref, lowp)
+    assert_out_and_gradients_follow_rule(out, q, k, v, dout, causal)
 
 
 def test_flash_attn_varlen_func_on_cpu():
@@ -119,3 +123,56 @@ def test_cpu_tensors_get_the_same_errors_as_numpy_arrays():
         ct.attention(q, k, k)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         ct.flash_attn_func(q, q, q, dropout_p=0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dims, heads", [((192, 128), (4, 4)), ((32, 64), (6, 2))])
+def test_head_dim_v_forward_and_backward_on_cpu(dtype, causal, head_dims, heads):
+    rng = np.random.default_rng()
+    (head_dim, head_dim_v), (heads_q, heads_kv) = head_dims, heads
+    q = random_tensor(rng, (2, 19, heads_q, head_dim), dtype)
+    k = random_tensor(rng, (2, 37, heads_kv, head_dim), dtype)
+    v = random_tensor(rng, (2, 37, heads_kv, head_dim_v), dtype)
+    dout = torch.from_numpy(rng.standard_normal((2, 19, heads_q, head_dim_v))).to(dtype)
+
+    out = ct.flash_attn_func(q, k, v, causal=causal)
+    out.backward(dout)
+    assert out.shape == dout.shape and v.grad.shape == v.shape and k.grad.shape == k.shape
+
+    assert_out_and_gradients_follow_rule(out, q, k, v, dout, causal)
+
+
+def test_head_dim_v_varlen_on_cpu_is_the_reference_cast():
+    rng = np.random.default_rng()
+    lengths_q, lengths_k = [7, 0, 12], [9, 4, 5]
+    cu_q, cu_k = (torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32) for n in (lengths_q, lengths_k))
+    q = random_tensor(rng, (sum(lengths_q), 4, 48), torch.float32)
+    k = random_tensor(rng, (sum(lengths_k), 2, 48), torch.float32)
+    v = random_tensor(rng, (sum(lengths_k), 2, 24), torch.float32)
+    dout = torch.from_numpy(rng.standard_normal((sum(lengths_q), 4, 24))).float()
+    options = dict(causal=True, window=(5, -1), softcap=4.0)
+
+    out = ct.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), causal=True,
+                                    window_size=(5, -1), softcap=4.0)
+    out.backward(dout)
+
+    ref_out, _ = reference.attention_varlen_reference(float64(q), float64(k), float64(v), cu_q.numpy(),
+                                                      cu_k.numpy(), **options)
+    ref_grads = reference.attention_varlen_backward_reference(float64(dout), float64(q), float64(k), float64(v),
+                                                              cu_q.numpy(), cu_k.numpy(), **options)
+    np.testing.assert_array_equal(out.detach().numpy(), ref_out.astype(np.float32))
+    for got, ref in zip((q.grad, k.grad, v.grad), ref_grads):
+        np.testing.assert_array_equal(got.numpy(), ref.astype(np.float32))
+
+
+def test_head_dim_v_fake_outputs_match_the_cpu_ops():
+    """The ops' fake implementations (what torch.compile traces) give the real outputs' shapes and
+    strides."""
+    q, k = torch.randn(1, 8, 2, 64), torch.randn(1, 8, 2, 64)
+    v = torch.randn(1, 8, 2, 32)
+    out, lse = ct._forward(q, k, v, True, 0.125, -1, -1, 0.0, False)
+    torch.library.opcheck(ct._forward, (q, k, v, True, 0.125, -1, -1, 0.0, False))
+    torch.library.opcheck(ct._backward, (torch.randn(out.shape), q, k, v, out, lse, True, 0.125, -1, -1, 0.0, False))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    torch.library.opcheck(ct._varlen_forward, (q[0], k[0], v[0], cu, cu, 5, 5, True, 0.125, -1, -1, 0.0, False))

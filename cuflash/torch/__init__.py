@@ -10,7 +10,8 @@ and ``flash_attn_varlen_func`` its packed-batch twin (``attention_varlen`` the c
 ``flash_attn_with_kvcache`` and ``flash_attn_combine`` are FlashAttention-3's inference entry
 points (forward only, the caches updated in place, called directly rather than as custom ops);
 arguments cuflash does not support yet raise NotImplementedError naming them, never silently
-ignored.
+ignored. ``cuflash.torch.distributed.ring_attention`` is the attention of a sequence sharded
+across the processes of a ``torch.distributed`` group (context parallelism).
 """
 
 # No `from __future__ import annotations`: custom_op reads the signature's real types.
@@ -24,8 +25,8 @@ import torch
 import cuflash
 from cuflash import checks
 
-__all__ = ["attention", "attention_varlen", "flash_attn_combine", "flash_attn_func", "flash_attn_varlen_func",
-           "flash_attn_with_kvcache"]
+__all__ = ["attention", "attention_varlen", "distributed", "flash_attn_combine", "flash_attn_func",
+           "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
@@ -53,6 +54,11 @@ def _on_host(body):
     return run
 
 
+def _output_like(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """An empty output for a fake op: q's shape with v's head_dim, q's dtype and device."""
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
 def _op(name: str, body):
     """The custom op ``name``: ``body`` on CUDA tensors, and on CPU tensors through _on_host."""
     op = torch.library.custom_op(name, body, mutates_args=(), device_types="cuda")
@@ -74,7 +80,7 @@ _forward = _op("cuflash::attention_forward", _attention_forward)
 
 @_forward.register_fake
 def _(q, k, v, causal, softmax_scale, window_left, window_right, softcap, deterministic):
-    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+    return _output_like(q, v), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
 
 
 def _attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -108,7 +114,7 @@ _varlen_forward = _op("cuflash::attention_varlen_forward", _attention_varlen_for
 @_varlen_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left,
       window_right, softcap, deterministic):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return _output_like(q, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 # The used prefix of each packed sequence (seqused_q, seqused_k): forward only, no autograd.
@@ -128,7 +134,7 @@ _varlen_used_forward = _op("cuflash::attention_varlen_used_forward", _attention_
 @_varlen_used_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
       window_left, window_right, softcap):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    return _output_like(q, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -247,8 +253,9 @@ def _fp8_call(q, descales) -> bool:
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, q_descale=None,
                     k_descale=None, v_descale=None):
-    """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, heads, head_dim), k and v
-    (batch, seqlen_k, heads_kv, head_dim); returns out (batch, seqlen_q, heads, head_dim).
+    """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, heads, head_dim), k (batch,
+    seqlen_k, heads_kv, head_dim) and v (batch, seqlen_k, heads_kv, head_dim_v); returns out
+    (batch, seqlen_q, heads, head_dim_v). head_dim_v != head_dim runs on CPU tensors only so far.
 
     ``deterministic=True`` makes the backward bitwise reproducible. Raises NotImplementedError,
     naming the argument, for dropout_p != 0, alibi_slopes and return_attn_probs=True.
@@ -269,10 +276,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, q_descale=None, k_descale=None,
                            v_descale=None, seqused_q=None, seqused_k=None):
-    """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k and v
-    (total_k, heads_kv, head_dim), int32 cu_seqlens (batch + 1,); returns out (total_q, heads,
-    head_dim). Raises NotImplementedError, and takes FP8 inputs with their descales (of shape
-    (batch, heads_kv), batch the number of sequences), as :func:`flash_attn_func` does.
+    """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k (total_k,
+    heads_kv, head_dim) and v (total_k, heads_kv, head_dim_v), int32 cu_seqlens (batch + 1,);
+    returns out (total_q, heads, head_dim_v). Raises NotImplementedError, and takes FP8 inputs
+    with their descales (of shape (batch, heads_kv), batch the number of sequences), as
+    :func:`flash_attn_func` does.
     ``seqused_q`` / ``seqused_k``: FlashAttention-3's used prefix of each sequence (forward only).
     """
     _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
@@ -359,3 +367,8 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
         out.copy_(result)
         result = out
     return result, lse
+
+
+# Context parallelism (ring attention over torch.distributed), imported last: it runs this
+# module's ops.
+from cuflash.torch import distributed  # noqa: E402

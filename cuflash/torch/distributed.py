@@ -1,0 +1,328 @@
+"""Context parallelism: one attention over a sequence split across the processes of a
+``torch.distributed`` group (ring attention), forward and backward.
+
+Each rank holds its shard of the sequence, (batch, seqlen_local, heads, head_dim). K and V travel
+around the ring, one block per step, the transfer of the next block started before the attention
+of the current one; each rank merges its partial outputs exactly through their log-sum-exp. The
+backward sends each block's dK and dV around the ring with it and keeps dQ local. Every block
+runs cuflash's own ops (``torch.ops.cuflash.attention_forward`` / ``attention_backward``): the
+kernels on CUDA tensors (NCCL), cuflash's CPU path on CPU tensors (gloo). docs/context_parallel.md
+explains the layouts, the block masks, the merge and the precision of the partial results.
+"""
+
+# No `from __future__ import annotations`: the same convention as the package's custom ops.
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from cuflash import checks
+
+__all__ = ["LAYOUTS", "ring_attention", "sequence_positions"]
+
+# "zigzag": the sequence cut into 2 * world_size equal chunks, rank i holding chunks i and
+# 2 * world_size - 1 - i, so that every rank gets the same share of a causal mask's work.
+# "contiguous": rank i holds the i-th of world_size equal parts.
+LAYOUTS = ("zigzag", "contiguous")
+
+# The ring's two messages: a K/V block, and the dK/dV accumulated for it. Distinct tags keep them
+# apart where both go to the same neighbour at once (gloo matches messages by tag).
+_KV_TAG, _GRADIENT_TAG = 0, 1
+
+# The dtypes the metadata check tells apart (an index, so that it travels in a float64 tensor).
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn)
+
+
+class _Chunk(NamedTuple):
+    local_start: int
+    global_start: int
+    length: int
+
+
+def _chunks(rank: int, world_size: int, local_length: int, layout: str) -> tuple[_Chunk, ...]:
+    if layout == "contiguous":
+        return (_Chunk(0, rank * local_length, local_length),)
+    half = local_length // 2
+    return _Chunk(0, rank * half, half), _Chunk(half, (2 * world_size - 1 - rank) * half, half)
+
+
+def sequence_positions(rank: int, world_size: int, local_length: int, *, layout: str = "zigzag") -> torch.Tensor:
+    """The global positions (int64, ``(local_length,)``) of the tokens that ``rank`` holds:
+    ``x[:, sequence_positions(...)]`` is its shard of a whole sequence ``x``, and the positions
+    are those its rotary embedding needs."""
+    _check_layout(layout, local_length)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+    return torch.cat([torch.arange(c.global_start, c.global_start + c.length)
+                      for c in _chunks(rank, world_size, local_length, layout)])
+
+
+def _check_layout(layout, local_length: int) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if layout == "zigzag" and local_length % 2:
+        raise ValueError(f"q: the zigzag layout needs an even local sequence length (two equal chunks per rank), "
+                         f"got {local_length}")
+
+
+class _Block(NamedTuple):
+    """The part of a (query chunk, key chunk) pair that takes part: its rows and keys (in the
+    chunks, or in the shards once shifted), and the (left, right) window that masks it, aligned
+    bottom-right as the kernels do."""
+    rows: slice
+    keys: slice
+    window: tuple[int, int]
+
+
+def _block(query: _Chunk, key: _Chunk, left: int, right: int) -> Optional[_Block]:
+    """Query ``query.global_start + i`` sees key ``key.global_start + j`` iff
+    ``i + d - left <= j <= i + d + right`` (-1: unbounded), ``d`` the distance between the chunks
+    (of equal lengths in both layouts). None where no pair does. The rows and keys are cut to those that take part, which makes the
+    window of the cut block non-negative (the kernels take no other), and a block that sees
+    everything gets no mask at all."""
+    n, d = query.length, query.global_start - key.global_start
+    row_start = 0 if right < 0 else max(0, -d - right)
+    row_end = n if left < 0 else min(n, n - d + left)
+    if row_start >= row_end:
+        return None
+    key_start = 0 if left < 0 else max(0, row_start + d - left)
+    key_end = n if right < 0 else min(n, row_end + d + right)
+    rows, keys = row_end - row_start, key_end - key_start
+    # The kernels align the window to the bottom-right corner of the cut block: row i' sits at
+    # key i' + rows_to_keys, whereas it sits at key i' + shift in the chunks' coordinates.
+    rows_to_keys, shift = keys - rows, row_start - key_start + d
+    cut_right = -1 if right < 0 or shift + right >= keys - 1 else shift + right - rows_to_keys
+    cut_left = -1 if left < 0 or shift - left <= -(rows - 1) else rows_to_keys - shift + left
+    return _Block(slice(row_start, row_end), slice(key_start, key_end), (cut_left, cut_right))
+
+
+class _Ring(NamedTuple):
+    group: Optional[dist.ProcessGroup]
+    rank: int
+    size: int
+    layout: str
+    local_length: int
+
+    def blocks(self, source: int, window: tuple[int, int]) -> list[_Block]:
+        """The blocks of this rank's queries against the keys that rank ``source`` holds, with
+        rows and keys as slices of the two shards, unmasked neighbours joined."""
+        blocks = []
+        for query in _chunks(self.rank, self.size, self.local_length, self.layout):
+            for key in _chunks(source, self.size, self.local_length, self.layout):
+                block = _block(query, key, *window)
+                if block is None:
+                    continue
+                blocks.append(_Block(_shifted(block.rows, query.local_start), _shifted(block.keys, key.local_start),
+                                     block.window))
+                while len(blocks) > 1 and (joined := _joined(blocks[-2], blocks[-1])) is not None:
+                    blocks[-2:] = [joined]
+        return blocks
+
+    def source(self, step: int) -> int:
+        """The rank whose K/V block this rank holds at ``step``."""
+        return (self.rank - step) % self.size
+
+    def pass_on(self, tensor: torch.Tensor, tag: int) -> "_Transfer":
+        """Starts sending ``tensor`` to the next rank and receiving its twin from the previous one."""
+        received = torch.empty_like(tensor)
+        group = dist.group.WORLD if self.group is None else self.group
+        following = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        preceding = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, following, self.group, tag),
+                                           dist.P2POp(dist.irecv, received, preceding, self.group, tag)])
+        return _Transfer(received, requests)
+
+
+def _shifted(part: slice, start: int) -> slice:
+    return slice(part.start + start, part.stop + start)
+
+
+def _joined(first: _Block, second: _Block) -> Optional[_Block]:
+    """One block for two unmasked ones that share their keys (or rows) and touch: one launch
+    instead of two, as zigzag's off-diagonal steps allow (both query chunks against one key chunk,
+    or one query chunk against both key chunks) and every step without a mask."""
+    if first.window != (-1, -1) or second.window != (-1, -1):
+        return None
+    if first.keys == second.keys and first.rows.stop == second.rows.start:
+        return _Block(slice(first.rows.start, second.rows.stop), first.keys, first.window)
+    if first.rows == second.rows and first.keys.stop == second.keys.start:
+        return _Block(first.rows, slice(first.keys.start, second.keys.stop), first.window)
+    return None
+
+
+class _Transfer(NamedTuple):
+    received: torch.Tensor
+    requests: list
+
+    def wait(self) -> torch.Tensor:
+        """The received tensor. On NCCL, wait() only makes the current stream wait for the
+        transfer: the host is not blocked, and the loop queues the next block's work at once."""
+        for request in self.requests:
+            request.wait()
+        return self.received
+
+
+class _Options(NamedTuple):
+    scale: float
+    window: tuple[int, int]
+    softcap: float
+    deterministic: bool
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """out (float32, batch, rows, heads, head_dim) and lse (batch, heads, rows) become those of
+    the attention over their keys and a block's, in place: each part weighted by
+    exp(its lse - the merged lse)."""
+    merged = torch.logaddexp(lse, block_lse)
+    # Rows no key has reached stay at -inf; a reference of 0 gives them weights 0, not NaN.
+    reference = torch.where(torch.isneginf(merged), 0.0, merged)
+    weight, block_weight = (torch.exp(x - reference).transpose(1, 2).unsqueeze(-1) for x in (lse, block_lse))
+    out.mul_(weight).add_(block_out.float() * block_weight)
+    lse.copy_(merged)
+
+
+def _partial_precision(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the blocks take it. A CPU tensor of 16 bits becomes float32 (exactly), so that the
+    CPU path returns float32 partial results, each block's 16-bit rounding avoided; the kernels
+    take 16-bit tensors only, and their partials are rounded (docs/context_parallel.md)."""
+    return x.float() if x.device.type == "cpu" and x.element_size() < 4 else x
+
+
+def _forward(q, k, v, ring: _Ring, options: _Options):
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
+    dtype, q = q.dtype, _partial_precision(q)
+    kv = _partial_precision(torch.stack((k, v)))  # one message per step
+    for step in range(ring.size):
+        transfer = ring.pass_on(kv, _KV_TAG) if step + 1 < ring.size else None
+        for rows, keys, window in ring.blocks(ring.source(step), options.window):
+            block_out, block_lse = torch.ops.cuflash.attention_forward(
+                q[:, rows], kv[0, :, keys], kv[1, :, keys], False, options.scale, *window, options.softcap,
+                options.deterministic)
+            _merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
+        if transfer is not None:
+            kv = transfer.wait()
+    return out.to(dtype), lse
+
+
+def _backward(dout, q, k, v, out, lse, ring: _Ring, options: _Options):
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dtype, dout, q, out = q.dtype, *(_partial_precision(x) for x in (dout, q, out))
+    kv = _partial_precision(torch.stack((k, v)))
+    # The dK/dV of the block this rank holds, accumulated by the ranks it has visited.
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+    gradients = None
+    for step in range(ring.size):
+        transfer = ring.pass_on(kv, _KV_TAG) if step + 1 < ring.size else None
+        if gradients is not None:
+            dkv = gradients.wait()
+        for rows, keys, window in ring.blocks(ring.source(step), options.window):
+            block_dq, block_dk, block_dv = torch.ops.cuflash.attention_backward(
+                dout[:, rows], q[:, rows], kv[0, :, keys], kv[1, :, keys], out[:, rows],
+                lse[:, :, rows].contiguous(), False, options.scale, *window, options.softcap, options.deterministic)
+            dq[:, rows] += block_dq
+            dkv[0, :, keys] += block_dk
+            dkv[1, :, keys] += block_dv
+        gradients = ring.pass_on(dkv, _GRADIENT_TAG) if ring.size > 1 else None
+        if transfer is not None:
+            kv = transfer.wait()
+    # After the last step each block has visited every rank; one more pass brings it home.
+    if gradients is not None:
+        dkv = gradients.wait()
+    return dq.to(dtype), dkv[0].to(dtype), dkv[1].to(dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, options: _Options):
+        out, lse = _forward(q, k, v, ring, options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.options = ring, options
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        return (*_backward(dout, *ctx.saved_tensors, ctx.ring, ctx.options), None, None)
+
+
+def _check_tensors(q, k, v) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(f"{name}: expected (batch, seqlen_local, heads, head_dim), got shape {tuple(x.shape)}")
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype or x.device != q.device:
+            raise TypeError(f"{name}: expected the dtype and device of q ({q.dtype}, {q.device}), got {x.dtype}, "
+                            f"{x.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"k: expected the batch, local length and head_dim of q {tuple(q.shape)}, "
+                         f"got {tuple(k.shape)}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"k: heads_kv = {k.shape[2]} must divide the query heads {q.shape[2]}")
+
+
+def _ring_of(group, q: torch.Tensor, layout: str) -> _Ring:
+    outside = group is dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives the processes outside it
+    if group is not None and not outside and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    if not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
+    if outside or dist.get_rank(group) < 0:
+        raise ValueError("group: this process is not a member of the group")
+    return _Ring(group, dist.get_rank(group), dist.get_world_size(group), layout, q.shape[1])
+
+
+def _check_agreement(ring: _Ring, q, k, causal: bool, options: _Options) -> None:
+    """One all_gather of every rank's shapes and options: a shard of another shape, or options
+    that differ, raise the same ValueError on every rank rather than a hang or a wrong result."""
+    fields = {"q": (*q.shape, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1),
+              "k": (*k.shape, _DTYPES.index(k.dtype) if k.dtype in _DTYPES else -1),
+              "layout": (LAYOUTS.index(ring.layout),), "causal": (causal,), "window": options.window,
+              "softcap": (options.softcap,), "softmax_scale": (options.scale,),
+              "deterministic": (options.deterministic,)}
+    mine = torch.tensor([x for values in fields.values() for x in values], dtype=torch.float64, device=q.device)
+    everyone = [torch.empty_like(mine) for _ in range(ring.size)]
+    dist.all_gather(everyone, mine, group=ring.group)
+    table = torch.stack(everyone).cpu()  # the one host synchronisation of a call
+    start = 0
+    for name, values in fields.items():
+        column = table[:, start:start + len(values)]
+        if not bool((column == column[0]).all()):
+            raise ValueError(f"{name}: the ranks of the group disagree (each rank's {name} by rank: "
+                             f"{[tuple(row) for row in column.tolist()]}); every rank must hold a shard of the "
+                             f"same shape and pass the same options")
+        start += len(values)
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
+                   causal: bool = False, softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+                   softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False) -> torch.Tensor:
+    """Attention over a sequence split across the ranks of ``group`` (default: the whole world),
+    differentiable: this rank's shard of the output.
+
+    q (batch, seqlen_local, heads, head_dim) and k, v (batch, seqlen_local, heads_kv, head_dim) are
+    this rank's tokens of one sequence of ``world_size * seqlen_local`` tokens in ``layout``
+    (:data:`LAYOUTS`; :func:`sequence_positions` gives their global positions); every rank of the
+    group calls with shards of the same shape and the same options. ``causal``, ``window`` and
+    ``softcap`` mean what they mean for :func:`cuflash.torch.attention` over the whole sequence,
+    the window counted in global positions. The result equals the single-process attention of the
+    whole sequence, restricted to this rank's rows, within the correctness rule; so do the
+    gradients. One all_gather of the shapes precedes the ring: shards that differ across the ranks
+    raise ValueError on every rank.
+    """
+    _check_tensors(q, k, v)
+    _check_layout(layout, q.shape[1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    causal = checks.resolve_flag("causal", causal)
+    left, right = checks.resolve_window(window)
+    options = _Options(scale, (left, 0 if causal else right), checks.resolve_softcap(softcap),
+                       checks.resolve_flag("deterministic", deterministic))
+    ring = _ring_of(group, q, layout)
+    _check_agreement(ring, q, k, causal, options)
+    return _RingAttention.apply(q, k, v, ring, options)
