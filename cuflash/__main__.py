@@ -144,11 +144,18 @@ def _arch(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _head_dims(text: str) -> list[int]:
-    values = _positive_ints(text)
-    bad = [d for d in values if d % 8 or d > 256]
-    if bad:
-        raise argparse.ArgumentTypeError(f"head dims must be multiples of 8 up to 256, got {bad}")
+def _head_dims(text: str) -> list[int | tuple[int, int]]:
+    """Head dims, each a number or a q/k and v pair written "192/128"."""
+    values: list[int | tuple[int, int]] = []
+    for token in text.replace(",", " ").split():
+        parts = token.split("/")
+        dims = tuple(int(part) for part in parts if part.isdigit())
+        if len(dims) != len(parts) or len(dims) > 2 or any(d < 8 or d % 8 or d > 256 for d in dims):
+            raise argparse.ArgumentTypeError(f"head dims must be multiples of 8 up to 256, alone or as a q/k and v "
+                                             f"pair like 192/128, got {token!r}")
+        values.append(dims if len(dims) == 2 else dims[0])
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one head dim")
     return values
 
 
@@ -168,7 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "32/8 heads, contiguous and page 64")
     bench.add_argument("--dtype", choices=bench_module.DTYPES, default="bfloat16",
                        help="e4m3: the FP8 forward next to cuDNN's FP8 attention and cuflash's bf16")
-    bench.add_argument("--head-dims", type=_head_dims, help="e.g. '64,128,256' (default: 64 128 256)")
+    bench.add_argument("--head-dims", type=_head_dims,
+                       help="e.g. '64,128,256', or q/k and v pairs like '192/128' (default: 64 128 256)")
     bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
     bench.add_argument("--mode", choices=[*bench_module.MODES, "decode"], default="fwd",

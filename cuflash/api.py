@@ -64,8 +64,8 @@ def attention(
     k : array, shape (batch, seqlen_k, heads_kv, head_dim)
     v : array, shape (batch, seqlen_k, heads_kv, head_dim_v)
         Same dtype and device as q; ``heads % heads_kv == 0`` (GQA; MQA when heads_kv is 1).
-        head_dim_v, like head_dim a multiple of 8 up to 256, may differ from head_dim on the CPU
-        path (NumPy arrays, CPU torch tensors); the GPU kernels take head_dim_v == head_dim so far.
+        head_dim_v, like head_dim a multiple of 8 up to 256, may differ from head_dim (DeepSeek's
+        192 / 128); the kernels run at the wider of the two (docs/kernels.md).
     causal : bool
         Query i sees key j only if ``j <= i + seqlen_k - seqlen_q`` (aligned bottom-right).
     softmax_scale : float, optional
@@ -113,9 +113,7 @@ def attention(
         multiple of 8 or above 256, a non-contiguous last dimension, arrays on different devices, a bad
         ``out``, a non-finite or non-positive softmax_scale or descale, a descale array of the
         wrong shape or device, a descale or out_dtype given with inputs that are not FP8, FP8
-        GPU inputs whose head_dim is not a multiple of 16.
-    NotImplementedError
-        GPU inputs whose head_dim_v differs from head_dim.
+        GPU inputs whose head_dim or head_dim_v is not a multiple of 16.
 
     Notes
     -----
@@ -262,7 +260,7 @@ def attention_backward(
 
     Raises
     ------
-    TypeError, ValueError, NotImplementedError
+    TypeError, ValueError
         As for :func:`attention`, and for a deterministic that is not a bool (or 0 / 1), dout/out
         not of out's shape and q's dtype, an lse that is not float32 or not (batch, heads, seqlen_q), or gradients
         passed in dq/dk/dv of the wrong shape or dtype.

@@ -70,6 +70,17 @@ class Case:
     seqlen: int
     causal: bool
     mode: str = "fwd"  # what one timed call does: the forward, the backward, or both
+    head_dim_v: int | None = None  # v's (and out's) head dim where it differs from q's and k's
+
+    @property
+    def head_dims(self) -> str:
+        """The table's head_dim cell: "128", or "192/128" (q and k / v)."""
+        return str(self.head_dim) if self.head_dim_v is None else f"{self.head_dim}/{self.head_dim_v}"
+
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(q and k's shape, v and out's shape), BSHD."""
+        qk = (self.batch, self.seqlen, self.heads, self.head_dim)
+        return qk, (*qk[:3], self.head_dim_v or self.head_dim)
 
     @property
     def batch(self) -> int:
@@ -81,7 +92,7 @@ class Case:
 
     def flops(self) -> float:
         return attention_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim,
-                               causal=self.causal, mode=self.mode)
+                               causal=self.causal, mode=self.mode, head_dim_v=self.head_dim_v)
 
 
 @dataclass
@@ -110,9 +121,11 @@ class Report:
 
 
 def cases(dtype: str, head_dims, seqlens, causal: str, mode: str = "fwd") -> list[Case]:
-    """The sweep: every head_dim x causal setting x seqlen, in table order."""
+    """The sweep: every head_dim x causal setting x seqlen, in table order. A head_dims entry is
+    an int, or a (head_dim, head_dim_v) pair."""
     causals = {"both": (False, True), "no": (False,), "yes": (True,)}[causal]
-    return [Case(dtype, d, s, c, mode) for d in head_dims for c in causals for s in seqlens]
+    pairs = [d if isinstance(d, tuple) else (d, None) for d in head_dims]
+    return [Case(dtype, d, s, c, mode, dv) for d, dv in pairs for c in causals for s in seqlens]
 
 
 # ----------------------------------------------------------------------------- report writing
@@ -140,7 +153,7 @@ def markdown_table(report: Report) -> str:
         for p in peers:
             a, b = values["cuflash"], values[p]
             ratios.append("n/a" if a is None or b is None else f"{a / b:.2f}")
-        cells = [case.dtype, str(case.head_dim), "yes" if case.causal else "no", str(case.seqlen),
+        cells = [case.dtype, case.head_dims, "yes" if case.causal else "no", str(case.seqlen),
                  *(_fmt(values[i]) for i in impls), *ratios]
         lines.append("| " + " | ".join(cells) + " |")
     title = f"{MODE_TITLES[report.mode]} TFLOP/s, batch*seqlen={TOTAL_TOKENS}, heads*head_dim={HIDDEN}"
@@ -183,7 +196,7 @@ def write_plot(report: Report, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot (pip install matplotlib)"
-    head_dims = sorted({m.case.head_dim for m in report.measurements})
+    head_dims = sorted({(m.case.head_dim, m.case.head_dim_v or 0) for m in report.measurements})
     causals = sorted({m.case.causal for m in report.measurements})
     fig, axes = plt.subplots(len(causals), len(head_dims), squeeze=False,
                              figsize=(4.2 * len(head_dims), 3.4 * len(causals)))
@@ -192,12 +205,14 @@ def write_plot(report: Report, path: Path) -> str | None:
             ax = axes[row][col]
             for impl in IMPLEMENTATIONS:
                 points = sorted((m.case.seqlen, m.tflops) for m in report.measurements
-                                if m.impl == impl and m.case.head_dim == head_dim and m.case.causal == causal
+                                if m.impl == impl and (m.case.head_dim, m.case.head_dim_v or 0) == head_dim
+                                and m.case.causal == causal
                                 and m.tflops is not None)
                 if points:
                     ax.plot(*zip(*points), marker="o", label=impl)
             ax.set_xscale("log", base=2)
-            ax.set_title(f"head_dim {head_dim}, {'causal' if causal else 'non-causal'}")
+            label = f"{head_dim[0]}/{head_dim[1]}" if head_dim[1] else str(head_dim[0])
+            ax.set_title(f"head_dim {label}, {'causal' if causal else 'non-causal'}")
             ax.set_xlabel("seqlen")
             ax.set_ylabel("TFLOP/s")
             ax.grid(alpha=0.3)
@@ -337,7 +352,7 @@ def implementations(names, dtype: str = "bfloat16") -> dict[str, Callable]:
                        "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
 
             def run(q, k, v, causal, backend=backend):
-                q, k, v = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+                q, k, v = (x if isinstance(x, torch.Tensor) else sdpa_view(x) for x in (q, k, v))
                 with sdpa_kernel(backend):
                     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
@@ -424,8 +439,8 @@ def gradient_call(name: str, case: Case, q, k, v, dout) -> Callable[[], object]:
 
     backend = {"sdpa-flash": SDPBackend.FLASH_ATTENTION, "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
                "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
-    leaves = [torch.from_dlpack(x).transpose(1, 2).detach().requires_grad_() for x in (q, k, v)]
-    grad_out = torch.from_dlpack(dout).transpose(1, 2)
+    leaves = [sdpa_view(x).detach().requires_grad_() for x in (q, k, v)]
+    grad_out = sdpa_view(dout)
 
     def forward():
         with sdpa_kernel(backend):
@@ -442,29 +457,40 @@ def input_sets(case: Case) -> list[tuple]:
     copies as it takes to rotate through 3x the L2 cache."""
     from cuflash.timing import copies_to_defeat_l2
 
-    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
-    tensors = 3 if case.mode == "fwd" else 4
+    qk, vo = case.shapes()
+    shapes = (qk, qk, vo, vo)[:3 if case.mode == "fwd" else 4]  # q, k, v[, dout]
     if case.dtype == "e4m3":
         import cuflash
 
-        count = copies_to_defeat_l2(3 * math.prod(shape))  # the e4m3 bytes are what the FP8 calls read
+        count = copies_to_defeat_l2(sum(map(math.prod, shapes)))  # the e4m3 bytes are what the FP8 calls read
         sets = []
         for i in range(count):
-            bf16 = tuple(random_normal(shape, "bfloat16", seed=3 * i + j) for j in range(3))
+            bf16 = tuple(random_normal(shape, "bfloat16", seed=3 * i + j) for j, shape in enumerate(shapes))
             (q, dq), (k, dk), (v, dv) = (cuflash.quantize_fp8(x, "tensor") for x in bf16)
             sets.append((Fp8Inputs(q, k, v, dq, dk, dv, bf16),))
         return sets
-    count = copies_to_defeat_l2(tensors * math.prod(shape) * 2)
-    return [tuple(random_normal(shape, case.dtype, seed=tensors * i + j) for j in range(tensors))
+    count = copies_to_defeat_l2(sum(map(math.prod, shapes)) * 2)
+    return [tuple(random_normal(shape, case.dtype, seed=len(shapes) * i + j) for j, shape in enumerate(shapes))
             for i in range(count)]
+
+
+def sdpa_view(x):
+    """CuPy BSHD ``x`` as the (batch, heads, seqlen, head_dim) torch view SDPA takes."""
+    import torch
+
+    return torch.from_dlpack(x).transpose(1, 2)
 
 
 def timed_calls(name: str, run: Callable, case: Case, sets) -> list[Callable[[], object]]:
     """One zero-argument call per input set: the forward ``run``, or ``gradient_call``; an e4m3
-    implementation prepares its own (implementations)."""
+    implementation prepares its own (implementations). SDPA's inputs are torch views made here,
+    once, so that a timed call is the call a torch user makes (at short lengths the conversion per
+    call would add to the host time that bounds it)."""
     if case.dtype == "e4m3":
         return [run(*s, case.causal) for s in sets]
     if case.mode == "fwd":
+        if name.startswith("sdpa-"):
+            sets = [tuple(map(sdpa_view, s)) for s in sets]
         return [lambda s=s: run(*s, case.causal) for s in sets]
     return [gradient_call(name, case, *s) for s in sets]
 
@@ -520,7 +546,7 @@ def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, command: str = "
         sets = input_sets(case)
         for name, run in impls.items():
             done += 1
-            print(f"\r[{done:>3}/{total}] {name:<15} d={case.head_dim:<3} causal={case.causal!s:<5} "
+            print(f"\r[{done:>3}/{total}] {name:<15} d={case.head_dims:<7} causal={case.causal!s:<5} "
                   f"seqlen={case.seqlen:<6}", end="", file=progress, flush=True)
             try:
                 ms = measure(name, run, case, sets, repeats if name != "standard" else 3)
@@ -529,7 +555,7 @@ def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, command: str = "
                 report.measurements.append(Measurement(name, case, None, f"{type(error).__name__}: {error}"[:160]))
         del sets
     print(file=progress)
-    report.compile_times = compile_times(sweep[0].dtype, sorted({c.head_dim for c in sweep}),
+    report.compile_times = compile_times(sweep[0].dtype, sorted({max(c.head_dim, c.head_dim_v or 0) for c in sweep}),
                                          sorted({c.causal for c in sweep}), sweep[0].mode)
     return report
 

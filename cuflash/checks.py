@@ -77,8 +77,8 @@ def _check_dtype(name: str, x: Any, allowed: tuple[str, ...], on_device: bool) -
 
 def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1, fp8: bool = False) -> None:
     """Shapes, dtypes, strides and devices of q, k, v (DeviceTensors, or NumPy arrays); v's
-    head_dim may differ from q's on the host only; ``min_seqlen`` 0 for a packed batch, whose total length may be 0; ``fp8``: the caller (a
-    forward) also takes float8_e4m3fn."""
+    head_dim may differ from q's; ``min_seqlen`` 0 for a packed batch, whose total length may be 0;
+    ``fp8``: the caller (a forward) also takes float8_e4m3fn."""
     allowed = (DEVICE_DTYPES if on_device else HOST_DTYPES) + ((FP8_DTYPE,) if fp8 else ())
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -103,9 +103,6 @@ def check_qkv(q, k, v, on_device: bool, min_seqlen: int = 1, fp8: bool = False) 
     for name, size in (("q", head_dim), ("v", v.shape[3])):
         if size < 8 or size % 8 != 0 or size > 256:
             raise ValueError(f"{name}: head_dim must be a positive multiple of 8 and at most 256, got {size}")
-    if on_device and v.shape[3] != head_dim:
-        raise NotImplementedError(f"v: head_dim {v.shape[3]} differs from q's {head_dim}; the GPU kernels take "
-                                  f"head_dim_v == head_dim so far (NumPy arrays and CPU tensors take both)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if element_strides(x)[3] != 1 and 0 not in x.shape:  # an empty tensor's strides are arbitrary
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous, stride is "

@@ -286,6 +286,7 @@ def forward_kernel(
     is the inputs' dtype; an FP8_TYPES one takes ``out_dtype``, float16 or bfloat16, for the
     output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES). ``paged``: the
     sm80 kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only.
+    Every forward kernel reads v's head dim from its argument (kernel_head_dim).
 
     Which kernel serves a softcap: _mask_flags.
     """
@@ -303,9 +304,9 @@ def forward_kernel(
                          f"got {out_dtype!r}")
     # The output's element type, then, for FP8, the input's (flash_fwd.cu's Elem and Input).
     types = f"{ELEMENT_TYPES[out_dtype]}, {FP8_TYPES[dtype_name]}" if fp8 else ELEMENT_TYPES[dtype_name]
-    flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {types}"
     if paged:  # Input spelled out before PAGED
-        flags += f", {types}, true"
+        types += f", {types}, true"
+    mask_flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
         narrow = (softcap and window) or (causal and short)
@@ -322,13 +323,14 @@ def forward_kernel(
         q_buffers = 2 if fits else 1
         smem = _sm90_fwd_smem(tile, kernel_dim, q_buffers, fp8)
         expr = (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {q_buffers}, "
-                f"{smem}, {flags}>")
+                f"{smem}, {mask_flags}, {types}>")
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
     # Q tile plus one K and one V tile; FP8 also stages K's and V's bytes (flash_fwd.cu).
     row = _row_elems(bucket)
     smem = (tile.block_m + 2 * tile.block_n) * row * 2 + (2 * tile.block_n * row if fp8 else 0)
-    expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, {flags}>"
+    expr = (f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, "
+            f"{mask_flags}, {types}>")
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
 
 
@@ -379,10 +381,13 @@ def backward_kernel_dim(family: str, head_dim: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False,
-                     dq_order: str = "any", tile: Tile | None = None) -> tuple[KernelChoice, ...]:
-    """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
-    forward_kernel (softcap runs in the window kernel, _mask_flags), ``dq_order`` one of DQ_ORDERS,
-    ``tile`` overrides the table, for tuning. Each family has its own main kernel between the
+                     dq_order: str = "any", tile: Tile | None = None, own_v_dim: bool = False
+                     ) -> tuple[KernelChoice, ...]:
+    """(preprocess, main, convert) kernels of the backward pass; ``mask``, ``softcap`` and
+    as for forward_kernel (softcap runs in the window kernel, _mask_flags), ``dq_order`` one of
+    DQ_ORDERS, ``tile`` overrides the table, for tuning. ``own_v_dim``: v's head dim differs from
+    q's; sm80 builds a kernel for it (flash_bwd.cu's OWN_V_DIM), sm90's reads both from its
+    argument. Each family has its own main kernel between the
     shared preprocess and convert kernels."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
@@ -415,7 +420,8 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     smem = (((2 * tile.block_n + 4 * tile.block_m) * _row_elems(kernel_dim) + 2 * tile.block_m * tile.block_n) * 2
             + 4 * tile.block_m * 4)
     main = (f"cuflash::flash_bwd_sm80<{kernel_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.ctas_per_sm}, "
-            f"{smem}, {_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, {elem}>")
+            f"{smem}, {_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {_cpp(dq_order == 'walk')}, "
+            f"{_cpp(own_v_dim)}, {elem}>")
     return (helpers[0], KernelChoice(family, "sm80/flash_bwd.cu", main, tile.warps * 32, smem, tile,
                                      blocks_slowest=causal and dq_order != "walk"), helpers[1])
 
@@ -424,7 +430,9 @@ def all_kernels(family: str) -> list[KernelChoice]:
     """Every instantiation of a family, for the ahead-of-time compile check: its forward and
     backward kernels (sm90's devices also run the shared preprocess and convert kernels, built for
     the sm80 target, and sm80's main backward kernel where no tensor map describes the tensors:
-    those are sm80's instantiations)."""
+    those are sm80's instantiations). sm80's backward kernels for a v head dim of its own
+    (own_v_dim) come after the others but before the KV cache kernels, so that the lists of older
+    trees pair by position."""
     found: dict[str, KernelChoice] = {}
     buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
     for bucket in buckets:
@@ -447,7 +455,14 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         choice = forward_kernel(family, bucket, mask, "float8_e4m3fn", softcap, short=short,
                                                 out_dtype=out_dtype)
                         found.setdefault(choice.name_expression, choice)
-    if family == "sm80":  # the KV cache kernels, sm80's on every device, last
+    if family == "sm80":  # its backward kernels for a v head dim of its own, then the KV cache kernels, last
+        for bucket in buckets:
+            for dtype in ELEMENT_TYPES:
+                for mask in MASKS:
+                    for softcap in (False, True):
+                        for dq_order in dq_orders(family, mask, softcap):
+                            choice = backward_kernels(family, bucket, mask, dtype, softcap, dq_order, own_v_dim=True)[1]
+                            found.setdefault(choice.name_expression, choice)
         for choice in kvcache_all_kernels():
             found.setdefault(choice.name_expression, choice)
     return list(found.values())
@@ -509,19 +524,29 @@ def device_target(device_id: int) -> tuple[str, tuple[int, int]]:
     return select_family(capability), capability
 
 
+def kernel_head_dim(q, v) -> int:
+    """The head dim a call's kernels are chosen for: the wider of q's (and k's) and v's. The narrower
+    tensor's columns up to the kernel's bucket read as zeros (TMA's out-of-bounds fill, or the sm80
+    loads' zero fill), which add nothing to Q K^T or P V, and its outputs (o, dv, or dq and dk)
+    are stored up to its own head dim only."""
+    return max(q.shape[3], v.shape[3])
+
+
 def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtype: str | None = None
                    ) -> KernelChoice:
     """The forward kernel for DeviceTensors q, k, v on a device of ``family``: that family's, or
     sm80's where a tensor has a stride the sm90 kernel's tensor maps cannot describe (a broadcast
     or reversed dimension; the sm80 kernel reads any strides). FP8 inputs write ``out_dtype``."""
-    if q.dtype in FP8_TYPES and q.shape[3] % 16:
-        raise ValueError(f"q: FP8 inputs need a head_dim that is a multiple of 16 (the kernels copy rows in "
-                         f"16-byte chunks), got {q.shape[3]}")
+    for name, t in (("q", q), ("v", v)):
+        if t.dtype in FP8_TYPES and t.shape[3] % 16:
+            raise ValueError(f"{name}: FP8 inputs need a head_dim that is a multiple of 16 (the kernels copy rows "
+                             f"in 16-byte chunks), got {t.shape[3]}")
     short = max_seqlen_q <= SM90_SHORT_ROWS
-    choice = forward_kernel(family, q.shape[3], mask.kind, q.dtype, bool(mask.softcap), short=short,
+    head_dim = kernel_head_dim(q, v)
+    choice = forward_kernel(family, head_dim, mask.kind, q.dtype, bool(mask.softcap), short=short,
                             out_dtype=out_dtype)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
-        choice = forward_kernel("sm80", q.shape[3], mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
+        choice = forward_kernel("sm80", head_dim, mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
     return choice
 
 
@@ -616,13 +641,13 @@ def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seql
                     device: int) -> BackwardLaunch:
     """The backward's kernels, dQ order and main grid (DeviceTensors as for forward_launch): sm90's
     main kernel where it serves the head dim and tensor maps can describe the tensors."""
-    heads, head_dim = q.shape[2], q.shape[3]
+    heads, head_dim = q.shape[2], kernel_head_dim(q, v)
     main_family = family
     if family == "sm90" and not all(tma_ready(t) for t in (q, k, v, dout)):
         main_family = "sm80"
     order = dq_order(main_family, head_dim, mask, max_seqlen_k, deterministic)
     preprocess, main, convert = backward_kernels(main_family, head_dim, mask.kind, q.dtype, bool(mask.softcap),
-                                                 order)
+                                                 order, own_v_dim=q.shape[3] != v.shape[3])
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
     if n_blocks > MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
         raise ValueError(f"k: sequences must be at most {MAX_GRID_YZ * main.tile.block_n} keys long for the "

@@ -25,10 +25,10 @@ _FWD_FIELDS = (
     [(name, np.uint64) for name in FWD_POINTERS]
     + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride"]]
     + [(name, np.int32) for name in ("kv_group", "seqlen_q", "seqlen_k", "head_dim", "window_left", "window_right")]
-    + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32)]
+    + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32), ("head_dim_v", np.int32)]
 )
 FWD_PARAMS = np.dtype(_FWD_FIELDS, align=True)
-FWD_PARAMS_SIZE = 216  # sizeof(FwdParams) in params.cuh
+FWD_PARAMS_SIZE = 224  # sizeof(FwdParams) in params.cuh
 # FwdParamsFp8: FwdParams' fields, then the descale arrays' pointers (filled per call after
 # FWD_POINTERS), their (batch, head_kv) strides in elements, and a scalar v descale.
 FWD_DESCALES = ("descale_q", "descale_k", "descale_v")
@@ -39,8 +39,16 @@ FWD_PARAMS_FP8 = np.dtype(
     + [("v_scale", np.float32)],
     align=True,
 )
-FWD_PARAMS_FP8_SIZE = 296  # sizeof(FwdParamsFp8) in params.cuh
+FWD_PARAMS_FP8_SIZE = 304  # sizeof(FwdParamsFp8) in params.cuh
 _LOG2E = math.log2(math.e)
+
+
+def _struct(dtype: np.dtype, values: tuple) -> np.ndarray:
+    """A one-element struct of ``dtype`` holding ``values``, its padding bytes zero (a struct built
+    by np.array leaves them as the allocator found them, and a launch copies them)."""
+    struct = np.zeros(1, dtype)
+    struct[0] = values
+    return struct
 
 
 def _softmax_constants(softmax_scale: float, softcap: float) -> tuple[float, float]:
@@ -66,12 +74,10 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
     else:
         cu_pointers, lse_strides = (cu_seqlens_q.ptr, cu_seqlens_k.ptr), (0, lse.strides[0])
     scale_log2, softcap_tanh_scale = _softmax_constants(softmax_scale, softcap)
-    return np.array(
-        [(q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers, *(c + 4 if c else 0 for c in cu_pointers), *strides,
-          *lse_strides,
-          q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2, softcap_tanh_scale)],
-        dtype=FWD_PARAMS,
-    )
+    return _struct(FWD_PARAMS, (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers,
+                                *(c + 4 if c else 0 for c in cu_pointers), *strides, *lse_strides,
+                                q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2,
+                                softcap_tanh_scale, v.shape[3]))
 
 
 def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int], softcap: float,
@@ -86,7 +92,7 @@ def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[i
                            cu_seqlens_k)
     strides = [s for d, value in zip(descales, scalar) for s in ((0, 0) if value is not None else d.strides[:2])]
     v_scale = scalar[2] if scalar[2] is not None else 1.0
-    return np.array([(*base.item(), 0, 0, 0, *strides, v_scale)], dtype=FWD_PARAMS_FP8)
+    return _struct(FWD_PARAMS_FP8, (*base.item(), 0, 0, 0, *strides, v_scale))
 
 
 # FwdParamsPaged: FwdParams' fields, then the KV cache's page table and cached lengths (filled per
@@ -98,7 +104,7 @@ FWD_PARAMS_PAGED = np.dtype(
     + [(name, np.int32) for name in ("page_table_stride", "page_size", "cache_seqlen", "new_keys")],
     align=True,
 )
-FWD_PARAMS_PAGED_SIZE = 248  # sizeof(FwdParamsPaged) in params.cuh
+FWD_PARAMS_PAGED_SIZE = 256  # sizeof(FwdParamsPaged) in params.cuh
 
 
 def pack_fwd_params_paged(q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int],
@@ -202,7 +208,8 @@ BWD_PARAMS = np.dtype(
                                                    "dq_batch_stride", "dq_head_stride", "accum_batch_rows"]]
     + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits",
                                      "dq_turn_blocks", "turn_heads", "window_left", "window_right")]
-    + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_tanh_scale")],
+    + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_tanh_scale")]
+    + [("head_dim_v", np.int32)],
     align=True,
 )
 BWD_PARAMS_SIZE = 392  # sizeof(BwdParams) in params.cuh
@@ -245,7 +252,7 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
         [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], q.shape[2],
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], splits,
           dq_turns.shape[-1] if dq_turns is not None else 0, turn_heads, *window, scale_log2, softmax_scale,
-          softcap_tanh_scale)],
+          softcap_tanh_scale, v.shape[3])],
         dtype=BWD_PARAMS,
     )
 

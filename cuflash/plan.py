@@ -46,6 +46,7 @@ class ForwardPlan:
     # FWD_POINTERS order, then FP8's FWD_DESCALES
     argument: ArgumentBuffer
     lse_shape: tuple[int, ...]  # of the float32 lse a call writes when the caller wants it
+    head_dim_v: int  # of v and out
     out_dtype: str | None = None  # of an FP8 call's output; None: q's dtype
 
     def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
@@ -64,7 +65,7 @@ class ForwardPlan:
         with interop.on_device(qt.device):
             stream = interop.stream_handle(framework, qt.device)
             out, out_ptr = ((given[0], out_t.ptr) if out_t is not None
-                            else interop.allocate(framework, qt, qt.shape, self.out_dtype))
+                            else interop.allocate(framework, qt, (*qt.shape[:-1], self.head_dim_v), self.out_dtype))
             lse, lse_ptr = (interop.allocate(framework, qt, self.lse_shape, "float32") if return_lse else (None, 0))
             cu_q, cu_k, used_q, used_k = cu_seqlens if len(cu_seqlens) == 4 else (*cu_seqlens, None, None)
             end_q, end_q_ptr = seq_ends(framework, cu_q, used_q)
@@ -136,7 +137,7 @@ class BackwardPlan:
             stream = interop.stream_handle(framework, qt.device)
             dq, dq_ptr = (dq, dq_t.ptr) if dq_t is not None else interop.allocate(framework, qt, qt.shape)
             dk, dk_ptr = (dk, dk_t.ptr) if dk_t is not None else interop.allocate(framework, qt, kt.shape)
-            dv, dv_ptr = (dv, dv_t.ptr) if dv_t is not None else interop.allocate(framework, qt, kt.shape)
+            dv, dv_ptr = (dv, dv_t.ptr) if dv_t is not None else interop.allocate(framework, qt, vt.shape)
             owner, base = interop.scratch(framework, qt, self.scratch_bytes)  # referenced until the launches are queued
             interop.zero(base, self.zeroed_bytes, stream)
             delta, dq_accum, dk_accum, dv_accum, dq_turns = (base + offset if offset is not None else 0
@@ -248,7 +249,7 @@ def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, b
         argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_DESCALES if descales is not None else ())
     arch = dispatch.compile_arch(choice.family, capability)
     return ForwardPlan(target, kernels.prepare(choice, arch, qt.device, launch.grid), argument, lse_t.shape,
-                       out_dtype)
+                       vt.shape[3], out_dtype)
 
 
 def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, mask: dispatch.Mask,
@@ -258,6 +259,7 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), writing the 16-bit
     gradients ``grads`` (dq, dk, dv: DeviceTensors or interop.contiguous records)."""
     _, rows_q, heads, head_dim = qt.shape
+    head_dim_v = vt.shape[3]
     target = (family, capability) = dispatch.device_target(qt.device)
     launch = dispatch.backward_launch(family, qt, kt, vt, dout_t, mask, batch, max_seqlen_k, deterministic,
                                       qt.device)
@@ -273,13 +275,14 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     # one dK/dV slice per query head, plainly stored and summed by the convert kernel; otherwise
     # heads_kv slices added to atomically, so zeroed.
     per_query_head = walk or turns
-    dq_row = (dispatch.backward_kernel_dim(main.family, head_dim)
+    dq_row = (dispatch.backward_kernel_dim(main.family, dispatch.kernel_head_dim(qt, vt))
               + (dispatch.SM90_BWD_DQ_ROW_PAD if main.family == "sm90" else 0))
     arrays = [((splits, qt.shape[0], heads, rows_q, dq_row), "float32")]
     if turns:
         arrays.append(((batch, heads, -(-max_seqlen_q // main.tile.block_m)), "int32"))
     if group > 1:
-        arrays += [((*kt.shape[:2], heads if per_query_head else kt.shape[2], head_dim), "float32")] * 2
+        arrays += [((*kt.shape[:2], heads if per_query_head else kt.shape[2], dim), "float32")
+                   for dim in (head_dim, head_dim_v)]
     arrays.append((lse_t.shape, "float32"))  # delta
     records, end = [], 0
     for shape, dtype in arrays:
@@ -304,22 +307,22 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     converts = [(dq_accum, 0, dq_strides, splits, math.prod(dq_accum.shape[1:]), scale)]
     if group > 1:
         slices = dk_accum.shape[2]  # heads_kv, or heads
-        kv_strides = (math.prod(dk_accum.shape[1:]), slices * head_dim,
-                      group * head_dim if per_query_head else head_dim)
-        summands = (group, head_dim) if per_query_head else (1, 0)
-        converts += [(src, index, kv_strides, *summands, 1.0) for src, index in ((dk_accum, 1), (dv_accum, 2))]
+        for src, index in ((dk_accum, 1), (dv_accum, 2)):
+            dim = src.shape[3]
+            strides = (math.prod(src.shape[1:]), slices * dim, group * dim if per_query_head else dim)
+            converts.append((src, index, strides, *((group, dim) if per_query_head else (1, 0)), 1.0))
     convert_launches = []
     for src, index, src_strides, summands, summand_stride, factor in converts:
-        grad_batch, grad_rows, grad_heads = grads[index].shape[:3]
+        grad_batch, grad_rows, grad_heads, grad_dim = grads[index].shape
         convert_launches.append((
             kernels.prepare(launch.convert, arch, qt.device, dispatch.helper_grid(grad_rows, grad_heads, grad_batch,
-                                                                                   head_dim)),
+                                                                                   grad_dim)),
             ArgumentBuffer(pack_convert_params(src, grads[index], src_strides, summands, summand_stride, factor),
                            CONVERT_POINTERS),
             src.ptr, index))
     return BackwardPlan(
         target, kernels.prepare(launch.preprocess, arch, qt.device,
-                                dispatch.helper_grid(max_seqlen_q, heads, batch, head_dim)),
+                                dispatch.helper_grid(max_seqlen_q, heads, batch, head_dim_v)),
         kernels.prepare(main, dispatch.compile_arch(main.family, capability), qt.device, launch.grid), argument,
         main_argument,
         (delta.ptr, dq_accum.ptr, dk_accum.ptr if dk_accum else None, dv_accum.ptr if dv_accum else None,

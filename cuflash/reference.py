@@ -45,7 +45,7 @@ __all__ = [
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_FLOP_MODES = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
+_FLOP_MODES = ("fwd", "bwd", "fwd_bwd")
 
 
 def _check_inputs(
@@ -491,23 +491,27 @@ def attention_flops(
     *,
     causal: bool = False,
     mode: str = "fwd",
+    head_dim_v: int | None = None,
 ) -> float:
     """FLOPs of attention as the benchmarks count them.
 
     ``4 * batch * heads * seqlen_q * seqlen_k * head_dim`` for the forward (two GEMMs of
     ``2*sq*sk*d``), half that when ``causal``, times 2.5 for ``mode="bwd"`` and 3.5 for
-    ``mode="fwd_bwd"``.
+    ``mode="fwd_bwd"``. With a ``head_dim_v`` of its own, each GEMM counts its own inner or
+    outer dim: the forward's Q K^T ``head_dim`` and P V ``head_dim_v``; the backward's Q K^T
+    again, dQ and dK ``head_dim``, dP and dV ``head_dim_v``.
 
     Returns
     -------
     float
     """
     if mode not in _FLOP_MODES:
-        raise ValueError(f"mode: expected one of {sorted(_FLOP_MODES)}, got {mode!r}")
-    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
-    if causal:
-        flops /= 2
-    return flops * _FLOP_MODES[mode]
+        raise ValueError(f"mode: expected one of {list(_FLOP_MODES)}, got {mode!r}")
+    dv = head_dim if head_dim_v is None else head_dim_v
+    gemm = 2.0 * batch * heads * seqlen_q * seqlen_k / (2 if causal else 1)
+    forward = gemm * (head_dim + dv)
+    backward = gemm * (3 * head_dim + 2 * dv)
+    return {"fwd": forward, "bwd": backward, "fwd_bwd": forward + backward}[mode]
 
 
 def max_error_bound(

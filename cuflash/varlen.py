@@ -49,8 +49,8 @@ def attention_varlen(
     q : array, (total_q, heads, head_dim)
     k : array, (total_k, heads_kv, head_dim)
     v : array, (total_k, heads_kv, head_dim_v)
-        dtypes, devices and head rules as for :func:`cuflash.attention` (head_dim_v != head_dim on
-        the CPU path only).
+        dtypes, devices and head rules as for :func:`cuflash.attention` (head_dim_v may differ
+        from head_dim).
     cu_seqlens_q, cu_seqlens_k : int32 arrays, (batch + 1,)
         Cumulative lengths starting at 0, on q's side (device or NumPy).
     max_seqlen_q, max_seqlen_k : int, optional
@@ -90,8 +90,6 @@ def attention_varlen(
     ------
     TypeError, ValueError
         Bad arguments, each naming the argument.
-    NotImplementedError
-        GPU inputs whose head_dim_v differs from head_dim.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:

@@ -164,7 +164,7 @@ def check_forward(q, k, v, causal, dtype_name, scale=None, window=(-1, -1), soft
     import cuflash
 
     poison_pool()
-    out = cp.full(q.shape, cp.nan, dtype=q.dtype)
+    out = cp.full((*q.shape[:3], v.shape[3]), cp.nan, dtype=q.dtype)
     options = {"causal": causal, "window": window, "softcap": softcap}
     result, lse = cuflash.attention(q, k, v, softmax_scale=scale, return_lse=True, out=out, **options)
     assert result is out
@@ -183,11 +183,10 @@ def check_backward(q, k, v, causal, dtype_name, rng, scale=None, window=(-1, -1)
     import cuflash
 
     options = {"causal": causal, "window": window, "softcap": softcap}
-    dout = random_bshd(q.shape, dtype_name, rng)
+    dout = random_bshd((*q.shape[:3], v.shape[3]), dtype_name, rng)
     out, lse = cuflash.attention(q, k, v, softmax_scale=scale, return_lse=True, **options)
     poison_pool()
-    dq = cp.full(q.shape, cp.nan, dtype=q.dtype)
-    dk, dv = (cp.full(k.shape, cp.nan, dtype=k.dtype) for _ in range(2))
+    dq, dk, dv = (cp.full(x.shape, cp.nan, dtype=x.dtype) for x in (q, k, v))
     result = cuflash.attention_backward(dout, q, k, v, out, lse, softmax_scale=scale, deterministic=deterministic,
                                         dq=dq, dk=dk, dv=dv, **options)
     assert result[0] is dq and result[1] is dk and result[2] is dv

@@ -61,14 +61,14 @@ def dequantize(stored, descale):
     return values * per_head[:, None, :, None]
 
 
-def inputs(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, per_head=True):
+def inputs(rng, batch, seqlen_q, seqlen_k, heads, heads_kv, head_dim, per_head=True, head_dim_v=None):
     """Quantized q, k, v (bytes, descale) pairs, each kv head group at its own magnitude so that
-    the per-head descales differ."""
+    the per-head descales differ; v of ``head_dim_v`` (default head_dim)."""
     spread = np.geomspace(0.5, 4.0, heads_kv)
     q_spread = np.repeat(spread, heads // heads_kv)
     q = rng.standard_normal((batch, seqlen_q, heads, head_dim)) * q_spread[None, None, :, None]
-    k, v = (rng.standard_normal((batch, seqlen_k, heads_kv, head_dim)) * spread[::-1][None, None, :, None]
-            for _ in range(2))
+    k, v = (rng.standard_normal((batch, seqlen_k, heads_kv, dim)) * spread[::-1][None, None, :, None]
+            for dim in (head_dim, head_dim_v or head_dim))
     return quantize(q, heads_kv, per_head), quantize(k, heads_kv, per_head), quantize(v, heads_kv, per_head)
 
 
@@ -94,7 +94,7 @@ def run(q, k, v, out_dtype="bfloat16", **options):
     from tests.gpu_reference import poison_pool
 
     poison_pool()
-    out = cp.full(q[0].shape, cp.nan, dtype=np.dtype(getattr(ml_dtypes, out_dtype, out_dtype)))
+    out = cp.full((*q[0].shape[:-1], v[0].shape[-1]), cp.nan, dtype=np.dtype(getattr(ml_dtypes, out_dtype, out_dtype)))
     result, lse = cuflash.attention(q[0], k[0], v[0], descale_q=q[1], descale_k=k[1], descale_v=v[1], dtype="e4m3",
                                     out_dtype=out_dtype, out=out, return_lse=True, **options)
     assert result is out

@@ -1,6 +1,6 @@
 """head_dim_v != head_dim through the public API: the CPU path computes it (forward, backward,
-packed batches, FP8 inputs), the checks name the argument, and GPU inputs are refused before any
-launch until the kernels take it."""
+packed batches, FP8 inputs), the checks name the argument, and GPU inputs pass the same checks and
+run the kernel of the wider head dim."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import checks, interop, reference
+from cuflash import checks, dispatch, interop, reference
 
 OPTIONS = [dict(), dict(causal=True), dict(window=(4, 2), softcap=5.0)]
 
@@ -123,13 +123,13 @@ def _device_tensor(shape):
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["fixed", "varlen"])
-def test_gpu_inputs_refused_until_the_kernels_take_head_dim_v(packed):
+def test_gpu_inputs_pass_the_checks_and_pick_the_wider_kernel(packed):
     shapes = [(1, 64, 4, 192), (1, 64, 4, 192), (1, 64, 4, 128)]
     if packed:
         q, k, v = (checks.as_batch_of_one(_device_tensor(shape[1:])) for shape in shapes)
     else:
         q, k, v = (_device_tensor(shape) for shape in shapes)
-    with pytest.raises(NotImplementedError, match="v: head_dim 128 differs from q's 192; the GPU kernels take "
-                                                  "head_dim_v == head_dim"):
-        checks.check_qkv(q, k, v, on_device=True)
-    checks.check_qkv(q, k, k, on_device=True)  # equal head dims pass the same checks
+    checks.check_qkv(q, k, v, on_device=True)
+    assert dispatch.kernel_head_dim(q, v) == dispatch.kernel_head_dim(v, q) == 192
+    with pytest.raises(ValueError, match="v: head_dim must be a positive multiple of 8 and at most 256, got 260"):
+        checks.check_qkv(q, k, _device_tensor((1, 64, 4, 260)), on_device=True)

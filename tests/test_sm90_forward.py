@@ -56,9 +56,9 @@ def test_sm90_param_struct_layout():
     fields = FWD_PARAMS_SM90.fields
     assert FWD_PARAMS_SM90.itemsize == FWD_PARAMS_SM90_SIZE == 640
     assert [fields[name][1] for name in ("q", "k", "v", "base")] == [0, 128, 256, 384]
-    assert fields["base"][0] == FWD_PARAMS and FWD_PARAMS.itemsize == 216
+    assert fields["base"][0] == FWD_PARAMS and FWD_PARAMS.itemsize == 224
     # Then the persistent grid's four int32 tile counts, in the padding before 640.
-    assert [fields[name][1] for name in ("m_blocks", "heads", "batches", "tiles")] == [600, 604, 608, 612]
+    assert [fields[name][1] for name in ("m_blocks", "heads", "batches", "tiles")] == [608, 612, 616, 620]
 
 
 def test_sm90_backward_dq_row_pad_matches_the_kernel():

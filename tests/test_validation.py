@@ -272,15 +272,18 @@ def test_backward_helper_rows_per_block(head_dim, rows):
 
 def test_backward_kernel_choices():
     preprocess, main, convert = dispatch.backward_kernels("sm80", 128, "causal", "bfloat16")
+    # causal, window, softcap, deterministic walk, OWN_V_DIM (false: v has q's head dim)
     assert main.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, 164864, true, false, false, false, "
-                                    "cuflash::bf16>")
+                                    "false, cuflash::bf16>")
     assert main.smem_bytes == ((2 * 128 + 4 * 64) * 128 + 2 * 64 * 128) * 2 + 4 * 64 * 4
     ordered = dispatch.backward_kernels("sm80", 100, "none", "float16", dq_order="walk")[1]
     assert ordered.name_expression == ("cuflash::flash_bwd_sm80<128, 64, 128, 8, 1, 164864, false, false, false, true, "
-                                       "cuflash::f16>")
+                                       "false, cuflash::f16>")
     capped = dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", softcap=True)[1]
     assert capped.name_expression == ("cuflash::flash_bwd_sm80<64, 64, 128, 8, 2, 99328, false, true, true, false, "
-                                      "cuflash::bf16>")
+                                      "false, cuflash::bf16>")
+    own = dispatch.backward_kernels("sm80", 192, "none", "bfloat16", own_v_dim=True)[1]
+    assert own.name_expression.endswith("false, false, false, false, true, cuflash::bf16>")
     for bucket in dispatch.HEAD_DIM_BUCKETS:
         assert dispatch.backward_kernels("sm80", bucket, "none", "float16")[1].smem_bytes <= 227 * 1024
     assert preprocess.smem_bytes == convert.smem_bytes == 0

@@ -17,20 +17,21 @@ def rng(request):
     return np.random.default_rng(abs(hash(request.node.nodeid)) % 2**32)
 
 
-def _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype_name, rng):
-    """Fresh packed q, k, v and device int32 cu_seqlens for these sequence lengths."""
+def _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype_name, rng, head_dim_v=None):
+    """Fresh packed q, k, v (v of ``head_dim_v``, default head_dim) and device int32 cu_seqlens for
+    these sequence lengths."""
     import cupy as cp
 
     from tests.gpu_reference import random_bshd
 
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32) for lengths in (lengths_q, lengths_k))
     q = random_bshd((1, int(cu_q[-1]), heads, head_dim), dtype_name, rng)[0]
-    k, v = (random_bshd((1, int(cu_k[-1]), heads_kv, head_dim), dtype_name, rng)[0] for _ in range(2))
+    k, v = (random_bshd((1, int(cu_k[-1]), heads_kv, dim), dtype_name, rng)[0] for dim in (head_dim, head_dim_v or head_dim))
     return q, k, v, cp.asarray(cu_q), cp.asarray(cu_k)
 
 
 def _check_varlen(lengths_q, lengths_k, rng, heads=4, heads_kv=2, head_dim=128, dtype_name="bfloat16",
-                  softmax_scale=None, **options):
+                  softmax_scale=None, head_dim_v=None, **options):
     """attention_varlen into a NaN-filled ``out`` from a poisoned pool, then
     attention_varlen_backward into NaN-filled gradients, against the per-sequence float64
     reference; ``options`` go to both (causal, window, softcap, max_seqlen_*, validate)."""
@@ -41,9 +42,9 @@ def _check_varlen(lengths_q, lengths_k, rng, heads=4, heads_kv=2, head_dim=128, 
     import cuflash
     from tests import gpu_reference as ref
 
-    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype_name, rng)
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype_name, rng, head_dim_v)
     ref.poison_pool()
-    out = cp.full(q.shape, cp.nan, dtype=q.dtype)
+    out = cp.full((*q.shape[:2], v.shape[2]), cp.nan, dtype=q.dtype)
     result, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, softmax_scale=softmax_scale, return_lse=True,
                                            out=out, **options)
     assert result is out and lse.shape == (heads, q.shape[0])
@@ -56,7 +57,7 @@ def _check_varlen(lengths_q, lengths_k, rng, heads=4, heads_kv=2, head_dim=128, 
     ref.check_rule("out", out, exact[0], lowp[0], dtype_name)
     ref.check_rule("lse", lse, exact[1], lowp[1], dtype_name)
 
-    dout = ref.random_bshd((1, *q.shape), dtype_name, rng)[0]
+    dout = ref.random_bshd((1, *out.shape), dtype_name, rng)[0]
     ref.poison_pool()
     grads = [cp.full(x.shape, cp.nan, dtype=x.dtype) for x in (q, k, v)]
     result = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, softmax_scale=softmax_scale,

@@ -20,10 +20,11 @@ __device__ __forceinline__ int helper_row_threads(int head_dim) {
   return vectors <= 8 ? 8 : 1 << (32 - __clz(vectors - 1));
 }
 
-// delta = rowsum(dO * O) per (row, head): the dP correction of the main kernels' dS.
+// delta = rowsum(dO * O) per (row, head): the dP correction of the main kernels' dS. O and dO
+// have v's head dim.
 template <int THREADS, class Elem>
 __global__ void __launch_bounds__(THREADS) flash_bwd_preprocess(const __grid_constant__ BwdParams p) {
-  const int row_threads = helper_row_threads(p.head_dim);
+  const int row_threads = helper_row_threads(p.head_dim_v);
   const int col = (threadIdx.x & (row_threads - 1)) * 8;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -32,7 +33,7 @@ __global__ void __launch_bounds__(THREADS) flash_bwd_preprocess(const __grid_con
   // Every lane stays to the shuffles (a full-warp mask); rows past the sequence add zeros.
   const bool inside = row < seq.seqlen_q;
   float sum = 0.f;
-  if (inside && col < p.head_dim) {
+  if (inside && col < p.head_dim_v) {
     const uint4 o = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.o) + batch * p.o_batch_stride +
                                                     (seq.q_begin + row) * p.o_row_stride + head * p.o_head_stride + col);
     const uint4 d = *reinterpret_cast<const uint4*>(static_cast<const u16*>(p.dout) + batch * p.do_batch_stride +

@@ -30,14 +30,15 @@ struct FwdParams {
   int kv_group;  // heads / heads_kv: query heads that share one K/V head
   int seqlen_q;  // fixed-length batches only
   int seqlen_k;
-  int head_dim;  // the real head_dim; the kernel's template bucket may be larger
+  int head_dim;  // the real head_dim of q and k; the kernel's template bucket may be larger
   int window_left;   // -1 or >= 0, causal folded in as window_right = 0 (common/mask.cuh);
   int window_right;  // read by WINDOW kernels only
   float scale_log2;  // softmax_scale * log2(e): scores go straight to the exp2 domain; with a
                      // softcap, softcap * log2(e) (common/softcap.cuh)
   float softcap_tanh_scale;  // softmax_scale / softcap, read by SOFTCAP kernels only
+  int head_dim_v;  // of v and o, at most the bucket (last: the other fields keep their offsets)
 };
-static_assert(sizeof(FwdParams) == 216, "cuflash/params.py packs 216 bytes");
+static_assert(sizeof(FwdParams) == 224, "cuflash/params.py packs 224 bytes");
 
 // The forward of e4m3 inputs: FwdParams, whose scale_log2 (or softcap_tanh_scale) holds scalar q
 // and k descales, then per-(batch, head_kv) descales. A separate struct so that the 16-bit kernels'
@@ -53,7 +54,7 @@ struct FwdParamsFp8 : FwdParams {
   i64 descale_v_batch_stride, descale_v_head_stride;
   float v_scale;  // a scalar descale_v (1 when it is an array), applied with the final normalisation
 };
-static_assert(sizeof(FwdParamsFp8) == 296, "cuflash/params.py packs 296 bytes");
+static_assert(sizeof(FwdParamsFp8) == 304, "cuflash/params.py packs 304 bytes");
 
 // The forward of 16-bit queries against a KV cache (chunked prefill, cuflash/plan.py
 // build_kvcache): FwdParams whose k and v are the cache after the append. The keys of sequence b
@@ -71,7 +72,7 @@ struct FwdParamsPaged : FwdParams {
   int cache_seqlen;
   int new_keys;  // keys appended per sequence; -1: as many as its query rows (a packed q)
 };
-static_assert(sizeof(FwdParamsPaged) == 248, "cuflash/params.py packs 248 bytes");
+static_assert(sizeof(FwdParamsPaged) == 256, "cuflash/params.py packs 256 bytes");
 
 // The kernel argument of a forward whose inputs are Input, reading K and V from a KV cache if PAGED.
 template <class Input, bool PAGED = false>
@@ -125,7 +126,7 @@ struct BwdParams {
   int kv_group;
   int seqlen_q;  // fixed-length batches only
   int seqlen_k;
-  int head_dim;
+  int head_dim;  // of q, k, dq, dk
   int dq_splits;  // 1, or on the walking grid the CTAs per (batch, head), each with its own dQ
   int dq_turn_blocks;  // query blocks per (batch, head) in dq_turns
   int turn_heads;      // sm90 turns without a causal mask: heads whose key blocks the grid interleaves
@@ -134,6 +135,7 @@ struct BwdParams {
   float scale_log2;  // as FwdParams
   float scale;       // softmax_scale, applied to dK here and to dQ by the convert kernel
   float softcap_tanh_scale;
+  int head_dim_v;  // of v, o, dout, dv (last: the other fields keep their offsets)
 };
 static_assert(sizeof(BwdParams) == 392, "cuflash/params.py packs 392 bytes");
 

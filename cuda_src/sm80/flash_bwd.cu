@@ -76,9 +76,11 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
 // P and dS go through shared memory between the layouts.
 // SMEM_BYTES: the dynamic shared memory the host launches with (dispatch.backward_kernels), checked
 // against the tiles below. CAUSAL, WINDOW: the mask (common/mask.cuh); SOFTCAP: tanh-capped scores
-// (common/softcap.cuh).
+// (common/softcap.cuh). OWN_V_DIM: v, dout and dv have a head dim of their own (BwdParams::
+// head_dim_v), else q's: a separate instantiation, so that the kernels of equal head dims keep one
+// column bound in the main loop (a second one moved ptxas's spills by -200 to +270 bytes).
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int CTAS_PER_SM, int SMEM_BYTES, bool CAUSAL, bool WINDOW,
-          bool SOFTCAP, bool DETERMINISTIC, class Elem>
+          bool SOFTCAP, bool DETERMINISTIC, bool OWN_V_DIM, class Elem>
 __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const __grid_constant__ BwdParams p) {
   constexpr int THREADS = WARPS * 32;
   constexpr int ROW_ELEMS = (HEAD_DIM + 63) / 64 * 64;
@@ -146,13 +148,14 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
   const u16* v = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + kv_head * p.v_head_stride +
                  seq.k_begin * p.v_row_stride;
   const i64 stats_offset = batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_begin;
+  const int v_cols = OWN_V_DIM ? p.head_dim_v : p.head_dim;  // of V, dO and dV
   auto load_q_block = [&](int m, int buffer) {
     const int row = m * BLOCK_M;
     load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ + buffer * BLOCK_M * ROW_ELEMS, q + row * p.q_row_stride,
                                                            p.q_row_stride, seq.seqlen_q - row, p.head_dim);
     load_tile_async<BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sdO + buffer * BLOCK_M * ROW_ELEMS,
                                                            dout + row * p.do_row_stride, p.do_row_stride,
-                                                           seq.seqlen_q - row, p.head_dim);
+                                                           seq.seqlen_q - row, v_cols);
     static_assert(2 * BLOCK_M <= THREADS, "one thread per staged statistic");
     if (threadIdx.x < 2 * BLOCK_M) {
       const int r = threadIdx.x % BLOCK_M;
@@ -198,7 +201,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
     load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(sK, k + first_key * p.k_row_stride, p.k_row_stride,
                                                            seq.seqlen_k - first_key, p.head_dim);
     load_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(sV, v + first_key * p.v_row_stride, p.v_row_stride,
-                                                           seq.seqlen_k - first_key, p.head_dim);
+                                                           seq.seqlen_k - first_key, v_cols);
     if (steps > 0) load_q_block(schedule.block_at(0), 0);
     cp_async_commit();
 
@@ -279,8 +282,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 
     // dK (times the softmax scale) and dV of this block's keys: written directly when this CTA's
     // query head is the only one using its K/V head. Otherwise summed over the group in fp32:
-    // atomically into (batch, seqlen_k, heads_kv, head_dim), or, in deterministic mode, stored per
-    // query head into (batch, seqlen_k, heads, head_dim) and summed in order by the convert kernel.
+    // atomically into (batch, seqlen_k, heads_kv, head_dim) and (..., head_dim_v), or, in
+    // deterministic mode, stored per query head into (batch, seqlen_k, heads, head_dim) and (...,
+    // head_dim_v) and summed in order by the convert kernel.
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
@@ -291,23 +295,26 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 #pragma unroll
         for (int nt = 0; nt < KV_NT; ++nt) {
           const int col = rw * KV_COLS + nt * 8 + (lane % 4) * 2;
-          if (col >= p.head_dim) continue;
+          if (col >= (OWN_V_DIM ? max(p.head_dim, v_cols) : p.head_dim)) continue;
+          // Without OWN_V_DIM both are true: the stores as tight as before v had a head dim of its own.
+          const bool dk_col = !OWN_V_DIM || col < p.head_dim, dv_col = !OWN_V_DIM || col < v_cols;
           const float dk0 = dk[mt][nt][2 * h] * p.scale, dk1 = dk[mt][nt][2 * h + 1] * p.scale;
           const float dv0 = dv[mt][nt][2 * h], dv1 = dv[mt][nt][2 * h + 1];
           if (p.kv_group == 1) {
-            *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key_row * p.dk_row_stride +
-                                    kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
-            *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + key_row * p.dv_row_stride +
-                                    kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
+            if (dk_col)
+              *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride +
+                                      key_row * p.dk_row_stride + kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
+            if (dv_col)
+              *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride +
+                                      key_row * p.dv_row_stride + kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
           } else if constexpr (DETERMINISTIC) {
-            const i64 at = ((batch * p.accum_batch_rows + key_row) * p.heads + head) * p.head_dim + col;
-            *reinterpret_cast<float2*>(p.dk_accum + at) = make_float2(dk0, dk1);
-            *reinterpret_cast<float2*>(p.dv_accum + at) = make_float2(dv0, dv1);
+            const i64 slice_row = (batch * p.accum_batch_rows + key_row) * p.heads + head;
+            if (dk_col) *reinterpret_cast<float2*>(p.dk_accum + slice_row * p.head_dim + col) = make_float2(dk0, dk1);
+            if (dv_col) *reinterpret_cast<float2*>(p.dv_accum + slice_row * v_cols + col) = make_float2(dv0, dv1);
           } else {
-            const i64 at = ((batch * p.accum_batch_rows + key_row) * (p.heads / p.kv_group) + kv_head) *
-                               p.head_dim + col;
-            red_add_f32x2(p.dk_accum + at, dk0, dk1);
-            red_add_f32x2(p.dv_accum + at, dv0, dv1);
+            const i64 slice_row = (batch * p.accum_batch_rows + key_row) * (p.heads / p.kv_group) + kv_head;
+            if (dk_col) red_add_f32x2(p.dk_accum + slice_row * p.head_dim + col, dk0, dk1);
+            if (dv_col) red_add_f32x2(p.dv_accum + slice_row * v_cols + col, dv0, dv1);
           }
         }
       }

@@ -24,7 +24,7 @@ namespace cuflash {
 // (dispatch.forward_kernel), checked against the tiles below. CAUSAL, WINDOW: the mask
 // (common/mask.cuh). SOFTCAP: tanh-capped scores (common/softcap.cuh). Elem: f16 or bf16, the
 // type of the products and of O. Input: the type of q, k and v, Elem or e4m3. PAGED: k and v are
-// a KV cache (FwdParamsPaged), 16-bit only.
+// a KV cache (FwdParamsPaged), 16-bit only. V and O have FwdParams::head_dim_v columns.
 template <int HEAD_DIM, int BLOCK_M, int BLOCK_N, int WARPS, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP,
           class Elem, class Input = Elem, bool PAGED = false>
 __global__ void __launch_bounds__(WARPS * 32)
@@ -86,15 +86,16 @@ __global__ void __launch_bounds__(WARPS * 32)
                  kv_head * p.k_head_stride + seq.k_begin * p.k_row_stride;
   const Stored* v = static_cast<const Stored*>(p.v) + (PAGED ? 0 : batch * p.v_batch_stride) +
                  kv_head * p.v_head_stride + seq.k_begin * p.v_row_stride;
-  // Key rows [first, first + BLOCK_N) of K or V (src, with its strides) into `tile`.
+  // Key rows [first, first + BLOCK_N) of K or V (src, with its strides and `cols` real columns)
+  // into `tile`; the columns up to HEAD_DIM are zero-filled.
   const auto fetch_keys = [&](u16* tile, u8* staging, const Stored* src, i64 batch_stride, i64 row_stride,
-                              int first) {
+                              int first, int cols) {
     if constexpr (PAGED) {
       load_cached_tile_async<BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(
-          tile, src, CachedRows(p, batch), first, batch_stride, row_stride, seq.seqlen_k - first, p.head_dim);
+          tile, src, CachedRows(p, batch), first, batch_stride, row_stride, seq.seqlen_k - first, cols);
     } else {
       fetch_tile_async<Input, BLOCK_N, HEAD_DIM, ROW_ELEMS, THREADS>(tile, staging, src + first * row_stride,
-                                                                     row_stride, seq.seqlen_k - first, p.head_dim);
+                                                                     row_stride, seq.seqlen_k - first, cols);
     }
   };
 
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     fetch_tile_async<Input, BLOCK_M, HEAD_DIM, ROW_ELEMS, THREADS>(sQ, q_staging, q, p.q_row_stride,
                                                                    seq.seqlen_q - first_row, p.head_dim);
     const int last = n_range.end - 1;
-    fetch_keys(sK, k_staging, k, p.k_batch_stride, p.k_row_stride, last * BLOCK_N);
+    fetch_keys(sK, k_staging, k, p.k_batch_stride, p.k_row_stride, last * BLOCK_N, p.head_dim);
     cp_async_commit();
     if constexpr (FP8) {
       // Widened now, by the thread that staged each chunk; the loop's first barrier publishes sQ
@@ -133,7 +134,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       cp_async_wait<0>();
       land_tile<Input, BLOCK_N, ROW_ELEMS, THREADS, Elem>(sK, k_staging);
       __syncthreads();
-      fetch_keys(sV, v_staging, v, p.v_batch_stride, p.v_row_stride, n * BLOCK_N);
+      fetch_keys(sV, v_staging, v, p.v_batch_stride, p.v_row_stride, n * BLOCK_N, p.head_dim_v);
       cp_async_commit();
 
       // S = Q K^T. A fragments of Q (rows x k) and B fragments of K (keys x k, i.e. K^T
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       land_tile<Input, BLOCK_N, ROW_ELEMS, THREADS, Elem>(sV, v_staging);
       __syncthreads();
       if (n > n_range.begin) {
-        fetch_keys(sK, k_staging, k, p.k_batch_stride, p.k_row_stride, (n - 1) * BLOCK_N);
+        fetch_keys(sK, k_staging, k, p.k_batch_stride, p.k_row_stride, (n - 1) * BLOCK_N, p.head_dim);
         cp_async_commit();
       }
 
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int row = warp_row + i / CHUNKS_PER_ROW;
     const int col = (i % CHUNKS_PER_ROW) * 8;
     const int global_row = first_row + row;
-    if (global_row < seq.seqlen_q && col < p.head_dim) {
+    if (global_row < seq.seqlen_q && col < p.head_dim_v) {
       *reinterpret_cast<uint4*>(out + global_row * p.o_row_stride + col) =
           *reinterpret_cast<const uint4*>(sQ + swizzle<ROW_ELEMS>(row, col));
     }

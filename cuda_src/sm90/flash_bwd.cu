@@ -552,7 +552,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     }
 
     // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys and
-    // columns past head_dim are not written. Each key's stores go through one row pointer at
+    // columns past head_dim (dK) or head_dim_v (dV) are not written. Each key's stores go through one row pointer at
     // constant offsets (8 columns apart): recomputing a 64-bit address and reloading parameters per
     // 4-byte store made the epilogue ~2,900 instructions against ~300. GQA: the group's query
     // heads add into fp32 slices, or, in the orders that repeat bitwise (walk, turns), each stores
@@ -570,28 +570,28 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
                                                    key_row * a.dv_row_stride + kv_head * a.dv_head_stride + col);
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {  // column 8 dt + col: 32-bit word 4 dt past the row pointer
-          if (8 * dt + col >= a.head_dim) continue;
-          dk_row[4 * dt] = Elem::pack(dk[0][dt][2 * h] * a.scale, dk[0][dt][2 * h + 1] * a.scale);
-          dv_row[4 * dt] = Elem::pack(dv[0][dt][2 * h], dv[0][dt][2 * h + 1]);
+          if (8 * dt + col < a.head_dim)
+            dk_row[4 * dt] = Elem::pack(dk[0][dt][2 * h] * a.scale, dk[0][dt][2 * h + 1] * a.scale);
+          if (8 * dt + col < a.head_dim_v) dv_row[4 * dt] = Elem::pack(dv[0][dt][2 * h], dv[0][dt][2 * h + 1]);
         }
       } else {
         constexpr bool kOwnSlice = DQ_ORDER != kDqAnyOrder;
         const i64 slice = kOwnSlice ? head : kv_head;
         const i64 slices = kOwnSlice ? a.heads : a.heads / a.kv_group;
-        const i64 at = ((batch * a.accum_batch_rows + key_row) * slices + slice) * a.head_dim + col;
-        float* const dk_row = a.dk_accum + at;
-        float* const dv_row = a.dv_accum + at;
+        const i64 slice_row = (batch * a.accum_batch_rows + key_row) * slices + slice;
+        float* const dk_row = a.dk_accum + slice_row * a.head_dim + col;
+        float* const dv_row = a.dv_accum + slice_row * a.head_dim_v + col;
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
-          if (8 * dt + col >= a.head_dim) continue;
           const float dk0 = dk[0][dt][2 * h] * a.scale, dk1 = dk[0][dt][2 * h + 1] * a.scale;
           const float dv0 = dv[0][dt][2 * h], dv1 = dv[0][dt][2 * h + 1];
+          const bool dk_col = 8 * dt + col < a.head_dim, dv_col = 8 * dt + col < a.head_dim_v;
           if constexpr (kOwnSlice) {
-            *reinterpret_cast<float2*>(dk_row + 8 * dt) = make_float2(dk0, dk1);
-            *reinterpret_cast<float2*>(dv_row + 8 * dt) = make_float2(dv0, dv1);
+            if (dk_col) *reinterpret_cast<float2*>(dk_row + 8 * dt) = make_float2(dk0, dk1);
+            if (dv_col) *reinterpret_cast<float2*>(dv_row + 8 * dt) = make_float2(dv0, dv1);
           } else {
-            reduce_add_pair(dk_row + 8 * dt, dk0, dk1);
-            reduce_add_pair(dv_row + 8 * dt, dv0, dv1);
+            if (dk_col) reduce_add_pair(dk_row + 8 * dt, dk0, dk1);
+            if (dv_col) reduce_add_pair(dv_row + 8 * dt, dv0, dv1);
           }
         }
       }

@@ -557,7 +557,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
           const int row = wg_row + i / CHUNKS_PER_ROW;
           const int col = (i % CHUNKS_PER_ROW) * 8;
           const int global_row = first_row + row;
-          if (global_row < seq.seqlen_q && pass * (HEAD_DIM / PASSES) + col < a.head_dim)
+          if (global_row < seq.seqlen_q && pass * (HEAD_DIM / PASSES) + col < a.head_dim_v)
             *reinterpret_cast<uint4*>(out + global_row * a.o_row_stride + col) =
                 *reinterpret_cast<const uint4*>(q_tile + staged_offset<FP8>(row, col, Smem::Q_PANEL));
         }

@@ -255,7 +255,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     k_descale=None, v_descale=None):
     """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, heads, head_dim), k (batch,
     seqlen_k, heads_kv, head_dim) and v (batch, seqlen_k, heads_kv, head_dim_v); returns out
-    (batch, seqlen_q, heads, head_dim_v). head_dim_v != head_dim runs on CPU tensors only so far.
+    (batch, seqlen_q, heads, head_dim_v).
 
     ``deterministic=True`` makes the backward bitwise reproducible. Raises NotImplementedError,
     naming the argument, for dropout_p != 0, alibi_slopes and return_attn_probs=True.
