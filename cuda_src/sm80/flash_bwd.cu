@@ -21,9 +21,9 @@ namespace cuflash {
 // (a row that saw no key has lse = -inf and every score masked, so no inf * 0), and
 // dS = P * (dP - delta), for one warp's S_MT x 16 rows by 32 keys; both to shared memory as
 // 16-bit pairs for the next three products. EDGE: some score of the block is masked.
-// With a softcap, s holds t = tanh(score * scale / softcap) (softcap.cuh), the softmax saw
-// softcap * t, and the chain rule through it multiplies dS by 1 - t^2 (the factor scale of
-// d(softcap * t) / d(score) is applied with dK's and dQ's).
+// With a softcap, s holds y = score * scale / softcap (softcap.cuh), the softmax saw softcap * t
+// with t = tanh(y), and the chain rule through it multiplies dS by 1 - t^2 (softcap_slope; the
+// factor scale of d(softcap * t) / d(score) is applied with dK's and dQ's).
 // `stores` holds this thread's P addresses (StoreAddress); dS sits one P tile further on.
 template <bool EDGE, bool SOFTCAP, int BLOCK_M, int BLOCK_N, class Elem, int S_MT, bool CAUSAL, bool WINDOW>
 __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], const float (&dp)[S_MT][4][4],
@@ -50,12 +50,12 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
         float pv[2], dsv[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float score = s[mt][nt][2 * h + e];
+          const float score = SOFTCAP ? fast_tanh(s[mt][nt][2 * h + e]) : s[mt][nt][2 * h + e];
           pv[e] = fast_exp2(fmaf(score, p.scale_log2, -lse_log2));
           // Masked: 0, not exp2(-inf - lse), which is NaN for a row without keys (lse = -inf).
           if (EDGE && Mask<CAUSAL, WINDOW>::outside(key + e, key_begin, key_end)) pv[e] = 0.f;
           dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - row_delta);
-          if (SOFTCAP) dsv[e] *= fmaf(-score, score, 1.f);
+          if (SOFTCAP) dsv[e] *= softcap_slope(s[mt][nt][2 * h + e]);
         }
         const u32 at = stores.at(mt * 16 + h * 8, nt);
         st_shared_u32(at, Elem::pack(pv[0], pv[1]));
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 
       // Only blocks at the key sequence's end, on the causal diagonal or at a window's edges pay
       // for the mask.
-      if (SOFTCAP) softcap_scores(s, p.softcap_tanh_scale);
+      if (SOFTCAP) softcap_arguments(s, p.softcap_tanh_scale);
       const bool edge = needs_mask<BLOCK_M, BLOCK_N>(mask, m, n_block);
       const float* lse = sLse + (step % 2) * BLOCK_M;
       const float* delta = sDelta + (step % 2) * BLOCK_M;

@@ -380,18 +380,27 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         named_barrier_sync(kStatsBarrier + consumer, 128);
         fence_registers(flat(s));
         fence_registers(flat(dp));
-        // With a softcap, dS needs each score's tanh beside its P: both products first, then P and
-        // dS in one pass, so that no register holds the tanh past it.
+        // With a softcap, dS needs dP^T beside each score's tanh slope: both products first.
         wgmma_wait<SOFTCAP ? 0 : 1>();
         fence_registers(flat(s));
-        if constexpr (SOFTCAP) {
-          fence_registers(flat(dp));
-          softcap_scores(s, a.softcap_tanh_scale);
-        }
-
         // P^T: columns are queries query_col0 + 8 nt + 2 (lane % 4) + e of the block.
         const int stat_base = query_col0 + 2 * (lane % 4);
         const int query_base = m * kBwdBlockM + stat_base;
+        if constexpr (SOFTCAP) {
+          fence_registers(flat(dp));
+          softcap_arguments(s, a.softcap_tanh_scale);
+          // (dP^T - delta) times the tanh's slope first, in place of dP^T: the slope's temporaries
+          // are not live beside P's.
+#pragma unroll
+          for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float row_delta = step_stats[kBwdBlockM + stat_base + 8 * nt + e];
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                dp[0][nt][2 * h + e] = (dp[0][nt][2 * h + e] - row_delta) * softcap_slope(s[0][nt][2 * h + e]);
+            }
+        }
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
@@ -400,16 +409,18 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
             // A row that saw no key (lse = -inf) or lies past the sequence (lse 0) only occurs in
             // masked blocks, where the select makes P 0, never inf * 0.
             const float lse_log2 = step_stats[stat_base + 8 * nt + e] * kLog2e;
-            const float row_delta = SOFTCAP ? step_stats[kBwdBlockM + stat_base + 8 * nt + e] : 0.f;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const bool seen = !masked || (query >= query_begin[h] && query < query_end[h]);
-              const float score = s[0][nt][2 * h + e];  // with a softcap, t = tanh(score * scale / softcap)
+              // With a softcap, s holds y = score * scale / softcap and the softmax saw softcap t,
+              // t = tanh(y).
+              const float y = s[0][nt][2 * h + e];
+              const float score = SOFTCAP ? fast_tanh(y) : y;
               const float prob = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
               s[0][nt][2 * h + e] = prob;
-              // d(softcap t) / d(score) = scale (1 - t^2); scale is applied with dK's and dQ's.
-              if constexpr (SOFTCAP)
-                dp[0][nt][2 * h + e] = prob * (dp[0][nt][2 * h + e] - row_delta) * fmaf(-score, score, 1.f);
+              // d(softcap t) / d(score) = scale (1 - t^2), the slope taken above; scale is applied
+              // with dK's and dQ's.
+              if constexpr (SOFTCAP) dp[0][nt][2 * h + e] *= prob;
             }
           }
         if constexpr (!SOFTCAP) {
