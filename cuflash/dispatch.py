@@ -286,7 +286,6 @@ def forward_kernel(
     is the inputs' dtype; an FP8_TYPES one takes ``out_dtype``, float16 or bfloat16, for the
     output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES). ``paged``: the
     sm80 kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only.
-    Every forward kernel reads v's head dim from its argument (kernel_head_dim).
 
     Which kernel serves a softcap: _mask_flags.
     """
@@ -304,9 +303,9 @@ def forward_kernel(
                          f"got {out_dtype!r}")
     # The output's element type, then, for FP8, the input's (flash_fwd.cu's Elem and Input).
     types = f"{ELEMENT_TYPES[out_dtype]}, {FP8_TYPES[dtype_name]}" if fp8 else ELEMENT_TYPES[dtype_name]
+    flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}, {types}"
     if paged:  # Input spelled out before PAGED
-        types += f", {types}, true"
-    mask_flags = f"{_cpp(causal)}, {_cpp(window)}, {_cpp(softcap)}"
+        flags += f", {types}, true"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
         narrow = (softcap and window) or (causal and short)
@@ -323,14 +322,13 @@ def forward_kernel(
         q_buffers = 2 if fits else 1
         smem = _sm90_fwd_smem(tile, kernel_dim, q_buffers, fp8)
         expr = (f"cuflash::sm90::flash_fwd_sm90<{kernel_dim}, {consumers}, {tile.block_n}, {tile.stages}, {q_buffers}, "
-                f"{smem}, {mask_flags}, {types}>")
+                f"{smem}, {flags}>")
         return KernelChoice(family, "sm90/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
     tile = tile or SM80_FWD_TILES[bucket]
     # Q tile plus one K and one V tile; FP8 also stages K's and V's bytes (flash_fwd.cu).
     row = _row_elems(bucket)
     smem = (tile.block_m + 2 * tile.block_n) * row * 2 + (2 * tile.block_n * row if fp8 else 0)
-    expr = (f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, "
-            f"{mask_flags}, {types}>")
+    expr = f"cuflash::flash_fwd_sm80<{bucket}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}, {flags}>"
     return KernelChoice(family, "sm80/flash_fwd.cu", expr, tile.warps * 32, smem, tile, blocks_slowest=causal)
 
 
@@ -383,12 +381,11 @@ def backward_kernel_dim(family: str, head_dim: int) -> int:
 def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False,
                      dq_order: str = "any", tile: Tile | None = None, own_v_dim: bool = False
                      ) -> tuple[KernelChoice, ...]:
-    """(preprocess, main, convert) kernels of the backward pass; ``mask``, ``softcap`` and
-    as for forward_kernel (softcap runs in the window kernel, _mask_flags), ``dq_order`` one of
-    DQ_ORDERS, ``tile`` overrides the table, for tuning. ``own_v_dim``: v's head dim differs from
-    q's; sm80 builds a kernel for it (flash_bwd.cu's OWN_V_DIM), sm90's reads both from its
-    argument. Each family has its own main kernel between the
-    shared preprocess and convert kernels."""
+    """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
+    forward_kernel (softcap runs in the window kernel, _mask_flags), ``dq_order`` one of DQ_ORDERS,
+    ``tile`` overrides the table, for tuning; ``own_v_dim``: v's head dim differs from q's (sm80
+    builds a kernel for it, flash_bwd.cu's OWN_V_DIM; sm90's reads both from its argument). Each
+    family has its own main kernel between the shared preprocess and convert kernels."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -455,13 +452,14 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         choice = forward_kernel(family, bucket, mask, "float8_e4m3fn", softcap, short=short,
                                                 out_dtype=out_dtype)
                         found.setdefault(choice.name_expression, choice)
-    if family == "sm80":  # its backward kernels for a v head dim of its own, then the KV cache kernels, last
+    if family == "sm80":  # its backward kernels for a v head dim of its own, then the KV cache ones, last
         for bucket in buckets:
             for dtype in ELEMENT_TYPES:
                 for mask in MASKS:
                     for softcap in (False, True):
                         for dq_order in dq_orders(family, mask, softcap):
-                            choice = backward_kernels(family, bucket, mask, dtype, softcap, dq_order, own_v_dim=True)[1]
+                            choice = backward_kernels(family, bucket, mask, dtype, softcap, dq_order,
+                                                      own_v_dim=True)[1]
                             found.setdefault(choice.name_expression, choice)
         for choice in kvcache_all_kernels():
             found.setdefault(choice.name_expression, choice)

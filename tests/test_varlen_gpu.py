@@ -26,7 +26,8 @@ def _packed(lengths_q, lengths_k, heads, heads_kv, head_dim, dtype_name, rng, he
 
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32) for lengths in (lengths_q, lengths_k))
     q = random_bshd((1, int(cu_q[-1]), heads, head_dim), dtype_name, rng)[0]
-    k, v = (random_bshd((1, int(cu_k[-1]), heads_kv, dim), dtype_name, rng)[0] for dim in (head_dim, head_dim_v or head_dim))
+    k, v = (random_bshd((1, int(cu_k[-1]), heads_kv, dim), dtype_name, rng)[0]
+            for dim in (head_dim, head_dim_v or head_dim))
     return q, k, v, cp.asarray(cu_q), cp.asarray(cu_k)
 
 

@@ -302,11 +302,11 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
           const float dv0 = dv[mt][nt][2 * h], dv1 = dv[mt][nt][2 * h + 1];
           if (p.kv_group == 1) {
             if (dk_col)
-              *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride +
-                                      key_row * p.dk_row_stride + kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
+              *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key_row * p.dk_row_stride +
+                                      kv_head * p.dk_head_stride + col) = Elem::pack(dk0, dk1);
             if (dv_col)
-              *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride +
-                                      key_row * p.dv_row_stride + kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
+              *reinterpret_cast<u32*>(static_cast<u16*>(p.dv) + batch * p.dv_batch_stride + key_row * p.dv_row_stride +
+                                      kv_head * p.dv_head_stride + col) = Elem::pack(dv0, dv1);
           } else if constexpr (DETERMINISTIC) {
             const i64 slice_row = (batch * p.accum_batch_rows + key_row) * p.heads + head;
             if (dk_col) *reinterpret_cast<float2*>(p.dk_accum + slice_row * p.head_dim + col) = make_float2(dk0, dk1);

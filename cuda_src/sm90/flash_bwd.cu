@@ -563,11 +563,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     }
 
     // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys and
-    // columns past head_dim (dK) or head_dim_v (dV) are not written. Each key's stores go through one row pointer at
-    // constant offsets (8 columns apart): recomputing a 64-bit address and reloading parameters per
-    // 4-byte store made the epilogue ~2,900 instructions against ~300. GQA: the group's query
-    // heads add into fp32 slices, or, in the orders that repeat bitwise (walk, turns), each stores
-    // its own slice (summed in order by the convert).
+    // columns past head_dim (dK) or head_dim_v (dV) are not written. Each key's stores go through
+    // one row pointer at constant offsets (8 columns apart): recomputing a 64-bit address and
+    // reloading parameters per 4-byte store made the epilogue ~2,900 instructions against ~300.
+    // GQA: the group's query heads add into fp32 slices, or, in the orders that repeat bitwise
+    // (walk, turns), each stores its own slice (summed in order by the convert).
     const int col = dim_col0 + 2 * (lane % 4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
