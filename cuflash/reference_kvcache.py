@@ -24,7 +24,8 @@ import numpy.typing as npt
 
 from cuflash.reference import attention_reference
 
-__all__ = ["apply_rotary", "cache_slots", "combine_reference", "kvcache_reference", "quantize_e4m3", "rotary_per_row"]
+__all__ = ["apply_rotary", "cache_slots", "combine_reference", "kvcache_reference", "mla_decode_reference",
+           "quantize_e4m3", "rotary_per_row"]
 
 
 def rotary_per_row(causal: bool, window: tuple[int, int], capacity: int, max_seqlen_q: int) -> bool:
@@ -119,7 +120,8 @@ def kvcache_reference(
     Parameters
     ----------
     q : (batch, seqlen_q, heads, head_dim), or (total_q, heads, head_dim) with ``cu_seqlens_q``
-    k_cache, v_cache : the cache, contiguous or paged (``page_table`` given); not modified
+    k_cache, v_cache : the cache, contiguous or paged (``page_table`` given); not modified. v_cache
+        may have a head_dim of its own, which out then has
     k, v : (batch, seqlen_new, heads_kv, head_dim), or (total_q, heads_kv, head_dim) sharing
         ``cu_seqlens_q`` (sequence b appends as many tokens as it has queries); optional
     cache_seqlens : int or (batch,) ints; None: the whole capacity is cached
@@ -136,8 +138,9 @@ def kvcache_reference(
 
     Returns
     -------
-    out : like q (``dtype``); lse : (batch, heads, seqlen_q) or (heads, total_q), ``-inf`` for
-    rows that see no key; k_cache, v_cache : updated copies, in the caches' dtype.
+    out : q's shape but for v_cache's head_dim (``dtype``); lse : (batch, heads, seqlen_q) or
+    (heads, total_q), ``-inf`` for rows that see no key; k_cache, v_cache : updated copies, in
+    the caches' dtype.
     """
     q = np.asarray(q)
     dtype = np.dtype(dtype)
@@ -166,8 +169,7 @@ def kvcache_reference(
     def physical(b: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return cache_slots(b, positions, page_table, cache_batch_idx, k_cache.shape[1])
 
-    out_shape = q.shape
-    out = np.zeros(out_shape, dtype)
+    out = np.zeros((*q.shape[:-1], v_cache.shape[-1]), dtype)
     lse_dtype = np.float64 if dtype == np.float64 else np.float32
     lse = np.full((batch, heads, seqlen_q_max) if not varlen else (heads, q.shape[0]), -np.inf, lse_dtype)
     for b in range(batch):
@@ -209,6 +211,44 @@ def kvcache_reference(
         else:
             out[b], lse[b] = o[0], l[0]
     return out, lse, k_cache, v_cache
+
+
+def mla_decode_reference(
+    q: npt.ArrayLike,
+    kv_cache: np.ndarray,
+    page_table: npt.ArrayLike,
+    cache_seqlens: npt.ArrayLike,
+    *,
+    head_dim_v: int = 512,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    descale_kv=None,
+    dtype: npt.DTypeLike = np.float64,
+) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek's multi-head latent attention decoding (FlashMLA's ``flash_mla_with_kvcache``): every
+    query head attends one shared latent head whose first ``head_dim_v`` dims are also its values.
+
+    Parameters
+    ----------
+    q : (batch, seqlen_q, heads, head_dim), DeepSeek-V3: head_dim 576 (512 latent + 64 rotary)
+    kv_cache : (num_pages, page_size, 1, head_dim), paged through ``page_table``; q's dtype, or
+        float8_e4m3fn holding ``value / descale_kv``
+    page_table : (batch, max_pages) ints; cache_seqlens : (batch,) ints, the keys of each sequence
+    head_dim_v : the values' dims, the first of the latent head's
+    causal : bottom-right aligned, for seqlen_q > 1 (speculative decoding's extra query tokens)
+    descale_kv : None, a number, or (batch, 1): an FP8 cache's factor
+    dtype : as for kvcache_reference
+
+    Returns
+    -------
+    out : (batch, seqlen_q, heads, head_dim_v); lse : (batch, heads, seqlen_q), ``-inf`` for rows
+    that see no key.
+    """
+    kv_cache = np.asarray(kv_cache)
+    out, lse, _, _ = kvcache_reference(q, kv_cache, kv_cache[..., :head_dim_v], cache_seqlens=cache_seqlens,
+                                       page_table=page_table, causal=causal, softmax_scale=softmax_scale,
+                                       descale_k=descale_kv, descale_v=descale_kv, dtype=dtype)
+    return out, lse
 
 
 def combine_reference(out_partial: npt.ArrayLike, lse_partial: npt.ArrayLike) -> tuple[np.ndarray, np.ndarray]:
