@@ -386,11 +386,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // P^T: columns are queries query_col0 + 8 nt + 2 (lane % 4) + e of the block.
         const int stat_base = query_col0 + 2 * (lane % 4);
         const int query_base = m * kBwdBlockM + stat_base;
-        if constexpr (SOFTCAP) {
-          fence_registers(flat(dp));
-          softcap_arguments(s, a.softcap_tanh_scale);
-          // (dP^T - delta) times the tanh's slope first, in place of dP^T: the slope's temporaries
-          // are not live beside P's.
+        // dP^T - delta, times factor(s) per score, in place of dP^T.
+        const auto weigh_dp = [&](auto factor) {
 #pragma unroll
           for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
@@ -398,8 +395,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
               const float row_delta = step_stats[kBwdBlockM + stat_base + 8 * nt + e];
 #pragma unroll
               for (int h = 0; h < 2; ++h)
-                dp[0][nt][2 * h + e] = (dp[0][nt][2 * h + e] - row_delta) * softcap_slope(s[0][nt][2 * h + e]);
+                dp[0][nt][2 * h + e] = (dp[0][nt][2 * h + e] - row_delta) * factor(s[0][nt][2 * h + e]);
             }
+        };
+        if constexpr (SOFTCAP) {
+          fence_registers(flat(dp));
+          softcap_arguments(s, a.softcap_tanh_scale);
+          // The tanh's slope first, so that its temporaries are not live beside P's.
+          weigh_dp([](float y) { return softcap_slope(y); });
         }
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt)
@@ -426,16 +429,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         if constexpr (!SOFTCAP) {
           wgmma_wait<0>();
           fence_registers(flat(dp));
-          // dS^T = P^T (dP^T - delta), in place of dP^T.
-#pragma unroll
-          for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float row_delta = step_stats[kBwdBlockM + stat_base + 8 * nt + e];
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-                dp[0][nt][2 * h + e] = s[0][nt][2 * h + e] * (dp[0][nt][2 * h + e] - row_delta);
-            }
+          // dS^T = P^T (dP^T - delta).
+          weigh_dp([](float prob) { return prob; });
         }
         u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
         pack_a<Elem>(s, p_a);
