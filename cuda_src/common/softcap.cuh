@@ -23,19 +23,9 @@ __device__ __forceinline__ void softcap_scores(float (&s)[MT][NT][4], float tanh
       for (int e = 0; e < 4; ++e) s[mt][nt][e] = fast_tanh(s[mt][nt][e] * tanh_scale);
 }
 
-// The backward's view: y = s * tanh_scale in place, from which each score's t = fast_tanh(y) (as
-// the forward computed it, so that P matches the forward's lse) and the slope
-// d(tanh(y)) / dy = 1 - t^2 are taken (softcap_slope).
-template <int MT, int NT>
-__device__ __forceinline__ void softcap_arguments(float (&s)[MT][NT][4], float tanh_scale) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[mt][nt][e] *= tanh_scale;
-}
-
+// The backward keeps y = s * tanh_scale (types.cuh's scale(), in place) and takes from it each
+// score's t = fast_tanh(y), as the forward computed it so that P matches the forward's lse, and
+// the slope d(tanh(y)) / dy below.
 // 1 - tanh(y)^2 as sech(y)^2 = 4 u / (1 + u)^2 with u = exp(-2 |y|): relative accuracy where tanh
 // saturates. From tanh.approx's t, whose absolute error reaches 2^-11, 1 - t^2 was 1% off at
 // |y| = 2 and wholly lost where t rounds to 1, which put dQ and dK past the correctness rule's

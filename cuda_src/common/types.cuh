@@ -94,6 +94,17 @@ __device__ __forceinline__ void clear(float (&acc)[MT][NT][4]) {
       for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
 }
 
+// Multiplies an fp32 accumulator of MT x NT m16n8 tiles by `factor` in place.
+template <int MT, int NT>
+__device__ __forceinline__ void scale(float (&acc)[MT][NT][4], float factor) {
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][nt][e] *= factor;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   // ex2.approx maps -inf to +0, which the online softmax relies on for masked scores.
   float y;

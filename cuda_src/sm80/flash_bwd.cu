@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
 
       // Only blocks at the key sequence's end, on the causal diagonal or at a window's edges pay
       // for the mask.
-      if (SOFTCAP) softcap_arguments(s, p.softcap_tanh_scale);
+      if (SOFTCAP) scale(s, p.softcap_tanh_scale);  // y, whose tanh the softmax saw (softcap.cuh)
       const bool edge = needs_mask<BLOCK_M, BLOCK_N>(mask, m, n_block);
       const float* lse = sLse + (step % 2) * BLOCK_M;
       const float* delta = sDelta + (step % 2) * BLOCK_M;

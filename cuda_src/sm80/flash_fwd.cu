@@ -169,13 +169,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   softmax.finalize(o, scales.log2(), lse);
   if constexpr (FP8) {
     // Read here rather than held across the main loop.
-    const float out_scale = v_descale(p, batch, kv_head);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mt][dt][e] *= out_scale;
+    scale(o, v_descale(p, batch, kv_head));
   }
 
   // Epilogue: each warp stages its own rows of O in its own rows of sQ (no other warp reads

@@ -400,7 +400,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         };
         if constexpr (SOFTCAP) {
           fence_registers(flat(dp));
-          softcap_arguments(s, a.softcap_tanh_scale);
+          scale(s, a.softcap_tanh_scale);  // y, whose tanh the softmax saw (softcap.cuh)
           // The tanh's slope first, so that its temporaries are not live beside P's.
           weigh_dp([](float y) { return softcap_slope(y); });
         }

@@ -518,11 +518,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
       softmax.finalize(o, scales.log2(), lse);
       if constexpr (FP8) {
         // Read here rather than held across the main loop.
-        const float out_scale = v_descale(a, c.batch, c.head / a.kv_group);
-#pragma unroll
-        for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[0][dt][e] *= out_scale;
+        scale(o, v_descale(a, c.batch, c.head / a.kv_group));
       }
 
       // Epilogue: stage O in this warpgroup's own rows of the tile's Q buffer (its last wgmma has
