@@ -346,7 +346,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // compute dQ, so both have passed the previous step's dQ-empty barrier, after their dQ
         // products, before either writes the next dS^T; the second tile holds P^T.
         unsigned char* const ds_tile = smem + L::DS + (L::SPLIT_DIMS ? 0 : (step % 2) * L::DS_BYTES);
-        unsigned char* const p_tile = smem + L::DS + L::DS_BYTES;
         constexpr int NQ = L::QUERY_COLS / 8;  // 8-column tiles of this consumer's S^T
         float s[1][NQ][4], dp[1][NQ][4];
         // Stage this block's statistics (the other parity's buffer may still be read by slower
@@ -455,6 +454,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         if constexpr (L::SPLIT_DIMS) {
           // Both halves of P^T and dS^T in shared memory before dK += dS^T Q and dV += P^T dO read
           // them (K-major A, 32 bytes per k16 step); dK first, whose completion frees Q's stage.
+          unsigned char* const p_tile = smem + L::DS + L::DS_BYTES;
           store_tile(ds_tile, ds_a);
           store_tile(p_tile, p_a);
           // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
