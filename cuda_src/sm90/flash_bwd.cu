@@ -385,23 +385,26 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // P^T: columns are queries query_col0 + 8 nt + 2 (lane % 4) + e of the block.
         const int stat_base = query_col0 + 2 * (lane % 4);
         const int query_base = m * kBwdBlockM + stat_base;
-        // dP^T - delta, times factor(s) per score, in place of dP^T.
-        const auto weigh_dp = [&](auto factor) {
+        // dP^T - delta, times a factor per score, in place of dP^T: with a softcap the tanh's slope
+        // (s holds y), without one P (s holds P).
+        const auto weigh_dp = [&] {
 #pragma unroll
           for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const float row_delta = step_stats[kBwdBlockM + stat_base + 8 * nt + e];
 #pragma unroll
-              for (int h = 0; h < 2; ++h)
-                dp[0][nt][2 * h + e] = (dp[0][nt][2 * h + e] - row_delta) * factor(s[0][nt][2 * h + e]);
+              for (int h = 0; h < 2; ++h) {
+                const float x = s[0][nt][2 * h + e];
+                dp[0][nt][2 * h + e] = (dp[0][nt][2 * h + e] - row_delta) * (SOFTCAP ? softcap_slope(x) : x);
+              }
             }
         };
         if constexpr (SOFTCAP) {
           fence_registers(flat(dp));
           scale(s, a.softcap_tanh_scale);  // y, whose tanh the softmax saw (softcap.cuh)
           // The tanh's slope first, so that its temporaries are not live beside P's.
-          weigh_dp([](float y) { return softcap_slope(y); });
+          weigh_dp();
         }
 #pragma unroll
         for (int nt = 0; nt < NQ; ++nt)
@@ -429,7 +432,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           wgmma_wait<0>();
           fence_registers(flat(dp));
           // dS^T = P^T (dP^T - delta).
-          weigh_dp([](float prob) { return prob; });
+          weigh_dp();
         }
         u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
         pack_a<Elem>(s, p_a);
