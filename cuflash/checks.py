@@ -21,6 +21,7 @@ __all__ = [
     "FP8_DTYPE",
     "Fp8",
     "KvCall",
+    "MlaCall",
     "Lengths",
     "as_batch_of_one",
     "check_backward",
@@ -28,6 +29,7 @@ __all__ = [
     "check_combine",
     "check_forward",
     "check_kvcache",
+    "check_mla",
     "check_out",
     "check_qkv",
     "check_varlen",
@@ -915,3 +917,99 @@ def check_combine(out_partial: Any, lse_partial: Any, out_dtype: Any, return_lse
     if name not in allowed:
         raise TypeError(f"out_dtype: expected one of {', '.join(allowed)}, got {out_dtype!r}")
     return CombineCall(kind, o, l, name, resolve_flag("return_lse", return_lse))
+
+
+# MLA decoding (mla.py).
+
+class MlaCall(NamedTuple):
+    """A checked mla_decode call: DeviceTensors (GPU) or NumPy arrays by argument name (q,
+    kv_cache, page_table, cache_seqlens), and the resolved options."""
+
+    framework: str
+    tensors: dict
+    batch: int
+    seqlen_q: int
+    heads: int
+    head_dim: int
+    head_dim_v: int
+    page_size: int
+    capacity: int  # positions per sequence: max_pages * page_size
+    scale: float
+    causal: bool
+    num_splits: int
+    descale_kv: Any  # FP8 cache: float or (batch,) float32 array; else None
+    return_lse: bool
+
+
+MLA_MAX_REQUESTED_SPLITS = 256  # kv_combine's limit
+
+
+def check_mla(arrays: dict, head_dim_v: Any, softmax_scale: Any, causal: Any, num_splits: Any, descale_kv: Any,
+              return_lse: Any, validate: Any, dtype: Any) -> MlaCall:
+    """mla_decode's arguments: ``arrays`` (q, kv_cache, page_table, cache_seqlens) by name, the rest
+    as passed; checked before any launch, alike for NumPy and GPU arrays, the integer arrays'
+    values on the host, and on the GPU with ``validate=True`` (a synchronisation)."""
+    kind = framework(arrays)
+    on_device = kind != "numpy"
+    t = {name: interop.describe(x, interop.framework_of(x, name), name) if on_device else x
+         for name, x in arrays.items()}
+    causal, return_lse, validate = (resolve_flag(name, value) for name, value in
+                                    (("causal", causal), ("return_lse", return_lse), ("validate", validate)))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= MLA_MAX_REQUESTED_SPLITS:
+        raise ValueError(f"num_splits: expected 0 (chooses) .. {MLA_MAX_REQUESTED_SPLITS}, got {num_splits}")
+    t["kv_cache"] = declared_dtype("kv_cache", t["kv_cache"], dtype)
+    q, kv = t["q"], t["kv_cache"]
+    if q.ndim != 4:
+        raise ValueError(f"q: expected 4 dims (batch, seqlen_q, heads, head_dim), got shape {tuple(q.shape)}")
+    if kv.ndim != 4 or kv.shape[2] != 1:
+        raise ValueError(f"kv_cache: expected (num_pages, page_size, 1, head_dim): one latent head, got shape "
+                         f"{tuple(kv.shape)}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if min(batch, seqlen_q, heads) < 1:
+        raise ValueError(f"q: batch, seqlen_q and heads must be at least 1, got shape {tuple(q.shape)}")
+    q_dtype = _check_dtype("q", q, DEVICE_DTYPES if on_device else HOST_DTYPES, on_device)
+    cache_dtype = dtype_name(kv)
+    fp8_cache = cache_dtype == FP8_DTYPE
+    if not fp8_cache and cache_dtype != q_dtype:
+        raise TypeError(f"kv_cache: dtype {cache_dtype} does not match q's {q_dtype} (or float8_e4m3fn, an FP8 cache)")
+    if kv.shape[3] != head_dim:
+        raise ValueError(f"kv_cache: head_dim {kv.shape[3]} must equal q's {head_dim}")
+    if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral):
+        raise TypeError(f"head_dim_v: expected an int, got {type(head_dim_v).__name__}")
+    head_dim_v = int(head_dim_v)
+    if not 1 <= head_dim_v <= head_dim:
+        raise ValueError(f"head_dim_v: expected 1 .. q's head_dim ({head_dim}), got {head_dim_v}")
+    if on_device and (head_dim, head_dim_v) != (dispatch.MLA_HEAD_DIM, dispatch.MLA_HEAD_DIM_V):
+        raise ValueError(f"q: the GPU kernel is built for head_dim {dispatch.MLA_HEAD_DIM} and head_dim_v "
+                         f"{dispatch.MLA_HEAD_DIM_V} (DeepSeek's latent head), got {head_dim} and {head_dim_v}")
+    page_size = kv.shape[1]
+    if page_size < 1:
+        raise ValueError("kv_cache: page_size (dimension 1) must be at least 1")
+    for name, x in (("q", q), ("kv_cache", kv)):
+        if 0 not in x.shape and element_strides(x)[-1] != 1:
+            raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
+        if on_device:
+            if x.device != q.device:
+                raise ValueError(f"{name}: on device {x.device}, but q is on device {q.device}")
+            if not x.aligned_16:
+                raise ValueError(f"{name}: data pointer and strides must be 16-byte aligned")
+    device = q.device if on_device else None
+    pt, seqlens = t["page_table"], t["cache_seqlens"]
+    if pt.ndim != 2:
+        raise ValueError(f"page_table: expected shape (batch, max_pages), got {tuple(pt.shape)}")
+    _int_array("page_table", pt, (batch, pt.shape[1]), on_device, device)
+    _int_array("cache_seqlens", seqlens, (batch,), on_device, device)
+    capacity = pt.shape[1] * page_size
+    if fp8_cache:
+        descale = _resolve_descale("descale_kv", descale_kv, (batch, 1), q, on_device)
+    elif descale_kv is not None:
+        raise ValueError("descale_kv: only taken with an FP8 (e4m3) cache")
+    else:
+        descale = None
+    if not on_device or validate:
+        host = {name: _host_values(t[name], kind) for name in ("cache_seqlens", "page_table")}
+        _check_kv_values(host, None, batch, capacity, page_size, kv.shape[0], 0, False)
+    return MlaCall(kind, t, batch, seqlen_q, heads, head_dim, head_dim_v, page_size, capacity,
+                   resolve_scale(softmax_scale, head_dim), causal, int(num_splits), descale, return_lse)

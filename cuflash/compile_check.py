@@ -87,6 +87,7 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
             *dispatch.kvcache_kernels("float16", 64, "float8_e4m3fn"),
             dispatch.combine_kernel("float16"),
             dispatch.kvcache_prefill_kernel("bfloat16", 64, dispatch.Mask("window", -1, -1, 30.0)),
+            dispatch.mla_kernel("sm80", "bfloat16", "float8_e4m3fn"),
         ]
     return [
         dispatch.forward_kernel("sm90", 64, "causal", "float16", short=True),
@@ -96,6 +97,7 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
         dispatch.forward_kernel("sm90", 256, "window", "float8_e4m3fn", softcap=True, out_dtype="bfloat16"),
         dispatch.backward_kernels("sm90", 64, "causal", "float16", dq_order="walk")[1],
         dispatch.backward_kernels("sm90", 128, "window", "bfloat16", softcap=True, dq_order="turns")[1],
+        dispatch.mla_kernel("sm90", "float16", "float8_e4m3fn"),
     ]
 
 

@@ -62,6 +62,8 @@ __all__ = [
     "quantize_kernel",
     "head_dim_bucket",
     "make_mask",
+    "mla_kernel",
+    "mla_splits",
     "select_family",
 ]
 
@@ -463,6 +465,8 @@ def all_kernels(family: str) -> list[KernelChoice]:
                             found.setdefault(choice.name_expression, choice)
         for choice in kvcache_all_kernels():
             found.setdefault(choice.name_expression, choice)
+    for choice in mla_all_kernels(family):  # last, for the same reason
+        found.setdefault(choice.name_expression, choice)
     return list(found.values())
 
 
@@ -826,3 +830,55 @@ def kvcache_prefill_grid(choice: KernelChoice, heads: int, batch: int, max_seqle
     if max(grid[1:]) > MAX_GRID_YZ:
         raise ValueError(f"q: {batch} sequences of {max_seqlen_q} rows and {heads} heads exceed the forward's grid")
     return grid
+
+
+# MLA decoding (common/mla_decode.cuh): one CTA of MLA_THREADS per (tile of MLA_ROWS packed query
+# rows, key split, sequence), the latent head's MLA_HEAD_DIM dims the keys and its first
+# MLA_HEAD_DIM_V the values. sm90 multiplies by wgmma in steps of 64 keys; the sm80 family by
+# mma.sync in steps of 32, whose two stages fit an A100's shared memory.
+MLA_SOURCES = {"sm80": "sm80/mla_decode.cu", "sm90": "sm90/mla_decode.cu"}
+MLA_KERNELS = {"sm80": "cuflash::mla_decode_sm80", "sm90": "cuflash::sm90::mla_decode_sm90"}
+MLA_KEYS = {"sm80": 32, "sm90": 64}  # kMlaKeys of each source
+MLA_ROWS, MLA_THREADS = 64, 256  # kMlaRows, kMlaThreads
+MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
+MLA_MAX_SPLITS = 64
+
+
+def mla_smem_bytes(family: str) -> int:
+    """MlaSmem<D, KEYS>::BYTES (Q, two stages of cache rows, P, the warpgroups' row statistics),
+    plus sm90's alignment slack."""
+    keys = MLA_KEYS[family]
+    layout = MLA_ROWS * MLA_HEAD_DIM * 2 + 2 * keys * MLA_HEAD_DIM * 2 + MLA_ROWS * 128 + 2 * MLA_ROWS * 4
+    return layout + (SM90_SMEM_ALIGN_SLACK if family == "sm90" else 0)
+
+
+def mla_kernel(family: str, dtype: str, cache_dtype: str) -> KernelChoice:
+    """MLA decoding for q's 16-bit ``dtype`` and the cache's (``dtype`` or float8_e4m3fn)."""
+    element = ELEMENT_TYPES[dtype]
+    cache = element if cache_dtype == dtype else FP8_TYPES[cache_dtype]
+    name = f"{MLA_KERNELS[family]}<{element}, {cache}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}>"
+    return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, mla_smem_bytes(family),
+                        Tile(MLA_ROWS, MLA_KEYS[family], MLA_THREADS // 32))
+
+
+def mla_all_kernels(family: str) -> list[KernelChoice]:
+    return [mla_kernel(family, dtype, cache) for dtype in ELEMENT_TYPES for cache in (dtype, *FP8_TYPES)]
+
+
+def mla_splits(requested: int, batch: int, row_tiles: int, capacity: int, family: str, sms: int) -> int:
+    """Key splits per (sequence, row tile): ``requested`` if given (> 0), else as for the KV cache
+    (kvcache_splits: waves of the SMs' one resident CTA each at least KV_WAVE_EFFICIENCY full),
+    each split at least two steps of the capacity."""
+    if requested > 0:
+        return requested
+    ctas = batch * row_tiles
+    if ctas >= 2 * sms:
+        return 1
+
+    def efficiency(splits: int) -> float:
+        waves = ctas * splits / sms
+        return waves / math.ceil(waves)
+
+    candidates = range(1, max(1, min(capacity // (2 * MLA_KEYS[family]), MLA_MAX_SPLITS)) + 1)
+    full = [s for s in candidates if efficiency(s) >= KV_WAVE_EFFICIENCY]
+    return full[0] if full else max(candidates, key=efficiency)

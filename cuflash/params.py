@@ -369,3 +369,24 @@ def pack_combine_params(op: tuple, lp: tuple, o: tuple, lse: tuple, splits: int,
     """One CombineParams with null pointers: element strides (split, batch, row, head) of the
     partial out and lse, (batch, row, head) of out and lse."""
     return np.array([(0, 0, 0, 0, *op, *lp, *o, *lse, splits, batch, seqlen, heads, head_dim)], dtype=COMBINE_PARAMS)
+
+
+# cuda_src/common/mla_decode.cuh: MlaParams.
+MLA_POINTERS = ("q", "kv_cache", "out", "lse", "out_partial", "lse_partial", "cache_seqlens", "page_table", "descale_kv")
+MLA_STRIDES = ("q_batch", "q_row", "q_head", "kv_page", "kv_row", "o_batch", "o_row", "o_head")
+MLA_INTS = ("batch", "seqlen_q", "heads", "page_size", "max_pages", "num_splits", "row_tiles", "causal")
+MLA_PARAMS = np.dtype(
+    [(name, np.uint64) for name in MLA_POINTERS]
+    + [(f"{name}_stride", np.int64) for name in MLA_STRIDES]
+    + [(name, np.int32) for name in MLA_INTS]
+    + [(name, np.float32) for name in ("scale_log2", "descale_kv_scalar")],
+    align=True,
+)
+MLA_PARAMS_SIZE = 176  # sizeof(MlaParams)
+
+
+def pack_mla_params(strides: tuple, ints: dict, softmax_scale: float, descale_kv: float = 1.0) -> np.ndarray:
+    """One MlaParams with null pointers: ``strides`` the element strides in MLA_STRIDES order,
+    ``ints`` each of MLA_INTS; ``descale_kv`` the scalar descale of an e4m3 cache."""
+    return np.array([(*(0,) * len(MLA_POINTERS), *strides, *(ints[name] for name in MLA_INTS),
+                      softmax_scale * math.log2(math.e), descale_kv)], dtype=MLA_PARAMS)

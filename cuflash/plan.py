@@ -20,14 +20,14 @@ from typing import Any, Callable
 
 from cuflash import dispatch, interop, kernels
 from cuflash.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
-                            FWD_POINTERS, KV_POINTERS, ArgumentBuffer, pack_bwd_params, pack_combine_params,
-                            pack_convert_params, pack_fwd_params, pack_fwd_params_fp8, pack_fwd_params_paged,
-                            pack_kv_params, sm90_backward_argument,
+                            FWD_POINTERS, KV_POINTERS, MLA_POINTERS, ArgumentBuffer, pack_bwd_params,
+                            pack_combine_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
+                            pack_fwd_params_paged, pack_kv_params, pack_mla_params, sm90_backward_argument,
                             sm90_forward_argument)
 
-__all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "PlanCache",
-           "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache", "fill_empty", "fp8_key",
-           "run"]
+__all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan", "PlanCache",
+           "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache", "build_mla",
+           "fill_empty", "fp8_key", "run"]
 
 # cu_seqlens of a fixed-length batch: none.
 NO_LENGTHS = (None, None)
@@ -548,3 +548,76 @@ def build_combine(o, l, out_dtype: str) -> CombinePlan:
     kernel = (kernels.prepare(dispatch.combine_kernel(out_dtype), arch, o.device, dispatch.kv_combine_grid(rows))
               if rows and d else None)
     return CombinePlan(target, kernel, argument, out_shape, out_dtype, lse_shape)
+
+
+@dataclass(frozen=True, eq=False)
+class MlaPlan:
+    """mla_decode's launches: the decode kernel, and kv_combine when the keys are split (the fp32
+    partials in one scratch allocation per call)."""
+
+    target: tuple[str, tuple[int, int]]
+    decode: kernels.Launch
+    combine: kernels.Launch | None
+    argument: ArgumentBuffer  # MlaParams, pointers in MLA_POINTERS order
+    combine_argument: ArgumentBuffer | None
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+    scratch_bytes: int  # out_partial, then lse_partial at lse_offset; 0 without splits
+    lse_offset: int
+
+    def launch(self, framework: str, operands: tuple, given: tuple, given_t: tuple, return_lse: bool,
+               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
+        """(out, lse or None) on ``operands``: q's DeviceTensor and the pointers of q, kv_cache,
+        cache_seqlens, page_table and descale_kv (0 where scalar)."""
+        q, (q_ptr, kv, seqlens, table, descale) = operands
+        with interop.on_device(q.device):
+            stream = interop.stream_handle(framework, q.device)
+            out, out_ptr = interop.allocate(framework, q, self.out_shape)
+            lse, lse_ptr = (interop.allocate(framework, q, self.lse_shape, "float32") if return_lse else (None, 0))
+            owner, o_part = interop.scratch(framework, q, self.scratch_bytes) if self.scratch_bytes else (None, 0)
+            l_part = o_part + self.lse_offset if o_part else 0
+            kernels.launch(self.decode, stream, self.argument.fill(q_ptr, kv, out_ptr, 0 if o_part else lse_ptr, o_part,
+                                                                   l_part, seqlens, table, descale))
+            if self.combine is not None:
+                kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr))
+            del owner
+        return out, lse
+
+
+def build_mla(call, tensors: tuple) -> MlaPlan:
+    """The plan of a checked GPU mla_decode call (checks.MlaCall); ``tensors``: the DeviceTensors of
+    q, kv_cache, cache_seqlens, page_table and descale_kv (None where scalar)."""
+    q, kv, _, table, _ = tensors
+    family, capability = target = dispatch.device_target(q.device)
+    choice = dispatch.mla_kernel(family, q.dtype, kv.dtype)
+    rows = call.seqlen_q * call.heads
+    row_tiles = -(-rows // dispatch.MLA_ROWS)
+    if call.batch > dispatch.MAX_GRID_YZ:
+        raise ValueError(f"q: batch at most {dispatch.MAX_GRID_YZ}, got {call.batch}")
+    splits = dispatch.mla_splits(call.num_splits, call.batch, row_tiles, call.capacity, family,
+                                 dispatch.sm_count(q.device))
+    out_shape = (call.batch, call.seqlen_q, call.heads, call.head_dim_v)
+    lse_shape = (call.batch, call.heads, call.seqlen_q)
+    dv, h, s = call.head_dim_v, call.heads, call.seqlen_q
+    strides = (*q.strides[:3], kv.strides[0], kv.strides[1], s * h * dv, h * dv, dv)
+    ints = dict(batch=call.batch, seqlen_q=s, heads=h, page_size=call.page_size, max_pages=table.shape[1],
+                num_splits=splits, row_tiles=row_tiles, causal=int(call.causal))
+    descale = call.descale_kv if isinstance(call.descale_kv, float) else 1.0
+    argument = ArgumentBuffer(pack_mla_params(strides, ints, call.scale, descale), MLA_POINTERS)
+    arch = dispatch.compile_arch(family, capability)
+    decode = kernels.prepare(choice, arch, q.device, (splits * row_tiles, call.batch, 1))
+    combine = combine_argument = None
+    scratch_bytes = lse_offset = 0
+    if splits > 1:
+        # The partials as the kernel writes them: (splits, heads, batch x seqlen_q rows, dv) and
+        # (splits, heads, rows); kv_combine reads them as (split, batch, row, head) strides.
+        n = call.batch * s
+        lse_offset = -(-splits * h * n * dv * 4 // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        scratch_bytes = lse_offset + splits * h * n * 4
+        op, lp = (h * n * dv, s * dv, dv, n * dv), (h * n, s, 1, n)
+        combine = kernels.prepare(dispatch.combine_kernel(q.dtype), dispatch.compile_arch("sm80", capability),
+                                  q.device, dispatch.kv_combine_grid(call.batch * s * h))
+        combine_argument = ArgumentBuffer(pack_combine_params(op, lp, (s * h * dv, h * dv, dv), (h * s, 1, s), splits,
+                                                              call.batch, s, h, dv), COMBINE_POINTERS)
+    return MlaPlan(target, decode, combine, argument, combine_argument, out_shape, lse_shape, scratch_bytes,
+                   lse_offset)

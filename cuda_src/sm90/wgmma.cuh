@@ -283,8 +283,9 @@ struct WgmmaElem<f16> {
 template <int N>
 struct Wgmma;
 
-// N = 32 serves only the backward's S^T and dP^T at head dims above 128, where each consumer
-// warpgroup takes half of a 64-query block (flash_bwd.cu).
+// N = 32 serves the backward's S^T and dP^T at head dims above 128, where each consumer warpgroup
+// takes half of a 64-query block (flash_bwd.cu), and MLA decoding's scores, half of a 64-key step
+// per warpgroup (mla_decode.cu).
 template <>
 struct Wgmma<32> {
   CUFLASH_WGMMA_SS_MEMBER(16, "m64n32k16", CUFLASH_D16, CUFLASH_ACC16, "16", "17", "18")
@@ -339,6 +340,7 @@ template <>
 struct Wgmma<256> {
   CUFLASH_WGMMA_RS_MEMBER(128, "m64n256k16", CUFLASH_D128, CUFLASH_ACC128, "{%128, %129, %130, %131}", "132", "133",
                           "134")
+  CUFLASH_WGMMA_SS_T_MEMBER(128, "m64n256k16", CUFLASH_D128, CUFLASH_ACC128, "128", "129", "130", "131", "132")
   CUFLASH_WGMMA_E4M3_MEMBERS(128, "m64n256k32", CUFLASH_D128, CUFLASH_ACC128, "{%128, %129, %130, %131}", "128",
                              "129", "130", "132", "133")
 };
@@ -401,7 +403,7 @@ __device__ __forceinline__ void wgmma_ss_panels(float (&d)[N / 2], u64 desc_a, u
 
 // The ss form with either operand MN-major (smem_desc_sw128_mn's descriptor, the instruction's
 // transpose flag set): TRANS_A for an A stored M-contiguous, TRANS_B for a B stored N-contiguous.
-// N = 64 or 128.
+// N = 64, 128 or 256 (MLA decoding's P V, sm90/mla_decode.cu).
 template <int N, class Elem, bool TRANS_A, bool TRANS_B>
 __device__ __forceinline__ void wgmma_ss_t(float (&d)[N / 2], u64 desc_a, u64 desc_b, bool accumulate) {
   detail::Wgmma<N>::template ss_t<Elem, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate ? 1u : 0u);

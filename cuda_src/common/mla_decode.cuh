@@ -1,0 +1,290 @@
+// Multi-head latent attention decoding (DeepSeek's MLA, cuflash.mla_decode): every query head
+// attends one shared latent head of D dims (576: 512 latent + 64 rotary) in a paged cache, whose
+// first DV dims (512) are also the values. The body below is shared by the sm80 and sm90 kernels
+// (sm80/mla_decode.cu, sm90/mla_decode.cu), which differ only in how they multiply (Product).
+//
+// One CTA of two warpgroups per (tile of 64 packed query rows, key split, sequence). The rows are
+// the sequence's query tokens times the heads, token-major, so a step reads each cache row once
+// for all of them. Per step of KEYS keys:
+//   - the step's cache rows arrive in shared memory (copies issued one step ahead), once: the
+//     keys' D columns feed S = Q K^T, their first DV columns P V;
+//   - warpgroup w takes S for keys w KEYS/2 .. (w + 1) KEYS/2 - 1 over all 64 rows and D;
+//   - the two exchange their row maxima through shared memory, so both scale by the same
+//     running maximum, and write P (16-bit) for their keys into one shared tile;
+//   - warpgroup w accumulates O's columns w DV/2 .. (w + 1) DV/2 - 1 over every key of the step.
+// Each warpgroup's row sums cover its own keys; they are added at the end. One split writes out
+// (and lse); several write fp32 partials that kv_combine merges (common/kvcache.cu).
+//
+// Shared-memory tiles use the 128-byte swizzle of 64-column panels (sm90/wgmma.cuh): 16-byte chunk
+// c of row r at chunk c ^ (r % 8). wgmma reads K as a K-major operand and V, the same bytes, as an
+// MN-major one; ldmatrix reads both with their row addresses.
+#pragma once
+#include "common/e4m3.cuh"
+#include "common/smem.cuh"
+#include "common/types.cuh"
+
+namespace cuflash {
+
+struct MlaParams {
+  // Pointers first (params.py MLA_POINTERS fills them per call).
+  const void* q;             // (batch, seqlen_q, heads, D)
+  const void* kv_cache;      // (pages, page_size, 1, D): the keys; their first DV dims the values
+  void* out;                 // (batch, seqlen_q, heads, DV), written with one split
+  float* lse;                // (batch, heads, seqlen_q); null: not wanted
+  float* out_partial;        // (splits, heads, batch * seqlen_q, DV) fp32, with several splits
+  float* lse_partial;        // (splits, heads, batch * seqlen_q)
+  const int* cache_seqlens;  // (batch,)
+  const int* page_table;     // (batch, max_pages)
+  const float* descale_kv;   // e4m3 cache: (batch,) float32; null: descale_kv_scalar
+  // Strides in elements.
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 kv_page_stride, kv_row_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  int batch, seqlen_q, heads;
+  int page_size, max_pages;
+  int num_splits, row_tiles;
+  int causal;
+  float scale_log2;  // softmax_scale * log2(e)
+  float descale_kv_scalar;
+};
+static_assert(sizeof(MlaParams) == 176, "params.py MLA_PARAMS mirrors MlaParams");
+
+constexpr int kMlaRows = 64;      // packed query rows per CTA: one wgmma M, four warps of m16
+constexpr int kMlaThreads = 256;  // two warpgroups
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of 64-column panels `panel` bytes apart.
+__device__ __forceinline__ u32 mla_chunk(int row, int chunk, u32 panel) {
+  return (chunk / 8) * panel + row * 128 + (((chunk % 8) ^ (row % 8)) * 16);
+}
+
+template <int D, int KEYS>
+struct MlaSmem {
+  static constexpr u32 Q_PANEL = kMlaRows * 128, KV_PANEL = KEYS * 128;
+  static constexpr u32 Q = 0;
+  static constexpr u32 KV = Q + (D / 64) * Q_PANEL;
+  static constexpr u32 KV_STAGE = (D / 64) * KV_PANEL;
+  static constexpr u32 P = KV + 2 * KV_STAGE;                // kMlaRows x KEYS, one panel
+  static constexpr u32 EXCHANGE = P + kMlaRows * 128;        // [2 warpgroups][kMlaRows] floats
+  static constexpr u32 BYTES = EXCHANGE + 2 * kMlaRows * 4;  // dispatch.mla_smem_bytes mirrors this
+};
+
+// The cache rows of one step into a shared stage: thread t copies row t / TPR, chunks t % TPR +
+// TPR j. A 16-bit cache goes by cp.async (issue, then land: wait for this thread's copies); an
+// e4m3 cache is loaded into registers at issue and widened exactly to T into the stage at land,
+// each thread its own chunks, so neither needs the CTA between its halves.
+template <class T, class C, int D, int KEYS>
+struct MlaCacheLoader {
+  static constexpr int TPR = kMlaThreads / KEYS, CHUNKS = D / 8 / TPR;
+  static_assert(D % (8 * TPR) == 0, "every thread copies as many chunks");
+  static constexpr bool kFp8 = InputStorage<C>::fp8;
+  uint2 staged[kFp8 ? CHUNKS : 1];  // e4m3: 8 bytes, one 16-bit chunk, each
+
+  // Row `pos` of sequence b, or nothing past its length (the stage then holds zeros: masked keys
+  // must be finite, as 0 * NaN is not 0).
+  __device__ __forceinline__ const unsigned char* row_source(const MlaParams& p, int b, int pos, int kv_len) const {
+    if (pos >= kv_len) return nullptr;
+    const int page = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
+    return static_cast<const unsigned char*>(p.kv_cache) +
+           (i64(page) * p.kv_page_stride + i64(pos % p.page_size) * p.kv_row_stride) * sizeof(typename InputStorage<C>::type);
+  }
+
+  __device__ __forceinline__ void issue(const MlaParams& p, unsigned char* stage, int b, int first_key, int kv_len) {
+    const int row = threadIdx.x / TPR, lane_chunk = threadIdx.x % TPR;
+    const unsigned char* src = row_source(p, b, first_key + row, kv_len);
+#pragma unroll
+    for (int j = 0; j < CHUNKS; ++j) {
+      const int chunk = lane_chunk + TPR * j;
+      if constexpr (kFp8) {
+        staged[j] = src ? __ldg(reinterpret_cast<const uint2*>(src) + chunk) : make_uint2(0, 0);
+      } else {
+        cp_async_16(stage + mla_chunk(row, chunk, KEYS * 128), src ? src + 16 * chunk : p.kv_cache, src ? 16 : 0);
+      }
+    }
+    if constexpr (!kFp8) cp_async_commit();
+  }
+
+  __device__ __forceinline__ void land(unsigned char* stage) {
+    if constexpr (kFp8) {
+      const int row = threadIdx.x / TPR, lane_chunk = threadIdx.x % TPR;
+#pragma unroll
+      for (int j = 0; j < CHUNKS; ++j) {
+        uint4 wide;
+        widen_e4m3_word<T>(staged[j].x, wide.x, wide.y);
+        widen_e4m3_word<T>(staged[j].y, wide.z, wide.w);
+        *reinterpret_cast<uint4*>(stage + mla_chunk(row, lane_chunk + TPR * j, KEYS * 128)) = wide;
+      }
+    } else {
+      cp_async_wait<0>();
+    }
+  }
+};
+
+template <class T, class C, class Product, int D, int DV, int KEYS>
+__device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned char* smem) {
+  typedef MlaSmem<D, KEYS> L;
+  constexpr int SN = KEYS / 16;  // 8-column tiles of a warpgroup's scores (KEYS / 2 keys)
+  constexpr int ON = DV / 16;    // 8-column tiles of a warpgroup's O (DV / 2 columns)
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int row_tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles, b = blockIdx.y;
+  const int rows = p.heads * p.seqlen_q;
+  const int kv_len = p.cache_seqlens[b];
+  const float descale = p.descale_kv ? p.descale_kv[b] : p.descale_kv_scalar;
+  const float scale_log2 = p.scale_log2 * descale;
+
+  // Keys each row sees: all kv_len, or with causal those up to its token's place at the end of
+  // the sequence (token t of seqlen_q is position kv_len - seqlen_q + t).
+  const auto key_end = [&](int row) { return p.causal ? kv_len - p.seqlen_q + 1 + row / p.heads : kv_len; };
+  const int first_row = row_tile * kMlaRows, last_row = min(rows, first_row + kMlaRows) - 1;
+  const int tile_key_end_min = key_end(first_row), tile_key_end_max = key_end(last_row);
+  int my_key_end[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) my_key_end[h] = key_end(min(last_row, first_row + 16 * warp + lane / 4 + 8 * h));
+
+  // The split's steps: whole steps of KEYS, so only kv_len and the causal bound mask keys.
+  const int steps = (kv_len + KEYS - 1) / KEYS;
+  const int per_split = (steps + p.num_splits - 1) / p.num_splits;
+  const int step_begin = split * per_split;
+  const int step_end = min(min(steps, step_begin + per_split), (max(tile_key_end_max, 0) + KEYS - 1) / KEYS);
+
+  // Q: 64 rows, thread t copies row t / 4's chunks t % 4 + 4 j; rows past the tile's are zeros.
+  {
+    constexpr int TPR = kMlaThreads / kMlaRows;
+    const int row = first_row + threadIdx.x / TPR;
+    const bool valid = row < rows;
+    const int t = valid ? row / p.heads : 0, h = valid ? row % p.heads : 0;
+    const u16* src = static_cast<const u16*>(p.q) + i64(b) * p.q_batch_stride + i64(t) * p.q_row_stride +
+                     i64(h) * p.q_head_stride;
+#pragma unroll
+    for (int j = 0; j < D / 8 / TPR; ++j) {
+      const int chunk = threadIdx.x % TPR + TPR * j;
+      cp_async_16(smem + L::Q + mla_chunk(threadIdx.x / TPR, chunk, L::Q_PANEL), src + 8 * chunk, valid ? 16 : 0);
+    }
+    cp_async_commit();
+  }
+  MlaCacheLoader<T, C, D, KEYS> loader;
+  if (step_begin < step_end) loader.issue(p, smem + L::KV, b, step_begin * KEYS, kv_len);
+
+  float o[DV / 4], s[KEYS / 4];
+#pragma unroll
+  for (int i = 0; i < DV / 4; ++i) o[i] = 0.f;
+  float row_max[2] = {kNegInf, kNegInf};  // in units of scale_log2 (exp2's argument)
+  float row_sum[2] = {0.f, 0.f};           // this thread's columns of its warpgroup's keys
+  float* exchange = reinterpret_cast<float*>(smem + L::EXCHANGE);
+  const int my_row = 16 * warp + lane / 4;  // and my_row + 8
+
+  for (int n = step_begin; n < step_end; ++n) {
+    unsigned char* stage = smem + L::KV + ((n - step_begin) % 2) * L::KV_STAGE;
+    // This thread's P V of the previous step is done (so its registers may be rescaled), and its
+    // copies of this step's rows have landed; the barrier makes every thread's visible, and says
+    // both warpgroups' previous P V are done: the other stage and the P tile are free.
+    Product::drain(o);
+    loader.land(stage);
+    Product::publish();
+    __syncthreads();
+    if (n + 1 < step_end)
+      loader.issue(p, smem + L::KV + ((n + 1 - step_begin) % 2) * L::KV_STAGE, b, (n + 1) * KEYS, kv_len);
+
+    Product::template scores<T, D, KEYS>(s, smem + L::Q, stage + wg * (KEYS / 2) * 128, warp, lane);
+    // Scores to exp2's units; keys past a row's end to -inf (only in steps that cross one).
+    const int key0 = n * KEYS + wg * (KEYS / 2) + 2 * (lane % 4);
+    const bool masked = (n + 1) * KEYS > tile_key_end_min;
+    float step_max[2] = {kNegInf, kNegInf};
+#pragma unroll
+    for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * nt + 2 * h + e];
+          x = (masked && key0 + 8 * nt + e >= my_key_end[h]) ? kNegInf : x * scale_log2;
+          step_max[h] = fmaxf(step_max[h], x);
+        }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      step_max[h] = fmaxf(step_max[h], __shfl_xor_sync(~0u, step_max[h], 1));
+      step_max[h] = fmaxf(step_max[h], __shfl_xor_sync(~0u, step_max[h], 2));
+      if (lane % 4 == 0) exchange[wg * kMlaRows + my_row + 8 * h] = step_max[h];
+    }
+    // Both warpgroups' maxima of this step (the buffer is rewritten only after the next step's
+    // first barrier, which each thread reaches after reading it).
+    __syncthreads();
+    float correction[2], base[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = my_row + 8 * h;
+      const float m = fmaxf(row_max[h], fmaxf(exchange[r], exchange[kMlaRows + r]));
+      // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
+      base[h] = m == kNegInf ? 0.f : m;
+      correction[h] = fast_exp2(row_max[h] - base[h]);
+      row_max[h] = m;
+      row_sum[h] *= correction[h];
+    }
+    unsigned char* p_tile = smem + L::P;
+#pragma unroll
+    for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float p0 = fast_exp2(s[4 * nt + 2 * h] - base[h]), p1 = fast_exp2(s[4 * nt + 2 * h + 1] - base[h]);
+        row_sum[h] += p0 + p1;
+        const int r = my_row + 8 * h, col = wg * (KEYS / 2) + 8 * nt + 2 * (lane % 4);
+        *reinterpret_cast<u32*>(p_tile + r * 128 + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2) = T::pack(p0, p1);
+      }
+#pragma unroll
+    for (int nt = 0; nt < ON; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[4 * nt + e] *= correction[e / 2];
+    // P of both warpgroups in the tile before either multiplies it.
+    Product::publish();
+    __syncthreads();
+    Product::template pv<T, DV, KEYS>(o, p_tile, stage + wg * (DV / 128) * L::KV_PANEL, warp, lane);
+  }
+  Product::drain(o);
+
+  // The row sums over both warpgroups' keys: this thread's columns, its quad's, then the other
+  // warpgroup's (both scaled by the same running maximum). The barrier orders the writes after
+  // every read of the step maxima.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(~0u, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(~0u, row_sum[h], 2);
+  }
+  __syncthreads();
+  if (lane % 4 == 0) {
+    exchange[wg * kMlaRows + my_row] = row_sum[0];
+    exchange[wg * kMlaRows + my_row + 8] = row_sum[1];
+  }
+  __syncthreads();
+
+  constexpr float kLn2 = 0.6931471805599453f;
+  const bool one_split = p.num_splits == 1;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = my_row + 8 * h, row = first_row + r;
+    if (row >= rows) continue;
+    const float total = exchange[r] + exchange[kMlaRows + r];
+    const bool empty = total == 0.f;
+    const float lse = empty ? kNegInf : (row_max[h] + fast_log2(total)) * kLn2;
+    const float inv = empty ? 0.f : descale / total;
+    const int t = row / p.heads, head = row % p.heads;
+    const i64 row_index = i64(b) * p.seqlen_q + t;  // of batch x seqlen_q
+    const int col0 = wg * (DV / 2) + 2 * (lane % 4);
+    if (one_split) {
+      u16* out = static_cast<u16*>(p.out) + i64(b) * p.o_batch_stride + i64(t) * p.o_row_stride +
+                 i64(head) * p.o_head_stride;
+#pragma unroll
+      for (int nt = 0; nt < ON; ++nt)
+        *reinterpret_cast<u32*>(out + col0 + 8 * nt) = T::pack(o[4 * nt + 2 * h] * inv, o[4 * nt + 2 * h + 1] * inv);
+      if (p.lse && wg == 0 && lane % 4 == 0) p.lse[(i64(b) * p.heads + head) * p.seqlen_q + t] = lse;
+    } else {
+      const i64 at = (i64(split) * p.heads + head) * (i64(p.batch) * p.seqlen_q) + row_index;
+      float* out = p.out_partial + at * DV;
+#pragma unroll
+      for (int nt = 0; nt < ON; ++nt)
+        *reinterpret_cast<float2*>(out + col0 + 8 * nt) =
+            make_float2(o[4 * nt + 2 * h] * inv, o[4 * nt + 2 * h + 1] * inv);
+      if (wg == 0 && lane % 4 == 0) p.lse_partial[at] = lse;
+    }
+  }
+}
+
+}  // namespace cuflash

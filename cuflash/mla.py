@@ -1,0 +1,108 @@
+"""DeepSeek's multi-head latent attention (MLA) decoding over a paged latent cache.
+
+NumPy inputs run the float64 reference (reference_kvcache.mla_decode_reference); GPU inputs run
+the decode kernel (cuda_src/common/mla_decode.cuh: wgmma on Hopper, mma.sync elsewhere) over key
+splits and kv_combine, planned through plan.MlaPlan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cuflash import checks, plan
+from cuflash.reference_kvcache import mla_decode_reference
+
+__all__ = ["mla_decode"]
+
+
+def mla_decode(
+    q: Any,
+    kv_cache: Any,
+    page_table: Any,
+    cache_seqlens: Any,
+    *,
+    head_dim_v: int = 512,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    num_splits: int = 0,
+    descale_kv: Any = None,
+    return_lse: bool = False,
+    validate: bool = False,
+    dtype: str | None = None,
+) -> Any:
+    """Multi-head latent attention decoding (FlashMLA's ``flash_mla_with_kvcache``): every query head
+    attends one shared latent head whose first ``head_dim_v`` dims are also its values.
+
+    Parameters
+    ----------
+    q : array, (batch, seqlen_q, heads, head_dim)
+        DeepSeek-V3: head_dim 576 (512 latent + 64 rotary dims), heads 16..128, seqlen_q 1..8
+        (speculative decoding's extra tokens). float16 or bfloat16 on the GPU (CuPy, torch,
+        DLPack), which takes head_dim 576 with head_dim_v 512; NumPy float16, bfloat16, float32 or
+        float64 on the CPU path, any head_dim_v <= head_dim.
+    kv_cache : array, (num_pages, page_size, 1, head_dim)
+        The paged latent cache, any page_size from 1: the keys, and in its first head_dim_v dims
+        the values (read once for both). q's dtype, or FP8 e4m3 (torch float8_e4m3fn, NumPy
+        ml_dtypes.float8_e4m3fn, or uint8 bytes with ``dtype="e4m3"``) holding ``value /
+        descale_kv``. Last dimension contiguous; on the GPU 16-byte aligned.
+    page_table : int32 array (batch, max_pages)
+        Page of each block of page_size positions of each sequence.
+    cache_seqlens : int32 array (batch,)
+        Keys of each sequence (0 gives out 0 and lse -inf).
+    head_dim_v : int
+        The values' dims, the first of the latent head's.
+    softmax_scale : float, optional
+        Default 1 / sqrt(head_dim).
+    causal : bool
+        With seqlen_q > 1, query token t sees the keys up to position cache_seqlens - seqlen_q + t
+        (the tokens being decoded are the sequence's last); no effect for seqlen_q = 1.
+    num_splits : int
+        Key splits per sequence on the GPU, merged by the combine kernel; 0 chooses from the shapes
+        and the SM count. Ignored by the CPU path (the result is the same).
+    descale_kv : float or float32 array (batch, 1), optional
+        FP8 cache only (default 1): the cache holds ``value / descale_kv``. Device arrays' values
+        are not checked.
+    return_lse : bool
+        Also return lse, float32 (batch, heads, seqlen_q).
+    validate : bool
+        GPU arrays: copy page_table and cache_seqlens to the host and check their values (lengths
+        within the table's capacity, the pages used in range): a synchronisation. NumPy arrays are
+        always checked.
+    dtype : str, optional
+        ``"e4m3"``: kv_cache is a uint8 array of e4m3 bytes. None: its own dtype.
+
+    Returns
+    -------
+    out (batch, seqlen_q, heads, head_dim_v) in q's dtype, or (out, lse); in the caller's framework.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Every bad argument, naming it, before anything is launched.
+    """
+    arrays = {"q": q, "kv_cache": kv_cache, "page_table": page_table, "cache_seqlens": cache_seqlens}
+    call = checks.check_mla(arrays, head_dim_v, softmax_scale, causal, num_splits, descale_kv, return_lse, validate,
+                            dtype)
+    if call.framework == "numpy":
+        return _on_host(call)
+    t = call.tensors
+    descale = call.descale_kv if not isinstance(call.descale_kv, (float, type(None))) else None
+    tensors = (t["q"], t["kv_cache"], t["cache_seqlens"], t["page_table"], descale)
+    operands = (t["q"], tuple(x.ptr if x is not None else 0 for x in tensors))
+    scalar_descale = call.descale_kv if isinstance(call.descale_kv, float) else None
+    key = ("mla_decode", *(x.layout if x is not None else None for x in tensors), call.head_dim_v, call.scale,
+           call.causal, call.num_splits, scalar_descale)
+    out, lse = plan.run(key, t["q"].device, True, lambda: (plan.build_mla(call, tensors), operands, True), (),
+                        call.framework, operands, (None,), (None,), call.return_lse)
+    return (out, lse) if call.return_lse else out
+
+
+def _on_host(call: checks.MlaCall):
+    t = call.tensors
+    out, lse = mla_decode_reference(t["q"], t["kv_cache"], t["page_table"], t["cache_seqlens"],
+                                    head_dim_v=call.head_dim_v, softmax_scale=call.scale, causal=call.causal,
+                                    descale_kv=call.descale_kv)
+    out = out.astype(t["q"].dtype)
+    return (out, lse.astype(np.float32)) if call.return_lse else out
