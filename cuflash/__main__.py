@@ -21,7 +21,7 @@ import numpy as np
 
 import cuflash
 from cuflash import bench as bench_module
-from cuflash import bench_decode
+from cuflash import bench_decode, bench_mla
 from cuflash import compile_check, dispatch, kernels, nvrtc, reference
 from cuflash.device import gpu_unavailable
 
@@ -179,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e.g. '64,128,256', or q/k and v pairs like '192/128' (default: 64 128 256)")
     bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
-    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode"], default="fwd",
+    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode", "mla"], default="fwd",
                        help="what one timed call does: forward, backward (forward run untimed) or both; or decode: "
-                            "a decoding step against a KV cache, in GB/s (its own sweep, --batches, --contexts)")
+                            "a decoding step against a KV cache, in GB/s (its own sweep, --batches, --contexts); or "
+                            "mla: an MLA decoding step (cuflash.mla_decode) over a paged latent cache, in GB/s and "
+                            "TFLOP/s (its own sweep, --batches, --contexts)")
     bench.add_argument("--family", choices=["auto", *dispatch.FAMILIES], default="auto",
                        help="cuflash kernel family (sm90 runs sm80's kernels for tensors no tensor map describes; "
                             "the compilation notes name each kernel)")
@@ -205,13 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def mode_conflict(args: argparse.Namespace) -> str | None:
     """Why the options do not go together (decode has its own sweep), or None."""
-    decode = args.mode == "decode"
+    decode = args.mode in ("decode", "mla")
     given = [option for option, value in (("--memory", args.memory), ("--head-dims", args.head_dims),
                                           ("--seqlens", args.seqlens), ("--batches", args.batches),
                                           ("--contexts", args.contexts), ("--eager", args.eager)) if value]
     wrong = [o for o in given if (o in ("--batches", "--contexts", "--eager")) != decode]
     if wrong:
-        return f"{', '.join(wrong)} {'do not apply to' if decode else 'only apply to'} --mode decode"
+        return f"{', '.join(wrong)} {'do not apply to' if decode else 'only apply to'} --mode decode and mla"
     if args.dtype == "e4m3" and (args.mode != "fwd" or args.memory):
         return "--dtype e4m3 times the forward only (FP8 has no backward; decode times FP8 caches itself)"
     return None
@@ -241,6 +243,13 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.mode == "decode":
         return bench_decode_sweep(args, command, out)
+    if args.mode == "mla":
+        report = bench_mla.run_sweep(bench_mla.sweep(args.quick, args.batches, args.contexts), args.dtype,
+                                     repeats=args.repeats, command=command, eager=args.eager)
+        print(bench_mla.markdown_table(report))
+        for line in bench_mla.write_outputs(report, out):
+            print(line)
+        return 0
     if args.memory:
         rows = bench_module.memory_report(args.dtype, args.seqlens or bench_module.MEMORY_SEQLENS)
         print(bench_module.memory_table(rows) + bench_module.write_memory_outputs(rows, command, out))

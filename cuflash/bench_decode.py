@@ -29,8 +29,8 @@ from pathlib import Path
 
 from cuflash.bench import document_header, gpu_slug
 
-__all__ = ["DecodeCase", "DecodeMeasurement", "DecodeReport", "DecodeShape", "available_impls", "markdown_table",
-           "random_cache", "report_json", "run_sweep", "sweep", "write_outputs"]
+__all__ = ["DecodeCase", "DecodeMeasurement", "DecodeReport", "DecodeShape", "available_impls", "copy_bandwidth",
+           "markdown_table", "random_cache", "report_json", "run_sweep", "sweep", "time_calls", "write_outputs"]
 
 HEAD_DIM = 128
 # The sweep's axes; --quick's subset (under a minute on an H200 once the kernels are compiled).
@@ -322,13 +322,22 @@ def _sdpa_call(case: DecodeCase, q_dtype: str, seed: int):
 def measure(case: DecodeCase, q_dtype: str, repeats: int, timing: str = TIMING_GRAPH) -> float:
     """Median ms of one decoding step, the inputs rotated over 3x the L2 cache (torch SDPA runs on
     torch's default stream, the legacy one CuPy's default shares)."""
-    from cuflash.timing import copies_to_defeat_l2, time_ms
+    from cuflash.timing import copies_to_defeat_l2
 
-    rotations = copies_to_defeat_l2(case.bytes_read())
     graph = timing == TIMING_GRAPH
     calls = [_cuflash_call(case, q_dtype, 16 * i, graph) if case.impl == "cuflash" else _sdpa_call(case, q_dtype, 16 * i)
-             for i in range(rotations)]
-    if not graph:
+             for i in range(copies_to_defeat_l2(case.bytes_read()))]
+    return time_calls(calls, repeats, timing)
+
+
+def time_calls(calls: list, repeats: int, timing: str) -> float:
+    """Median ms of one of ``calls`` (each one step on its own input set, taken in turn): launched
+    back to back (TIMING_EAGER), or replayed from one torch CUDA graph of GRAPH_STEPS or more
+    steps (TIMING_GRAPH: the calls then launch on torch's current stream)."""
+    from cuflash.timing import time_ms
+
+    rotations = len(calls)
+    if timing != TIMING_GRAPH:
         return time_ms(lambda i: calls[i](), rotations, repeats=repeats)
     import cupy as cp
     import torch

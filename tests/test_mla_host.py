@@ -1,0 +1,87 @@
+"""mla_decode's checks and CPU path, and the --mode mla benchmark's sweep and table (no GPU)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import bench_mla
+from cuflash.__main__ import build_parser, mode_conflict
+from cuflash.reference_kvcache import mla_decode_reference
+
+D = 576
+
+
+def case(rng, batch=2, seqlen_q=2, heads=4, page_size=16, lengths=(40, 7), head_dim=D):
+    max_pages = 3
+    kv = rng.standard_normal((batch * max_pages, page_size, 1, head_dim)).astype(np.float32)
+    table = rng.permutation(batch * max_pages).astype(np.int32).reshape(batch, max_pages)
+    q = rng.standard_normal((batch, seqlen_q, heads, head_dim)).astype(np.float32)
+    return q, kv, table, np.asarray(lengths, np.int32)
+
+
+def test_cpu_path_is_the_reference():
+    rng = np.random.default_rng(0)
+    q, kv, table, lengths = case(rng)
+    out, lse = cuflash.mla_decode(q, kv, table, lengths, head_dim_v=500, return_lse=True)
+    ref_out, ref_lse = mla_decode_reference(q, kv, table, lengths, head_dim_v=500)
+    assert out.shape == (2, 2, 4, 500) and out.dtype == np.float32 and lse.dtype == np.float32
+    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+
+
+def test_cpu_path_takes_an_fp8_cache_as_bytes():
+    rng = np.random.default_rng(1)
+    q, kv, table, lengths = case(rng)
+    kv8 = kv.astype(ml_dtypes.float8_e4m3fn)
+    out = cuflash.mla_decode(q, kv8.view(np.uint8), table, lengths, dtype="e4m3", descale_kv=0.5)
+    ref, _ = mla_decode_reference(q, kv8, table, lengths, descale_kv=0.5)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: a | {"q": a["q"][0]}, ValueError, "q: expected 4 dims"),
+    (lambda a: a | {"kv_cache": np.repeat(a["kv_cache"], 2, axis=2)}, ValueError, "kv_cache: .*one latent head"),
+    (lambda a: a | {"kv_cache": a["kv_cache"][..., :512]}, ValueError, "kv_cache: head_dim 512 must equal"),
+    (lambda a: a | {"kv_cache": a["kv_cache"].astype(np.float16)}, TypeError, "kv_cache: dtype float16"),
+    (lambda a: a | {"head_dim_v": 600}, ValueError, "head_dim_v"),
+    (lambda a: a | {"head_dim_v": 2.0}, TypeError, "head_dim_v"),
+    (lambda a: a | {"num_splits": -1}, ValueError, "num_splits"),
+    (lambda a: a | {"num_splits": True}, TypeError, "num_splits"),
+    (lambda a: a | {"descale_kv": 2.0}, ValueError, "descale_kv: only taken with an FP8"),
+    (lambda a: a | {"page_table": a["page_table"][:1]}, ValueError, "page_table: expected shape"),
+    (lambda a: a | {"cache_seqlens": a["cache_seqlens"].astype(np.int64)}, TypeError, "cache_seqlens: expected int32"),
+    (lambda a: a | {"cache_seqlens": np.array([49, 7], np.int32)}, ValueError, "cache_seqlens: entry 0"),
+    (lambda a: a | {"page_table": np.full((2, 3), 6, np.int32)}, ValueError, "page_table: entry"),
+    (lambda a: a | {"causal": "yes"}, TypeError, "causal"),
+])
+def test_bad_arguments_are_named(change, error, match):
+    q, kv, table, lengths = case(np.random.default_rng(2))
+    arguments = change({"q": q, "kv_cache": kv, "page_table": table, "cache_seqlens": lengths})
+    with pytest.raises(error, match=match):
+        cuflash.mla_decode(**arguments)
+
+
+def test_bench_mode_mla_takes_its_own_sweep():
+    args = build_parser().parse_args(["bench", "--mode", "mla", "--quick", "--batches", "16", "--contexts", "1024"])
+    assert mode_conflict(args) is None
+    assert "--mode decode and mla" in mode_conflict(build_parser().parse_args(["bench", "--mode", "mla", "--head-dims",
+                                                                             "64"]))
+    cases = bench_mla.sweep(True, [16], [1024])
+    assert {c.heads for c in cases} == {16, 128} and all(c.batch == 16 and c.context == 1024 for c in cases)
+    c = bench_mla.MlaCase(2, 16, 1024, 128, "e4m3")
+    assert c.cache_bytes() == 16 * 1024 * 576 and c.flops() == 2 * 16 * 2 * 128 * 1024 * (576 + 512)
+
+
+def test_bench_table_names_the_peers_and_rates():
+    report = {"measurements": [{"cache": "16-bit", "seqlen_q": 1, "heads": 16, "batch": 64, "context": 4096,
+                                "ms": 0.1, "GB/s": 3000.0, "TFLOP/s": 90.0},
+                               {"cache": "e4m3", "seqlen_q": 1, "heads": 16, "batch": 64, "context": 4096,
+                                "error": "RuntimeError: x"}],
+              "copy_GB/s": 4200.0, "matmul_TFLOP/s": {"bf16 matmul": 800.0}, "flashmla_h800": bench_mla.FLASHMLA_H800,
+              "timing": "t"}
+    table = bench_mla.markdown_table(report)
+    assert "| 16-bit | 1 | 16 | 64 | 4096 | 100.0 | 3000 | 90 |" in table and "RuntimeError: x" in table
+    assert "4200 GB/s" in table and "bf16 matmul: 800 TFLOP/s" in table and "3000 GB/s, 660 TFLOP/s" in table
