@@ -48,6 +48,20 @@ def check_all_kernels(arch: str, jobs: int | None, details: bool) -> int:
     return 1 if problems else 0
 
 
+def check_front_end(arch: str, jobs: int | None) -> int:
+    """Compile the representative kernels (compile_check.representative_kernels) for ``arch``; 1 if
+    NVRTC rejects one, else 0. Spills are not judged: their allowances are the newest NVRTC's, and
+    an older one's ptxas spills differently, but its front end must take every source."""
+    choices = [c for family in compile_check.families(arch) for c in compile_check.representative_kernels(family)]
+    outcomes = compile_check.compile_all(choices, arch, jobs)
+    failed = [o for o in outcomes if o.compiled is None]
+    for o in failed:
+        print(f"FAILED {o.choice.name_expression}\n{o.error}")
+    print(f"NVRTC {nvrtc.version_text()}, target {arch}: {len(outcomes) - len(failed)} of {len(outcomes)} "
+          f"representative kernels compiled")
+    return 1 if failed else 0
+
+
 def check_one_kernel() -> int:
     """Compile compile_check.representative_kernel() for sm_80; 1 if NVRTC fails, else 0."""
     choice = compile_check.representative_kernel()
@@ -169,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--jobs", type=_positive_int,
                        help="compiler processes (default: one per CPU)")
     check.add_argument("--details", action="store_true", help="each kernel's registers, spills and compile time")
+    check.add_argument("--front-end", action="store_true",
+                       help="only whether the representative kernels compile, spills not judged (for an older "
+                            "NVRTC than the allowances were measured with)")
     bench = sub.add_parser("bench", help="cuflash next to its peers (TFLOP/s table, JSON, plot), or --memory")
     bench.add_argument("--quick", action="store_true", help="head_dim 128, seqlen 1024 and 4096 only; decode: "
                                                                 "batch 1 and 64, context 8k and 32k, 1 query token, "
@@ -267,6 +284,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compile-check":
+        if args.front_end:
+            return check_front_end(args.arch, args.jobs)
         return check_all_kernels(args.arch, args.jobs, args.details)
     if args.command == "bench":
         return bench(args, sys.argv[1:] if argv is None else argv)

@@ -212,11 +212,15 @@ def test_auto_splits_fill_the_waves(batch, capacity, splits):
     assert dispatch.kvcache_splits(0, batch, 8, 1, capacity, 132, 3) == splits
 
 
-def test_kv_kernels_listed_last_for_the_compile_check():
+def test_kv_and_mla_kernels_listed_last_for_the_compile_check():
     names = [c.name_expression for c in dispatch.all_kernels("sm80")]
     kv = [c.name_expression for c in dispatch.kvcache_all_kernels()]
-    # appends, decodes (16-bit and e4m3 caches), combines, forwards over the cache (three masks and softcap's)
-    assert names[-len(kv):] == kv and len(kv) == 4 + 4 * 3 + 3 + 5 * 2 * 4
+    mla = [c.name_expression for c in dispatch.mla_all_kernels("sm80")]
+    # appends, decodes (16-bit and e4m3 caches), combines, forwards over the cache (three masks and
+    # softcap's); then MLA decoding (two q dtypes, each with its own and an e4m3 cache)
+    assert names[-len(kv) - len(mla):] == kv + mla and len(kv) == 4 + 4 * 3 + 3 + 5 * 2 * 4 and len(mla) == 4
+    assert [c.name_expression for c in dispatch.all_kernels("sm90")][-4:] == [
+        c.name_expression for c in dispatch.mla_all_kernels("sm90")]
 
 
 def test_fp8_cache_plan_takes_the_descales(recorder):

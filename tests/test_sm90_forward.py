@@ -31,14 +31,17 @@ def assert_compiled_without_spills(outcomes):
         # No ptxas warning: a serialised wgmma pipeline (C7510...) or an ignored setmaxnreg (C7508).
         assert "warning" not in compiled.log.lower(), compiled.log
         # The registers at entry are the launch bounds' 65536 / threads (168 for 384 threads, 128 for
-        # 512), which the setmaxnreg split (producer 24, consumers 240 or 160) assumes.
+        # 512), which the setmaxnreg split (producer 24, consumers 240 or 160) assumes; MLA decoding
+        # is not warp-specialised and takes what it needs.
         resources = compiled.resources()
-        assert resources["registers"] == 65536 // outcome.choice.threads // 8 * 8
+        if outcome.choice.source != dispatch.MLA_SOURCES["sm90"]:
+            assert resources["registers"] == 65536 // outcome.choice.threads // 8 * 8
         # Nothing goes to local memory: spills in the backward at head_dim 128, none of them between
         # its first and last wgmma, cost 2-8% of a call on the H200 (docs/kernels.md, backward sm90).
         assert (resources["spill_stores"], resources["spill_loads"], resources["stack_frame"]) == (0, 0, 0), \
             compiled.log
-        static_smem = int(re.search(r"(\d+) bytes smem", compiled.log).group(1))
+        found = re.search(r"(\d+) bytes smem", compiled.log)  # no line: no static shared memory
+        static_smem = int(found.group(1)) if found else 0
         assert outcome.choice.smem_bytes + static_smem <= 227 * 1024
 
 
