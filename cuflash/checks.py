@@ -923,7 +923,8 @@ def check_combine(out_partial: Any, lse_partial: Any, out_dtype: Any, return_lse
 
 class MlaCall(NamedTuple):
     """A checked mla_decode call: DeviceTensors (GPU) or NumPy arrays by argument name (q,
-    kv_cache, page_table, cache_seqlens), and the resolved options."""
+    kv_cache, page_table, cache_seqlens, and q_rope, kv_rope_cache in the split form), and the
+    resolved options. head_dim counts both parts of the split form."""
 
     framework: str
     tensors: dict
@@ -949,6 +950,9 @@ def check_mla(arrays: dict, head_dim_v: Any, softmax_scale: Any, causal: Any, nu
     """mla_decode's arguments: ``arrays`` (q, kv_cache, page_table, cache_seqlens) by name, the rest
     as passed; checked before any launch, alike for NumPy and GPU arrays, the integer arrays'
     values on the host, and on the GPU with ``validate=True`` (a synchronisation)."""
+    if (arrays.get("q_rope") is None) != (arrays.get("kv_rope_cache") is None):
+        raise ValueError("q_rope, kv_rope_cache: the split form takes both")
+    arrays = {name: x for name, x in arrays.items() if x is not None}
     kind = framework(arrays)
     on_device = kind != "numpy"
     t = {name: interop.describe(x, interop.framework_of(x, name), name) if on_device else x
@@ -959,7 +963,9 @@ def check_mla(arrays: dict, head_dim_v: Any, softmax_scale: Any, causal: Any, nu
         raise TypeError(f"num_splits: expected an int, got {type(num_splits).__name__}")
     if not 0 <= num_splits <= MLA_MAX_REQUESTED_SPLITS:
         raise ValueError(f"num_splits: expected 0 (chooses) .. {MLA_MAX_REQUESTED_SPLITS}, got {num_splits}")
-    t["kv_cache"] = declared_dtype("kv_cache", t["kv_cache"], dtype)
+    split = "q_rope" in t
+    for name in ("kv_cache", "kv_rope_cache") if split else ("kv_cache",):
+        t[name] = declared_dtype(name, t[name], dtype)
     q, kv = t["q"], t["kv_cache"]
     if q.ndim != 4:
         raise ValueError(f"q: expected 4 dims (batch, seqlen_q, heads, head_dim), got shape {tuple(q.shape)}")
@@ -979,6 +985,22 @@ def check_mla(arrays: dict, head_dim_v: Any, softmax_scale: Any, causal: Any, nu
     if isinstance(head_dim_v, bool) or not isinstance(head_dim_v, numbers.Integral):
         raise TypeError(f"head_dim_v: expected an int, got {type(head_dim_v).__name__}")
     head_dim_v = int(head_dim_v)
+    if split:
+        qr, kr = t["q_rope"], t["kv_rope_cache"]
+        if qr.ndim != 4 or tuple(qr.shape[:3]) != tuple(q.shape[:3]):
+            raise ValueError(f"q_rope: expected q's (batch, seqlen_q, heads) = {tuple(q.shape[:3])} and its own head "
+                             f"dim, got shape {tuple(qr.shape)}")
+        if kr.ndim != 4 or tuple(kr.shape[:3]) != tuple(kv.shape[:3]) or kr.shape[3] != qr.shape[3]:
+            raise ValueError(f"kv_rope_cache: expected kv_cache's (num_pages, page_size, 1) = {tuple(kv.shape[:3])} "
+                             f"and q_rope's head dim {qr.shape[3]}, got shape {tuple(kr.shape)}")
+        if dtype_name(qr) != q_dtype:
+            raise TypeError(f"q_rope: dtype {dtype_name(qr)} does not match q's {q_dtype}")
+        if dtype_name(kr) != cache_dtype:
+            raise TypeError(f"kv_rope_cache: dtype {dtype_name(kr)} does not match kv_cache's {cache_dtype}")
+        if head_dim_v != head_dim:
+            raise ValueError(f"head_dim_v: in the split form the values are kv_cache's {head_dim} dims, got "
+                             f"{head_dim_v}")
+        head_dim += qr.shape[3]
     if not 1 <= head_dim_v <= head_dim:
         raise ValueError(f"head_dim_v: expected 1 .. q's head_dim ({head_dim}), got {head_dim_v}")
     if on_device and (head_dim, head_dim_v) != (dispatch.MLA_HEAD_DIM, dispatch.MLA_HEAD_DIM_V):
@@ -987,7 +1009,7 @@ def check_mla(arrays: dict, head_dim_v: Any, softmax_scale: Any, causal: Any, nu
     page_size = kv.shape[1]
     if page_size < 1:
         raise ValueError("kv_cache: page_size (dimension 1) must be at least 1")
-    for name, x in (("q", q), ("kv_cache", kv)):
+    for name, x in ((name, t[name]) for name in ("q", "kv_cache", "q_rope", "kv_rope_cache") if name in t):
         if 0 not in x.shape and element_strides(x)[-1] != 1:
             raise ValueError(f"{name}: the last (head_dim) dimension must be contiguous")
         if on_device:

@@ -31,6 +31,8 @@ def mla_decode(
     return_lse: bool = False,
     validate: bool = False,
     dtype: str | None = None,
+    q_rope: Any = None,
+    kv_rope_cache: Any = None,
 ) -> Any:
     """Multi-head latent attention decoding (FlashMLA's ``flash_mla_with_kvcache``): every query head
     attends one shared latent head whose first ``head_dim_v`` dims are also its values.
@@ -71,7 +73,14 @@ def mla_decode(
         within the table's capacity, the pages used in range): a synchronisation. NumPy arrays are
         always checked.
     dtype : str, optional
-        ``"e4m3"``: kv_cache is a uint8 array of e4m3 bytes. None: its own dtype.
+        ``"e4m3"``: kv_cache (and kv_rope_cache) are uint8 arrays of e4m3 bytes. None: their own
+        dtype.
+    q_rope, kv_rope_cache : arrays, optional
+        The split form (FlashAttention-3's ``qv``): q and kv_cache hold the latent dims (512, the
+        values), these the rotary ones (64), q_rope (batch, seqlen_q, heads, 64) in q's dtype and
+        kv_rope_cache (num_pages, page_size, 1, 64) in kv_cache's. The same attention as the
+        single array [q, q_rope] against [kv_cache, kv_rope_cache], by the same kernel; head_dim_v
+        is then kv_cache's head dim and the default scale 1 / sqrt(512 + 64).
 
     Returns
     -------
@@ -82,14 +91,16 @@ def mla_decode(
     TypeError, ValueError
         Every bad argument, naming it, before anything is launched.
     """
-    arrays = {"q": q, "kv_cache": kv_cache, "page_table": page_table, "cache_seqlens": cache_seqlens}
+    arrays = {"q": q, "kv_cache": kv_cache, "page_table": page_table, "cache_seqlens": cache_seqlens,
+              "q_rope": q_rope, "kv_rope_cache": kv_rope_cache}
     call = checks.check_mla(arrays, head_dim_v, softmax_scale, causal, num_splits, descale_kv, return_lse, validate,
                             dtype)
     if call.framework == "numpy":
         return _on_host(call)
     t = call.tensors
     descale = call.descale_kv if not isinstance(call.descale_kv, (float, type(None))) else None
-    tensors = (t["q"], t["kv_cache"], t["cache_seqlens"], t["page_table"], descale)
+    tensors = (t["q"], t["kv_cache"], t["cache_seqlens"], t["page_table"], descale, t.get("q_rope"),
+               t.get("kv_rope_cache"))
     operands = (t["q"], tuple(x.ptr if x is not None else 0 for x in tensors))
     scalar_descale = call.descale_kv if isinstance(call.descale_kv, float) else None
     key = ("mla_decode", *(x.layout if x is not None else None for x in tensors), call.head_dim_v, call.scale,
@@ -101,7 +112,10 @@ def mla_decode(
 
 def _on_host(call: checks.MlaCall):
     t = call.tensors
-    out, lse = mla_decode_reference(t["q"], t["kv_cache"], t["page_table"], t["cache_seqlens"],
+    q, kv = t["q"], t["kv_cache"]
+    if "q_rope" in t:  # the split form is the single array's attention
+        q, kv = np.concatenate([q, t["q_rope"]], axis=-1), np.concatenate([kv, t["kv_rope_cache"]], axis=-1)
+    out, lse = mla_decode_reference(q, kv, t["page_table"], t["cache_seqlens"],
                                     head_dim_v=call.head_dim_v, softmax_scale=call.scale, causal=call.causal,
                                     descale_kv=call.descale_kv)
     out = out.astype(t["q"].dtype)

@@ -372,8 +372,10 @@ def pack_combine_params(op: tuple, lp: tuple, o: tuple, lse: tuple, splits: int,
 
 
 # cuda_src/common/mla_decode.cuh: MlaParams.
-MLA_POINTERS = ("q", "kv_cache", "out", "lse", "out_partial", "lse_partial", "cache_seqlens", "page_table", "descale_kv")
-MLA_STRIDES = ("q_batch", "q_row", "q_head", "kv_page", "kv_row", "o_batch", "o_row", "o_head")
+MLA_POINTERS = ("q", "kv_cache", "out", "lse", "out_partial", "lse_partial", "cache_seqlens", "page_table", "descale_kv",
+                "q_rope", "kv_rope")
+MLA_STRIDES = ("q_batch", "q_row", "q_head", "kv_page", "kv_row", "q_rope_batch", "q_rope_row", "q_rope_head",
+               "kv_rope_page", "kv_rope_row", "o_batch", "o_row", "o_head")
 MLA_INTS = ("batch", "seqlen_q", "heads", "page_size", "max_pages", "num_splits", "row_tiles", "causal")
 MLA_PARAMS = np.dtype(
     [(name, np.uint64) for name in MLA_POINTERS]
@@ -382,7 +384,7 @@ MLA_PARAMS = np.dtype(
     + [(name, np.float32) for name in ("scale_log2", "descale_kv_scalar")],
     align=True,
 )
-MLA_PARAMS_SIZE = 176  # sizeof(MlaParams)
+MLA_PARAMS_SIZE = 232  # sizeof(MlaParams)
 
 
 def pack_mla_params(strides: tuple, ints: dict, softmax_scale: float, descale_kv: float = 1.0) -> np.ndarray:

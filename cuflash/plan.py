@@ -568,8 +568,9 @@ class MlaPlan:
     def launch(self, framework: str, operands: tuple, given: tuple, given_t: tuple, return_lse: bool,
                cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
         """(out, lse or None) on ``operands``: q's DeviceTensor and the pointers of q, kv_cache,
-        cache_seqlens, page_table and descale_kv (0 where scalar)."""
-        q, (q_ptr, kv, seqlens, table, descale) = operands
+        cache_seqlens, page_table, descale_kv (0 where scalar), q_rope and kv_rope_cache (0 but
+        in the split form)."""
+        q, (q_ptr, kv, seqlens, table, descale, q_rope, kv_rope) = operands
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
             out, out_ptr = interop.allocate(framework, q, self.out_shape)
@@ -577,7 +578,7 @@ class MlaPlan:
             owner, o_part = interop.scratch(framework, q, self.scratch_bytes) if self.scratch_bytes else (None, 0)
             l_part = o_part + self.lse_offset if o_part else 0
             kernels.launch(self.decode, stream, self.argument.fill(q_ptr, kv, out_ptr, 0 if o_part else lse_ptr, o_part,
-                                                                   l_part, seqlens, table, descale))
+                                                                   l_part, seqlens, table, descale, q_rope, kv_rope))
             if self.combine is not None:
                 kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr))
             del owner
@@ -586,8 +587,9 @@ class MlaPlan:
 
 def build_mla(call, tensors: tuple) -> MlaPlan:
     """The plan of a checked GPU mla_decode call (checks.MlaCall); ``tensors``: the DeviceTensors of
-    q, kv_cache, cache_seqlens, page_table and descale_kv (None where scalar)."""
-    q, kv, _, table, _ = tensors
+    q, kv_cache, cache_seqlens, page_table, descale_kv (None where scalar), q_rope and
+    kv_rope_cache (None but in the split form)."""
+    q, kv, _, table, _, q_rope, kv_rope = tensors
     family, capability = target = dispatch.device_target(q.device)
     choice = dispatch.mla_kernel(family, q.dtype, kv.dtype)
     rows = call.seqlen_q * call.heads
@@ -599,7 +601,8 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
     out_shape = (call.batch, call.seqlen_q, call.heads, call.head_dim_v)
     lse_shape = (call.batch, call.heads, call.seqlen_q)
     dv, h, s = call.head_dim_v, call.heads, call.seqlen_q
-    strides = (*q.strides[:3], kv.strides[0], kv.strides[1], s * h * dv, h * dv, dv)
+    rope_strides = (*q_rope.strides[:3], *kv_rope.strides[:2]) if q_rope is not None else (0,) * 5
+    strides = (*q.strides[:3], kv.strides[0], kv.strides[1], *rope_strides, s * h * dv, h * dv, dv)
     ints = dict(batch=call.batch, seqlen_q=s, heads=h, page_size=call.page_size, max_pages=table.shape[1],
                 num_splits=splits, row_tiles=row_tiles, causal=int(call.causal))
     descale = call.descale_kv if isinstance(call.descale_kv, float) else 1.0

@@ -147,3 +147,56 @@ def test_validate_finds_a_page_out_of_range(family):
     page_table[1, 0] = kv.shape[0]
     with pytest.raises(ValueError, match="page_table"):
         cuflash.mla_decode(cp.asarray(q), cp.asarray(kv), cp.asarray(page_table), cp.asarray(seqlens), validate=True)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "e4m3"])
+def test_split_form(family, fp8):
+    # FA3's qv form: the latent and rope parts in separate arrays (their own strides: slices of
+    # wider buffers here), the same attention as the single array.
+    import cupy as cp
+
+    rng = np.random.default_rng()
+    q, kv, page_table, seqlens = make_case(rng, 3, 2, 64, [1, 190, 700], 64, "bfloat16", fp8=fp8)
+    descale = 0.03 if fp8 else None
+    ref_out, ref_lse = mla_decode_reference(q, kv, page_table, seqlens, head_dim_v=DV, descale_kv=descale)
+    lowp_out = mla_decode_reference(q, kv, page_table, seqlens, head_dim_v=DV, descale_kv=descale, dtype=q.dtype)[0]
+
+    def dev(x):  # into a buffer 16 columns wider, so each part has strides of its own
+        wide = np.zeros((*x.shape[:-1], x.shape[-1] + 16), x.dtype)
+        wide[..., :x.shape[-1]] = x
+        return cp.asarray(wide.view(np.uint8) if x.dtype == E4M3 else wide)[..., :x.shape[-1]]
+    extra = {"dtype": "e4m3", "descale_kv": descale} if fp8 else {}
+    out, lse = cuflash.mla_decode(dev(q[..., :DV]), dev(kv[..., :DV]), cp.asarray(page_table), cp.asarray(seqlens),
+                                  q_rope=dev(q[..., DV:]), kv_rope_cache=dev(kv[..., DV:]), return_lse=True, **extra)
+    out_h, lse_h = cp.asnumpy(out).astype(np.float32), cp.asnumpy(lse)
+    ok, err, bound = max_error_bound(out_h, ref_out, lowp_out, atol=ATOL)
+    assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse_h[finite], ref_lse[finite], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_flash_attn_with_kvcache_qv_form(family, paged):
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_with_kvcache
+
+    rng = np.random.default_rng()
+    if paged:
+        q, kv, page_table, seqlens = make_case(rng, 2, 2, 16, [90, 300], 64, "float16")
+    else:  # one page of the whole capacity per sequence
+        q, kv, _, seqlens = make_case(rng, 2, 2, 16, [90, 300], 320, "float16")
+        kv = np.stack([kv[0], kv[0]])  # rows past each length are NaN, never read
+        kv[1, :300, 0] = rng.standard_normal((300, D)).astype(np.float16)
+        kv[0, :90, 0] = rng.standard_normal((90, D)).astype(np.float16)
+        page_table = np.arange(2, dtype=np.int32)[:, None]
+    ref_out, ref_lse = mla_decode_reference(q, kv, page_table, seqlens, head_dim_v=DV, causal=True)
+    lowp_out = mla_decode_reference(q, kv, page_table, seqlens, head_dim_v=DV, causal=True, dtype=q.dtype)[0]
+    t = {name: torch.from_numpy(np.ascontiguousarray(x)).cuda() for name, x in
+         (("q", q[..., DV:]), ("k_cache", kv[..., DV:]), ("v_cache", kv[..., :DV]), ("qv", q[..., :DV]),
+          ("cache_seqlens", seqlens), ("page_table", page_table))}
+    if not paged:
+        del t["page_table"]
+    out, lse = flash_attn_with_kvcache(**t, causal=True, return_softmax_lse=True)
+    ok, err, bound = max_error_bound(out.float().cpu().numpy(), ref_out, lowp_out, atol=ATOL)
+    assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=1e-3, atol=1e-3)

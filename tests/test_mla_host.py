@@ -85,3 +85,28 @@ def test_bench_table_names_the_peers_and_rates():
     table = bench_mla.markdown_table(report)
     assert "| 16-bit | 1 | 16 | 64 | 4096 | 100.0 | 3000 | 90 |" in table and "RuntimeError: x" in table
     assert "4200 GB/s" in table and "bf16 matmul: 800 TFLOP/s" in table and "3000 GB/s, 660 TFLOP/s" in table
+
+
+def test_split_form_is_the_single_array_attention():
+    rng = np.random.default_rng(3)
+    q, kv, table, lengths = case(rng, head_dim=40)
+    out, lse = cuflash.mla_decode(q[..., :32], kv[..., :32], table, lengths, head_dim_v=32, q_rope=q[..., 32:],
+                                  kv_rope_cache=kv[..., 32:], return_lse=True)
+    ref_out, ref_lse = mla_decode_reference(q, kv, table, lengths, head_dim_v=32)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (lambda a: a | {"kv_rope_cache": None}, ValueError, "the split form takes both"),
+    (lambda a: a | {"q_rope": a["q_rope"][:, :1]}, ValueError, "q_rope: expected q's"),
+    (lambda a: a | {"kv_rope_cache": a["kv_rope_cache"][..., :4]}, ValueError, "kv_rope_cache: expected"),
+    (lambda a: a | {"q_rope": a["q_rope"].astype(np.float64)}, TypeError, "q_rope: dtype float64"),
+    (lambda a: a | {"head_dim_v": 16}, ValueError, "head_dim_v: in the split form"),
+])
+def test_split_form_bad_arguments_are_named(change, error, match):
+    q, kv, table, lengths = case(np.random.default_rng(4), head_dim=40)
+    arguments = change({"q": q[..., :32], "kv_cache": kv[..., :32], "page_table": table, "cache_seqlens": lengths,
+                        "head_dim_v": 32, "q_rope": q[..., 32:], "kv_rope_cache": kv[..., 32:]})
+    with pytest.raises(error, match=match):
+        cuflash.mla_decode(**arguments)

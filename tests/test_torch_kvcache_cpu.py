@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash.reference_kvcache import combine_reference, kvcache_reference
+from cuflash.reference_kvcache import combine_reference, kvcache_reference, mla_decode_reference
 from kvcache_cases import make_case, reference_args, same_bytes
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch, a CPU build is enough)")
@@ -47,7 +47,7 @@ def test_cache_updated_in_place_through_the_tensor():
     assert same_bytes(k_cache.numpy(), ref_k)
 
 
-@pytest.mark.parametrize("name, value", [("qv", 1), ("cu_seqlens_k_new", 1), ("rotary_seqlens", 1),
+@pytest.mark.parametrize("name, value", [("cu_seqlens_k_new", 1), ("rotary_seqlens", 1),
                                          ("q_descale", 1), ("attention_chunk", 4), ("scheduler_metadata", 1),
                                          ("sm_margin", 2)])
 def test_unsupported_arguments_named(name, value):
@@ -70,3 +70,35 @@ def test_flash_attn_combine_on_cpu():
     result, _ = ct.flash_attn_combine(o, lse, out=given)
     assert result is given
     np.testing.assert_allclose(given.numpy(), ref_out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_qv_form_is_mla_decoding_on_cpu(page_size):
+    r = np.random.default_rng(12)
+    batch, seqlen_q, heads, latent, rope = 2, 2, 4, 32, 8
+    pages = 2 * 3 if page_size else batch
+    rows = page_size or 24
+    kv = r.standard_normal((pages, rows, 1, latent + rope)).astype(np.float32)
+    q = r.standard_normal((batch, seqlen_q, heads, latent + rope)).astype(np.float32)
+    if page_size:
+        table = r.permutation(pages).astype(np.int32).reshape(batch, -1)
+    else:
+        table = np.arange(batch, dtype=np.int32)[:, None]
+    lengths = np.array([19, 5], np.int32)
+    ref_out, ref_lse = mla_decode_reference(q, kv, table, lengths, head_dim_v=latent, causal=True)
+    out, lse = ct.flash_attn_with_kvcache(as_torch(q[..., latent:]), as_torch(kv[..., latent:]),
+                                          as_torch(kv[..., :latent]), qv=as_torch(q[..., :latent]),
+                                          cache_seqlens=as_torch(lengths),
+                                          page_table=as_torch(table) if page_size else None, causal=True,
+                                          return_softmax_lse=True)
+    assert isinstance(out, torch.Tensor) and out.shape == (batch, seqlen_q, heads, latent)
+    np.testing.assert_allclose(out.numpy(), ref_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse.numpy(), ref_lse, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name, value", [("k", torch.zeros(1, 1, 1, 8)), ("window_size", (3, 0)), ("softcap", 5.0),
+                                         ("cu_seqlens_q", torch.zeros(2, dtype=torch.int32))])
+def test_qv_form_refuses_what_mla_decoding_does_not_take(name, value):
+    q, cache = torch.zeros(1, 1, 2, 8), torch.zeros(1, 4, 1, 8)
+    with pytest.raises(NotImplementedError, match=f"{name} with qv"):
+        ct.flash_attn_with_kvcache(q, cache, torch.zeros(1, 4, 1, 32), qv=torch.zeros(1, 1, 2, 32), **{name: value})

@@ -36,9 +36,15 @@ struct MlaParams {
   const int* cache_seqlens;  // (batch,)
   const int* page_table;     // (batch, max_pages)
   const float* descale_kv;   // e4m3 cache: (batch,) float32; null: descale_kv_scalar
+  // The split form (FA3's qv): q and kv_cache hold the first DV dims, these the other D - DV
+  // (rows laid out like theirs); null: q and kv_cache hold all D.
+  const void* q_rope;
+  const void* kv_rope;
   // Strides in elements.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 kv_page_stride, kv_row_stride;
+  i64 q_rope_batch_stride, q_rope_row_stride, q_rope_head_stride;
+  i64 kv_rope_page_stride, kv_rope_row_stride;
   i64 o_batch_stride, o_row_stride, o_head_stride;
   int batch, seqlen_q, heads;
   int page_size, max_pages;
@@ -47,10 +53,17 @@ struct MlaParams {
   float scale_log2;  // softmax_scale * log2(e)
   float descale_kv_scalar;
 };
-static_assert(sizeof(MlaParams) == 176, "params.py MLA_PARAMS mirrors MlaParams");
+static_assert(sizeof(MlaParams) == 232, "params.py MLA_PARAMS mirrors MlaParams");
 
 constexpr int kMlaRows = 64;      // packed query rows per CTA: one wgmma M, four warps of m16
 constexpr int kMlaThreads = 256;  // two warpgroups
+
+// Where the chunks of a row past its first DV dims come from: the rope array's row, placed so that
+// the row's chunk index addresses both halves alike, or (single array) the row itself.
+template <int DV, class S>
+__device__ __forceinline__ const S* rope_part(const S* row, const void* rope, i64 rope_offset) {
+  return rope ? static_cast<const S*>(rope) + rope_offset - DV : row;
+}
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of 64-column panels `panel` bytes apart.
 __device__ __forceinline__ u32 mla_chunk(int row, int chunk, u32 panel) {
@@ -72,32 +85,37 @@ struct MlaSmem {
 // TPR j. A 16-bit cache goes by cp.async (issue, then land: wait for this thread's copies); an
 // e4m3 cache is loaded into registers at issue and widened exactly to T into the stage at land,
 // each thread its own chunks, so neither needs the CTA between its halves.
-template <class T, class C, int D, int KEYS>
+template <class T, class C, int D, int DV, int KEYS>
 struct MlaCacheLoader {
   static constexpr int TPR = kMlaThreads / KEYS, CHUNKS = D / 8 / TPR;
-  static_assert(D % (8 * TPR) == 0, "every thread copies as many chunks");
+  static_assert(D % (8 * TPR) == 0 && DV % (8 * TPR) == 0, "every thread copies as many chunks, of one part each");
   static constexpr bool kFp8 = InputStorage<C>::fp8;
   uint2 staged[kFp8 ? CHUNKS : 1];  // e4m3: 8 bytes, one 16-bit chunk, each
 
-  // Row `pos` of sequence b, or nothing past its length (the stage then holds zeros: masked keys
-  // must be finite, as 0 * NaN is not 0).
-  __device__ __forceinline__ const unsigned char* row_source(const MlaParams& p, int b, int pos, int kv_len) const {
-    if (pos >= kv_len) return nullptr;
-    const int page = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
-    return static_cast<const unsigned char*>(p.kv_cache) +
-           (i64(page) * p.kv_page_stride + i64(pos % p.page_size) * p.kv_row_stride) * sizeof(typename InputStorage<C>::type);
-  }
+  typedef typename InputStorage<C>::type S;
 
   __device__ __forceinline__ void issue(const MlaParams& p, unsigned char* stage, int b, int first_key, int kv_len) {
     const int row = threadIdx.x / TPR, lane_chunk = threadIdx.x % TPR;
-    const unsigned char* src = row_source(p, b, first_key + row, kv_len);
+    // Row `pos` of sequence b, or nothing past its length (the stage then holds zeros: masked
+    // keys must be finite, as 0 * NaN is not 0).
+    const int pos = first_key + row;
+    const bool valid = pos < kv_len;
+    const S* latent = static_cast<const S*>(p.kv_cache);
+    const S* rope = latent;
+    if (valid) {
+      const i64 page = p.page_table[i64(b) * p.max_pages + pos / p.page_size], in_page = pos % p.page_size;
+      latent += page * p.kv_page_stride + in_page * p.kv_row_stride;
+      rope = rope_part<DV>(latent, p.kv_rope, page * p.kv_rope_page_stride + in_page * p.kv_rope_row_stride);
+    }
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
       const int chunk = lane_chunk + TPR * j;
+      // TPR divides DV / 8, so which part a chunk is in is known at compile time.
+      const S* src = (TPR * j >= DV / 8 ? rope : latent) + 8 * chunk;  // 8 elements a chunk
       if constexpr (kFp8) {
-        staged[j] = src ? __ldg(reinterpret_cast<const uint2*>(src) + chunk) : make_uint2(0, 0);
+        staged[j] = valid ? __ldg(reinterpret_cast<const uint2*>(src)) : make_uint2(0, 0);
       } else {
-        cp_async_16(stage + mla_chunk(row, chunk, KEYS * 128), src ? src + 16 * chunk : p.kv_cache, src ? 16 : 0);
+        cp_async_16(stage + mla_chunk(row, chunk, KEYS * 128), valid ? src : latent, valid ? 16 : 0);
       }
     }
     if constexpr (!kFp8) cp_async_commit();
@@ -152,16 +170,19 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     const int row = first_row + threadIdx.x / TPR;
     const bool valid = row < rows;
     const int t = valid ? row / p.heads : 0, h = valid ? row % p.heads : 0;
-    const u16* src = static_cast<const u16*>(p.q) + i64(b) * p.q_batch_stride + i64(t) * p.q_row_stride +
-                     i64(h) * p.q_head_stride;
+    const u16* latent = static_cast<const u16*>(p.q) + i64(b) * p.q_batch_stride + i64(t) * p.q_row_stride +
+                        i64(h) * p.q_head_stride;
+    const u16* rope = rope_part<DV>(latent, p.q_rope, i64(b) * p.q_rope_batch_stride + i64(t) * p.q_rope_row_stride +
+                                                          i64(h) * p.q_rope_head_stride);
 #pragma unroll
     for (int j = 0; j < D / 8 / TPR; ++j) {
       const int chunk = threadIdx.x % TPR + TPR * j;
-      cp_async_16(smem + L::Q + mla_chunk(threadIdx.x / TPR, chunk, L::Q_PANEL), src + 8 * chunk, valid ? 16 : 0);
+      cp_async_16(smem + L::Q + mla_chunk(threadIdx.x / TPR, chunk, L::Q_PANEL),
+                  (TPR * j >= DV / 8 ? rope : latent) + 8 * chunk, valid ? 16 : 0);
     }
     cp_async_commit();
   }
-  MlaCacheLoader<T, C, D, KEYS> loader;
+  MlaCacheLoader<T, C, D, DV, KEYS> loader;
   if (step_begin < step_end) loader.issue(p, smem + L::KV, b, step_begin * KEYS, kv_len);
 
   float o[DV / 4], s[KEYS / 4];

@@ -320,10 +320,16 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
 
     With ``cu_seqlens_q``, k and v are packed like q: each sequence appends as many tokens as it
     has queries. ``pack_gqa`` is accepted and changes nothing (the decode kernel always packs the
-    query heads of a KV head). Raises NotImplementedError, naming it, for qv, cu_seqlens_k_new,
+    query heads of a KV head). Raises NotImplementedError, naming it, for cu_seqlens_k_new,
     rotary_seqlens, q_descale, attention_chunk, scheduler_metadata and sm_margin.
+
+    With ``qv`` (MLA decoding's split form): q and k_cache hold the 64 rotary dims, qv and v_cache
+    the 512 latent ones, one kv head; this is :func:`cuflash.mla_decode` with q_rope=q and
+    kv_rope_cache=k_cache, the default scale 1 / sqrt(576) as FlashAttention-3's. It takes no
+    append (k, v), rotary, cache_batch_idx, cache_leftpad, cu_seqlens_q, window or softcap, and one
+    descale for the latent cache (k_descale, v_descale the same tensor or one of them).
     """
-    unsupported = {"qv": qv is not None, "cu_seqlens_k_new": cu_seqlens_k_new is not None,
+    unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None,
                    "rotary_seqlens": rotary_seqlens is not None, "q_descale": q_descale is not None,
                    "attention_chunk": attention_chunk != 0, "scheduler_metadata": scheduler_metadata is not None,
                    "sm_margin": sm_margin != 0}
@@ -334,6 +340,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         raise TypeError(f"pack_gqa: expected None or a bool, got {pack_gqa!r}")
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 0:
         cache_seqlens = int(cache_seqlens)
+    if qv is not None:
+        refused = {"k": k is not None, "v": v is not None, "rotary_cos": rotary_cos is not None,
+                   "rotary_sin": rotary_sin is not None, "cache_batch_idx": cache_batch_idx is not None,
+                   "cache_leftpad": cache_leftpad is not None, "cu_seqlens_q": cu_seqlens_q is not None,
+                   "window_size": tuple(window_size) != (-1, -1), "softcap": softcap != 0,
+                   "k_descale and v_descale that differ": (k_descale is not None and v_descale is not None
+                                                           and k_descale is not v_descale)}
+        for name, used in refused.items():
+            if used:
+                raise NotImplementedError(f"flash_attn_with_kvcache: cuflash does not take {name} with qv")
+        return _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softmax_scale, causal,
+                                 num_splits, k_descale if k_descale is not None else v_descale, return_softmax_lse)
     arrays = [_as_cuflash(x) for x in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                        cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, k_descale,
                                        v_descale)]
@@ -347,6 +365,29 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         softcap=softcap, num_splits=num_splits, descale_k=k_descale, descale_v=v_descale,
         return_lse=return_softmax_lse)
     return tuple(_as_torch(x) for x in result) if return_softmax_lse else _as_torch(result)
+
+
+def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softmax_scale, causal, num_splits,
+                      descale, return_lse):
+    """flash_attn_with_kvcache's qv form as cuflash.mla_decode's split form. A contiguous cache
+    (batch, seqlen_cache, 1, d) is a paged one of one page per sequence; cache_seqlens None (or an
+    int) is every sequence at that length."""
+    batch = qv.shape[0] if isinstance(qv, torch.Tensor) else None
+    device = qv.device if isinstance(qv, torch.Tensor) else None
+    if batch is None:
+        raise TypeError(f"qv: expected a torch.Tensor, got {type(qv).__name__}")
+    if page_table is None and isinstance(v_cache, torch.Tensor) and v_cache.dim() == 4:
+        page_table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        length = v_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
+        cache_seqlens = torch.full((batch,), length if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
+                                   device=device)
+    arrays = [_as_cuflash(x) for x in (qv, v_cache, page_table, cache_seqlens, q, k_cache, descale)]
+    qv, v_cache, page_table, cache_seqlens, q, k_cache, descale = arrays
+    result = cuflash.mla_decode(qv, v_cache, page_table, cache_seqlens, head_dim_v=qv.shape[-1],
+                                softmax_scale=softmax_scale, causal=causal, num_splits=num_splits, descale_kv=descale,
+                                return_lse=return_lse, q_rope=q, kv_rope_cache=k_cache)
+    return tuple(_as_torch(x) for x in result) if return_lse else _as_torch(result)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
