@@ -93,8 +93,17 @@ struct MlaCacheLoader {
   uint2 staged[kFp8 ? CHUNKS : 1];  // e4m3: 8 bytes, one 16-bit chunk, each
 
   typedef typename InputStorage<C>::type S;
+  int page = 0;  // of this thread's row at the next issue: looked up a step ahead of it
 
-  __device__ __forceinline__ void issue(const MlaParams& p, unsigned char* stage, int b, int first_key, int kv_len) {
+  // The page-table entry of this thread's row at a later issue: a global load whose latency would
+  // otherwise stall the copies' issue, and the products behind it, every step.
+  __device__ __forceinline__ void lookup(const MlaParams& p, int b, int first_key, int kv_len) {
+    const int pos = first_key + int(threadIdx.x) / TPR;
+    if (pos < kv_len) page = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
+  }
+
+  // Copies the rows of the step at first_key, whose pages lookup found.
+  __device__ __forceinline__ void issue(const MlaParams& p, unsigned char* stage, int first_key, int kv_len) {
     const int row = threadIdx.x / TPR, lane_chunk = threadIdx.x % TPR;
     // Row `pos` of sequence b, or nothing past its length (the stage then holds zeros: masked
     // keys must be finite, as 0 * NaN is not 0).
@@ -103,9 +112,9 @@ struct MlaCacheLoader {
     const S* latent = static_cast<const S*>(p.kv_cache);
     const S* rope = latent;
     if (valid) {
-      const i64 page = p.page_table[i64(b) * p.max_pages + pos / p.page_size], in_page = pos % p.page_size;
-      latent += page * p.kv_page_stride + in_page * p.kv_row_stride;
-      rope = rope_part<DV>(latent, p.kv_rope, page * p.kv_rope_page_stride + in_page * p.kv_rope_row_stride);
+      const i64 in_page = pos % p.page_size;
+      latent += i64(page) * p.kv_page_stride + in_page * p.kv_row_stride;
+      rope = rope_part<DV>(latent, p.kv_rope, i64(page) * p.kv_rope_page_stride + in_page * p.kv_rope_row_stride);
     }
 #pragma unroll
     for (int j = 0; j < CHUNKS; ++j) {
@@ -183,7 +192,11 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     cp_async_commit();
   }
   MlaCacheLoader<T, C, D, DV, KEYS> loader;
-  if (step_begin < step_end) loader.issue(p, smem + L::KV, b, step_begin * KEYS, kv_len);
+  if (step_begin < step_end) {
+    loader.lookup(p, b, step_begin * KEYS, kv_len);
+    loader.issue(p, smem + L::KV, step_begin * KEYS, kv_len);
+    loader.lookup(p, b, (step_begin + 1) * KEYS, kv_len);
+  }
 
   float o[DV / 4], s[KEYS / 4];
 #pragma unroll
@@ -202,10 +215,13 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     loader.land(stage);
     Product::publish();
     __syncthreads();
-    if (n + 1 < step_end)
-      loader.issue(p, smem + L::KV + ((n + 1 - step_begin) % 2) * L::KV_STAGE, b, (n + 1) * KEYS, kv_len);
-
-    Product::template scores<T, D, KEYS>(s, smem + L::Q, stage + wg * (KEYS / 2) * 128, warp, lane);
+    // S in flight (wgmma) while the next step's copies are issued; mma.sync computes it after.
+    Product::template scores_issue<T, D, KEYS>(s, smem + L::Q, stage + wg * (KEYS / 2) * 128);
+    if (n + 1 < step_end) {
+      loader.issue(p, smem + L::KV + ((n + 1 - step_begin) % 2) * L::KV_STAGE, (n + 1) * KEYS, kv_len);
+      loader.lookup(p, b, (n + 2) * KEYS, kv_len);
+    }
+    Product::template scores_finish<T, D, KEYS>(s, smem + L::Q, stage + wg * (KEYS / 2) * 128, warp, lane);
     // Scores to exp2's units; keys past a row's end to -inf (only in steps that cross one).
     const int key0 = n * KEYS + wg * (KEYS / 2) + 2 * (lane % 4);
     const bool masked = (n + 1) * KEYS > tile_key_end_min;

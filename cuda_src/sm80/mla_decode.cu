@@ -11,10 +11,15 @@ struct MlaMmaSync {
   static __device__ __forceinline__ void drain(float (&)[R]) {}
   static __device__ __forceinline__ void publish() {}
 
+  // mma.sync is synchronous: nothing to issue ahead of the copies.
+  template <class T, int D, int KEYS>
+  static __device__ __forceinline__ void scores_issue(float (&)[KEYS / 4], const unsigned char*,
+                                                      const unsigned char*) {}
+
   // s = Q K^T for this warp's 16 rows and the warpgroup's KEYS / 2 keys (rows of k).
   template <class T, int D, int KEYS>
-  static __device__ __forceinline__ void scores(float (&s)[KEYS / 4], const unsigned char* q, const unsigned char* k,
-                                                int warp, int lane) {
+  static __device__ __forceinline__ void scores_finish(float (&s)[KEYS / 4], const unsigned char* q,
+                                                       const unsigned char* k, int warp, int lane) {
     static_assert(KEYS % 32 == 0, "ldmatrix.x4 reads B 16 keys at a time");
 #pragma unroll
     for (int i = 0; i < KEYS / 4; ++i) s[i] = 0.f;

@@ -20,12 +20,18 @@ struct MlaWgmma {
   // cp.async copies, the widened e4m3 rows, P) are fenced into it first.
   static __device__ __forceinline__ void publish() { fence_proxy_async_shared(); }
 
+  // s = Q K^T, issued, then waited for (the caller issues copies in between).
   template <class T, int D, int KEYS>
-  static __device__ __forceinline__ void scores(float (&s)[KEYS / 4], const unsigned char* q, const unsigned char* k,
-                                                int, int) {
+  static __device__ __forceinline__ void scores_issue(float (&s)[KEYS / 4], const unsigned char* q,
+                                                      const unsigned char* k) {
     wgmma_fence();
     wgmma_ss_panels<KEYS / 2, T, D / 64>(s, smem_desc_sw128(q), kMlaRows * 128, smem_desc_sw128(k), KEYS * 128);
     wgmma_commit();
+    fence_registers(s);
+  }
+  template <class T, int D, int KEYS>
+  static __device__ __forceinline__ void scores_finish(float (&s)[KEYS / 4], const unsigned char*,
+                                                       const unsigned char*, int, int) {
     wgmma_wait<0>();
     fence_registers(s);
   }
