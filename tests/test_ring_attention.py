@@ -114,6 +114,10 @@ def worker(rank, world_size, port, backend, seed):
             if device.type == "cpu" or case[0] != "float32":  # the kernels take fp16 and bf16
                 check_case(case, rank, world_size, device, seed + index)
         check_bad_input(rank, world_size, device)
+        # A rank's last send is complete when its bytes are handed over, not when the next rank has
+        # read them: tearing the group down before every rank is done can close a connection under
+        # a receive (gloo then aborts that process).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
