@@ -2,10 +2,12 @@
 
 Without a GPU it checks the CPU path and compiles one kernel, in seconds.
 ``python -m cuflash bench [--quick | --memory]`` times cuflash next to its peers (see
-cuflash/bench.py; ``--mode decode`` decoding against a KV cache, cuflash/bench_decode.py);
+cuflash/bench.py; ``--mode decode`` decoding against a KV cache, cuflash/bench_decode.py;
+``--mode mla`` MLA decoding, cuflash/bench_mla.py);
 ``python -m cuflash compile-check --arch sm_80`` compiles every kernel
 instantiation for one architecture with NVRTC, in parallel (no GPU needed), and gives a verdict on
-the spills (cuflash/compile_check.py).
+the spills (cuflash/compile_check.py); ``--front-end`` compiles the representative ones only and
+judges no spills (for an older NVRTC than the allowances were measured with).
 """
 
 from __future__ import annotations
