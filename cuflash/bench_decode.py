@@ -30,7 +30,8 @@ from pathlib import Path
 from cuflash.bench import document_header, gpu_slug
 
 __all__ = ["DecodeCase", "DecodeMeasurement", "DecodeReport", "DecodeShape", "available_impls", "copy_bandwidth",
-           "markdown_table", "random_cache", "report_json", "run_sweep", "sweep", "time_calls", "write_outputs"]
+           "markdown_table", "random_cache", "report_json", "run_sweep", "sweep", "time_calls", "torch_gpu",
+           "write_outputs"]
 
 HEAD_DIM = 128
 # The sweep's axes; --quick's subset (under a minute on an H200 once the kernels are compiled).
@@ -371,7 +372,7 @@ def copy_bandwidth(nbytes: int = COPY_BYTES) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def _torch_gpu() -> bool:
+def torch_gpu() -> bool:
     try:
         import torch
     except ImportError:
@@ -381,7 +382,7 @@ def _torch_gpu() -> bool:
 
 def available_impls(impls) -> list[str]:
     """``impls`` less the SDPA peers when torch (with CUDA) is not installed."""
-    has_torch = _torch_gpu()
+    has_torch = torch_gpu()
     return [i for i in impls if i == "cuflash" or (i in PEERS and has_torch)]
 
 
@@ -393,7 +394,7 @@ def run_sweep(sweep: list[DecodeCase], q_dtype: str = "bfloat16", repeats: int =
 
     # Each case's inputs are freed before the next case allocates (the largest take tens of GB).
     pool = cp.get_default_memory_pool()
-    timing = TIMING_EAGER if eager or not _torch_gpu() else TIMING_GRAPH
+    timing = TIMING_EAGER if eager or not torch_gpu() else TIMING_GRAPH
     report = DecodeReport([], copy_bandwidth(), environment(), command, timing)
     pool.free_all_blocks()
     for done, case in enumerate(sweep, 1):

@@ -86,7 +86,7 @@ def run_sweep(cases: list[MlaCase], q_dtype: str = "bfloat16", repeats: int = 10
     from cuflash.timing import copies_to_defeat_l2
 
     pool = cp.get_default_memory_pool()
-    graph = not eager and bench_decode._torch_gpu()
+    graph = not eager and bench_decode.torch_gpu()
     timing = bench_decode.TIMING_GRAPH if graph else bench_decode.TIMING_EAGER
     report = {"environment": environment(), "command": command, "timing": timing, "q_dtype": q_dtype,
               "copy_GB/s": bench_decode.copy_bandwidth(), "matmul_TFLOP/s": matmul_rates(),

@@ -975,6 +975,8 @@ def check_mla(arrays: dict, head_dim_v: Any, softmax_scale: Any, causal: Any, nu
     batch, seqlen_q, heads, head_dim = q.shape
     if min(batch, seqlen_q, heads) < 1:
         raise ValueError(f"q: batch, seqlen_q and heads must be at least 1, got shape {tuple(q.shape)}")
+    if on_device and batch > dispatch.MAX_GRID_YZ:  # the kernel's grid.y
+        raise ValueError(f"q: batch at most {dispatch.MAX_GRID_YZ} on the GPU, got {batch}")
     q_dtype = _check_dtype("q", q, DEVICE_DTYPES if on_device else HOST_DTYPES, on_device)
     cache_dtype = dtype_name(kv)
     fp8_cache = cache_dtype == FP8_DTYPE

@@ -766,13 +766,13 @@ def sm_count(device_id: int) -> int:
 
 
 def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, capacity: int, sms: int,
-                   ctas_per_sm: int) -> int:
+                   ctas_per_sm: int, min_split_keys: int = KV_MIN_SPLIT_KEYS) -> int:
     """Key splits per (sequence, kv head, row tile): ``requested`` if given (> 0); one where the
     CTAs already make two waves of the SMs' resident slots (the last wave idles a third at most,
     and the fp32 partials of many row tiles would cost more than it); else the fewest whose CTAs
     fill the slots in waves at least KV_WAVE_EFFICIENCY full (decoding is bound by memory, so a
     last wave of few CTAs leaves the bandwidth idle), or the most efficient count if none is; each
-    split at least KV_MIN_SPLIT_KEYS of the capacity, at most KV_MAX_SPLITS."""
+    split at least ``min_split_keys`` of the capacity, at most KV_MAX_SPLITS."""
     if requested > 0:
         return requested
     ctas, slots = batch * heads_kv * row_tiles, sms * ctas_per_sm
@@ -783,7 +783,7 @@ def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, ca
         waves = ctas * splits / slots
         return waves / math.ceil(waves)
 
-    candidates = range(1, max(1, min(capacity // KV_MIN_SPLIT_KEYS, KV_MAX_SPLITS)) + 1)
+    candidates = range(1, max(1, min(capacity // min_split_keys, KV_MAX_SPLITS)) + 1)
     full = [s for s in candidates if efficiency(s) >= KV_WAVE_EFFICIENCY]
     return full[0] if full else max(candidates, key=efficiency)
 
@@ -841,7 +841,6 @@ MLA_KERNELS = {"sm80": "cuflash::mla_decode_sm80", "sm90": "cuflash::sm90::mla_d
 MLA_KEYS = {"sm80": 32, "sm90": 64}  # kMlaKeys of each source
 MLA_ROWS, MLA_THREADS = 64, 256  # kMlaRows, kMlaThreads
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
-MLA_MAX_SPLITS = 64
 
 
 def mla_smem_bytes(family: str) -> int:
@@ -866,19 +865,6 @@ def mla_all_kernels(family: str) -> list[KernelChoice]:
 
 
 def mla_splits(requested: int, batch: int, row_tiles: int, capacity: int, family: str, sms: int) -> int:
-    """Key splits per (sequence, row tile): ``requested`` if given (> 0), else as for the KV cache
-    (kvcache_splits: waves of the SMs' one resident CTA each at least KV_WAVE_EFFICIENCY full),
-    each split at least two steps of the capacity."""
-    if requested > 0:
-        return requested
-    ctas = batch * row_tiles
-    if ctas >= 2 * sms:
-        return 1
-
-    def efficiency(splits: int) -> float:
-        waves = ctas * splits / sms
-        return waves / math.ceil(waves)
-
-    candidates = range(1, max(1, min(capacity // (2 * MLA_KEYS[family]), MLA_MAX_SPLITS)) + 1)
-    full = [s for s in candidates if efficiency(s) >= KV_WAVE_EFFICIENCY]
-    return full[0] if full else max(candidates, key=efficiency)
+    """Key splits per (sequence, row tile): the KV cache's policy (kvcache_splits) for one CTA per
+    SM and one latent head, each split at least two steps of the capacity."""
+    return kvcache_splits(requested, batch, 1, row_tiles, capacity, sms, 1, 2 * MLA_KEYS[family])

@@ -594,8 +594,6 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
     choice = dispatch.mla_kernel(family, q.dtype, kv.dtype)
     rows = call.seqlen_q * call.heads
     row_tiles = -(-rows // dispatch.MLA_ROWS)
-    if call.batch > dispatch.MAX_GRID_YZ:
-        raise ValueError(f"q: batch at most {dispatch.MAX_GRID_YZ}, got {call.batch}")
     splits = dispatch.mla_splits(call.num_splits, call.batch, row_tiles, call.capacity, family,
                                  dispatch.sm_count(q.device))
     out_shape = (call.batch, call.seqlen_q, call.heads, call.head_dim_v)

@@ -35,7 +35,7 @@ struct MlaParams {
   float* lse_partial;        // (splits, heads, batch * seqlen_q)
   const int* cache_seqlens;  // (batch,)
   const int* page_table;     // (batch, max_pages)
-  const float* descale_kv;   // e4m3 cache: (batch,) float32; null: descale_kv_scalar
+  const float* descale_kv;   // e4m3 cache: (batch, 1) float32; null: descale_kv_scalar
   // The split form (FA3's qv): q and kv_cache hold the first DV dims, these the other D - DV
   // (rows laid out like theirs); null: q and kv_cache hold all D.
   const void* q_rope;

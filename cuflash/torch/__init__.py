@@ -372,15 +372,15 @@ def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softma
     """flash_attn_with_kvcache's qv form as cuflash.mla_decode's split form. A contiguous cache
     (batch, seqlen_cache, 1, d) is a paged one of one page per sequence; cache_seqlens None (or an
     int) is every sequence at that length."""
-    batch = qv.shape[0] if isinstance(qv, torch.Tensor) else None
-    device = qv.device if isinstance(qv, torch.Tensor) else None
-    if batch is None:
-        raise TypeError(f"qv: expected a torch.Tensor, got {type(qv).__name__}")
-    if page_table is None and isinstance(v_cache, torch.Tensor) and v_cache.dim() == 4:
+    for name, x in (("qv", qv), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    batch, device = qv.shape[0], qv.device
+    if page_table is None:
         page_table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
     if cache_seqlens is None or isinstance(cache_seqlens, int):
-        length = v_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
-        cache_seqlens = torch.full((batch,), length if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
+        capacity = v_cache.shape[1] * page_table.shape[1]
+        cache_seqlens = torch.full((batch,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
                                    device=device)
     arrays = [_as_cuflash(x) for x in (qv, v_cache, page_table, cache_seqlens, q, k_cache, descale)]
     qv, v_cache, page_table, cache_seqlens, q, k_cache, descale = arrays
