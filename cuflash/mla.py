@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from cuflash import checks, plan
+from cuflash import checks, interop, plan
 from cuflash.reference_kvcache import mla_decode_reference
 
 __all__ = ["mla_decode"]
@@ -98,7 +98,7 @@ def mla_decode(
     if call.framework == "numpy":
         return _on_host(call)
     t = call.tensors
-    descale = call.descale_kv if not isinstance(call.descale_kv, (float, type(None))) else None
+    descale = call.descale_kv if isinstance(call.descale_kv, interop.DeviceTensor) else None
     tensors = (t["q"], t["kv_cache"], t["cache_seqlens"], t["page_table"], descale, t.get("q_rope"),
                t.get("kv_rope_cache"))
     operands = (t["q"], tuple(x.ptr if x is not None else 0 for x in tensors))
