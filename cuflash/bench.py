@@ -504,7 +504,8 @@ def measure(name: str, run: Callable, case: Case, sets, repeats: int) -> float:
 
 
 def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dict]:
-    """Cold NVRTC compile and warm disk-cache load of each instantiation the sweep used."""
+    """Cold NVRTC compile and warm disk-cache load of each instantiation the sweep used;
+    ``head_dims`` (q's, v's) pairs."""
     import cupy as cp
     from cupy.cuda import function as cuda_function
 
@@ -512,13 +513,14 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
 
     family, capability = dispatch.device_target(cp.cuda.Device().id)
     rows = []
-    for head_dim in head_dims:
+    for head_dim, head_dim_v in head_dims:
         for causal in causals:
             mask = "causal" if causal else "none"
             inputs = {"dtype_name": "float8_e4m3fn", "out_dtype": "bfloat16"} if dtype == "e4m3" else {"dtype_name": dtype}
-            choices = [dispatch.forward_kernel(family, head_dim, mask, **inputs)] if mode != "bwd" else []
+            wider = max(head_dim, head_dim_v)  # the forward's kernel head dim (dispatch.kernel_head_dim)
+            choices = [dispatch.forward_kernel(family, wider, mask, **inputs)] if mode != "bwd" else []
             if mode != "fwd":
-                choices.append(dispatch.backward_kernels(family, head_dim, mask, dtype)[1])
+                choices.append(dispatch.backward_kernels(family, head_dim, mask, dtype, head_dim_v=head_dim_v)[1])
             for choice in choices:
                 arch = dispatch.compile_arch(choice.family, capability)
                 cold = kernels.compile_kernel(choice, arch, use_cache=False).seconds
@@ -555,7 +557,7 @@ def run_sweep(sweep: list[Case], impl_names, repeats: int = 10, command: str = "
                 report.measurements.append(Measurement(name, case, None, f"{type(error).__name__}: {error}"[:160]))
         del sets
     print(file=progress)
-    report.compile_times = compile_times(sweep[0].dtype, sorted({max(c.head_dim, c.head_dim_v or 0) for c in sweep}),
+    report.compile_times = compile_times(sweep[0].dtype, sorted({(c.head_dim, c.head_dim_v or c.head_dim) for c in sweep}),
                                          sorted({c.causal for c in sweep}), sweep[0].mode)
     return report
 

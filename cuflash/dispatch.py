@@ -6,7 +6,7 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 ``CUFLASH_FAMILY=sm80|sm90|auto`` overrides the choice. The sm90 family has forward kernels for
 every head-dim bucket (forward_launch still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). So does its backward main
-kernel (backward_kernel_dim); the preprocess and convert kernels that run around either family's
+kernel (backward_kernel_dims); the preprocess and convert kernels that run around either family's
 (common/flash_bwd_helpers.cu) are built for the sm80 target on every device.
 FP8 (e4m3) inputs run each family's forward: sm90's multiplies them in e4m3 (wgmma), sm80's
 stages the bytes and widens them to the 16-bit output type in shared memory (half the bytes of a
@@ -351,16 +351,17 @@ SM80_BWD_TILES = {
 }
 
 
-# sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per kernel head dim (the smallest that
-# holds the call's; TMA zero-fills the missing columns): 64 query rows per step, 12 warps; K, V,
-# the Q/dO ring, two tiles of block_n keys x 64 queries (dS^T, or dS^T and P^T) and the fp32 dQ
-# block in shared memory. Up to d128, 128 keys per CTA (64 per consumer warpgroup); at d256 the
-# consumers split the head dim over 64 keys, and one stage is all that fits beside the 65 KB dQ
-# block.
+# sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per kernel (head dim of q and k, of v):
+# the one with the fewest columns that holds the call's (TMA zero-fills the missing ones). 64
+# query rows per step, 12 warps; K, V, the Q/dO ring, two tiles of block_n keys x 64 queries (dS^T,
+# or dS^T and P^T) and the fp32 dQ block in shared memory. Up to d128, 128 keys per CTA (64 per
+# consumer warpgroup); above, the consumers split the head dim over 64 keys: at d256 one stage is
+# all that fits beside the 65 KB dQ block, DeepSeek's (192, 128) fits two.
 SM90_BWD_TILES = {
-    64: Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 + dQ 17 = 145 KB
-    128: Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 + dQ 33 = 193 KB
-    256: Tile(64, 64, 12, stages=1),  # K 32 + V 32 + Q 32 + dO 32 + dS 8 + P 8 + dQ 65 = 209 KB
+    (64, 64): Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 + dQ 17 = 145 KB
+    (128, 128): Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 + dQ 33 = 193 KB
+    (192, 128): Tile(64, 64, 12, stages=2),  # K 24 + V 16 + 2 x (Q 24 + dO 16) + dS 8 + P 8 + dQ 49 = 186 KB
+    (256, 256): Tile(64, 64, 12, stages=1),  # K 32 + V 32 + Q 32 + dO 32 + dS 8 + P 8 + dQ 65 = 209 KB
 }
 
 
@@ -371,23 +372,29 @@ SM90_BWD_TILES = {
 SM90_BWD_DQ_ROW_PAD = 4
 
 
-def backward_kernel_dim(family: str, head_dim: int) -> int:
-    """The head dim the backward main kernel of ``family`` is built for: the bucket, or on sm90 the
-    smallest of SM90_BWD_TILES that holds it. The fp32 dQ rows are this wide, plus
-    SM90_BWD_DQ_ROW_PAD on sm90."""
-    bucket = head_dim_bucket(head_dim)
-    return min(d for d in SM90_BWD_TILES if d >= bucket) if family == "sm90" else bucket
+def backward_kernel_dims(family: str, head_dim: int, head_dim_v: int | None = None) -> tuple[int, int]:
+    """The (q and k, v) head dims the backward main kernel of ``family`` is built for, for q's
+    ``head_dim`` and v's ``head_dim_v`` (None: the same): on sm90 the kernel of SM90_BWD_TILES with
+    the fewest columns that holds both, on sm80 the bucket of the wider twice (a v head dim of its
+    own is a flag there). The fp32 dQ rows are the first wide, plus SM90_BWD_DQ_ROW_PAD on sm90."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    if family != "sm90":
+        bucket = head_dim_bucket(max(head_dim, head_dim_v))
+        return bucket, bucket
+    fits = [dims for dims in SM90_BWD_TILES if dims[0] >= head_dim and dims[1] >= head_dim_v]
+    return min(fits, key=sum)
 
 
 @functools.lru_cache(maxsize=None)
 def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False,
-                     dq_order: str = "any", tile: Tile | None = None, own_v_dim: bool = False
+                     dq_order: str = "any", tile: Tile | None = None, head_dim_v: int | None = None
                      ) -> tuple[KernelChoice, ...]:
-    """(preprocess, main, convert) kernels of the backward pass; ``mask`` and ``softcap`` as for
+    """(preprocess, main, convert) kernels of the backward pass for q's ``head_dim`` and v's
+    ``head_dim_v`` (None: the same; backward_kernel_dims); ``mask`` and ``softcap`` as for
     forward_kernel (softcap runs in the window kernel, _mask_flags), ``dq_order`` one of DQ_ORDERS,
-    ``tile`` overrides the table, for tuning; ``own_v_dim``: v's head dim differs from q's (sm80
-    builds a kernel for it, flash_bwd.cu's OWN_V_DIM; sm90's reads both from its argument). Each
-    family has its own main kernel between the shared preprocess and convert kernels."""
+    ``tile`` overrides the table, for tuning. A v head dim other than q's has a kernel of its own on
+    sm80 (flash_bwd.cu's OWN_V_DIM); sm90's kernels read both from their argument. Each family has
+    its own main kernel between the shared preprocess and convert kernels."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -397,19 +404,20 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
     if dq_order not in dq_orders(family, mask, softcap):
         raise ValueError(f"dq_order: expected one of {dq_orders(family, mask, softcap)} for {family}, mask "
                          f"{mask!r} and softcap {softcap}, got {dq_order!r}")
-    kernel_dim = backward_kernel_dim(family, head_dim)
+    kernel_dim, kernel_dim_v = backward_kernel_dims(family, head_dim, head_dim_v)
+    own_v_dim = head_dim_v is not None and head_dim_v != head_dim
     elem = ELEMENT_TYPES[dtype_name]
     causal, window = _mask_flags(mask, softcap)
     helpers = tuple(KernelChoice("sm80", HELPERS_SOURCE, f"cuflash::flash_bwd_{step}<{HELPER_THREADS}, {elem}>",
                                  HELPER_THREADS, 0) for step in ("preprocess", "convert"))
     if family == "sm90":
-        tile = tile or SM90_BWD_TILES[kernel_dim]
+        tile = tile or SM90_BWD_TILES[kernel_dim, kernel_dim_v]
         # K and V (block_n rows), the Q and dO stages (block_m rows), two tiles of block_n rows of
         # 64 queries, the fp32 dQ block, and the alignment slack.
-        smem = (((2 * tile.block_n + 2 * tile.stages * tile.block_m) * kernel_dim + 2 * tile.block_n * 64) * 2
+        smem = (((tile.block_n + tile.stages * tile.block_m) * (kernel_dim + kernel_dim_v) + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (kernel_dim + SM90_BWD_DQ_ROW_PAD) * 4 + SM90_SMEM_ALIGN_SLACK)
-        main = (f"cuflash::sm90::flash_bwd_sm90<{kernel_dim}, {tile.stages}, {smem}, {_cpp(causal)}, {_cpp(window)}, "
-                f"{_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
+        main = (f"cuflash::sm90::flash_bwd_sm90<{kernel_dim}, {kernel_dim_v}, {tile.stages}, {smem}, {_cpp(causal)}, "
+                f"{_cpp(window)}, {_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")
         # A causal head's key blocks run side by side (flash_bwd.cu), unlike sm80's.
         main_choice = KernelChoice("sm90", "sm90/flash_bwd.cu", main, tile.warps * 32, smem, tile)
         return helpers[0], main_choice, helpers[1]
@@ -429,9 +437,9 @@ def all_kernels(family: str) -> list[KernelChoice]:
     """Every instantiation of a family, for the ahead-of-time compile check: its forward and
     backward kernels (sm90's devices also run the shared preprocess and convert kernels, built for
     the sm80 target, and sm80's main backward kernel where no tensor map describes the tensors:
-    those are sm80's instantiations). sm80's backward kernels for a v head dim of its own
-    (own_v_dim) come after the others but before the KV cache kernels, so that the lists of older
-    trees pair by position."""
+    those are sm80's instantiations). Kernels added later come after the earlier ones, so that the
+    lists of older trees pair by position: sm80's backward kernels for a v head dim of its own,
+    sm80's KV cache kernels, each family's MLA kernels, then sm90's backward for q/k 192 with v 128."""
     found: dict[str, KernelChoice] = {}
     buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
     for bucket in buckets:
@@ -461,12 +469,19 @@ def all_kernels(family: str) -> list[KernelChoice]:
                     for softcap in (False, True):
                         for dq_order in dq_orders(family, mask, softcap):
                             choice = backward_kernels(family, bucket, mask, dtype, softcap, dq_order,
-                                                      own_v_dim=True)[1]
+                                                      head_dim_v=bucket // 2)[1]
                             found.setdefault(choice.name_expression, choice)
         for choice in kvcache_all_kernels():
             found.setdefault(choice.name_expression, choice)
-    for choice in mla_all_kernels(family):  # last, for the same reason
+    for choice in mla_all_kernels(family):
         found.setdefault(choice.name_expression, choice)
+    if family == "sm90":
+        for dtype in ELEMENT_TYPES:
+            for mask in MASKS:
+                for softcap in (False, True):
+                    for dq_order in dq_orders(family, mask, softcap):
+                        choice = backward_kernels(family, 192, mask, dtype, softcap, dq_order, head_dim_v=128)[1]
+                        found.setdefault(choice.name_expression, choice)
     return list(found.values())
 
 
@@ -607,15 +622,14 @@ def forward_launch(family: str, q, k, v, mask: Mask, batch: int, max_seqlen_q: i
     return ForwardLaunch(choice, grid, m_blocks)
 
 
-# sm90's deterministic mode walks causal sequences up to this many keys, per kernel head dim
-# (SM90_BWD_TILES); elsewhere one CTA per key block runs faster (flash_bwd.cu: a causal head's key
+# sm90's deterministic mode walks causal sequences up to this many keys, per kernel (SM90_BWD_TILES); elsewhere one CTA per key block runs faster (flash_bwd.cu: a causal head's key
 # blocks side by side). Measured against the walk, d128: default 1.22-1.33x, deterministic
 # 1.04-1.08x at 1k-2k; d256 1.22-1.93x; d64 default 0.98-1.11x, deterministic 0.81-0.86x.
-WALK_CAUSAL_KEYS = {64: 2048, 128: 0, 256: 0}
+WALK_CAUSAL_KEYS = {(64, 64): 2048, (128, 128): 0, (192, 128): 0, (256, 256): 0}
 
 
-def dq_order(family: str, head_dim: int, mask: Mask, max_seqlen_k: int, deterministic: bool) -> str:
-    """DQ_ORDERS entry of a backward whose main kernel is ``family``'s. Default mode takes any
+def dq_order(family: str, head_dims: tuple[int, int], mask: Mask, max_seqlen_k: int, deterministic: bool) -> str:
+    """DQ_ORDERS entry of a backward whose main kernel is ``family``'s, for (q's, v's) ``head_dims``. Default mode takes any
     order. Deterministic mode takes turns where the family has them, else walks; sm90 walks its
     causal sequences up to WALK_CAUSAL_KEYS keys, whose key blocks are few and of unequal length,
     so that walking them amortises each CTA's start and balances the work (a softcap runs the
@@ -624,7 +638,7 @@ def dq_order(family: str, head_dim: int, mask: Mask, max_seqlen_k: int, determin
     if not deterministic:
         return "any"
     if (family == "sm90" and "walk" in orders
-            and max_seqlen_k <= WALK_CAUSAL_KEYS[backward_kernel_dim(family, head_dim)]):
+            and max_seqlen_k <= WALK_CAUSAL_KEYS[backward_kernel_dims(family, *head_dims)]):
         return "walk"
     return "turns" if "turns" in orders else "walk"
 
@@ -643,17 +657,17 @@ def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seql
                     device: int) -> BackwardLaunch:
     """The backward's kernels, dQ order and main grid (DeviceTensors as for forward_launch): sm90's
     main kernel where it serves the head dim and tensor maps can describe the tensors."""
-    heads, head_dim = q.shape[2], kernel_head_dim(q, v)
+    heads, head_dims = q.shape[2], (q.shape[3], v.shape[3])
     main_family = family
     if family == "sm90" and not all(tma_ready(t) for t in (q, k, v, dout)):
         main_family = "sm80"
-    order = dq_order(main_family, head_dim, mask, max_seqlen_k, deterministic)
-    preprocess, main, convert = backward_kernels(main_family, head_dim, mask.kind, q.dtype, bool(mask.softcap),
-                                                 order, own_v_dim=q.shape[3] != v.shape[3])
+    order = dq_order(main_family, head_dims, mask, max_seqlen_k, deterministic)
+    preprocess, main, convert = backward_kernels(main_family, head_dims[0], mask.kind, q.dtype, bool(mask.softcap),
+                                                 order, head_dim_v=head_dims[1])
     n_blocks = -(-max_seqlen_k // main.tile.block_n)
     if n_blocks > MAX_GRID_YZ:  # causal grids put the key blocks in grid.z
         raise ValueError(f"k: sequences must be at most {MAX_GRID_YZ * main.tile.block_n} keys long for the "
-                         f"backward at head_dim {head_dim}, got {max_seqlen_k}")
+                         f"backward at head dims {head_dims}, got {max_seqlen_k}")
     # Walk: as many CTAs per (batch, head) as fill the resident slots in one wave (rounding up
     # would leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s).
     slots = multiprocessors(device) * main.tile.ctas_per_sm

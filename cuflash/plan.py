@@ -275,7 +275,7 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
     # one dK/dV slice per query head, plainly stored and summed by the convert kernel; otherwise
     # heads_kv slices added to atomically, so zeroed.
     per_query_head = walk or turns
-    dq_row = (dispatch.backward_kernel_dim(main.family, dispatch.kernel_head_dim(qt, vt))
+    dq_row = (dispatch.backward_kernel_dims(main.family, head_dim, head_dim_v)[0]
               + (dispatch.SM90_BWD_DQ_ROW_PAD if main.family == "sm90" else 0))
     arrays = [((splits, qt.shape[0], heads, rows_q, dq_row), "float32")]
     if turns:

@@ -130,7 +130,7 @@ def test_sm90_dispatch():
     # The sm90 backward main kernel: every head dim, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
     assert (preprocess.family, main.family, convert.family) == ("sm80", "sm90", "sm80")
-    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 2, 198656, true, false, false, 0, cuflash::f16>"
+    assert main.name_expression == "cuflash::sm90::flash_bwd_sm90<128, 128, 2, 198656, true, false, false, 0, cuflash::f16>"
     # A causal head's key blocks run side by side (key block fastest in the grid), in every order.
     assert main.threads == 384 and not main.blocks_slowest
     assert not dispatch.backward_kernels("sm90", 64, "window", "float16")[1].blocks_slowest
@@ -142,7 +142,7 @@ def test_sm90_dispatch():
     for mask in ("none", "causal", "window"):
         for dq_order in ("any", "turns"):
             capped = dispatch.backward_kernels("sm90", 64, mask, "bfloat16", True, dq_order)[1]
-            assert capped.name_expression == (f"cuflash::sm90::flash_bwd_sm90<64, 4, {capped.smem_bytes}, false, true, "
+            assert capped.name_expression == (f"cuflash::sm90::flash_bwd_sm90<64, 64, 4, {capped.smem_bytes}, false, true, "
                                               f"true, {dispatch.DQ_ORDERS.index(dq_order)}, cuflash::bf16>")
             assert not capped.blocks_slowest
     assert dispatch.dq_orders("sm90", "causal", softcap=True) == ("any", "turns")
@@ -150,18 +150,31 @@ def test_sm90_dispatch():
         dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", dq_order="turns")
     assert main.smem_bytes == ((2 * 128 + 2 * 2 * 64) * 128 + 2 * 128 * 64) * 2 + 64 * 132 * 4 + 1024 <= 227 * 1024
     # Above head dim 128 the consumers split the head dim over 64-key blocks (one Q/dO stage); 160
-    # to 256 run the d256 kernel, whose dQ rows are 260 floats.
+    # to 256 run the d256 kernel, whose dQ rows are 260 floats, unless v's head dim fits 128.
     for head_dim, mask, softcap, dq_order in ((160, "none", False, "any"), (192, "window", True, "any"),
                                               (256, "none", True, "any"), (256, "causal", False, "turns")):
         wide = dispatch.backward_kernels("sm90", head_dim, mask, "bfloat16", softcap, dq_order)[1]
         assert wide.family == "sm90" and wide.tile == dispatch.Tile(64, 64, 12, stages=1)
-        assert wide.name_expression.startswith(f"cuflash::sm90::flash_bwd_sm90<256, 1, {wide.smem_bytes}, ")
+        assert wide.name_expression.startswith(f"cuflash::sm90::flash_bwd_sm90<256, 256, 1, {wide.smem_bytes}, ")
         assert wide.smem_bytes == ((2 * 64 + 2 * 64) * 256 + 2 * 64 * 64) * 2 + 64 * 260 * 4 + 1024 <= 227 * 1024
-        assert dispatch.backward_kernel_dim("sm90", head_dim) == 256
-    assert [dispatch.backward_kernel_dim("sm90", d) for d in (64, 96, 128)] == [64, 128, 128]
-    assert [dispatch.backward_kernel_dim("sm80", d) for d in (96, 160)] == [96, 192]
-    # dims x dtypes x dQ orders of each mask and of softcap: the walk only causal without softcap
-    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 3 * 2 * (3 + 2 + 2 + 2)
+        assert dispatch.backward_kernel_dims("sm90", head_dim) == (256, 256)
+    # DeepSeek's pair and others that fit it run the (192, 128) kernel: three panels of Q and K, two
+    # of V and dO, two stages, dQ rows of 196 floats.
+    for head_dim, head_dim_v in ((192, 128), (160, 96), (136, 8)):
+        pair = dispatch.backward_kernels("sm90", head_dim, "causal", "float16", head_dim_v=head_dim_v)[1]
+        assert pair.tile == dispatch.Tile(64, 64, 12, stages=2)
+        assert pair.name_expression == (f"cuflash::sm90::flash_bwd_sm90<192, 128, 2, {pair.smem_bytes}, true, false, "
+                                        "false, 0, cuflash::f16>")
+        assert pair.smem_bytes == ((64 + 2 * 64) * 320 + 2 * 64 * 64) * 2 + 64 * 196 * 4 + 1024 <= 227 * 1024
+        assert dispatch.backward_kernel_dims("sm90", head_dim, head_dim_v) == (192, 128)
+    assert dispatch.backward_kernel_dims("sm90", 192, 136) == (256, 256)
+    assert dispatch.backward_kernel_dims("sm90", 96, 128) == (128, 128)
+    assert [dispatch.backward_kernel_dims("sm90", d)[0] for d in (64, 96, 128)] == [64, 128, 128]
+    assert [dispatch.backward_kernel_dims("sm80", d) for d in (96, 160)] == [(96, 96), (192, 192)]
+    assert dispatch.backward_kernel_dims("sm80", 192, 128) == (192, 192)
+    # dims x dtypes x dQ orders of each mask and of softcap (the walk only causal without softcap),
+    # for the three equal pairs and (192, 128).
+    assert len([c for c in SM90_KERNELS if c.source == "sm90/flash_bwd.cu"]) == 4 * 2 * (3 + 2 + 2 + 2)
     with pytest.raises(ValueError, match="dq_order"):
         dispatch.backward_kernels("sm90", 64, "window", "bfloat16", dq_order="walk")
 

@@ -282,7 +282,7 @@ def test_backward_kernel_choices():
     capped = dispatch.backward_kernels("sm80", 64, "causal", "bfloat16", softcap=True)[1]
     assert capped.name_expression == ("cuflash::flash_bwd_sm80<64, 64, 128, 8, 2, 99328, false, true, true, false, "
                                       "false, cuflash::bf16>")
-    own = dispatch.backward_kernels("sm80", 192, "none", "bfloat16", own_v_dim=True)[1]
+    own = dispatch.backward_kernels("sm80", 192, "none", "bfloat16", head_dim_v=128)[1]
     assert own.name_expression.endswith("false, false, false, false, true, cuflash::bf16>")
     for bucket in dispatch.HEAD_DIM_BUCKETS:
         assert dispatch.backward_kernels("sm80", bucket, "none", "float16")[1].smem_bytes <= 227 * 1024

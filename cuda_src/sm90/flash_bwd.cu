@@ -71,33 +71,51 @@ constexpr int kBwdConsumerRegisters = 240;
 // The consumers' shares (above) and the shared memory, from a 1024-byte-aligned base: K, V, the Q
 // and dO stages, two tiles of BLOCK_N keys x 64 queries (dS^T by step parity, or dS^T and P^T when
 // the consumers split the head dim), the fp32 dQ block (kBwdBlockM rows of HEAD_DIM + kDqRowPad).
-// Tiles of HEAD_DIM columns are HEAD_DIM / 64 panels of 64 columns (one 128-byte swizzle row each),
-// as TMA stores them; a dS^T or P^T tile is one such panel.
-template <int HEAD_DIM, int STAGES>
+// Tiles are panels of 64 columns (one 128-byte swizzle row each), as TMA stores them: HEAD_DIM / 64
+// of Q and K, HEAD_DIM_V / 64 of V and dO; a dS^T or P^T tile is one such panel.
+// With the head dim split, each consumer owns half of dV's columns and whole panels of dK's and
+// dQ's: half of each, or with three panels (DeepSeek's q/k 192 beside v 128) consumer 0 the first
+// two of dK and the last of dQ, consumer 1 the rest, so that both compute 192 columns a step.
+template <int HEAD_DIM, int HEAD_DIM_V, int STAGES>
 struct BwdLayout {
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "head dims 64, 128 and 256");
+  static_assert((HEAD_DIM == HEAD_DIM_V && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256)) ||
+                    (HEAD_DIM == 192 && HEAD_DIM_V == 128),
+                "head dims 64, 128 and 256, and q/k 192 with v 128");
   static constexpr bool SPLIT_DIMS = HEAD_DIM > 128;
   static constexpr int BLOCK_N = SPLIT_DIMS ? 64 : 128;                   // keys per CTA
   static constexpr int GROUP_KEYS = SPLIT_DIMS ? 0 : 64;                  // key offset of consumer 1
   static constexpr int QUERY_COLS = SPLIT_DIMS ? kBwdBlockM / 2 : kBwdBlockM;  // of S^T, per consumer
-  static constexpr int OWN_DIMS = SPLIT_DIMS ? HEAD_DIM / 2 : HEAD_DIM;   // of dK and dV, per consumer
-  static constexpr int DQ_DIMS = SPLIT_DIMS ? HEAD_DIM / 2 : 64;          // of dQ, per consumer
-  static constexpr int DQ_CONSUMERS = HEAD_DIM / DQ_DIMS;                 // 1 at head dim 64
-  static constexpr int PANELS = HEAD_DIM / 64;
+  static constexpr int PANELS = HEAD_DIM / 64;                            // of Q and K
+  static constexpr int V_PANELS = HEAD_DIM_V / 64;                        // of V and dO
+  static constexpr bool UNEVEN = SPLIT_DIMS && PANELS % 2 == 1;
+  static constexpr int V_DIMS = SPLIT_DIMS ? HEAD_DIM_V / 2 : HEAD_DIM_V;  // of dV, per consumer
+  static constexpr int WIDE_DIMS = (PANELS + 1) / 2 * 64;                 // the wider share of a split
+  static constexpr int DK_DIMS = SPLIT_DIMS ? WIDE_DIMS : HEAD_DIM;       // of dK, per consumer (at most)
+  static constexpr int DQ_DIMS = SPLIT_DIMS ? WIDE_DIMS : 64;             // of dQ, per consumer (at most)
+  static constexpr int DQ_CONSUMERS = SPLIT_DIMS || HEAD_DIM > 64 ? 2 : 1;  // 1 at head dim 64
+  // Whether `consumer` owns DK_DIMS (else 64) columns of dK, and DQ_DIMS (else 64) of dQ; and the
+  // first of them.
+  static __device__ __forceinline__ bool wide_dk(int consumer) { return !UNEVEN || consumer == 0; }
+  static __device__ __forceinline__ bool wide_dq(int consumer) { return !UNEVEN || consumer == 1; }
+  static __device__ __forceinline__ int dk_col0(int consumer) { return SPLIT_DIMS ? consumer * WIDE_DIMS : 0; }
+  static __device__ __forceinline__ int dq_col0(int consumer) {
+    return UNEVEN ? (1 - consumer) * WIDE_DIMS : consumer * DQ_DIMS;
+  }
   static constexpr u32 KV_PANEL = BLOCK_N * 128;
   static constexpr u32 QD_PANEL = kBwdBlockM * 128;
-  static constexpr u32 KV_BYTES = PANELS * KV_PANEL;
-  static constexpr u32 QD_BYTES = PANELS * QD_PANEL;
+  static constexpr u32 K_BYTES = PANELS * KV_PANEL;
+  static constexpr u32 V_BYTES = V_PANELS * KV_PANEL;
+  static constexpr u32 Q_BYTES = PANELS * QD_PANEL;
+  static constexpr u32 DO_BYTES = V_PANELS * QD_PANEL;
   static constexpr u32 DS_BYTES = BLOCK_N * 128;
   static constexpr u32 K = 0;
-  static constexpr u32 V = KV_BYTES;
-  static constexpr u32 Q = 2 * KV_BYTES;
-  static constexpr u32 DO = Q + STAGES * QD_BYTES;
-  static constexpr u32 DS = DO + STAGES * QD_BYTES;
+  static constexpr u32 V = K_BYTES;
+  static constexpr u32 Q = K_BYTES + V_BYTES;
+  static constexpr u32 DO = Q + STAGES * Q_BYTES;
+  static constexpr u32 DS = DO + STAGES * DO_BYTES;
   static constexpr int DQ_ROW = HEAD_DIM + kDqRowPad;
   static constexpr u32 DQ = DS + 2 * DS_BYTES;
   static constexpr u32 BYTES = DQ + kBwdBlockM * DQ_ROW * 4;
-  static_assert(HEAD_DIM % 64 == 0, "whole 64-column panels");
 };
 
 // Adds (a, b) to the two adjacent fp32 values at `address` (8-byte aligned) in global memory:
@@ -124,21 +142,24 @@ __device__ __forceinline__ void pass_turn(int* counter) {
   asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
 }
 
-// HEAD_DIM: 64, 128 or 256 (the real head_dim may be smaller: TMA zero-fills, stores check columns).
+// HEAD_DIM, HEAD_DIM_V: 64, 128 or 256 both, or 192 and 128 (the real head dims may be smaller: TMA
+// zero-fills, stores check columns).
 // STAGES: depth of the Q/dO ring. CAUSAL, WINDOW: the mask (common/mask.cuh; a window's key
 // blocks see only the query blocks its range reaches); SOFTCAP: tanh-capped scores
 // (common/softcap.cuh), which run the window kernel for every mask (dispatch.backward_kernels).
 // DQ_ORDER: kDqAnyOrder, kDqWalk or kDqTurns (above). Elem: f16 or bf16. SMEM_BYTES: the dynamic
 // shared memory the host launches with (dispatch.backward_kernels), checked against BwdLayout.
-template <int HEAD_DIM, int STAGES, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER, class Elem>
+template <int HEAD_DIM, int HEAD_DIM_V, int STAGES, int SMEM_BYTES, bool CAUSAL, bool WINDOW, bool SOFTCAP, int DQ_ORDER,
+          class Elem>
 __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_constant__ BwdParamsSm90 p) {
-  using L = BwdLayout<HEAD_DIM, STAGES>;
+  using L = BwdLayout<HEAD_DIM, HEAD_DIM_V, STAGES>;
   static_assert(SMEM_BYTES == L::BYTES + kSmemAlignSlack, "the host's shared memory differs from BwdLayout");
   constexpr bool WALK = DQ_ORDER == kDqWalk;
   constexpr bool TURNS = DQ_ORDER == kDqTurns;
   // The consumer warpgroups computing dQ (at head_dim 64 only the first) and the writer warp.
   constexpr int kDqWriterThreads = 128 * L::DQ_CONSUMERS + 32;
-  constexpr int DT = L::OWN_DIMS / 8;  // a consumer's 8-column tiles of dK and dV
+  constexpr int DK_T = L::DK_DIMS / 8;  // a consumer's 8-column tiles of dK (at most) and dV
+  constexpr int DV_T = L::V_DIMS / 8;
   constexpr float kLog2e = 1.4426950408889634f;
   const BwdParams& a = p.base;
 
@@ -264,24 +285,23 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       // K and V are overwritten once every consumer warp is done with the previous block's.
       if (blocks_loaded > 0) mbarrier_wait(&kv_empty, (blocks_loaded - 1) & 1);
       ++blocks_loaded;
-      mbarrier_arrive_expect_tx(&kv_full, 2 * L::KV_BYTES);
+      mbarrier_arrive_expect_tx(&kv_full, L::K_BYTES + L::V_BYTES);
       const int key_row = seq.k_begin + n_block * L::BLOCK_N;
       tma_load_panels<L::PANELS>(smem + L::K, L::KV_PANEL, &p.k, &kv_full, kv_head, key_row, map_batch);
-      tma_load_panels<L::PANELS>(smem + L::V, L::KV_PANEL, &p.v, &kv_full, kv_head, key_row, map_batch);
+      tma_load_panels<L::V_PANELS>(smem + L::V, L::KV_PANEL, &p.v, &kv_full, kv_head, key_row, map_batch);
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance()) {
         const int m = query_block(m_range, i);
         // Rows past the tensor arrive as zeros, rows past a packed sequence from the next one:
         // their lse is taken as +inf below, so P and dS are 0 there.
         const int row = seq.q_begin + m * kBwdBlockM;
-        const u32 offset = pos.stage * L::QD_BYTES;
         mbarrier_wait(&q_empty[pos.stage], pos.phase ^ 1);
-        mbarrier_arrive_expect_tx(&q_full[pos.stage], L::SPLIT_DIMS ? L::QD_BYTES : 2 * L::QD_BYTES);
-        tma_load_panels<L::PANELS>(smem + L::Q + offset, L::QD_PANEL, &p.q, &q_full[pos.stage], head, row, map_batch);
+        mbarrier_arrive_expect_tx(&q_full[pos.stage], L::SPLIT_DIMS ? L::Q_BYTES : L::Q_BYTES + L::DO_BYTES);
+        tma_load_panels<L::PANELS>(smem + L::Q + pos.stage * L::Q_BYTES, L::QD_PANEL, &p.q, &q_full[pos.stage], head, row, map_batch);
         if constexpr (L::SPLIT_DIMS) {
           mbarrier_wait(&do_empty[pos.stage], pos.phase ^ 1);
-          mbarrier_arrive_expect_tx(&do_full[pos.stage], L::QD_BYTES);
+          mbarrier_arrive_expect_tx(&do_full[pos.stage], L::DO_BYTES);
         }
-        tma_load_panels<L::PANELS>(smem + L::DO + offset, L::QD_PANEL, &p.dout, &dout_full[pos.stage], head, row,
+        tma_load_panels<L::V_PANELS>(smem + L::DO + pos.stage * L::DO_BYTES, L::QD_PANEL, &p.dout, &dout_full[pos.stage], head, row,
                                    map_batch);
       }
     }
@@ -295,9 +315,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const int warp = t / 32;
   const int lane = t % 32;
   const int group_row = consumer * L::GROUP_KEYS;  // this warpgroup's first key inside the block
-  // The first of this warpgroup's query columns of S^T, and of its head-dim columns of dK and dV.
+  // The first of this warpgroup's query columns of S^T, and of its head-dim columns of dK, dV and dQ;
+  // whether it owns the wider share of dK's and dQ's columns (BwdLayout).
   const int query_col0 = L::SPLIT_DIMS ? consumer * L::QUERY_COLS : 0;
-  const int dim_col0 = L::SPLIT_DIMS ? consumer * L::OWN_DIMS : 0;
+  const int dk_col0 = L::dk_col0(consumer);
+  const int dv_col0 = L::SPLIT_DIMS ? consumer * L::V_DIMS : 0;
+  const int dq_col0 = L::dq_col0(consumer);
+  const bool wide_dk = L::wide_dk(consumer), wide_dq = L::wide_dq(consumer);
   const u64 k_desc = smem_desc_sw128(smem + L::K + group_row * 128);
   const u64 v_desc = smem_desc_sw128(smem + L::V + group_row * 128);
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
@@ -317,7 +341,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     const BlockRange m_range = query_blocks<kBwdBlockM, L::BLOCK_N>(mask, n_block);
     // The two keys of this thread's accumulator rows, inside the sequence.
     const int key0 = n_block * L::BLOCK_N + group_row + warp * 16 + lane / 4;
-    float dk[1][DT][4], dv[1][DT][4];
+    float dk[1][DK_T][4], dv[1][DV_T][4];
     clear(dk);
     clear(dv);
 
@@ -339,7 +363,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       // choice is uniform across the CTA, and no product is in flight between steps, so the branch
       // does not serialise any wgmma.
       const auto query_step = [&](int m, bool masked) {
-        const u32 qd_offset = pos.stage * L::QD_BYTES;
+        const u32 q_offset = pos.stage * L::Q_BYTES, do_offset = pos.stage * L::DO_BYTES;
         // dS^T alternates per step between the two tiles where each consumer keeps P^T in
         // registers: a warp still reading the previous one (its dQ product) has passed this step's
         // barrier only after finishing the one before. With the head dim split, both consumers
@@ -370,10 +394,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // split's second half starts 32 rows, 4096 bytes, into the Q and dO panels: a whole number
         // of swizzle periods).
         wgmma_ss_panels<L::QUERY_COLS, Elem, L::PANELS>(
-            flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(smem + L::Q + qd_offset + query_col0 * 128), L::QD_PANEL);
+            flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(smem + L::Q + q_offset + query_col0 * 128), L::QD_PANEL);
         wgmma_commit();
-        wgmma_ss_panels<L::QUERY_COLS, Elem, L::PANELS>(
-            flat(dp), v_desc, L::KV_PANEL, smem_desc_sw128(smem + L::DO + qd_offset + query_col0 * 128), L::QD_PANEL);
+        wgmma_ss_panels<L::QUERY_COLS, Elem, L::V_PANELS>(
+            flat(dp), v_desc, L::KV_PANEL, smem_desc_sw128(smem + L::DO + do_offset + query_col0 * 128), L::QD_PANEL);
         wgmma_commit();
         cp_async_wait<0>();
         named_barrier_sync(kStatsBarrier + consumer, 128);
@@ -452,8 +476,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         };
         // Q's and dO's panels of this consumer's dK and dV columns, read MN-major: K = the 64
         // queries (4 k16 steps of 16 rows, 2048 bytes).
-        const u64 q_mn = smem_desc_sw128_mn(smem + L::Q + qd_offset + (dim_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
-        const u64 do_mn = smem_desc_sw128_mn(smem + L::DO + qd_offset + (dim_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+        const u64 q_mn = smem_desc_sw128_mn(smem + L::Q + q_offset + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+        const u64 do_mn = smem_desc_sw128_mn(smem + L::DO + do_offset + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
         if constexpr (L::SPLIT_DIMS) {
           // Both halves of P^T and dS^T in shared memory before dK += dS^T Q and dV += P^T dO read
           // them (K-major A, 32 bytes per k16 step); dK first, whose completion frees Q's stage.
@@ -465,22 +489,27 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           named_barrier_sync(kDsBarrier, 256);
           wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            wgmma_ss_t<L::OWN_DIMS, Elem, false, true>(flat(dk), desc_advance(smem_desc_sw128(ds_tile), 32 * j),
-                                                       desc_advance(q_mn, 2048 * j), true);
+          for (int j = 0; j < 4; ++j) {
+            const u64 ds_desc = desc_advance(smem_desc_sw128(ds_tile), 32 * j);
+            if (wide_dk)
+              wgmma_ss_t<L::DK_DIMS, Elem, false, true>(flat(dk), ds_desc, desc_advance(q_mn, 2048 * j), true);
+            else
+              wgmma_ss_t<64, Elem, false, true>(leading_columns<64>(flat(dk)), ds_desc, desc_advance(q_mn, 2048 * j),
+                                                true);
+          }
           wgmma_commit();
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            wgmma_ss_t<L::OWN_DIMS, Elem, false, true>(flat(dv), desc_advance(smem_desc_sw128(p_tile), 32 * j),
-                                                       desc_advance(do_mn, 2048 * j), true);
+            wgmma_ss_t<L::V_DIMS, Elem, false, true>(flat(dv), desc_advance(smem_desc_sw128(p_tile), 32 * j),
+                                                     desc_advance(do_mn, 2048 * j), true);
           wgmma_commit();
         } else {
           // dV += P^T dO and dK += dS^T Q from registers, N = the head dim.
           wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < 4; ++j) wgmma_rs<HEAD_DIM, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * j), true);
+          for (int j = 0; j < 4; ++j) wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * j), true);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) wgmma_rs<HEAD_DIM, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * j), true);
+          for (int j = 0; j < 4; ++j) wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * j), true);
           wgmma_commit();
           store_tile(ds_tile, ds_a);
           fence_proxy_async_shared();
@@ -496,21 +525,23 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
         }
 
-        // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = DQ_DIMS
-        // columns of the head dim per warpgroup (from panel consumer * DQ_DIMS / 64 of K; at
-        // head_dim 64 only consumer 0). Split by columns rather than by keys, each element has one
+        // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = this
+        // warpgroup's dQ columns (from K's panel dq_col0 / 64; at head_dim 64 only consumer 0). Split by columns rather than by keys, each element has one
         // writer: measured with per-thread reductions, two warpgroups adding into the same
         // elements cost 20-30%.
         float dq_part[1][L::DQ_DIMS / 8][4];
         if (computes_dq) {
           wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < L::BLOCK_N / 16; ++j)
-            wgmma_ss_t<L::DQ_DIMS, Elem, true, true>(
-                flat(dq_part), desc_advance(smem_desc_sw128_mn(ds_tile, L::DS_BYTES), 2048 * j),
-                desc_advance(smem_desc_sw128_mn(smem + L::K + consumer * (L::DQ_DIMS / 64) * L::KV_PANEL, L::KV_PANEL),
-                             2048 * j),
-                j > 0);
+          for (int j = 0; j < L::BLOCK_N / 16; ++j) {
+            const u64 ds_desc = desc_advance(smem_desc_sw128_mn(ds_tile, L::DS_BYTES), 2048 * j);
+            const u64 k_mn =
+                desc_advance(smem_desc_sw128_mn(smem + L::K + (dq_col0 / 64) * L::KV_PANEL, L::KV_PANEL), 2048 * j);
+            if (wide_dq)
+              wgmma_ss_t<L::DQ_DIMS, Elem, true, true>(flat(dq_part), ds_desc, k_mn, j > 0);
+            else
+              wgmma_ss_t<64, Elem, true, true>(leading_columns<64>(flat(dq_part)), ds_desc, k_mn, j > 0);
+          }
           wgmma_commit();
           fence_registers(flat(dq_part));
           if constexpr (L::SPLIT_DIMS) {
@@ -532,10 +563,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             float* const row =
-                dq_block + (warp * 16 + h * 8 + lane / 4) * L::DQ_ROW + consumer * L::DQ_DIMS + 2 * (lane % 4);
+                dq_block + (warp * 16 + h * 8 + lane / 4) * L::DQ_ROW + dq_col0 + 2 * (lane % 4);
 #pragma unroll
             for (int nt = 0; nt < L::DQ_DIMS / 8; ++nt)
-              *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
+              if (wide_dq || nt < 8)
+                *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
           }
           // Read by the writer's bulk reduction through the async proxy.
           fence_proxy_async_shared();
@@ -566,7 +598,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     // reloading parameters per 4-byte store made the epilogue ~2,900 instructions against ~300.
     // GQA: the group's query heads add into fp32 slices, or, in the orders that repeat bitwise
     // (walk, turns), each stores its own slice (summed in order by the convert).
-    const int col = dim_col0 + 2 * (lane % 4);
+    const int dk_col = dk_col0 + 2 * (lane % 4), dv_col = dv_col0 + 2 * (lane % 4);
+    // dK's tiles that this consumer owns, and lie inside head_dim (dV's: inside head_dim_v).
+    const auto dk_tile = [&](int dt) { return (wide_dk || dt < 8) && 8 * dt + dk_col < a.head_dim; };
+    const auto dv_tile = [&](int dt) { return 8 * dt + dv_col < a.head_dim_v; };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = key0 + 8 * h;
@@ -574,35 +609,35 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       const i64 key_row = seq.k_begin + key;
       if (a.kv_group == 1) {
         u32* const dk_row = reinterpret_cast<u32*>(static_cast<u16*>(a.dk) + batch * a.dk_batch_stride +
-                                                   key_row * a.dk_row_stride + kv_head * a.dk_head_stride + col);
+                                                   key_row * a.dk_row_stride + kv_head * a.dk_head_stride + dk_col);
         u32* const dv_row = reinterpret_cast<u32*>(static_cast<u16*>(a.dv) + batch * a.dv_batch_stride +
-                                                   key_row * a.dv_row_stride + kv_head * a.dv_head_stride + col);
+                                                   key_row * a.dv_row_stride + kv_head * a.dv_head_stride + dv_col);
+        // Column 8 dt + col: 32-bit word 4 dt past the row pointer.
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {  // column 8 dt + col: 32-bit word 4 dt past the row pointer
-          if (8 * dt + col < a.head_dim)
-            dk_row[4 * dt] = Elem::pack(dk[0][dt][2 * h] * a.scale, dk[0][dt][2 * h + 1] * a.scale);
-          if (8 * dt + col < a.head_dim_v) dv_row[4 * dt] = Elem::pack(dv[0][dt][2 * h], dv[0][dt][2 * h + 1]);
-        }
+        for (int dt = 0; dt < DK_T; ++dt)
+          if (dk_tile(dt)) dk_row[4 * dt] = Elem::pack(dk[0][dt][2 * h] * a.scale, dk[0][dt][2 * h + 1] * a.scale);
+#pragma unroll
+        for (int dt = 0; dt < DV_T; ++dt)
+          if (dv_tile(dt)) dv_row[4 * dt] = Elem::pack(dv[0][dt][2 * h], dv[0][dt][2 * h + 1]);
       } else {
         constexpr bool kOwnSlice = DQ_ORDER != kDqAnyOrder;
         const i64 slice = kOwnSlice ? head : kv_head;
         const i64 slices = kOwnSlice ? a.heads : a.heads / a.kv_group;
         const i64 slice_row = (batch * a.accum_batch_rows + key_row) * slices + slice;
-        float* const dk_row = a.dk_accum + slice_row * a.head_dim + col;
-        float* const dv_row = a.dv_accum + slice_row * a.head_dim_v + col;
+        float* const dk_row = a.dk_accum + slice_row * a.head_dim + dk_col;
+        float* const dv_row = a.dv_accum + slice_row * a.head_dim_v + dv_col;
+        const auto put = [&](float* address, float x0, float x1) {
+          if constexpr (kOwnSlice)
+            *reinterpret_cast<float2*>(address) = make_float2(x0, x1);
+          else
+            reduce_add_pair(address, x0, x1);
+        };
 #pragma unroll
-        for (int dt = 0; dt < DT; ++dt) {
-          const float dk0 = dk[0][dt][2 * h] * a.scale, dk1 = dk[0][dt][2 * h + 1] * a.scale;
-          const float dv0 = dv[0][dt][2 * h], dv1 = dv[0][dt][2 * h + 1];
-          const bool dk_col = 8 * dt + col < a.head_dim, dv_col = 8 * dt + col < a.head_dim_v;
-          if constexpr (kOwnSlice) {
-            if (dk_col) *reinterpret_cast<float2*>(dk_row + 8 * dt) = make_float2(dk0, dk1);
-            if (dv_col) *reinterpret_cast<float2*>(dv_row + 8 * dt) = make_float2(dv0, dv1);
-          } else {
-            if (dk_col) reduce_add_pair(dk_row + 8 * dt, dk0, dk1);
-            if (dv_col) reduce_add_pair(dv_row + 8 * dt, dv0, dv1);
-          }
-        }
+        for (int dt = 0; dt < DK_T; ++dt)
+          if (dk_tile(dt)) put(dk_row + 8 * dt, dk[0][dt][2 * h] * a.scale, dk[0][dt][2 * h + 1] * a.scale);
+#pragma unroll
+        for (int dt = 0; dt < DV_T; ++dt)
+          if (dv_tile(dt)) put(dv_row + 8 * dt, dv[0][dt][2 * h], dv[0][dt][2 * h + 1]);
       }
     }
   }

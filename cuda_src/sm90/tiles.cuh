@@ -34,6 +34,14 @@ __device__ __forceinline__ float (&flat(float (&x)[1][NT][4]))[NT * 4] {
   return reinterpret_cast<float(&)[NT * 4]>(x);
 }
 
+// The first N columns of a wider accumulator, as wgmma's m64nN operand: a thread's registers of
+// the leading 8-column tiles come first (sm90/wgmma.cuh).
+template <int N, int REGISTERS>
+__device__ __forceinline__ float (&leading_columns(float (&x)[REGISTERS]))[N / 2] {
+  static_assert(N / 2 <= REGISTERS, "fewer columns than the accumulator holds");
+  return reinterpret_cast<float(&)[N / 2]>(x);
+}
+
 // Stage and phase of a walk around a ring of STAGES mbarrier-guarded stages: a full barrier of
 // stage s completes once per lap, so its waiters wait for parity `phase`.
 template <int STAGES>
