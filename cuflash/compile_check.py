@@ -6,7 +6,9 @@ backward, which runs two CTAs per SM (dispatch.SM80_BWD_TILES says why that pays
 keeps a few values in local memory, and dispatch.py's tiles were measured fastest with those
 spills. SPILL_ALLOWANCE bounds them per kernel and head-dim bucket; a kernel that spills more, or
 one outside the table that spills at all (the whole sm90 family, whose warpgroups' register split
-must hold everything), is a problem.
+must hold everything), is a problem. So is a kernel whose wgmma ptxas serialised (a product
+issued under a branch that its wait is not in, for one): it compiles and runs correctly, several
+times slower.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from cuflash import dispatch, kernels, nvrtc
 
-__all__ = ["OWN_V_SPILL_ALLOWANCE", "SPILL_ALLOWANCE", "Outcome", "check_arch", "compile_all", "families", "own_v_dim",
+__all__ = ["OWN_V_SPILL_ALLOWANCE", "SERIALIZED_NOTE", "SPILL_ALLOWANCE", "Outcome", "check_arch", "compile_all", "families", "own_v_dim",
            "representative_kernel", "representative_kernels", "spill_allowance", "verdict"]
 
 # Bytes of spill stores plus loads that an instantiation of (kernel template, head-dim bucket) may
@@ -114,6 +116,13 @@ class Outcome:
         resources = self.compiled.resources()
         return resources["spill_stores"] + resources["spill_loads"]
 
+    @property
+    def wgmma_serialized(self) -> bool:
+        """Whether ptxas serialised the kernel's wgmma, each waiting for the one before (its
+        "Potential Performance Loss" notes C7510-C7520: a product issued under a branch its wait
+        is not in, accumulators read or moved while in flight, too few registers)."""
+        return SERIALIZED_NOTE in self.compiled.log
+
 
 def _compile(choice: dispatch.KernelChoice, arch: str) -> Outcome:
     try:
@@ -156,17 +165,24 @@ def spill_allowance(choice: dispatch.KernelChoice) -> int:
     return SPILL_ALLOWANCE.get(key, 0)
 
 
+# ptxas's note when it serialises a kernel's wgmma (Outcome.wgmma_serialized).
+SERIALIZED_NOTE = "wgmma.mma_async instructions are serialized"
+
+
 def verdict(outcomes: list[Outcome], arch: str) -> tuple[list[str], str]:
-    """(one line per problem: a failed compile or a spill over its allowance, the one-line
-    verdict)."""
+    """(one line per problem: a failed compile, a spill over its allowance or serialised wgmma,
+    the one-line verdict)."""
     problems = [f"FAILED {o.choice.name_expression}\n{o.error}" for o in outcomes if o.compiled is None]
     compiled = [o for o in outcomes if o.compiled is not None]
     over = [o for o in compiled if o.spill_bytes > spill_allowance(o.choice)]
     problems += [f"SPILLS {o.choice.name_expression}: {o.spill_bytes} B, allowed {spill_allowance(o.choice)} B"
                  for o in over]
+    serialized = [o for o in compiled if o.wgmma_serialized]
+    problems += [f"SERIALIZED {o.choice.name_expression}: ptxas serialised its wgmma" for o in serialized]
     spilling = sum(1 for o in compiled if o.spill_bytes)
     summary = (f"{arch}: {len(compiled)} of {len(outcomes)} kernels compiled; {spilling} spill, "
                f"{spilling - len(over)} of them within the sm80 register-ceiling allowance")
     if problems:
-        return problems, f"{summary}; PROBLEM: {len(outcomes) - len(compiled)} failed, {len(over)} spill too much"
+        return problems, (f"{summary}; PROBLEM: {len(outcomes) - len(compiled)} failed, {len(over)} spill too much, "
+                          f"{len(serialized)} serialise their wgmma")
     return problems, f"{summary}; ok"

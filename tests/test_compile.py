@@ -43,14 +43,14 @@ def test_representative_kernels_are_instantiations_of_the_family():
         assert {choice.source for choice in chosen} == {choice.source for choice in dispatch.all_kernels(family)}
 
 
-def test_verdict_names_failures_and_spills_over_the_allowance():
+def test_verdict_names_failures_spills_over_the_allowance_and_serialised_wgmma():
     backward = dispatch.backward_kernels("sm80", 64, "causal", "float16")[1]
     forward = dispatch.forward_kernel("sm80", 192, "none", "float16")
     allowed = compile_check.spill_allowance(backward)
     assert allowed > 0 and compile_check.spill_allowance(forward) == 0
 
-    def outcome(choice, spill_bytes):
-        log = f"Used 128 registers, {spill_bytes} bytes spill stores, 0 bytes spill loads"
+    def outcome(choice, spill_bytes, note=""):
+        log = f"{note}\nUsed 128 registers, {spill_bytes} bytes spill stores, 0 bytes spill loads"
         return compile_check.Outcome(choice, kernels.CompiledKernel(b"", "symbol", log, 1.0))
 
     problems, line = compile_check.verdict([outcome(backward, allowed), outcome(forward, 0)], "sm_80")
@@ -61,7 +61,12 @@ def test_verdict_names_failures_and_spills_over_the_allowance():
     assert problems == ["FAILED cuflash::missing<1>\nerror: no",
                         f"SPILLS {backward.name_expression}: {allowed + 4} B, allowed {allowed} B",
                         f"SPILLS {forward.name_expression}: 4 B, allowed 0 B"]
-    assert line.endswith("PROBLEM: 1 failed, 2 spill too much")
+    assert line.endswith("PROBLEM: 1 failed, 2 spill too much, 0 serialise their wgmma")
+    note = ("ptxas info    : (C7519) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
+            "to program dependence on compiler-inserted WG.AR in divergent path in the function 'k'")
+    problems, line = compile_check.verdict([outcome(forward, 0, note)], "sm_90a")
+    assert problems == [f"SERIALIZED {forward.name_expression}: ptxas serialised its wgmma"]
+    assert line.endswith("PROBLEM: 0 failed, 0 spill too much, 1 serialise their wgmma")
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80a", "sm80", "compute_80", "sm_9999", 80])

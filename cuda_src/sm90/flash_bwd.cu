@@ -321,7 +321,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const int dk_col0 = L::dk_col0(consumer);
   const int dv_col0 = L::SPLIT_DIMS ? consumer * L::V_DIMS : 0;
   const int dq_col0 = L::dq_col0(consumer);
-  const bool wide_dk = L::wide_dk(consumer), wide_dq = L::wide_dq(consumer);
+  const bool wide_dk = L::wide_dk(consumer);
   const u64 k_desc = smem_desc_sw128(smem + L::K + group_row * 128);
   const u64 v_desc = smem_desc_sw128(smem + L::V + group_row * 128);
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
@@ -478,6 +478,44 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // queries (4 k16 steps of 16 rows, 2048 bytes).
         const u64 q_mn = smem_desc_sw128_mn(smem + L::Q + q_offset + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
         const u64 do_mn = smem_desc_sw128_mn(smem + L::DO + do_offset + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+        // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = this
+        // warpgroup's dQ columns (from K's panel dq_col0 / 64; at head_dim 64 only consumer 0).
+        // Split by columns rather than by keys, each element has one writer: measured with
+        // per-thread reductions, two warpgroups adding into the same elements cost 20-30%.
+        float dq_part[1][L::DQ_DIMS / 8][4];
+        const auto issue_dq = [&](bool wide) {
+          wgmma_fence();
+#pragma unroll
+          for (int j = 0; j < L::BLOCK_N / 16; ++j) {
+            const u64 ds_desc = desc_advance(smem_desc_sw128_mn(ds_tile, L::DS_BYTES), 2048 * j);
+            const u64 k_mn =
+                desc_advance(smem_desc_sw128_mn(smem + L::K + (dq_col0 / 64) * L::KV_PANEL, L::KV_PANEL), 2048 * j);
+            if (wide)
+              wgmma_ss_t<L::DQ_DIMS, Elem, true, true>(flat(dq_part), ds_desc, k_mn, j > 0);
+            else
+              wgmma_ss_t<64, Elem, true, true>(leading_columns<64>(flat(dq_part)), ds_desc, k_mn, j > 0);
+          }
+          wgmma_commit();
+          fence_registers(flat(dq_part));
+        };
+        // Stages dQ (`wide`: DQ_DIMS columns, else 64) for the writer warp.
+        const auto stage_dq = [&](bool wide) {
+          // The writer's previous reduction has read the staged block.
+          named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
+          // Accumulator rows are queries, columns this warpgroup's head-dim columns.
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float* const row =
+                dq_block + (warp * 16 + h * 8 + lane / 4) * L::DQ_ROW + dq_col0 + 2 * (lane % 4);
+#pragma unroll
+            for (int nt = 0; nt < L::DQ_DIMS / 8; ++nt)
+              if (wide || nt < 8)
+                *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
+          }
+          // Read by the writer's bulk reduction through the async proxy.
+          fence_proxy_async_shared();
+          named_barrier_arrive(kDqFullBarrier, kDqWriterThreads);
+        };
         if constexpr (L::SPLIT_DIMS) {
           // Both halves of P^T and dS^T in shared memory before dK += dS^T Q and dV += P^T dO read
           // them (K-major A, 32 bytes per k16 step); dK first, whose completion frees Q's stage.
@@ -487,22 +525,45 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
           fence_proxy_async_shared();
           named_barrier_sync(kDsBarrier, 256);
-          wgmma_fence();
+          // dK, dV and dQ issued together, then waited for in that order: Q's stage is free once dK
+          // completes, dO's once dV does. Each consumer's shares of dK's and dQ's columns are
+          // constants in each copy: wgmma issued under a branch on them (and waited for after it)
+          // makes ptxas serialise every wgmma of the kernel.
+          const auto split_products = [&](int role) {
+            wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const u64 ds_desc = desc_advance(smem_desc_sw128(ds_tile), 32 * j);
-            if (wide_dk)
-              wgmma_ss_t<L::DK_DIMS, Elem, false, true>(flat(dk), ds_desc, desc_advance(q_mn, 2048 * j), true);
-            else
-              wgmma_ss_t<64, Elem, false, true>(leading_columns<64>(flat(dk)), ds_desc, desc_advance(q_mn, 2048 * j),
-                                                true);
+            for (int j = 0; j < 4; ++j) {
+              const u64 ds_desc = desc_advance(smem_desc_sw128(ds_tile), 32 * j);
+              if (L::wide_dk(role))
+                wgmma_ss_t<L::DK_DIMS, Elem, false, true>(flat(dk), ds_desc, desc_advance(q_mn, 2048 * j), true);
+              else
+                wgmma_ss_t<64, Elem, false, true>(leading_columns<64>(flat(dk)), ds_desc,
+                                                  desc_advance(q_mn, 2048 * j), true);
+            }
+            wgmma_commit();
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+              wgmma_ss_t<L::V_DIMS, Elem, false, true>(flat(dv), desc_advance(smem_desc_sw128(p_tile), 32 * j),
+                                                       desc_advance(do_mn, 2048 * j), true);
+            wgmma_commit();
+            issue_dq(L::wide_dq(role));
+            fence_registers(flat(dk));
+            fence_registers(flat(dv));
+            wgmma_wait<2>();
+            fence_registers(flat(dk));
+            if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
+            wgmma_wait<1>();
+            fence_registers(flat(dv));
+            if (lane == 0) mbarrier_arrive(&do_empty[pos.stage]);
+            wgmma_wait<0>();
+            fence_registers(flat(dq_part));
+            stage_dq(L::wide_dq(role));
+          };
+          if (!L::UNEVEN || consumer == 0) {
+            split_products(0);
+          } else {
+            split_products(1);
           }
-          wgmma_commit();
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            wgmma_ss_t<L::V_DIMS, Elem, false, true>(flat(dv), desc_advance(smem_desc_sw128(p_tile), 32 * j),
-                                                     desc_advance(do_mn, 2048 * j), true);
-          wgmma_commit();
         } else {
           // dV += P^T dO and dK += dS^T Q from registers, N = the head dim.
           wgmma_fence();
@@ -525,58 +586,16 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
         }
 
-        // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = this
-        // warpgroup's dQ columns (from K's panel dq_col0 / 64; at head_dim 64 only consumer 0). Split by columns rather than by keys, each element has one
-        // writer: measured with per-thread reductions, two warpgroups adding into the same
-        // elements cost 20-30%.
-        float dq_part[1][L::DQ_DIMS / 8][4];
-        if (computes_dq) {
-          wgmma_fence();
-#pragma unroll
-          for (int j = 0; j < L::BLOCK_N / 16; ++j) {
-            const u64 ds_desc = desc_advance(smem_desc_sw128_mn(ds_tile, L::DS_BYTES), 2048 * j);
-            const u64 k_mn =
-                desc_advance(smem_desc_sw128_mn(smem + L::K + (dq_col0 / 64) * L::KV_PANEL, L::KV_PANEL), 2048 * j);
-            if (wide_dq)
-              wgmma_ss_t<L::DQ_DIMS, Elem, true, true>(flat(dq_part), ds_desc, k_mn, j > 0);
-            else
-              wgmma_ss_t<64, Elem, true, true>(leading_columns<64>(flat(dq_part)), ds_desc, k_mn, j > 0);
-          }
-          wgmma_commit();
-          fence_registers(flat(dq_part));
-          if constexpr (L::SPLIT_DIMS) {
-            // dK, dV and dQ in flight in that order: free Q's stage, then dO's, as each completes.
-            fence_registers(flat(dk));
-            fence_registers(flat(dv));
-            wgmma_wait<2>();
-            fence_registers(flat(dk));
-            if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
-            wgmma_wait<1>();
-            fence_registers(flat(dv));
-            if (lane == 0) mbarrier_arrive(&do_empty[pos.stage]);
-          }
+        if (!L::SPLIT_DIMS && computes_dq) {
+          issue_dq(true);
           wgmma_wait<0>();
           fence_registers(flat(dq_part));
-          // The writer's previous reduction has read the staged block.
-          named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
-          // Accumulator rows are queries, columns this warpgroup's head-dim columns.
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float* const row =
-                dq_block + (warp * 16 + h * 8 + lane / 4) * L::DQ_ROW + dq_col0 + 2 * (lane % 4);
-#pragma unroll
-            for (int nt = 0; nt < L::DQ_DIMS / 8; ++nt)
-              if (wide_dq || nt < 8)
-                *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
-          }
-          // Read by the writer's bulk reduction through the async proxy.
-          fence_proxy_async_shared();
-          named_barrier_arrive(kDqFullBarrier, kDqWriterThreads);
+          stage_dq(true);
         }
       };
       // Taking turns under a mask keeps the one copy with the test: with two, ptxas moves loop
       // state to local memory inside the step.
-      constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW));
+      constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW)) && !L::UNEVEN;
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
         const int m = query_block(m_range, i);
         // A block with rows past the sequence's end takes the masked copy too: those rows staged lse
