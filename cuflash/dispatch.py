@@ -869,8 +869,9 @@ def mla_kernel(family: str, dtype: str, cache_dtype: str) -> KernelChoice:
     """MLA decoding for q's 16-bit ``dtype`` and the cache's (``dtype`` or float8_e4m3fn)."""
     element = ELEMENT_TYPES[dtype]
     cache = element if cache_dtype == dtype else FP8_TYPES[cache_dtype]
-    name = f"{MLA_KERNELS[family]}<{element}, {cache}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}>"
-    return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, mla_smem_bytes(family),
+    smem = mla_smem_bytes(family)
+    name = f"{MLA_KERNELS[family]}<{element}, {cache}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
+    return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, smem,
                         Tile(MLA_ROWS, MLA_KEYS[family], MLA_THREADS // 32))
 
 

@@ -78,7 +78,7 @@ struct MlaSmem {
   static constexpr u32 KV_STAGE = (D / 64) * KV_PANEL;
   static constexpr u32 P = KV + 2 * KV_STAGE;                // kMlaRows x KEYS, one panel
   static constexpr u32 EXCHANGE = P + kMlaRows * 128;        // [2 warpgroups][kMlaRows] floats
-  static constexpr u32 BYTES = EXCHANGE + 2 * kMlaRows * 4;  // dispatch.mla_smem_bytes mirrors this
+  static constexpr u32 BYTES = EXCHANGE + 2 * kMlaRows * 4;  // dispatch.mla_smem_bytes, checked by the kernels
 };
 
 // The cache rows of one step into a shared stage: thread t copies row t / TPR, chunks t % TPR +

@@ -62,9 +62,11 @@ struct MlaMmaSync {
 
 constexpr int kMlaKeys = 32;  // dispatch.MLA_KEYS["sm80"]
 
-// T: q's type; C: the cache's (T, or e4m3 with descale_kv).
-template <class T, class C, int D, int DV>
+// T: q's type; C: the cache's (T, or e4m3 with descale_kv). SMEM_BYTES: the dynamic shared memory
+// the host launches with (dispatch.mla_smem_bytes), checked against MlaSmem.
+template <class T, class C, int D, int DV, int SMEM_BYTES>
 __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_sm80(const __grid_constant__ MlaParams p) {
+  static_assert(SMEM_BYTES == MlaSmem<D, kMlaKeys>::BYTES, "the host's shared memory differs from MlaSmem");
   extern __shared__ __align__(128) unsigned char smem[];
   mla_decode_body<T, C, MlaMmaSync, D, DV, kMlaKeys>(p, smem);
 }

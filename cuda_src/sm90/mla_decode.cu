@@ -52,9 +52,12 @@ struct MlaWgmma {
 
 constexpr int kMlaKeys = 64;  // dispatch.MLA_KEYS["sm90"]
 
-// T: q's type; C: the cache's (T, or e4m3 with descale_kv).
-template <class T, class C, int D, int DV>
+// T: q's type; C: the cache's (T, or e4m3 with descale_kv). SMEM_BYTES: the dynamic shared memory
+// the host launches with (dispatch.mla_smem_bytes), checked against MlaSmem.
+template <class T, class C, int D, int DV, int SMEM_BYTES>
 __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_sm90(const __grid_constant__ MlaParams p) {
+  static_assert(SMEM_BYTES == MlaSmem<D, kMlaKeys>::BYTES + kSmemAlignSlack,
+                "the host's shared memory differs from MlaSmem");
   extern __shared__ unsigned char smem_raw[];
   // wgmma's descriptors take 1024-byte-aligned tiles (sm90/tiles.cuh).
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
