@@ -462,26 +462,21 @@ def all_kernels(family: str) -> list[KernelChoice]:
                         choice = forward_kernel(family, bucket, mask, "float8_e4m3fn", softcap, short=short,
                                                 out_dtype=out_dtype)
                         found.setdefault(choice.name_expression, choice)
-    if family == "sm80":  # its backward kernels for a v head dim of its own, then the KV cache ones, last
-        for bucket in buckets:
-            for dtype in ELEMENT_TYPES:
-                for mask in MASKS:
-                    for softcap in (False, True):
-                        for dq_order in dq_orders(family, mask, softcap):
-                            choice = backward_kernels(family, bucket, mask, dtype, softcap, dq_order,
-                                                      head_dim_v=bucket // 2)[1]
-                            found.setdefault(choice.name_expression, choice)
-        for choice in kvcache_all_kernels():
-            found.setdefault(choice.name_expression, choice)
-    for choice in mla_all_kernels(family):
-        found.setdefault(choice.name_expression, choice)
+    # The main backward kernels of (head_dim, head_dim_v) for every dtype, mask, softcap and dQ order.
+    def backward_mains(head_dim: int, head_dim_v: int) -> list[KernelChoice]:
+        return [backward_kernels(family, head_dim, mask, dtype, softcap, dq_order, head_dim_v=head_dim_v)[1]
+                for dtype in ELEMENT_TYPES for mask in MASKS for softcap in (False, True)
+                for dq_order in dq_orders(family, mask, softcap)]
+
+    later = []
+    if family == "sm80":  # its backward kernels for a v head dim of its own, then the KV cache ones
+        later += [choice for bucket in buckets for choice in backward_mains(bucket, bucket // 2)]
+        later += kvcache_all_kernels()
+    later += mla_all_kernels(family)
     if family == "sm90":
-        for dtype in ELEMENT_TYPES:
-            for mask in MASKS:
-                for softcap in (False, True):
-                    for dq_order in dq_orders(family, mask, softcap):
-                        choice = backward_kernels(family, 192, mask, dtype, softcap, dq_order, head_dim_v=128)[1]
-                        found.setdefault(choice.name_expression, choice)
+        later += backward_mains(192, 128)
+    for choice in later:
+        found.setdefault(choice.name_expression, choice)
     return list(found.values())
 
 
@@ -622,15 +617,16 @@ def forward_launch(family: str, q, k, v, mask: Mask, batch: int, max_seqlen_q: i
     return ForwardLaunch(choice, grid, m_blocks)
 
 
-# sm90's deterministic mode walks causal sequences up to this many keys, per kernel (SM90_BWD_TILES); elsewhere one CTA per key block runs faster (flash_bwd.cu: a causal head's key
+# sm90's deterministic mode walks causal sequences up to this many keys, per kernel
+# (SM90_BWD_TILES); elsewhere one CTA per key block runs faster (flash_bwd.cu: a causal head's key
 # blocks side by side). Measured against the walk, d128: default 1.22-1.33x, deterministic
 # 1.04-1.08x at 1k-2k; d256 1.22-1.93x; d64 default 0.98-1.11x, deterministic 0.81-0.86x.
 WALK_CAUSAL_KEYS = {(64, 64): 2048, (128, 128): 0, (192, 128): 0, (256, 256): 0}
 
 
 def dq_order(family: str, head_dims: tuple[int, int], mask: Mask, max_seqlen_k: int, deterministic: bool) -> str:
-    """DQ_ORDERS entry of a backward whose main kernel is ``family``'s, for (q's, v's) ``head_dims``. Default mode takes any
-    order. Deterministic mode takes turns where the family has them, else walks; sm90 walks its
+    """DQ_ORDERS entry of a backward whose main kernel is ``family``'s, for (q's, v's) ``head_dims``.
+    Default mode takes any order. Deterministic mode takes turns where the family has them, else walks; sm90 walks its
     causal sequences up to WALK_CAUSAL_KEYS keys, whose key blocks are few and of unequal length,
     so that walking them amortises each CTA's start and balances the work (a softcap runs the
     window kernel, which does not walk)."""

@@ -296,13 +296,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         const int row = seq.q_begin + m * kBwdBlockM;
         mbarrier_wait(&q_empty[pos.stage], pos.phase ^ 1);
         mbarrier_arrive_expect_tx(&q_full[pos.stage], L::SPLIT_DIMS ? L::Q_BYTES : L::Q_BYTES + L::DO_BYTES);
-        tma_load_panels<L::PANELS>(smem + L::Q + pos.stage * L::Q_BYTES, L::QD_PANEL, &p.q, &q_full[pos.stage], head, row, map_batch);
+        tma_load_panels<L::PANELS>(smem + L::Q + pos.stage * L::Q_BYTES, L::QD_PANEL, &p.q, &q_full[pos.stage], head,
+                                   row, map_batch);
         if constexpr (L::SPLIT_DIMS) {
           mbarrier_wait(&do_empty[pos.stage], pos.phase ^ 1);
           mbarrier_arrive_expect_tx(&do_full[pos.stage], L::DO_BYTES);
         }
-        tma_load_panels<L::V_PANELS>(smem + L::DO + pos.stage * L::DO_BYTES, L::QD_PANEL, &p.dout, &dout_full[pos.stage], head, row,
-                                   map_batch);
+        tma_load_panels<L::V_PANELS>(smem + L::DO + pos.stage * L::DO_BYTES, L::QD_PANEL, &p.dout,
+                                     &dout_full[pos.stage], head, row, map_batch);
       }
     }
     return;
@@ -568,9 +569,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           // dV += P^T dO and dK += dS^T Q from registers, N = the head dim.
           wgmma_fence();
 #pragma unroll
-          for (int j = 0; j < 4; ++j) wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * j), true);
+          for (int j = 0; j < 4; ++j)
+            wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * j), true);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * j), true);
+          for (int j = 0; j < 4; ++j)
+            wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * j), true);
           wgmma_commit();
           store_tile(ds_tile, ds_a);
           fence_proxy_async_shared();
@@ -594,7 +597,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         }
       };
       // Taking turns under a mask keeps the one copy with the test: with two, ptxas moves loop
-      // state to local memory inside the step.
+      // state to local memory inside the step. So does an uneven split: a second copy beside its
+      // two shares' copies left ptxas too few registers to pipeline the wgmma (C7511).
       constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW)) && !L::UNEVEN;
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
         const int m = query_block(m_range, i);
