@@ -63,6 +63,8 @@ __all__ = [
     "head_dim_bucket",
     "make_mask",
     "mla_kernel",
+    "mla_tma",
+    "mla_tma_kernels",
     "mla_splits",
     "select_family",
 ]
@@ -439,7 +441,8 @@ def all_kernels(family: str) -> list[KernelChoice]:
     the sm80 target, and sm80's main backward kernel where no tensor map describes the tensors:
     those are sm80's instantiations). Kernels added later come after the earlier ones, so that the
     lists of older trees pair by position: sm80's backward kernels for a v head dim of its own,
-    sm80's KV cache kernels, each family's MLA kernels, then sm90's backward for q/k 192 with v 128."""
+    sm80's KV cache kernels, each family's MLA kernels, then sm90's backward for q/k 192 with v 128
+    and its TMA-loaded MLA kernels."""
     found: dict[str, KernelChoice] = {}
     buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
     for bucket in buckets:
@@ -475,6 +478,7 @@ def all_kernels(family: str) -> list[KernelChoice]:
     later += mla_all_kernels(family)
     if family == "sm90":
         later += backward_mains(192, 128)
+        later += mla_tma_kernels()
     for choice in later:
         found.setdefault(choice.name_expression, choice)
     return list(found.values())
@@ -844,35 +848,54 @@ def kvcache_prefill_grid(choice: KernelChoice, heads: int, batch: int, max_seqle
 
 # MLA decoding (common/mla_decode.cuh): one CTA of MLA_THREADS per (tile of MLA_ROWS packed query
 # rows, key split, sequence), the latent head's MLA_HEAD_DIM dims the keys and its first
-# MLA_HEAD_DIM_V the values. sm90 multiplies by wgmma in steps of 64 keys; the sm80 family by
-# mma.sync in steps of 32, whose two stages fit an A100's shared memory.
+# MLA_HEAD_DIM_V the values. sm90 multiplies by wgmma in steps of 64 keys, and takes a 16-bit
+# cache whose steps each lie in one page by TMA (mla_tma); the sm80 family by mma.sync in steps of
+# 32, whose two stages fit an A100's shared memory.
 MLA_SOURCES = {"sm80": "sm80/mla_decode.cu", "sm90": "sm90/mla_decode.cu"}
 MLA_KERNELS = {"sm80": "cuflash::mla_decode_sm80", "sm90": "cuflash::sm90::mla_decode_sm90"}
+MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_tma_sm90"
 MLA_KEYS = {"sm80": 32, "sm90": 64}  # kMlaKeys of each source
 MLA_ROWS, MLA_THREADS = 64, 256  # kMlaRows, kMlaThreads
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
 
 
-def mla_smem_bytes(family: str) -> int:
+def mla_smem_bytes(family: str, tma: bool = False) -> int:
     """MlaSmem<D, KEYS>::BYTES (Q, two stages of cache rows, P, the warpgroups' row statistics),
-    plus sm90's alignment slack."""
+    MlaTmaSmem's two mbarriers with TMA, plus sm90's alignment slack."""
     keys = MLA_KEYS[family]
     layout = MLA_ROWS * MLA_HEAD_DIM * 2 + 2 * keys * MLA_HEAD_DIM * 2 + MLA_ROWS * 128 + 2 * MLA_ROWS * 4
-    return layout + (SM90_SMEM_ALIGN_SLACK if family == "sm90" else 0)
+    return layout + (2 * 8 if tma else 0) + (SM90_SMEM_ALIGN_SLACK if family == "sm90" else 0)
 
 
-def mla_kernel(family: str, dtype: str, cache_dtype: str) -> KernelChoice:
-    """MLA decoding for q's 16-bit ``dtype`` and the cache's (``dtype`` or float8_e4m3fn)."""
+def mla_tma(family: str, dtype: str, cache_dtype: str, page_size: int, max_pages: int) -> bool:
+    """Whether sm90 loads the cache by TMA: a 16-bit cache whose steps of MLA_KEYS rows each lie in
+    one page (pages of a multiple of them, or one page per sequence of at least a step); the
+    caller also needs the cache's pointers 16-byte aligned (tensor maps)."""
+    return (family == "sm90" and cache_dtype == dtype and page_size >= MLA_KEYS[family]
+            and (page_size % MLA_KEYS[family] == 0 or max_pages == 1))
+
+
+def mla_kernel(family: str, dtype: str, cache_dtype: str, tma: bool = False) -> KernelChoice:
+    """MLA decoding for q's 16-bit ``dtype`` and the cache's (``dtype`` or float8_e4m3fn); ``tma``:
+    sm90's TMA-loaded kernel (mla_tma)."""
     element = ELEMENT_TYPES[dtype]
-    cache = element if cache_dtype == dtype else FP8_TYPES[cache_dtype]
-    smem = mla_smem_bytes(family)
-    name = f"{MLA_KERNELS[family]}<{element}, {cache}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
+    smem = mla_smem_bytes(family, tma)
+    if tma:
+        name = f"{MLA_TMA_KERNEL}<{element}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
+    else:
+        cache = element if cache_dtype == dtype else FP8_TYPES[cache_dtype]
+        name = f"{MLA_KERNELS[family]}<{element}, {cache}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
     return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, smem,
                         Tile(MLA_ROWS, MLA_KEYS[family], MLA_THREADS // 32))
 
 
 def mla_all_kernels(family: str) -> list[KernelChoice]:
     return [mla_kernel(family, dtype, cache) for dtype in ELEMENT_TYPES for cache in (dtype, *FP8_TYPES)]
+
+
+def mla_tma_kernels() -> list[KernelChoice]:
+    """sm90's TMA-loaded MLA kernels (16-bit caches), listed apart: they came after the others."""
+    return [mla_kernel("sm90", dtype, dtype, tma=True) for dtype in ELEMENT_TYPES]
 
 
 def mla_splits(requested: int, batch: int, row_tiles: int, capacity: int, family: str, sms: int) -> int:

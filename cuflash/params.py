@@ -385,6 +385,10 @@ MLA_PARAMS = np.dtype(
     align=True,
 )
 MLA_PARAMS_SIZE = 232  # sizeof(MlaParams)
+# cuda_src/sm90/mla_decode.cu: the tensor maps of the cache (and of the split form's rotary cache,
+# else the cache's again), then MlaParams.
+MLA_PARAMS_TMA = tma.param_dtype([("kv_cache", tma.TENSOR_MAP), ("kv_rope", tma.TENSOR_MAP), ("base", MLA_PARAMS)])
+MLA_PARAMS_TMA_SIZE = 512  # sizeof(MlaParamsTma)
 
 
 def pack_mla_params(strides: tuple, ints: dict, softmax_scale: float, descale_kv: float = 1.0) -> np.ndarray:
@@ -392,3 +396,15 @@ def pack_mla_params(strides: tuple, ints: dict, softmax_scale: float, descale_kv
     ``ints`` each of MLA_INTS; ``descale_kv`` the scalar descale of an e4m3 cache."""
     return np.array([(*(0,) * len(MLA_POINTERS), *strides, *(ints[name] for name in MLA_INTS),
                       softmax_scale * math.log2(math.e), descale_kv)], dtype=MLA_PARAMS)
+
+
+def mla_tma_argument(packed: np.ndarray, kv_cache, kv_rope) -> ArgumentBuffer:
+    """The MlaParamsTma argument: tensor maps of ``kv_cache`` and of the split form's ``kv_rope``
+    (None: the cache's map again) in boxes of dispatch.MLA_KEYS["sm90"] rows, then ``packed``
+    (pack_mla_params'); each fill encodes the maps for its addresses (cached per address)."""
+    struct = np.zeros(1, MLA_PARAMS_TMA)
+    struct["base"] = packed
+    rope, rope_field = (kv_rope, "kv_rope") if kv_rope is not None else (kv_cache, "kv_cache")
+    maps = tuple((field, MLA_POINTERS.index(pointer), functools.partial(_tensor_map, *tma_view(t), t.dtype, 64))
+                 for field, pointer, t in (("kv_cache", "kv_cache", kv_cache), ("kv_rope", rope_field, rope)))
+    return ArgumentBuffer(struct, MLA_POINTERS, within="base", tensor_maps=maps)

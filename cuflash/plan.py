@@ -22,8 +22,8 @@ from cuflash import dispatch, interop, kernels
 from cuflash.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
                             FWD_POINTERS, KV_POINTERS, MLA_POINTERS, ArgumentBuffer, pack_bwd_params,
                             pack_combine_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
-                            pack_fwd_params_paged, pack_kv_params, pack_mla_params, sm90_backward_argument,
-                            sm90_forward_argument)
+                            pack_fwd_params_paged, pack_kv_params, pack_mla_params, mla_tma_argument,
+                            sm90_backward_argument, sm90_forward_argument, tma_ready)
 
 __all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan", "PlanCache",
            "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache", "build_mla",
@@ -588,10 +588,13 @@ class MlaPlan:
 def build_mla(call, tensors: tuple) -> MlaPlan:
     """The plan of a checked GPU mla_decode call (checks.MlaCall); ``tensors``: the DeviceTensors of
     q, kv_cache, cache_seqlens, page_table, descale_kv (None where scalar), q_rope and
-    kv_rope_cache (None but in the split form)."""
+    kv_rope_cache (None but in the split form); check_mla has required 16-byte-aligned pointers and
+    strides, which the TMA-loaded kernel's tensor maps need."""
     q, kv, _, table, _, q_rope, kv_rope = tensors
     family, capability = target = dispatch.device_target(q.device)
-    choice = dispatch.mla_kernel(family, q.dtype, kv.dtype)
+    tma = (dispatch.mla_tma(family, q.dtype, kv.dtype, call.page_size, table.shape[1])
+           and all(tma_ready(t) for t in (kv, kv_rope) if t is not None))
+    choice = dispatch.mla_kernel(family, q.dtype, kv.dtype, tma)
     rows = call.seqlen_q * call.heads
     row_tiles = -(-rows // dispatch.MLA_ROWS)
     splits = dispatch.mla_splits(call.num_splits, call.batch, row_tiles, call.capacity, family,
@@ -604,7 +607,8 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
     ints = dict(batch=call.batch, seqlen_q=s, heads=h, page_size=call.page_size, max_pages=table.shape[1],
                 num_splits=splits, row_tiles=row_tiles, causal=int(call.causal))
     descale = call.descale_kv if isinstance(call.descale_kv, float) else 1.0
-    argument = ArgumentBuffer(pack_mla_params(strides, ints, call.scale, descale), MLA_POINTERS)
+    packed = pack_mla_params(strides, ints, call.scale, descale)
+    argument = mla_tma_argument(packed, kv, kv_rope) if tma else ArgumentBuffer(packed, MLA_POINTERS)
     arch = dispatch.compile_arch(family, capability)
     decode = kernels.prepare(choice, arch, q.device, (splits * row_tiles, call.batch, 1))
     combine = combine_argument = None

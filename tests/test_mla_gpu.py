@@ -93,7 +93,7 @@ def test_matches_reference(family, dtype, heads, seqlen_q):
     run_and_check(*case, causal=True)
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64, 100])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 100, 128])
 def test_page_sizes_and_boundaries(family, page_size):
     rng = np.random.default_rng()
     seqlens = [page_size, page_size + 1, 2 * page_size - 1, 5 * page_size + 3]

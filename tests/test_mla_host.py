@@ -110,3 +110,30 @@ def test_split_form_bad_arguments_are_named(change, error, match):
                         "head_dim_v": 32, "q_rope": q[..., 32:], "kv_rope_cache": kv[..., 32:]})
     with pytest.raises(error, match=match):
         cuflash.mla_decode(**arguments)
+
+
+@pytest.mark.parametrize("family,cache,page_size,max_pages,expected", [
+    ("sm90", "bfloat16", 64, 40, True),      # a step is a page
+    ("sm90", "float16", 256, 40, True),      # a step is a quarter page
+    ("sm90", "bfloat16", 320, 1, True),      # one page per sequence: only its last step reaches past it
+    ("sm90", "bfloat16", 100, 40, False),    # steps straddle pages
+    ("sm90", "bfloat16", 32, 40, False),     # a step spans two pages
+    ("sm90", "bfloat16", 48, 1, False),      # shorter than a step
+    ("sm90", "float8_e4m3fn", 64, 40, False),  # widened in registers, by the threads
+    ("sm80", "bfloat16", 64, 40, False),
+])
+def test_which_caches_load_by_tma(family, cache, page_size, max_pages, expected):
+    from cuflash import dispatch
+
+    dtype = "float16" if cache == "float16" else "bfloat16"
+    assert dispatch.mla_tma(family, dtype, cache, page_size, max_pages) is expected
+    choice = dispatch.mla_kernel(family, dtype, cache, expected)
+    assert ("mla_decode_tma_sm90" in choice.name_expression) is expected
+    assert choice.smem_bytes == dispatch.mla_smem_bytes(family, expected)
+
+
+def test_tma_argument_layout():
+    from cuflash.params import MLA_PARAMS, MLA_PARAMS_TMA, MLA_PARAMS_TMA_SIZE
+
+    assert MLA_PARAMS_TMA.itemsize == MLA_PARAMS_TMA_SIZE
+    assert MLA_PARAMS_TMA.fields["base"][1] == 256 and MLA_PARAMS_TMA.fields["base"][0] == MLA_PARAMS

@@ -130,7 +130,7 @@ struct MlaCacheLoader {
     if constexpr (!kFp8) cp_async_commit();
   }
 
-  __device__ __forceinline__ void land(unsigned char* stage) {
+  __device__ __forceinline__ void land(unsigned char* stage, int, int) {
     if constexpr (kFp8) {
       const int row = threadIdx.x / TPR, lane_chunk = threadIdx.x % TPR;
 #pragma unroll
@@ -146,8 +146,9 @@ struct MlaCacheLoader {
   }
 };
 
-template <class T, class C, class Product, int D, int DV, int KEYS>
-__device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned char* smem) {
+// Loader: MlaCacheLoader's interface (lookup, issue, land), sm90's TMA loader too.
+template <class T, class C, class Product, int D, int DV, int KEYS, class Loader>
+__device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned char* smem, Loader& loader) {
   typedef MlaSmem<D, KEYS> L;
   constexpr int SN = KEYS / 16;  // 8-column tiles of a warpgroup's scores (KEYS / 2 keys)
   constexpr int ON = DV / 16;    // 8-column tiles of a warpgroup's O (DV / 2 columns)
@@ -191,7 +192,6 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     }
     cp_async_commit();
   }
-  MlaCacheLoader<T, C, D, DV, KEYS> loader;
   if (step_begin < step_end) {
     loader.lookup(p, b, step_begin * KEYS, kv_len);
     loader.issue(p, smem + L::KV, step_begin * KEYS, kv_len);
@@ -212,7 +212,7 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     // copies of this step's rows have landed; the barrier makes every thread's visible, and says
     // both warpgroups' previous P V are done: the other stage and the P tile are free.
     Product::drain(o);
-    loader.land(stage);
+    loader.land(stage, n * KEYS, kv_len);
     Product::publish();
     __syncthreads();
     // S in flight (wgmma) while the next step's copies are issued; mma.sync computes it after.
