@@ -1,7 +1,7 @@
-"""cuflash.torch.distributed.ring_attention: 2 and 4 CPU processes over gloo (and, marked gpu, 2
-CUDA processes over NCCL where two GPUs are present), checked against the single-process float64
-reference of the whole sequence with the correctness rule, forward and backward; the block masks
-against the whole mask; bad input."""
+"""cuflash.torch.distributed.ring_attention and ring_attention_varlen: 2 and 4 CPU processes over
+gloo (and, marked gpu, 2 CUDA processes over NCCL where two GPUs are present), checked against the
+single-process float64 reference of each whole sequence with the correctness rule, forward and
+backward, and the lse; the block masks against the whole mask; bad input."""
 
 from __future__ import annotations
 
@@ -31,6 +31,14 @@ CASES = [
     ("float32", False, (-1, -1), 0.0, "contiguous", (2, 2), 24, 7),
     ("bfloat16", True, (5, 0), 3.0, "zigzag", (2, 1), 72, 6),
     ("float16", False, (4, 3), 0.0, "contiguous", (2, 2), 40, 7),
+]
+
+# The packed form: the same fields, the local length of each sequence instead of one (length 0
+# included: a sequence too short to reach every rank is not one; lengths are per rank).
+VARLEN_CASES = [
+    ("bfloat16", True, (-1, -1), 0.0, "zigzag", (4, 2), 40, (6, 0, 2, 4)),
+    ("float16", False, (3, 2), 2.0, "contiguous", (2, 1), 64, (5, 1, 3)),
+    ("float32", True, (4, 0), 0.0, "zigzag", (2, 2), 24, (2, 8)),
 ]
 
 
@@ -70,14 +78,18 @@ def check_case(case, rank, world_size, device, seed):
     mine = positions_of[rank]
     q, k, v = (low[name][:, mine].to(device).requires_grad_() for name in ("q", "k", "v"))
 
-    out = ring.ring_attention(q, k, v, causal=causal, window=window, softcap=softcap, layout=layout)
+    out, lse = ring.ring_attention(q, k, v, causal=causal, window=window, softcap=softcap, layout=layout,
+                                   return_lse=True)
     out.backward(low["dout"][:, mine].to(device))
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
+    assert lse.dtype == torch.float32 and lse.shape == (2, heads, local) and not lse.requires_grad
 
     results = [gathered(x, positions_of, world_size) for x in (out, q.grad, k.grad, v.grad)]
     exact = [low[name].double().numpy() for name in ("q", "k", "v", "dout")]
     options = dict(causal=causal, window=window, softcap=softcap)
-    ref_out, _ = reference.attention_reference(*exact[:3], **options)
+    ref_out, ref_lse = reference.attention_reference(*exact[:3], **options)
+    got_lse = gathered(lse.transpose(1, 2), positions_of, world_size).transpose(0, 2, 1)
+    check_lse(got_lse, ref_lse, case, world_size)
     ref_grads = reference.attention_backward_reference(exact[3], *exact[:3], **options)
     leaves = [low[name].clone().requires_grad_() for name in ("q", "k", "v")]
     lowp_out = naive_attention(*leaves, causal, window, softcap, 1 / math.sqrt(head_dim))
@@ -86,6 +98,62 @@ def check_case(case, rank, world_size, device, seed):
     for name, got, want, base in zip(("out", "dq", "dk", "dv"), results, [ref_out, *ref_grads], lowp):
         ok, err, bound = reference.max_error_bound(got, want, base.double().numpy(), atol=ATOL)
         assert ok, f"{case}, {world_size} ranks: {name} max error {err:.3e} over the bound {bound:.3e}"
+
+
+def check_lse(got, want, case, world_size):
+    """Rows that see no key: -inf on both sides; the others within 1e-3 (both from the same rounded
+    inputs; the ring's merge is float32)."""
+    assert np.array_equal(np.isneginf(got), np.isneginf(want)), f"{case}, {world_size} ranks: lse's -inf rows"
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-3, atol=1e-3,
+                               err_msg=f"{case}, {world_size} ranks: lse")
+
+
+def check_varlen_case(case, rank, world_size, device, seed):
+    dtype_name, causal, window, softcap, layout, (heads, heads_kv), head_dim, locals_ = case
+    dtype = getattr(torch, dtype_name)
+    rng = np.random.default_rng(seed)  # the same draw on every rank: one whole packed batch
+    cu = np.concatenate([[0], np.cumsum(locals_)]).astype(np.int32)
+    total = world_size * int(cu[-1])
+    whole = {name: rng.standard_normal((total, h, head_dim))
+             for name, h in (("q", heads), ("k", heads_kv), ("v", heads_kv), ("dout", heads))}
+    low = {name: torch.from_numpy(x).to(dtype) for name, x in whole.items()}
+    positions_of = [ring.varlen_positions(r, world_size, cu, layout=layout) for r in range(world_size)]
+    mine = positions_of[rank]
+    q, k, v = (low[name][mine].to(device).requires_grad_() for name in ("q", "k", "v"))
+
+    out, lse = ring.ring_attention_varlen(q, k, v, torch.from_numpy(cu).to(device), causal=causal, window=window,
+                                          softcap=softcap, layout=layout, return_lse=True)
+    out.backward(low["dout"][mine].to(device))
+    assert out.shape == q.shape and out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
+    assert lse.dtype == torch.float32 and lse.shape == (heads, int(cu[-1]))
+
+    def whole_of(x):  # the whole packed batch, from every rank's shard (rows first)
+        return gathered(x.unsqueeze(0), positions_of, world_size)[0]
+    results = [whole_of(x) for x in (out, q.grad, k.grad, v.grad)]
+    got_lse = whole_of(lse.transpose(0, 1)).T
+    # Each whole sequence on its own: the float64 reference and the same-dtype baseline.
+    options = dict(causal=causal, window=window, softcap=softcap)
+    want = {name: [] for name in ("out", "lse", "dq", "dk", "dv", "lowp_out", "lowp_dq", "lowp_dk", "lowp_dv")}
+    for start, stop in zip(world_size * cu[:-1], world_size * cu[1:]):
+        if start == stop:
+            continue
+        part = {name: low[name][start:stop].unsqueeze(0) for name in low}
+        exact = [part[name].double().numpy() for name in ("q", "k", "v", "dout")]
+        ref_out, ref_lse = reference.attention_reference(*exact[:3], **options)
+        ref_grads = reference.attention_backward_reference(exact[3], *exact[:3], **options)
+        leaves = [part[name].clone().requires_grad_() for name in ("q", "k", "v")]
+        lowp_out = naive_attention(*leaves, causal, window, softcap, 1 / math.sqrt(head_dim))
+        lowp_out.backward(part["dout"])
+        for name, x in zip(("out", "lse", "dq", "dk", "dv"), (ref_out, ref_lse, *ref_grads)):
+            want[name].append(x[0].T if name == "lse" else x[0])
+        for name, x in zip(("lowp_out", "lowp_dq", "lowp_dk", "lowp_dv"), (lowp_out, *(l.grad for l in leaves))):
+            want[name].append(x[0].detach().double().numpy())
+    want = {name: np.concatenate(parts) for name, parts in want.items()}
+    for name, got in zip(("out", "dq", "dk", "dv"), results):
+        ok, err, bound = reference.max_error_bound(got, want[name], want["lowp_" + name], atol=ATOL)
+        assert ok, f"{case}, {world_size} ranks: {name} max error {err:.3e} over the bound {bound:.3e}"
+    check_lse(got_lse, want["lse"].T, case, world_size)
 
 
 def check_bad_input(rank, world_size, device):
@@ -97,6 +165,9 @@ def check_bad_input(rank, world_size, device):
         ring.ring_attention(x, x, x, causal=rank == 0)
     with pytest.raises(TypeError, match="group"):
         ring.ring_attention(x, x, x, group="world")
+    packed = torch.randn(8, 2, 64, device=device)
+    with pytest.raises(ValueError, match="cu_seqlens: the ranks of the group disagree"):
+        ring.ring_attention_varlen(packed, packed, packed, [0, 2 + 2 * rank, 8])
     first_only = dist.new_group([0])
     if rank != 0:
         with pytest.raises(ValueError, match="group: this process is not a member"):
@@ -113,6 +184,9 @@ def worker(rank, world_size, port, backend, seed):
         for index, case in enumerate(CASES):
             if device.type == "cpu" or case[0] != "float32":  # the kernels take fp16 and bf16
                 check_case(case, rank, world_size, device, seed + index)
+        for index, case in enumerate(VARLEN_CASES):
+            if device.type == "cpu" or case[0] != "float32":
+                check_varlen_case(case, rank, world_size, device, seed + len(CASES) + index)
         check_bad_input(rank, world_size, device)
         # A rank's last send is complete when its bytes are handed over, not when the next rank has
         # read them: tearing the group down before every rank is done can close a connection under
@@ -154,7 +228,7 @@ def test_blocks_mask_what_the_whole_mask_masks(layout, world_size, local, window
     whole = reference.allowed_keys(world_size * local, world_size * local, window=window)
     positions = [ring.sequence_positions(r, world_size, local, layout=layout).numpy() for r in range(world_size)]
     for rank in range(world_size):
-        ranks = _Ring(None, rank, world_size, layout, local)
+        ranks = _Ring(None, rank, world_size, layout, ((0, local),))
         for source in range(world_size):
             got = np.zeros((local, local), bool)
             blocks = ranks.blocks(source, window)
@@ -167,6 +241,33 @@ def test_blocks_mask_what_the_whole_mask_masks(layout, world_size, local, window
             np.testing.assert_array_equal(got, expected, err_msg=f"rank {rank}, keys of rank {source}")
             if window == (-1, -1) or (layout == "zigzag" and window == (-1, 0) and source != rank):
                 assert len(blocks) == 1
+
+
+def test_packed_blocks_stay_within_their_sequences():
+    """Three sequences of a packed shard: every block's rows and keys lie in one sequence's rows,
+    and the blocks of each sequence are those of that sequence alone, shifted to its rows."""
+    from cuflash.torch.distributed import _Ring
+
+    segments = ((0, 4), (4, 0), (4, 6))
+    for rank in range(2):
+        for source in range(2):
+            got = _Ring(None, rank, 2, "zigzag", segments).blocks(source, (-1, 0))
+            expected = []
+            for first, length in segments:
+                for block in _Ring(None, rank, 2, "zigzag", ((0, length),)).blocks(source, (-1, 0)):
+                    expected.append((slice(block.rows.start + first, block.rows.stop + first),
+                                     slice(block.keys.start + first, block.keys.stop + first), block.window))
+            assert [tuple(b) for b in got] == expected
+
+
+def test_varlen_positions_shard_a_packed_batch():
+    """Each sequence sharded as sequence_positions shards it, offset by world_size times its local
+    start; the shards cover the whole packed batch once."""
+    cu = [0, 2, 2, 6]
+    positions = [ring.varlen_positions(r, 2, cu, layout="zigzag") for r in range(2)]
+    assert positions[0].tolist() == [0, 3, 4, 5, 10, 11]
+    assert sorted(torch.cat(positions).tolist()) == list(range(12))
+    assert ring.varlen_positions(1, 3, torch.tensor([0, 1, 3]), layout="contiguous").tolist() == [1, 5, 6]
 
 
 def test_zigzag_positions_balance_a_causal_mask():
@@ -186,6 +287,13 @@ def test_zigzag_positions_balance_a_causal_mask():
     (lambda x: ring.ring_attention(x, x.half(), x), TypeError, "k: expected the dtype and device of q"),
     (lambda x: ring.ring_attention(x, x, x), ValueError, "group: torch.distributed is not initialized"),
     (lambda x: ring.sequence_positions(4, 4, 6), ValueError, "rank"),
+    (lambda x: ring.ring_attention(x, x, x, return_lse="yes"), TypeError, "return_lse"),
+    (lambda x: ring.ring_attention_varlen(x, x, x, [0, 6]), ValueError, r"q: expected \(total_local"),
+    (lambda x: ring.ring_attention_varlen(x[0], x[0], x[0], [0, 4]), ValueError, "cu_seqlens: expected non-decr"),
+    (lambda x: ring.ring_attention_varlen(x[0], x[0], x[0], [0, 3, 6]), ValueError, "cu_seqlens: the zigzag"),
+    (lambda x: ring.ring_attention_varlen(x[0], x[0], x[0], torch.tensor([0.0, 6.0])), ValueError, "cu_seqlens: exp"),
+    (lambda x: ring.ring_attention_varlen(x[0], x[0], x[0], [0, 2, 6]), ValueError, "group: torch.distributed"),
+    (lambda x: ring.varlen_positions(0, 2, [0, 3], layout="zigzag"), ValueError, "cu_seqlens: the zigzag"),
 ])
 def test_bad_input_before_any_communication(call, error, words):
     with pytest.raises(error, match=words):

@@ -1,7 +1,8 @@
 """Context parallelism: one attention over a sequence split across the processes of a
 ``torch.distributed`` group (ring attention), forward and backward.
 
-Each rank holds its shard of the sequence, (batch, seqlen_local, heads, head_dim). K and V travel
+Each rank holds its shard of the sequence, (batch, seqlen_local, heads, head_dim), or of every
+sequence of a packed batch (``ring_attention_varlen``). K and V travel
 around the ring, one block per step, the transfer of the next block started before the attention
 of the current one; each rank merges its partial outputs exactly through their log-sum-exp. The
 backward sends each block's dK and dV around the ring with it and keeps dQ local. Every block
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 from cuflash import checks
 
-__all__ = ["LAYOUTS", "ring_attention", "sequence_positions"]
+__all__ = ["LAYOUTS", "ring_attention", "ring_attention_varlen", "sequence_positions", "varlen_positions"]
 
 # "zigzag": the sequence cut into 2 * world_size equal chunks, rank i holding chunks i and
 # 2 * world_size - 1 - i, so that every rank gets the same share of a causal mask's work.
@@ -102,21 +103,26 @@ class _Ring(NamedTuple):
     rank: int
     size: int
     layout: str
-    local_length: int
+    # The sequences of a shard: (first row, local length) of each, along dimension 1 of the
+    # (batch, rows, heads, head_dim) tensors the ring moves; one for a batch of equal sequences.
+    segments: tuple[tuple[int, int], ...]
 
     def blocks(self, source: int, window: tuple[int, int]) -> list[_Block]:
         """The blocks of this rank's queries against the keys that rank ``source`` holds, with
-        rows and keys as slices of the two shards, unmasked neighbours joined."""
+        rows and keys as slices of the two shards, unmasked neighbours joined, sequence by
+        sequence."""
         blocks = []
-        for query in _chunks(self.rank, self.size, self.local_length, self.layout):
-            for key in _chunks(source, self.size, self.local_length, self.layout):
-                block = _block(query, key, *window)
-                if block is None:
-                    continue
-                blocks.append(_Block(_shifted(block.rows, query.local_start), _shifted(block.keys, key.local_start),
-                                     block.window))
-                while len(blocks) > 1 and (joined := _joined(blocks[-2], blocks[-1])) is not None:
-                    blocks[-2:] = [joined]
+        for first, length in self.segments:
+            mine = len(blocks)
+            for query in _chunks(self.rank, self.size, length, self.layout):
+                for key in _chunks(source, self.size, length, self.layout):
+                    block = _block(query, key, *window)
+                    if block is None:
+                        continue
+                    blocks.append(_Block(_shifted(block.rows, first + query.local_start),
+                                         _shifted(block.keys, first + key.local_start), block.window))
+                    while len(blocks) > mine + 1 and (joined := _joined(blocks[-2], blocks[-1])) is not None:
+                        blocks[-2:] = [joined]
         return blocks
 
     def source(self, step: int) -> int:
@@ -234,40 +240,68 @@ def _backward(dout, q, k, v, out, lse, ring: _Ring, options: _Options):
 
 
 class _RingAttention(torch.autograd.Function):
+    """out and lse (float32, (batch, heads, rows); not differentiable) of the whole attention for
+    this rank's rows."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, options: _Options):
         out, lse = _forward(q, k, v, ring, options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.options = ring, options
-        return out
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         return (*_backward(dout, *ctx.saved_tensors, ctx.ring, ctx.options), None, None)
 
 
-def _check_tensors(q, k, v) -> None:
+def _check_tensors(q, k, v, packed: bool = False) -> None:
+    rank, shape = (3, "(total_local, heads, head_dim)") if packed else (4, "(batch, seqlen_local, heads, head_dim)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-        if x.dim() != 4:
-            raise ValueError(f"{name}: expected (batch, seqlen_local, heads, head_dim), got shape {tuple(x.shape)}")
+        if x.dim() != rank:
+            raise ValueError(f"{name}: expected {shape}, got shape {tuple(x.shape)}")
     for name, x in (("k", k), ("v", v)):
         if x.dtype != q.dtype or x.device != q.device:
             raise TypeError(f"{name}: expected the dtype and device of q ({q.dtype}, {q.device}), got {x.dtype}, "
                             f"{x.device}")
     if k.shape != v.shape:
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"k: expected the batch, local length and head_dim of q {tuple(q.shape)}, "
-                         f"got {tuple(k.shape)}")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"k: heads_kv = {k.shape[2]} must divide the query heads {q.shape[2]}")
+    if k.shape[:-2] != q.shape[:-2] or k.shape[-1] != q.shape[-1]:
+        what = "total length" if packed else "batch, local length"
+        raise ValueError(f"k: expected the {what} and head_dim of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"k: heads_kv = {k.shape[-2]} must divide the query heads {q.shape[-2]}")
 
 
-def _ring_of(group, q: torch.Tensor, layout: str) -> _Ring:
+def _local_lengths(cu_seqlens, total: int, layout: str) -> tuple[tuple[int, int], ...]:
+    """(first row, local length) of each sequence of a packed shard from ``cu_seqlens`` (read to
+    the host: one synchronisation where it is a CUDA tensor)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"cu_seqlens: expected a 1-D int32 or int64 tensor, got {cu_seqlens.dtype} of shape "
+                             f"{tuple(cu_seqlens.shape)}")
+        cu_seqlens = cu_seqlens.tolist()
+    try:
+        bounds = [int(x) for x in cu_seqlens]
+    except (TypeError, ValueError):
+        raise TypeError(f"cu_seqlens: expected a tensor or sequence of integers, got {type(cu_seqlens).__name__}") \
+            from None
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != total or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to q's total length {total} "
+                         f"(batch + 1 entries), got {bounds}")
+    segments = tuple((a, b - a) for a, b in zip(bounds, bounds[1:]))
+    if layout == "zigzag" and any(length % 2 for _, length in segments):
+        raise ValueError(f"cu_seqlens: the zigzag layout needs an even local length for every sequence (two equal "
+                         f"chunks per rank), got {[length for _, length in segments]}")
+    return segments
+
+
+def _ring_of(group, layout: str, segments) -> _Ring:
     outside = group is dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives the processes outside it
     if group is not None and not outside and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
@@ -275,14 +309,17 @@ def _ring_of(group, q: torch.Tensor, layout: str) -> _Ring:
         raise ValueError("group: torch.distributed is not initialized (call init_process_group first)")
     if outside or dist.get_rank(group) < 0:
         raise ValueError("group: this process is not a member of the group")
-    return _Ring(group, dist.get_rank(group), dist.get_world_size(group), layout, q.shape[1])
+    return _Ring(group, dist.get_rank(group), dist.get_world_size(group), layout, tuple(segments))
 
 
 def _check_agreement(ring: _Ring, q, k, causal: bool, options: _Options) -> None:
     """One all_gather of every rank's shapes and options: a shard of another shape, or options
     that differ, raise the same ValueError on every rank rather than a hang or a wrong result."""
+    lengths = [length for _, length in ring.segments]
     fields = {"q": (*q.shape, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1),
               "k": (*k.shape, _DTYPES.index(k.dtype) if k.dtype in _DTYPES else -1),
+              # Sequences, rows, and the lengths weighted by their places: equal on every rank.
+              "cu_seqlens": (len(lengths), sum(lengths), sum(i * n for i, n in enumerate(lengths, 1))),
               "layout": (LAYOUTS.index(ring.layout),), "causal": (causal,), "window": options.window,
               "softcap": (options.softcap,), "softmax_scale": (options.scale,),
               "deterministic": (options.deterministic,)}
@@ -300,11 +337,21 @@ def _check_agreement(ring: _Ring, q, k, causal: bool, options: _Options) -> None
         start += len(values)
 
 
+def _options(q, causal, softmax_scale, window, softcap, deterministic) -> tuple[bool, _Options]:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    causal = checks.resolve_flag("causal", causal)
+    left, right = checks.resolve_window(window)
+    return causal, _Options(scale, (left, 0 if causal else right), checks.resolve_softcap(softcap),
+                            checks.resolve_flag("deterministic", deterministic))
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
                    causal: bool = False, softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
-                   softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False) -> torch.Tensor:
+                   softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
+                   return_lse: bool = False):
     """Attention over a sequence split across the ranks of ``group`` (default: the whole world),
-    differentiable: this rank's shard of the output.
+    differentiable: this rank's shard of the output, and with ``return_lse`` its log-sum-exp
+    (float32, (batch, heads, seqlen_local), not differentiable).
 
     q (batch, seqlen_local, heads, head_dim) and k, v (batch, seqlen_local, heads_kv, head_dim) are
     this rank's tokens of one sequence of ``world_size * seqlen_local`` tokens in ``layout``
@@ -318,11 +365,54 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Opt
     """
     _check_tensors(q, k, v)
     _check_layout(layout, q.shape[1])
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    causal = checks.resolve_flag("causal", causal)
-    left, right = checks.resolve_window(window)
-    options = _Options(scale, (left, 0 if causal else right), checks.resolve_softcap(softcap),
-                       checks.resolve_flag("deterministic", deterministic))
-    ring = _ring_of(group, q, layout)
+    causal, options = _options(q, causal, softmax_scale, window, softcap, deterministic)
+    return_lse = checks.resolve_flag("return_lse", return_lse)
+    ring = _ring_of(group, layout, ((0, q.shape[1]),))
     _check_agreement(ring, q, k, causal, options)
-    return _RingAttention.apply(q, k, v, ring, options)
+    out, lse = _RingAttention.apply(q, k, v, ring, options)
+    return (out, lse) if return_lse else out
+
+
+def varlen_positions(rank: int, world_size: int, cu_seqlens, *, layout: str = "zigzag") -> torch.Tensor:
+    """The rows (int64) of a whole packed batch that ``rank`` holds, in its shard's order, for the
+    local offsets ``cu_seqlens`` (every sequence ``world_size`` times its local length, the whole
+    batch packed in order): ``x[varlen_positions(...)]`` is its shard of a whole packed ``x``.
+    Within a sequence, a row's position is its row minus ``world_size * cu_seqlens[i]``."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    segments = _local_lengths(bounds, bounds[-1] if bounds else 0, layout)
+    parts = [world_size * first + sequence_positions(rank, world_size, length, layout=layout)
+             for first, length in segments]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens,
+                          group: Optional[dist.ProcessGroup] = None, *, causal: bool = False,
+                          softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+                          softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
+                          return_lse: bool = False):
+    """:func:`ring_attention` over a packed batch of sequences, each split across the ranks.
+
+    q (total_local, heads, head_dim) and k, v (total_local, heads_kv, head_dim) hold this rank's
+    shard of every sequence, packed in order; ``cu_seqlens`` (int32 or int64 tensor, or a list;
+    batch + 1 entries from 0 to total_local) the offsets of the shards, the same on every rank:
+    sequence i has ``world_size * (cu_seqlens[i + 1] - cu_seqlens[i])`` tokens, split in
+    ``layout`` as :func:`ring_attention` splits one (zigzag: even local lengths; sequences of
+    length 0 are allowed). :func:`varlen_positions` shards a whole packed batch. Returns this
+    rank's rows of out (total_local, heads, head_dim), and with ``return_lse`` the float32 lse
+    (heads, total_local), each sequence attending only to itself. A CUDA ``cu_seqlens`` is read
+    once to the host (the block plans are host arithmetic).
+    """
+    _check_tensors(q, k, v, packed=True)
+    _check_layout(layout, 0)
+    segments = _local_lengths(cu_seqlens, q.shape[0], layout)
+    causal, options = _options(q, causal, softmax_scale, window, softcap, deterministic)
+    return_lse = checks.resolve_flag("return_lse", return_lse)
+    ring = _ring_of(group, layout, segments)
+    _check_agreement(ring, q, k, causal, options)
+    # The ring moves (batch, rows, heads, head_dim) tensors: a packed batch is a batch of one.
+    out, lse = _RingAttention.apply(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), ring, options)
+    return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
