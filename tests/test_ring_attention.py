@@ -1,5 +1,5 @@
-"""cuflash.torch.distributed.ring_attention and ring_attention_varlen: 2 and 4 CPU processes over
-gloo (and, marked gpu, 2 CUDA processes over NCCL where two GPUs are present), checked against the
+"""cuflash.torch.distributed.ring_attention, ring_attention_varlen and ulysses_attention: 2 and 4 CPU
+processes over gloo (and, marked gpu, 2 CUDA processes over NCCL where two GPUs are present), checked against the
 single-process float64 reference of each whole sequence with the correctness rule, forward and
 backward, and the lse; the block masks against the whole mask; bad input."""
 
@@ -66,7 +66,7 @@ def gathered(x, positions_of, world_size):
     return whole.numpy()
 
 
-def check_case(case, rank, world_size, device, seed):
+def check_case(case, rank, world_size, device, seed, attention=None):
     dtype_name, causal, window, softcap, layout, (heads, heads_kv), head_dim, local = case
     dtype = getattr(torch, dtype_name)
     rng = np.random.default_rng(seed)  # the same draw on every rank: one whole sequence
@@ -78,8 +78,8 @@ def check_case(case, rank, world_size, device, seed):
     mine = positions_of[rank]
     q, k, v = (low[name][:, mine].to(device).requires_grad_() for name in ("q", "k", "v"))
 
-    out, lse = ring.ring_attention(q, k, v, causal=causal, window=window, softcap=softcap, layout=layout,
-                                   return_lse=True)
+    attention = attention or ring.ring_attention
+    out, lse = attention(q, k, v, causal=causal, window=window, softcap=softcap, layout=layout, return_lse=True)
     out.backward(low["dout"][:, mine].to(device))
     assert out.dtype == q.grad.dtype == k.grad.dtype == v.grad.dtype == dtype
     assert lse.dtype == torch.float32 and lse.shape == (2, heads, local) and not lse.requires_grad
@@ -165,6 +165,9 @@ def check_bad_input(rank, world_size, device):
         ring.ring_attention(x, x, x, causal=rank == 0)
     with pytest.raises(TypeError, match="group"):
         ring.ring_attention(x, x, x, group="world")
+    if world_size > 2:
+        with pytest.raises(ValueError, match="q: ulysses_attention needs the world size"):
+            ring.ulysses_attention(x, x, x)
     packed = torch.randn(8, 2, 64, device=device)
     with pytest.raises(ValueError, match="cu_seqlens: the ranks of the group disagree"):
         ring.ring_attention_varlen(packed, packed, packed, [0, 2 + 2 * rank, 8])
@@ -187,6 +190,11 @@ def worker(rank, world_size, port, backend, seed):
         for index, case in enumerate(VARLEN_CASES):
             if device.type == "cpu" or case[0] != "float32":
                 check_varlen_case(case, rank, world_size, device, seed + len(CASES) + index)
+        for index, case in enumerate(CASES):  # Ulysses where the ranks divide the heads
+            heads, heads_kv = case[5]
+            if (device.type == "cpu" or case[0] != "float32") and heads % world_size == 0 and (
+                    heads_kv % world_size == 0 or world_size % heads_kv == 0):
+                check_case(case, rank, world_size, device, seed + 2 * len(CASES) + index, ring.ulysses_attention)
         check_bad_input(rank, world_size, device)
         # A rank's last send is complete when its bytes are handed over, not when the next rank has
         # read them: tearing the group down before every rank is done can close a connection under
@@ -288,6 +296,8 @@ def test_zigzag_positions_balance_a_causal_mask():
     (lambda x: ring.ring_attention(x, x, x), ValueError, "group: torch.distributed is not initialized"),
     (lambda x: ring.sequence_positions(4, 4, 6), ValueError, "rank"),
     (lambda x: ring.ring_attention(x, x, x, return_lse="yes"), TypeError, "return_lse"),
+    (lambda x: ring.ulysses_attention(x, x, x, layout="striped"), ValueError, "layout"),
+    (lambda x: ring.ulysses_attention(x, x, x), ValueError, "group: torch.distributed is not initialized"),
     (lambda x: ring.ring_attention_varlen(x, x, x, [0, 6]), ValueError, r"q: expected \(total_local"),
     (lambda x: ring.ring_attention_varlen(x[0], x[0], x[0], [0, 4]), ValueError, "cu_seqlens: expected non-decr"),
     (lambda x: ring.ring_attention_varlen(x[0], x[0], x[0], [0, 3, 6]), ValueError, "cu_seqlens: the zigzag"),

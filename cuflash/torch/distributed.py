@@ -2,7 +2,9 @@
 ``torch.distributed`` group (ring attention), forward and backward.
 
 Each rank holds its shard of the sequence, (batch, seqlen_local, heads, head_dim), or of every
-sequence of a packed batch (``ring_attention_varlen``). K and V travel
+sequence of a packed batch (``ring_attention_varlen``). ``ulysses_attention`` instead trades the
+shards for heads with two all-to-alls (DeepSpeed-Ulysses) and runs the whole sequence's attention
+for its share of the heads. In the ring, K and V travel
 around the ring, one block per step, the transfer of the next block started before the attention
 of the current one; each rank merges its partial outputs exactly through their log-sum-exp. The
 backward sends each block's dK and dV around the ring with it and keeps dQ local. Every block
@@ -20,7 +22,8 @@ import torch.distributed as dist
 
 from cuflash import checks
 
-__all__ = ["LAYOUTS", "ring_attention", "ring_attention_varlen", "sequence_positions", "varlen_positions"]
+__all__ = ["LAYOUTS", "ring_attention", "ring_attention_varlen", "sequence_positions", "ulysses_attention",
+           "varlen_positions"]
 
 # "zigzag": the sequence cut into 2 * world_size equal chunks, rank i holding chunks i and
 # 2 * world_size - 1 - i, so that every rank gets the same share of a causal mask's work.
@@ -79,9 +82,9 @@ class _Block(NamedTuple):
 def _block(query: _Chunk, key: _Chunk, left: int, right: int) -> Optional[_Block]:
     """Query ``query.global_start + i`` sees key ``key.global_start + j`` iff
     ``i + d - left <= j <= i + d + right`` (-1: unbounded), ``d`` the distance between the chunks
-    (of equal lengths in both layouts). None where no pair does. The rows and keys are cut to those that take part, which makes the
-    window of the cut block non-negative (the kernels take no other), and a block that sees
-    everything gets no mask at all."""
+    (of equal lengths in both layouts). None where no pair does. The rows and keys are cut to those
+    that take part, which makes the window of the cut block non-negative (the kernels take no
+    other), and a block that sees everything gets no mask at all."""
     n, d = query.length, query.global_start - key.global_start
     row_start = 0 if right < 0 else max(0, -d - right)
     row_end = n if left < 0 else min(n, n - d + left)
@@ -416,3 +419,83 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     # The ring moves (batch, rows, heads, head_dim) tensors: a packed batch is a batch of one.
     out, lse = _RingAttention.apply(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), ring, options)
     return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
+
+
+class _AllToAll(torch.autograd.Function):
+    """dist.all_to_all_single of equal blocks along dimension 0 (block j to rank j): its own
+    inverse, so the backward is the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        received = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(received, x.contiguous(), group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.group), None
+
+
+def _sequence_to_heads(x, ring: _Ring, order: torch.Tensor):
+    """(batch, seqlen_local, heads, d) shards -> (batch, world_size * seqlen_local, heads / world_size,
+    d): the whole sequence, in global order (``order``: the shard-order row of each global
+    position), for this rank's group of heads."""
+    batch, local, heads, d = x.shape
+    blocks = x.reshape(batch, local, ring.size, heads // ring.size, d).permute(2, 0, 1, 3, 4)
+    whole = _AllToAll.apply(blocks, ring.group).permute(1, 0, 2, 3, 4).reshape(batch, ring.size * local, -1, d)
+    return whole.index_select(1, order)
+
+
+def _heads_to_sequence(x, ring: _Ring, positions: torch.Tensor):
+    """The inverse of _sequence_to_heads (``positions``: the global position of each shard-order
+    row)."""
+    batch, length, group_heads, d = x.shape
+    local = length // ring.size
+    blocks = x.index_select(1, positions).reshape(batch, ring.size, local, group_heads, d).permute(1, 0, 2, 3, 4)
+    mine = _AllToAll.apply(blocks, ring.group).permute(1, 2, 0, 3, 4)
+    return mine.reshape(batch, local, ring.size * group_heads, d)
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
+                      causal: bool = False, softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
+                      softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
+                      return_lse: bool = False):
+    """:func:`ring_attention`'s attention, shards and result by trading sequence for heads
+    (DeepSpeed-Ulysses): an all-to-all gives each rank the whole sequence for ``heads /
+    world_size`` of the query heads (and their K/V heads), it runs cuflash's attention on it, and
+    an all-to-all brings every rank its rows of all heads back; the backward is the same
+    exchanges of the gradients. ``world_size`` must divide the query heads, and divide or be a
+    multiple of the K/V heads (K/V heads fewer than the ranks are repeated). Communication is
+    all-to-all (each rank sends 3/4 of its q, k, v and out shards with 4 ranks) rather than a
+    ring's K/V passes, and no step waits on a causal mask's imbalance, in any layout.
+    """
+    _check_tensors(q, k, v)
+    _check_layout(layout, q.shape[1])
+    causal, options = _options(q, causal, softmax_scale, window, softcap, deterministic)
+    return_lse = checks.resolve_flag("return_lse", return_lse)
+    ring = _ring_of(group, layout, ((0, q.shape[1]),))
+    heads, heads_kv = q.shape[2], k.shape[2]
+    if heads % ring.size:
+        raise ValueError(f"q: ulysses_attention needs the world size {ring.size} to divide the query heads, "
+                         f"got {heads}")
+    if heads_kv % ring.size and ring.size % heads_kv:
+        raise ValueError(f"k: ulysses_attention needs the world size {ring.size} to divide or be a multiple of the "
+                         f"K/V heads, got {heads_kv}")
+    _check_agreement(ring, q, k, causal, options)
+    positions = torch.cat([sequence_positions(r, ring.size, q.shape[1], layout=layout)
+                           for r in range(ring.size)]).to(q.device)
+    order = torch.argsort(positions)
+    if heads_kv < ring.size:  # each rank's query heads use one K/V head: a copy of it per rank
+        k, v = (x.repeat_interleave(ring.size // heads_kv, dim=2) for x in (k, v))
+    q, k, v = (_sequence_to_heads(x, ring, order) for x in (q, k, v))
+    # The whole sequence: the window and causal mask as the single-process attention has them.
+    left, right = options.window
+    out, lse = torch.ops.cuflash.attention_forward(q, k, v, causal, options.scale, left, -1 if causal else right,
+                                                   options.softcap, options.deterministic)
+    out = _heads_to_sequence(out, ring, positions)
+    if not return_lse:
+        return out
+    # Not differentiable, as ring_attention's.
+    lse = _heads_to_sequence(lse.detach().transpose(1, 2).unsqueeze(-1), ring, positions).squeeze(-1).transpose(1, 2)
+    return out, lse
