@@ -3,7 +3,8 @@
 Without a GPU it checks the CPU path and compiles one kernel, in seconds.
 ``python -m cuflash bench [--quick | --memory]`` times cuflash next to its peers (see
 cuflash/bench.py; ``--mode decode`` decoding against a KV cache, cuflash/bench_decode.py;
-``--mode mla`` MLA decoding, cuflash/bench_mla.py);
+``--mode mla`` MLA decoding, cuflash/bench_mla.py; ``--mode ring`` context parallelism across
+the GPUs, cuflash/bench_ring.py);
 ``python -m cuflash compile-check --arch sm_80`` compiles every kernel
 instantiation for one architecture with NVRTC, in parallel (no GPU needed), and gives a verdict on
 the spills (cuflash/compile_check.py); ``--front-end`` compiles the representative ones only and
@@ -23,7 +24,7 @@ import numpy as np
 
 import cuflash
 from cuflash import bench as bench_module
-from cuflash import bench_decode, bench_mla
+from cuflash import bench_decode, bench_mla, bench_ring
 from cuflash import compile_check, dispatch, kernels, nvrtc, reference
 from cuflash.device import gpu_unavailable
 
@@ -198,11 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e.g. '64,128,256', or q/k and v pairs like '192/128' (default: 64 128 256)")
     bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
-    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode", "mla"], default="fwd",
+    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode", "mla", "ring"], default="fwd",
                        help="what one timed call does: forward, backward (forward run untimed) or both; or decode: "
                             "a decoding step against a KV cache, in GB/s (its own sweep, --batches, --contexts); or "
                             "mla: an MLA decoding step (cuflash.mla_decode) over a paged latent cache, in GB/s and "
-                            "TFLOP/s (its own sweep, --batches, --contexts)")
+                            "TFLOP/s (its own sweep, --batches, --contexts); or ring: context parallelism over "
+                            "--ranks GPUs next to one GPU, --seqlens the whole sequence's tokens")
     bench.add_argument("--family", choices=["auto", *dispatch.FAMILIES], default="auto",
                        help="cuflash kernel family (sm90 runs sm80's kernels for tensors no tensor map describes; "
                             "the compilation notes name each kernel)")
@@ -214,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--eager", action="store_true",
                        help="decode: time the steps launched back to back instead of as CUDA graph replays "
                             "(the host's cost per call then counts where the kernels are shorter)")
+    bench.add_argument("--ranks", type=_positive_int,
+                       help="ring: processes, one per GPU (default: every visible GPU; at least 2)")
     bench.add_argument("--repeats", type=int, default=10, help="timed samples per case (median reported)")
     bench.add_argument("--memory", action="store_true",
                        help="the IO and memory report instead of the sweep: peak memory, time and modelled "
@@ -235,6 +239,13 @@ def mode_conflict(args: argparse.Namespace) -> str | None:
         return f"{', '.join(wrong)} {'do not apply to' if decode else 'only apply to'} --mode decode and mla"
     if args.dtype == "e4m3" and (args.mode != "fwd" or args.memory):
         return "--dtype e4m3 times the forward only (FP8 has no backward; decode times FP8 caches itself)"
+    ring_only = [o for o, value in (("--ranks", args.ranks),) if value]
+    if args.mode == "ring":
+        misplaced = [o for o in given if o in ("--memory", "--head-dims")]
+        if misplaced:
+            return f"{', '.join(misplaced)} do not apply to --mode ring"
+    elif ring_only:
+        return "--ranks only applies to --mode ring"
     return None
 
 
@@ -243,6 +254,22 @@ def bench_decode_sweep(args: argparse.Namespace, command: str, out: Path) -> int
     report = bench_decode.run_sweep(sweep, args.dtype, repeats=args.repeats, command=command, eager=args.eager)
     print(bench_decode.markdown_table(report))
     for line in bench_decode.write_outputs(report, out):
+        print(line)
+    return 0
+
+
+def bench_ring_sweep(args: argparse.Namespace, command: str, out: Path) -> int:
+    import torch
+
+    ranks = args.ranks or torch.cuda.device_count()
+    if not 2 <= ranks <= torch.cuda.device_count():
+        print(f"python -m cuflash bench --mode ring: needs 2 or more GPUs, {torch.cuda.device_count()} visible"
+              + (f", --ranks {args.ranks}" if args.ranks else ""), file=sys.stderr)
+        return 2
+    cases = bench_ring.sweep(args.quick, args.seqlens, args.causal)
+    report = bench_ring.run(cases, ranks, args.repeats, command, environment=bench_module.environment())
+    print(bench_ring.markdown_table(report))
+    for line in bench_ring.write_outputs(report, out):
         print(line)
     return 0
 
@@ -262,6 +289,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.mode == "decode":
         return bench_decode_sweep(args, command, out)
+    if args.mode == "ring":
+        return bench_ring_sweep(args, command, out)
     if args.mode == "mla":
         report = bench_mla.run_sweep(bench_mla.sweep(args.quick, args.batches, args.contexts), args.dtype,
                                      repeats=args.repeats, command=command, eager=args.eager)
