@@ -14,10 +14,13 @@ the speedup is one GPU's time over the ring's. Files ``<gpu>-ring.md`` and ``.js
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import math
 import socket
 import statistics
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -65,33 +68,38 @@ def _timed(call, repeats: int, device, group) -> float:
             end.synchronize()
             samples.append(start.elapsed_time(end))
         else:
-            begin = datetime.datetime.now()
+            begin = time.perf_counter()
             call()
-            samples.append((datetime.datetime.now() - begin).total_seconds() * 1e3)
+            samples.append((time.perf_counter() - begin) * 1e3)
     median = torch.tensor([statistics.median(samples[1:])], dtype=torch.float64, device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
     return float(median)
 
 
+@contextlib.contextmanager
 def _local_transfers():
-    """A context in which the ring passes nothing: each rank computes on its own K/V block at
-    every step (the same blocks' kernels as the ring's, no communication)."""
-    import contextlib
+    """The ring passing nothing: each rank computes on its own K/V block at every step (the same
+    blocks' kernels as the ring's, no communication)."""
+    from cuflash.torch import distributed
 
-    from cuflash.torch import distributed as cp_module
+    original = distributed._Ring.pass_on
+    distributed._Ring.pass_on = lambda self, tensor, tag: distributed._Transfer(tensor.clone(), [])
+    try:
+        yield
+    finally:
+        distributed._Ring.pass_on = original
 
-    @contextlib.contextmanager
-    def local():
-        original = cp_module._Ring.pass_on
 
-        def pass_on(self, tensor, tag):
-            return cp_module._Transfer(tensor.clone(), [])
-        cp_module._Ring.pass_on = pass_on
-        try:
-            yield
-        finally:
-            cp_module._Ring.pass_on = original
-    return local()
+def _step(function, mode: str, q, k, v, dout, causal: bool):
+    """One timed call of ``function(q, k, v, causal=...)``: its forward, or ("fwd_bwd") its forward
+    and backward from fresh leaves."""
+    def call():
+        if mode == "fwd":
+            function(q, k, v, causal=causal)
+        else:
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            function(*leaves, causal=causal).backward(dout)
+    return call
 
 
 def _case_rows(case: RingCase, rank: int, world_size: int, device, repeats: int, first_only) -> list[dict]:
@@ -101,34 +109,22 @@ def _case_rows(case: RingCase, rank: int, world_size: int, device, repeats: int,
     from cuflash.torch import attention
     from cuflash.torch.distributed import ring_attention, ulysses_attention
 
+    functions = {"ring": ring_attention, "ulysses": ulysses_attention}
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    local = case.total // world_size
     generator = torch.Generator(device=device).manual_seed(rank)
-    q, k, v, dout = (torch.randn((1, local, case.heads, case.head_dim), generator=generator, device=device,
-                                 dtype=dtype) for _ in range(4))
+    shard = [torch.randn((1, case.total // world_size, case.heads, case.head_dim), generator=generator,
+                         device=device, dtype=dtype) for _ in range(4)]  # q, k, v, dout
     rows = []
-
-    def forward(method):
-        function = ring_attention if method == "ring" else ulysses_attention
-        return lambda: function(q, k, v, causal=case.causal)
-
-    def forward_backward(method):
-        function = ring_attention if method == "ring" else ulysses_attention
-
-        def call():
-            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-            function(*leaves, causal=case.causal).backward(dout)
-        return call
-
-    for mode, make in (("fwd", forward), ("fwd_bwd", forward_backward)):
+    for mode in ("fwd", "fwd_bwd"):
         row = {**asdict(case), "mode": mode, "ranks": world_size}
         for method in METHODS:
             try:
-                row[f"{method} ms"] = _timed(make(method), repeats, device, None)
+                row[f"{method} ms"] = _timed(_step(functions[method], mode, *shard, case.causal), repeats, device, None)
             except ValueError as error:  # raised alike on every rank before any exchange: heads the ranks do not divide
                 row[f"{method} error"] = f"{error}"[:120]
         with _local_transfers():
-            row["ring without transfers ms"] = _timed(make("ring"), repeats, device, None)
+            row["ring without transfers ms"] = _timed(_step(ring_attention, mode, *shard, case.causal), repeats,
+                                                      device, None)
         rows.append(row)
     # One GPU: rank 0 on the whole sequence (its own group), the others waiting.
     for row in rows:
@@ -137,19 +133,12 @@ def _case_rows(case: RingCase, rank: int, world_size: int, device, repeats: int,
             try:
                 whole = [torch.randn((1, case.total, case.heads, case.head_dim), device=device, dtype=dtype)
                          for _ in range(4)]
-
-                def one(mode=row["mode"]):
-                    if mode == "fwd":
-                        attention(*whole[:3], causal=case.causal)
-                    else:
-                        leaves = [x.detach().requires_grad_() for x in whole[:3]]
-                        attention(*leaves, causal=case.causal).backward(whole[3])
-                result[0] = _timed(one, repeats, device, first_only)
+                result[0] = _timed(_step(attention, row["mode"], *whole, case.causal), repeats, device, first_only)
                 del whole
             except (RuntimeError, MemoryError):  # it does not fit on one GPU
                 pass
         dist.broadcast(result, 0)
-        if result.item() == result.item():
+        if not math.isnan(result.item()):
             row["one GPU ms"] = result.item()
     return rows
 

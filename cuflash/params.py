@@ -163,10 +163,12 @@ def _tensor_map(shape: tuple[int, ...], strides: tuple[int, ...], dtype: str, ro
 
 
 def _map_fields(pointers: tuple[str, ...], *tensors) -> tuple:
-    """ArgumentBuffer's ``tensor_maps`` for (field name, DeviceTensor, box rows) triples: the
-    field, the index of its address among ``pointers`` and the cached encoder of its map."""
-    return tuple((name, pointers.index(name), functools.partial(_tensor_map, *tma_view(t), t.dtype, rows))
-                 for name, t, rows in tensors)
+    """ArgumentBuffer's ``tensor_maps`` for (field name, DeviceTensor, box rows[, pointer name])
+    entries: the field, the index of its address among ``pointers`` (the pointer of the field's own
+    name unless one is given) and the cached encoder of its map."""
+    return tuple((name, pointers.index(pointer[0] if pointer else name),
+                  functools.partial(_tensor_map, *tma_view(t), t.dtype, rows))
+                 for name, t, rows, *pointer in tensors)
 
 
 def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: int,
@@ -398,13 +400,12 @@ def pack_mla_params(strides: tuple, ints: dict, softmax_scale: float, descale_kv
                       softmax_scale * math.log2(math.e), descale_kv)], dtype=MLA_PARAMS)
 
 
-def mla_tma_argument(packed: np.ndarray, kv_cache, kv_rope) -> ArgumentBuffer:
+def mla_tma_argument(packed: np.ndarray, kv_cache, kv_rope, rows: int) -> ArgumentBuffer:
     """The MlaParamsTma argument: tensor maps of ``kv_cache`` and of the split form's ``kv_rope``
-    (None: the cache's map again) in boxes of dispatch.MLA_KEYS["sm90"] rows, then ``packed``
+    (None: the cache's map again) in boxes of ``rows`` rows (a step), then ``packed``
     (pack_mla_params'); each fill encodes the maps for its addresses (cached per address)."""
     struct = np.zeros(1, MLA_PARAMS_TMA)
     struct["base"] = packed
-    rope, rope_field = (kv_rope, "kv_rope") if kv_rope is not None else (kv_cache, "kv_cache")
-    maps = tuple((field, MLA_POINTERS.index(pointer), functools.partial(_tensor_map, *tma_view(t), t.dtype, 64))
-                 for field, pointer, t in (("kv_cache", "kv_cache", kv_cache), ("kv_rope", rope_field, rope)))
+    rope = ("kv_rope", kv_rope, rows) if kv_rope is not None else ("kv_rope", kv_cache, rows, "kv_cache")
+    maps = _map_fields(MLA_POINTERS, ("kv_cache", kv_cache, rows), rope)
     return ArgumentBuffer(struct, MLA_POINTERS, within="base", tensor_maps=maps)

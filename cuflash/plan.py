@@ -608,7 +608,8 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
                 num_splits=splits, row_tiles=row_tiles, causal=int(call.causal))
     descale = call.descale_kv if isinstance(call.descale_kv, float) else 1.0
     packed = pack_mla_params(strides, ints, call.scale, descale)
-    argument = mla_tma_argument(packed, kv, kv_rope) if tma else ArgumentBuffer(packed, MLA_POINTERS)
+    argument = (mla_tma_argument(packed, kv, kv_rope, dispatch.MLA_KEYS[family]) if tma
+                else ArgumentBuffer(packed, MLA_POINTERS))
     arch = dispatch.compile_arch(family, capability)
     decode = kernels.prepare(choice, arch, q.device, (splits * row_tiles, call.batch, 1))
     combine = combine_argument = None

@@ -137,3 +137,23 @@ def test_tma_argument_layout():
 
     assert MLA_PARAMS_TMA.itemsize == MLA_PARAMS_TMA_SIZE
     assert MLA_PARAMS_TMA.fields["base"][1] == 256 and MLA_PARAMS_TMA.fields["base"][0] == MLA_PARAMS
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+def test_tma_argument_maps_the_cache_and_the_rope(split):
+    """The rope map describes the split form's own array, or the cache again; boxes of a step's rows."""
+    from types import SimpleNamespace
+
+    from cuflash.params import MLA_PARAMS_TMA, MLA_POINTERS, mla_tma_argument, pack_mla_params
+
+    def tensor(dim):  # what tma_view reads of a DeviceTensor: (pages, page_size, 1, dim), contiguous
+        return SimpleNamespace(shape=(10, 64, 1, dim), strides=(64 * dim, dim, dim, 1), itemsize=2, dtype="bfloat16")
+    cache, rope = tensor(512 if split else 576), tensor(64) if split else None
+    ints = dict.fromkeys(("batch", "seqlen_q", "heads", "page_size", "max_pages", "num_splits", "row_tiles",
+                          "causal"), 1)
+    argument = mla_tma_argument(pack_mla_params((0,) * 13, ints, 1.0), cache, rope, 64)
+    offsets = [8 + MLA_PARAMS_TMA.fields[name][1] for name in ("kv_cache", "kv_rope")]
+    pointers = [MLA_POINTERS.index("kv_cache"), MLA_POINTERS.index("kv_rope" if split else "kv_cache")]
+    assert [(offset, index) for offset, index, _ in argument._maps] == list(zip(offsets, pointers))
+    rows = [encode.args[3] for _, _, encode in argument._maps]
+    assert rows == [64, 64] and argument._maps[1][2].args[0][-1] == (64 if split else 576)

@@ -340,12 +340,22 @@ def _check_agreement(ring: _Ring, q, k, causal: bool, options: _Options) -> None
         start += len(values)
 
 
-def _options(q, causal, softmax_scale, window, softcap, deterministic) -> tuple[bool, _Options]:
+def _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap, deterministic, return_lse,
+              cu_seqlens=None) -> tuple[_Ring, bool, _Options, bool]:
+    """Every entry point's arguments checked on this rank alone, before any communication: the
+    ring of ``group`` over the shard's sequences (one, or ``cu_seqlens``'s of a packed shard),
+    causal, the options and return_lse."""
+    packed = cu_seqlens is not None
+    _check_tensors(q, k, v, packed)
+    _check_layout(layout, 0 if packed else q.shape[1])
+    segments = _local_lengths(cu_seqlens, q.shape[0], layout) if packed else ((0, q.shape[1]),)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     causal = checks.resolve_flag("causal", causal)
     left, right = checks.resolve_window(window)
-    return causal, _Options(scale, (left, 0 if causal else right), checks.resolve_softcap(softcap),
-                            checks.resolve_flag("deterministic", deterministic))
+    options = _Options(scale, (left, 0 if causal else right), checks.resolve_softcap(softcap),
+                       checks.resolve_flag("deterministic", deterministic))
+    return_lse = checks.resolve_flag("return_lse", return_lse)
+    return _ring_of(group, layout, segments), causal, options, return_lse
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
@@ -366,11 +376,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Opt
     gradients. One all_gather of the shapes precedes the ring: shards that differ across the ranks
     raise ValueError on every rank.
     """
-    _check_tensors(q, k, v)
-    _check_layout(layout, q.shape[1])
-    causal, options = _options(q, causal, softmax_scale, window, softcap, deterministic)
-    return_lse = checks.resolve_flag("return_lse", return_lse)
-    ring = _ring_of(group, layout, ((0, q.shape[1]),))
+    ring, causal, options, return_lse = _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap,
+                                                  deterministic, return_lse)
     _check_agreement(ring, q, k, causal, options)
     out, lse = _RingAttention.apply(q, k, v, ring, options)
     return (out, lse) if return_lse else out
@@ -383,8 +390,7 @@ def varlen_positions(rank: int, world_size: int, cu_seqlens, *, layout: str = "z
     Within a sequence, a row's position is its row minus ``world_size * cu_seqlens[i]``."""
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < world_size = {world_size}, got {rank}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    _check_layout(layout, 0)
     bounds = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
     segments = _local_lengths(bounds, bounds[-1] if bounds else 0, layout)
     parts = [world_size * first + sequence_positions(rank, world_size, length, layout=layout)
@@ -409,12 +415,8 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     (heads, total_local), each sequence attending only to itself. A CUDA ``cu_seqlens`` is read
     once to the host (the block plans are host arithmetic).
     """
-    _check_tensors(q, k, v, packed=True)
-    _check_layout(layout, 0)
-    segments = _local_lengths(cu_seqlens, q.shape[0], layout)
-    causal, options = _options(q, causal, softmax_scale, window, softcap, deterministic)
-    return_lse = checks.resolve_flag("return_lse", return_lse)
-    ring = _ring_of(group, layout, segments)
+    ring, causal, options, return_lse = _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap,
+                                                  deterministic, return_lse, cu_seqlens)
     _check_agreement(ring, q, k, causal, options)
     # The ring moves (batch, rows, heads, head_dim) tensors: a packed batch is a batch of one.
     out, lse = _RingAttention.apply(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), ring, options)
@@ -470,11 +472,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     all-to-all (each rank sends 3/4 of its q, k, v and out shards with 4 ranks) rather than a
     ring's K/V passes, and no step waits on a causal mask's imbalance, in any layout.
     """
-    _check_tensors(q, k, v)
-    _check_layout(layout, q.shape[1])
-    causal, options = _options(q, causal, softmax_scale, window, softcap, deterministic)
-    return_lse = checks.resolve_flag("return_lse", return_lse)
-    ring = _ring_of(group, layout, ((0, q.shape[1]),))
+    ring, causal, options, return_lse = _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap,
+                                                  deterministic, return_lse)
     heads, heads_kv = q.shape[2], k.shape[2]
     if heads % ring.size:
         raise ValueError(f"q: ulysses_attention needs the world size {ring.size} to divide the query heads, "
