@@ -853,7 +853,7 @@ def kvcache_prefill_grid(choice: KernelChoice, heads: int, batch: int, max_seqle
 # 32, whose two stages fit an A100's shared memory.
 MLA_SOURCES = {"sm80": "sm80/mla_decode.cu", "sm90": "sm90/mla_decode.cu"}
 MLA_KERNELS = {"sm80": "cuflash::mla_decode_sm80", "sm90": "cuflash::sm90::mla_decode_sm90"}
-MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_tma_sm90"
+MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_alternating_sm90"
 MLA_KEYS = {"sm80": 32, "sm90": 64}  # kMlaKeys of each source
 MLA_ROWS, MLA_THREADS = 64, 256  # kMlaRows, kMlaThreads
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
@@ -861,10 +861,10 @@ MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
 
 def mla_smem_bytes(family: str, tma: bool = False) -> int:
     """MlaSmem<D, KEYS>::BYTES (Q, two stages of cache rows, P, the warpgroups' row statistics),
-    MlaTmaSmem's two mbarriers with TMA, plus sm90's alignment slack."""
+    MlaAlternatingSmem's four mbarriers with TMA, plus sm90's alignment slack."""
     keys = MLA_KEYS[family]
     layout = MLA_ROWS * MLA_HEAD_DIM * 2 + 2 * keys * MLA_HEAD_DIM * 2 + MLA_ROWS * 128 + 2 * MLA_ROWS * 4
-    return layout + (2 * 8 if tma else 0) + (SM90_SMEM_ALIGN_SLACK if family == "sm90" else 0)
+    return layout + (4 * 8 if tma else 0) + (SM90_SMEM_ALIGN_SLACK if family == "sm90" else 0)
 
 
 def mla_tma(family: str, dtype: str, cache_dtype: str, page_size: int, max_pages: int) -> bool:

@@ -146,52 +146,131 @@ struct MlaCacheLoader {
   }
 };
 
-// Loader: MlaCacheLoader's interface (lookup, issue, land), sm90's TMA loader too.
-template <class T, class C, class Product, int D, int DV, int KEYS, class Loader>
-__device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned char* smem, Loader& loader) {
+// What one CTA computes: its sequence, its tile of packed query rows, the key steps of its split,
+// and where this thread's two rows (my_row and my_row + 8 of its warp's 16) stop seeing keys.
+template <int KEYS>
+struct MlaWork {
+  int b, split, rows, first_row, kv_len, step_begin, step_end, tile_key_end_min;
+  int my_key_end[2];
+  float descale, scale_log2;
+
+  __device__ __forceinline__ explicit MlaWork(const MlaParams& p) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int row_tile = blockIdx.x % p.row_tiles;
+    split = blockIdx.x / p.row_tiles;
+    b = blockIdx.y;
+    rows = p.heads * p.seqlen_q;
+    kv_len = p.cache_seqlens[b];
+    descale = p.descale_kv ? p.descale_kv[b] : p.descale_kv_scalar;
+    scale_log2 = p.scale_log2 * descale;
+    first_row = row_tile * kMlaRows;
+    const int last_row = min(rows, first_row + kMlaRows) - 1;
+    tile_key_end_min = key_end(p, first_row);
+    const int tile_key_end_max = key_end(p, last_row);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) my_key_end[h] = key_end(p, min(last_row, first_row + 16 * warp + lane / 4 + 8 * h));
+    // Whole steps of KEYS, so only kv_len and the causal bound mask keys.
+    const int steps = (kv_len + KEYS - 1) / KEYS;
+    const int per_split = (steps + p.num_splits - 1) / p.num_splits;
+    step_begin = split * per_split;
+    step_end = min(min(steps, step_begin + per_split), (max(tile_key_end_max, 0) + KEYS - 1) / KEYS);
+  }
+
+  // Keys a row sees: all kv_len, or with causal those up to its token's place at the end of the
+  // sequence (token t of seqlen_q is position kv_len - seqlen_q + t).
+  __device__ __forceinline__ int key_end(const MlaParams& p, int row) const {
+    return p.causal ? kv_len - p.seqlen_q + 1 + row / p.heads : kv_len;
+  }
+};
+
+// Q's 64 rows into their swizzled tile by cp.async, committed as one group: thread t copies row
+// t / 4's chunks t % 4 + 4 j; rows past the tile's are zeros.
+template <int D, int DV>
+__device__ __forceinline__ void mla_load_q(const MlaParams& p, unsigned char* tile, int b, int first_row, int rows) {
+  constexpr int TPR = kMlaThreads / kMlaRows;
+  const int row = first_row + threadIdx.x / TPR;
+  const bool valid = row < rows;
+  const int t = valid ? row / p.heads : 0, h = valid ? row % p.heads : 0;
+  const u16* latent = static_cast<const u16*>(p.q) + i64(b) * p.q_batch_stride + i64(t) * p.q_row_stride +
+                      i64(h) * p.q_head_stride;
+  const u16* rope = rope_part<DV>(latent, p.q_rope, i64(b) * p.q_rope_batch_stride + i64(t) * p.q_rope_row_stride +
+                                                        i64(h) * p.q_rope_head_stride);
+#pragma unroll
+  for (int j = 0; j < D / 8 / TPR; ++j) {
+    const int chunk = threadIdx.x % TPR + TPR * j;
+    cp_async_16(tile + mla_chunk(threadIdx.x / TPR, chunk, kMlaRows * 128),
+                (TPR * j >= DV / 8 ? rope : latent) + 8 * chunk, valid ? 16 : 0);
+  }
+  cp_async_commit();
+}
+
+// The end of a CTA: out (one split) or the fp32 partials, and lse. Warpgroup wg holds O's columns
+// wg DV/2 .. (wg + 1) DV/2 - 1 of this thread's two rows, scaled by the running maximum row_max
+// (exp2's units), and row_sum, this thread's part of its warpgroup's row sums under the same
+// maximum; `exchange` is 2 x kMlaRows floats of shared memory that no thread reads any more.
+template <class T, int DV, int KEYS>
+__device__ __forceinline__ void mla_write_out(const MlaParams& p, const MlaWork<KEYS>& w, float (&o)[DV / 4],
+                                              const float (&row_max)[2], float (&row_sum)[2], float* exchange) {
+  constexpr int ON = DV / 16;  // 8-column tiles of a warpgroup's O (DV / 2 columns)
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int my_row = 16 * warp + lane / 4;
+  // The row sums over both warpgroups' keys: this thread's columns, its quad's, then the other
+  // warpgroup's. The barrier orders the writes after every earlier read of the buffer.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(~0u, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(~0u, row_sum[h], 2);
+  }
+  __syncthreads();
+  if (lane % 4 == 0) {
+    exchange[wg * kMlaRows + my_row] = row_sum[0];
+    exchange[wg * kMlaRows + my_row + 8] = row_sum[1];
+  }
+  __syncthreads();
+
+  constexpr float kLn2 = 0.6931471805599453f;
+  const bool one_split = p.num_splits == 1;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = my_row + 8 * h, row = w.first_row + r;
+    if (row >= w.rows) continue;
+    const float total = exchange[r] + exchange[kMlaRows + r];
+    const bool empty = total == 0.f;
+    const float lse = empty ? kNegInf : (row_max[h] + fast_log2(total)) * kLn2;
+    const float inv = empty ? 0.f : w.descale / total;
+    const int t = row / p.heads, head = row % p.heads;
+    const i64 row_index = i64(w.b) * p.seqlen_q + t;  // of batch x seqlen_q
+    const int col0 = wg * (DV / 2) + 2 * (lane % 4);
+    if (one_split) {
+      u16* out = static_cast<u16*>(p.out) + i64(w.b) * p.o_batch_stride + i64(t) * p.o_row_stride +
+                 i64(head) * p.o_head_stride;
+#pragma unroll
+      for (int nt = 0; nt < ON; ++nt)
+        *reinterpret_cast<u32*>(out + col0 + 8 * nt) = T::pack(o[4 * nt + 2 * h] * inv, o[4 * nt + 2 * h + 1] * inv);
+      if (p.lse && wg == 0 && lane % 4 == 0) p.lse[(i64(w.b) * p.heads + head) * p.seqlen_q + t] = lse;
+    } else {
+      const i64 at = (i64(w.split) * p.heads + head) * (i64(p.batch) * p.seqlen_q) + row_index;
+      float* out = p.out_partial + at * DV;
+#pragma unroll
+      for (int nt = 0; nt < ON; ++nt)
+        *reinterpret_cast<float2*>(out + col0 + 8 * nt) =
+            make_float2(o[4 * nt + 2 * h] * inv, o[4 * nt + 2 * h + 1] * inv);
+      if (wg == 0 && lane % 4 == 0) p.lse_partial[at] = lse;
+    }
+  }
+}
+
+template <class T, class C, class Product, int D, int DV, int KEYS>
+__device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned char* smem) {
   typedef MlaSmem<D, KEYS> L;
   constexpr int SN = KEYS / 16;  // 8-column tiles of a warpgroup's scores (KEYS / 2 keys)
   constexpr int ON = DV / 16;    // 8-column tiles of a warpgroup's O (DV / 2 columns)
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int row_tile = blockIdx.x % p.row_tiles, split = blockIdx.x / p.row_tiles, b = blockIdx.y;
-  const int rows = p.heads * p.seqlen_q;
-  const int kv_len = p.cache_seqlens[b];
-  const float descale = p.descale_kv ? p.descale_kv[b] : p.descale_kv_scalar;
-  const float scale_log2 = p.scale_log2 * descale;
+  const MlaWork<KEYS> w(p);
+  const int b = w.b, kv_len = w.kv_len, step_begin = w.step_begin, step_end = w.step_end;
+  MlaCacheLoader<T, C, D, DV, KEYS> loader;
 
-  // Keys each row sees: all kv_len, or with causal those up to its token's place at the end of
-  // the sequence (token t of seqlen_q is position kv_len - seqlen_q + t).
-  const auto key_end = [&](int row) { return p.causal ? kv_len - p.seqlen_q + 1 + row / p.heads : kv_len; };
-  const int first_row = row_tile * kMlaRows, last_row = min(rows, first_row + kMlaRows) - 1;
-  const int tile_key_end_min = key_end(first_row), tile_key_end_max = key_end(last_row);
-  int my_key_end[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) my_key_end[h] = key_end(min(last_row, first_row + 16 * warp + lane / 4 + 8 * h));
-
-  // The split's steps: whole steps of KEYS, so only kv_len and the causal bound mask keys.
-  const int steps = (kv_len + KEYS - 1) / KEYS;
-  const int per_split = (steps + p.num_splits - 1) / p.num_splits;
-  const int step_begin = split * per_split;
-  const int step_end = min(min(steps, step_begin + per_split), (max(tile_key_end_max, 0) + KEYS - 1) / KEYS);
-
-  // Q: 64 rows, thread t copies row t / 4's chunks t % 4 + 4 j; rows past the tile's are zeros.
-  {
-    constexpr int TPR = kMlaThreads / kMlaRows;
-    const int row = first_row + threadIdx.x / TPR;
-    const bool valid = row < rows;
-    const int t = valid ? row / p.heads : 0, h = valid ? row % p.heads : 0;
-    const u16* latent = static_cast<const u16*>(p.q) + i64(b) * p.q_batch_stride + i64(t) * p.q_row_stride +
-                        i64(h) * p.q_head_stride;
-    const u16* rope = rope_part<DV>(latent, p.q_rope, i64(b) * p.q_rope_batch_stride + i64(t) * p.q_rope_row_stride +
-                                                          i64(h) * p.q_rope_head_stride);
-#pragma unroll
-    for (int j = 0; j < D / 8 / TPR; ++j) {
-      const int chunk = threadIdx.x % TPR + TPR * j;
-      cp_async_16(smem + L::Q + mla_chunk(threadIdx.x / TPR, chunk, L::Q_PANEL),
-                  (TPR * j >= DV / 8 ? rope : latent) + 8 * chunk, valid ? 16 : 0);
-    }
-    cp_async_commit();
-  }
+  mla_load_q<D, DV>(p, smem + L::Q, b, w.first_row, w.rows);
   if (step_begin < step_end) {
     loader.lookup(p, b, step_begin * KEYS, kv_len);
     loader.issue(p, smem + L::KV, step_begin * KEYS, kv_len);
@@ -224,7 +303,7 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     Product::template scores_finish<T, D, KEYS>(s, smem + L::Q, stage + wg * (KEYS / 2) * 128, warp, lane);
     // Scores to exp2's units; keys past a row's end to -inf (only in steps that cross one).
     const int key0 = n * KEYS + wg * (KEYS / 2) + 2 * (lane % 4);
-    const bool masked = (n + 1) * KEYS > tile_key_end_min;
+    const bool masked = (n + 1) * KEYS > w.tile_key_end_min;
     float step_max[2] = {kNegInf, kNegInf};
 #pragma unroll
     for (int nt = 0; nt < SN; ++nt)
@@ -233,7 +312,7 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[4 * nt + 2 * h + e];
-          x = (masked && key0 + 8 * nt + e >= my_key_end[h]) ? kNegInf : x * scale_log2;
+          x = (masked && key0 + 8 * nt + e >= w.my_key_end[h]) ? kNegInf : x * w.scale_log2;
           step_max[h] = fmaxf(step_max[h], x);
         }
 #pragma unroll
@@ -276,52 +355,7 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     Product::template pv<T, DV, KEYS>(o, p_tile, stage + wg * (DV / 128) * L::KV_PANEL, warp, lane);
   }
   Product::drain(o);
-
-  // The row sums over both warpgroups' keys: this thread's columns, its quad's, then the other
-  // warpgroup's (both scaled by the same running maximum). The barrier orders the writes after
-  // every read of the step maxima.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_sum[h] += __shfl_xor_sync(~0u, row_sum[h], 1);
-    row_sum[h] += __shfl_xor_sync(~0u, row_sum[h], 2);
-  }
-  __syncthreads();
-  if (lane % 4 == 0) {
-    exchange[wg * kMlaRows + my_row] = row_sum[0];
-    exchange[wg * kMlaRows + my_row + 8] = row_sum[1];
-  }
-  __syncthreads();
-
-  constexpr float kLn2 = 0.6931471805599453f;
-  const bool one_split = p.num_splits == 1;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = my_row + 8 * h, row = first_row + r;
-    if (row >= rows) continue;
-    const float total = exchange[r] + exchange[kMlaRows + r];
-    const bool empty = total == 0.f;
-    const float lse = empty ? kNegInf : (row_max[h] + fast_log2(total)) * kLn2;
-    const float inv = empty ? 0.f : descale / total;
-    const int t = row / p.heads, head = row % p.heads;
-    const i64 row_index = i64(b) * p.seqlen_q + t;  // of batch x seqlen_q
-    const int col0 = wg * (DV / 2) + 2 * (lane % 4);
-    if (one_split) {
-      u16* out = static_cast<u16*>(p.out) + i64(b) * p.o_batch_stride + i64(t) * p.o_row_stride +
-                 i64(head) * p.o_head_stride;
-#pragma unroll
-      for (int nt = 0; nt < ON; ++nt)
-        *reinterpret_cast<u32*>(out + col0 + 8 * nt) = T::pack(o[4 * nt + 2 * h] * inv, o[4 * nt + 2 * h + 1] * inv);
-      if (p.lse && wg == 0 && lane % 4 == 0) p.lse[(i64(b) * p.heads + head) * p.seqlen_q + t] = lse;
-    } else {
-      const i64 at = (i64(split) * p.heads + head) * (i64(p.batch) * p.seqlen_q) + row_index;
-      float* out = p.out_partial + at * DV;
-#pragma unroll
-      for (int nt = 0; nt < ON; ++nt)
-        *reinterpret_cast<float2*>(out + col0 + 8 * nt) =
-            make_float2(o[4 * nt + 2 * h] * inv, o[4 * nt + 2 * h + 1] * inv);
-      if (wg == 0 && lane % 4 == 0) p.lse_partial[at] = lse;
-    }
-  }
+  mla_write_out<T, DV, KEYS>(p, w, o, row_max, row_sum, exchange);
 }
 
 }  // namespace cuflash

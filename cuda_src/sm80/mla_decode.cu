@@ -68,8 +68,7 @@ template <class T, class C, int D, int DV, int SMEM_BYTES>
 __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_sm80(const __grid_constant__ MlaParams p) {
   static_assert(SMEM_BYTES == MlaSmem<D, kMlaKeys>::BYTES, "the host's shared memory differs from MlaSmem");
   extern __shared__ __align__(128) unsigned char smem[];
-  MlaCacheLoader<T, C, D, DV, kMlaKeys> loader;
-  mla_decode_body<T, C, MlaMmaSync, D, DV, kMlaKeys>(p, smem, loader);
+  mla_decode_body<T, C, MlaMmaSync, D, DV, kMlaKeys>(p, smem);
 }
 
 }  // namespace cuflash

@@ -62,16 +62,15 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_sm90(const __grid_c
   extern __shared__ unsigned char smem_raw[];
   // wgmma's descriptors take 1024-byte-aligned tiles (sm90/tiles.cuh).
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
-  MlaCacheLoader<T, C, D, DV, kMlaKeys> loader;
-  mla_decode_body<T, C, MlaWgmma, D, DV, kMlaKeys>(p, smem, loader);
+  mla_decode_body<T, C, MlaWgmma, D, DV, kMlaKeys>(p, smem);
 }
 
 
 // A 16-bit cache whose steps of 64 rows each lie in one page (pages of a multiple of 64 rows, or
-// one page per sequence) comes by TMA instead: thread 0 issues a step's boxes (64 rows x 64
+// one page per sequence) comes by TMA instead: one thread issues a step's boxes (64 rows x 64
 // columns, 128-byte swizzled as the stages are laid out) on the stage's mbarrier. The SM's copy
 // engine streams a step at ~4.2-4.6 TB/s where the threads' 16-byte cp.async reach ~3.7-4.0
-// (docs/mla.md), and the threads issue no copies.
+// (docs/mla.md), and the other threads issue no copies.
 struct MlaParamsTma {
   TensorMap kv_cache;  // (pages, page_size, 1, its head dim), boxes of 64 rows x 64 columns
   TensorMap kv_rope;   // the split form's rotary cache; else kv_cache's again
@@ -79,74 +78,231 @@ struct MlaParamsTma {
 };
 static_assert(sizeof(MlaParamsTma) == 512, "params.py MLA_PARAMS_TMA mirrors MlaParamsTma");
 
-template <int D>
-struct MlaTmaSmem {
-  static constexpr u32 FULL = MlaSmem<D, kMlaKeys>::BYTES;  // an mbarrier per stage: its boxes landed
-  static constexpr u32 BYTES = FULL + 2 * 8;                // dispatch.mla_smem_bytes
-};
-
-// MlaCacheLoader's interface. Stages are issued and landed in turn, so counts give each stage's
-// mbarrier phase.
+// Thread `issuer`'s copies of one step: its 64 rows from row first_key % page_size of `page`,
+// D / 64 boxes of 64 columns, on `bar` with the bytes announced.
 template <int D, int DV, int KEYS>
-struct MlaTmaLoader {
-  const MlaParamsTma& maps;
-  u64* full;  // [2], one arrival (thread 0's, with the bytes) a phase
-  int page = 0;  // of the next issue's rows (thread 0), looked up a step ahead of it
-  int issued = 0, landed = 0;
-
-  __device__ __forceinline__ void lookup(const MlaParams& p, int b, int first_key, int kv_len) {
-    if (threadIdx.x == 0 && first_key < kv_len) page = p.page_table[i64(b) * p.max_pages + first_key / p.page_size];
-  }
-
-  __device__ __forceinline__ void issue(const MlaParams& p, unsigned char* stage, int first_key, int) {
-    if (threadIdx.x == 0) {
-      u64* bar = &full[issued % 2];
-      mbarrier_arrive_expect_tx(bar, D * KEYS * 2);
-      const int row = first_key % p.page_size;
+__device__ __forceinline__ void mla_issue_step(const MlaParamsTma& maps, unsigned char* stage, u64* bar, int first_key,
+                                               int page) {
+  const MlaParams& p = maps.base;
+  mbarrier_arrive_expect_tx(bar, D * KEYS * 2);
+  const int row = first_key % p.page_size;
 #pragma unroll
-      for (int panel = 0; panel < D / 64; ++panel) {
-        // Past DV the columns are the rotary ones: the split form's own array from column 0.
-        const bool rope = panel >= DV / 64 && p.kv_rope != nullptr;
-        tma_load(stage + panel * (KEYS * 128), rope ? &maps.kv_rope : &maps.kv_cache, bar,
-                 64 * (rope ? panel - DV / 64 : panel), 0, row, page);
-      }
-    }
-    ++issued;
+  for (int panel = 0; panel < D / 64; ++panel) {
+    // Past DV the columns are the rotary ones: the split form's own array from column 0.
+    const bool rope = panel >= DV / 64 && p.kv_rope != nullptr;
+    tma_load(stage + panel * (KEYS * 128), rope ? &maps.kv_rope : &maps.kv_cache, bar,
+             64 * (rope ? panel - DV / 64 : panel), 0, row, page);
   }
+}
 
-  // Waits for the step's boxes; rows past the sequence's end (a page's rows beyond kv_len hold
-  // whatever was written there, possibly NaN) become zeros, as masked keys must be finite: 0 * NaN
-  // is not 0. The caller fences and barriers after.
-  __device__ __forceinline__ void land(unsigned char* stage, int first_key, int kv_len) {
-    mbarrier_wait(&full[landed % 2], (landed / 2) % 2);
-    ++landed;
-    const int valid = kv_len - first_key;
-    if (valid < KEYS) {
-      for (int i = threadIdx.x; i < (KEYS - valid) * (D / 8); i += kMlaThreads)
-        *reinterpret_cast<uint4*>(stage + mla_chunk(valid + i / (D / 8), i % (D / 8), KEYS * 128)) =
-            make_uint4(0, 0, 0, 0);
-    }
-  }
+// Rows valid .. KEYS - 1 of a landed step to zeros, by THREADS threads from `thread`: a page's
+// rows beyond the sequence's end hold whatever was written there, possibly NaN, and masked keys
+// must be finite, as 0 * NaN is not 0. The writers fence and barrier before wgmma reads them.
+template <int D, int KEYS, int THREADS>
+__device__ __forceinline__ void mla_zero_rows(unsigned char* stage, int valid, int thread) {
+  for (int i = thread; i < (KEYS - valid) * (D / 8); i += THREADS)
+    *reinterpret_cast<uint4*>(stage + mla_chunk(valid + i / (D / 8), i % (D / 8), KEYS * 128)) = make_uint4(0, 0, 0, 0);
+}
+
+// With the copies off the threads, the TMA kernel also reorders the work: the two warpgroups'
+// roles alternate step by step, so that one's softmax runs while the other's products do
+// (FlashMLA's schedule; +12-16% over both warpgroups in lockstep on the same TMA loads).
+// Step i's owner, warpgroup i % 2, alone computes S = Q K^T for it (all 64 rows, m64n64: Q read
+// once a step, not once per warpgroup) and its softmax, scaling by the running maximum after step i - 1, which the previous
+// owner published; it publishes P (16-bit, one shared tile) and the new maximum (kMlaReady), and
+// both accumulate P V into their halves of O's columns, the owner with P from its registers.
+// Order of a warpgroup's work at step i:
+//   owner:     wait for the step's boxes; S; wait for S and for its own P V of step i - 1; once
+//              both warpgroups' P V of step i - 1 are done (empty), thread 0 of the warpgroup
+//              issues step i + 1 into that stage; softmax; P and the maximum out; P V
+//   non-owner: wait for its P V of step i - 1 (registers), say so (empty); wait for kMlaReady;
+//              rescale O; P V with P from shared memory
+// Thread 0 issues steps 0 and 1; the owner of step i issues step i + 1, the stage's previous
+// step (i - 1) being one it did not own.
+constexpr int kMlaReady = 1;   // named barrier, 256 threads: the owner's P and maximum are out
+constexpr int kMlaZeroed = 2;  // + warpgroup, 128 threads: the owner's zeroed rows are written
+
+template <int D>
+struct MlaAlternatingSmem {
+  static constexpr u32 FULL = MlaSmem<D, kMlaKeys>::BYTES;  // [2] a stage's boxes landed
+  static constexpr u32 EMPTY = FULL + 2 * 8;  // [2] all 256 threads' P V of a stage's step done
+  static constexpr u32 BYTES = EMPTY + 2 * 8;  // dispatch.mla_smem_bytes
 };
 
-// T: q's and the cache's 16-bit type. SMEM_BYTES: as for mla_decode_sm90, checked against MlaTmaSmem.
+template <class T, int D, int DV>
+__device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps, unsigned char* smem) {
+  const MlaParams& p = maps.base;
+  constexpr int KEYS = kMlaKeys;
+  typedef MlaSmem<D, KEYS> L;
+  typedef MlaAlternatingSmem<D> A;
+  constexpr int SN = KEYS / 8;  // 8-column tiles of a step's scores
+  constexpr int ON = DV / 16;   // 8-column tiles of a warpgroup's O (DV / 2 columns)
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const MlaWork<KEYS> w(p);
+  const int blocks = max(w.step_end - w.step_begin, 0);
+  u64* full = reinterpret_cast<u64*>(smem + A::FULL);
+  u64* empty = reinterpret_cast<u64*>(smem + A::EMPTY);
+  const auto first_key = [&](int i) { return (w.step_begin + i) * KEYS; };
+  const auto stage_of = [&](int i) { return smem + L::KV + (i % 2) * L::KV_STAGE; };
+  const auto page_of = [&](int i) {
+    const int key = first_key(i);
+    return key < w.kv_len ? p.page_table[i64(w.b) * p.max_pages + key / p.page_size] : 0;
+  };
+  const bool issuer = threadIdx.x % 128 == 0;
+  int ahead_page = 0;  // an issuer's: the page of the step it issues next, looked up two steps ahead
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&maps.kv_cache);
+    prefetch_tensor_map(&maps.kv_rope);
+    for (int s = 0; s < 2; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], kMlaThreads);
+    }
+    mbarrier_init_fence();
+    for (int i = 0; i < 2 && i < blocks; ++i) mla_issue_step<D, DV, KEYS>(maps, stage_of(i), &full[i], first_key(i), page_of(i));
+    ahead_page = page_of(3);
+  } else if (threadIdx.x == 128) {
+    ahead_page = page_of(2);
+  }
+  mla_load_q<D, DV>(p, smem + L::Q, w.b, w.first_row, w.rows);
+  // Q's copies, everyone's, are in shared memory and handed to wgmma; the barriers are initialised.
+  cp_async_wait<0>();
+  fence_proxy_async_shared();
+  __syncthreads();
+
+  float o[DV / 4], s[KEYS / 2];
+  u32 p_regs[KEYS / 16][4];
+#pragma unroll
+  for (int i = 0; i < DV / 4; ++i) o[i] = 0.f;
+  float row_max[2] = {kNegInf, kNegInf};  // after the last step seen, in exp2's units
+  float row_sum[2] = {0.f, 0.f};           // this thread's columns of the steps it owned
+  float* exchange = reinterpret_cast<float*>(smem + L::EXCHANGE);  // [step parity][kMlaRows] maxima
+  unsigned char* p_tile = smem + L::P;
+  const int my_row = 16 * warp + lane / 4;  // and my_row + 8
+
+  for (int i = 0; i < blocks; ++i) {
+    const int n = w.step_begin + i;
+    unsigned char* stage = stage_of(i);
+    const u64 v_desc = smem_desc_sw128_mn(stage + wg * (DV / 128) * L::KV_PANEL, L::KV_PANEL);
+    if (i % 2 == wg) {
+      mbarrier_wait(&full[i % 2], (i / 2) % 2);
+      const int valid = w.kv_len - first_key(i);
+      if (valid < KEYS) {
+        mla_zero_rows<D, KEYS, 128>(stage, valid, threadIdx.x % 128);
+        fence_proxy_async_shared();
+        named_barrier_sync(kMlaZeroed + wg, 128);
+      }
+      wgmma_fence();
+      wgmma_ss_panels<KEYS, T, D / 64>(s, smem_desc_sw128(smem + L::Q), L::Q_PANEL, smem_desc_sw128(stage),
+                                       L::KV_PANEL);
+      wgmma_commit();
+      fence_registers(s);
+      // S, and this warpgroup's P V of step i - 1 (which read the P tile), are done.
+      wgmma_wait<0>();
+      fence_registers(s);
+      fence_registers(o);
+      if (i >= 1) {
+        mbarrier_arrive(&empty[(i - 1) % 2]);
+        if (issuer && i + 1 < blocks) {
+          mbarrier_wait(&empty[(i - 1) % 2], ((i - 1) / 2) % 2);
+          mla_issue_step<D, DV, KEYS>(maps, stage_of(i + 1), &full[(i + 1) % 2], first_key(i + 1), ahead_page);
+          ahead_page = page_of(i + 3);
+        }
+      }
+      const int key0 = n * KEYS + 2 * (lane % 4);
+      const bool masked = (n + 1) * KEYS > w.tile_key_end_min;
+      float m[2] = {row_max[0], row_max[1]};
+#pragma unroll
+      for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * nt + 2 * h + e];
+            x = (masked && key0 + 8 * nt + e >= w.my_key_end[h]) ? kNegInf : x * w.scale_log2;
+            m[h] = fmaxf(m[h], x);
+          }
+      float base[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m[h] = fmaxf(m[h], __shfl_xor_sync(~0u, m[h], 1));
+        m[h] = fmaxf(m[h], __shfl_xor_sync(~0u, m[h], 2));
+        // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
+        base[h] = m[h] == kNegInf ? 0.f : m[h];
+        const float correction = fast_exp2(row_max[h] - base[h]);
+        row_max[h] = m[h];
+        row_sum[h] *= correction;
+#pragma unroll
+        for (int nt = 0; nt < ON; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) o[4 * nt + 2 * h + e] *= correction;
+        if (lane % 4 == 0) exchange[(i % 2) * kMlaRows + my_row + 8 * h] = m[h];
+      }
+#pragma unroll
+      for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float& p0 = s[4 * nt + 2 * h];
+          float& p1 = s[4 * nt + 2 * h + 1];
+          p0 = fast_exp2(p0 - base[h]);
+          p1 = fast_exp2(p1 - base[h]);
+          row_sum[h] += p0 + p1;
+          const int r = my_row + 8 * h, col = 8 * nt + 2 * (lane % 4);
+          *reinterpret_cast<u32*>(p_tile + r * 128 + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2) = T::pack(p0, p1);
+        }
+      pack_a<T, SN>(reinterpret_cast<const float(&)[1][SN][4]>(s), p_regs);
+      // P and the maxima to the other warpgroup, whose P V reads P through the async proxy.
+      fence_proxy_async_shared();
+      named_barrier_arrive(kMlaReady, kMlaThreads);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < KEYS / 16; ++k)
+        wgmma_rs<DV / 2, T, true>(o, p_regs[k], desc_advance(v_desc, 16 * 128 * k), true);
+      wgmma_commit();
+      fence_registers(o);
+      fence_registers(p_regs);
+    } else {
+      // Its P V of step i - 1 (registers) is done: O may be rescaled, and the stage refilled as
+      // far as this warpgroup goes.
+      wgmma_wait<0>();
+      fence_registers(o);
+      if (i >= 1) mbarrier_arrive(&empty[(i - 1) % 2]);
+      named_barrier_sync(kMlaReady, kMlaThreads);
+      // The boxes have landed (the owner waited); this wait is the acquire for this warpgroup.
+      mbarrier_wait(&full[i % 2], (i / 2) % 2);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m = exchange[(i % 2) * kMlaRows + my_row + 8 * h];
+        const float correction = fast_exp2(row_max[h] - (m == kNegInf ? 0.f : m));
+        row_max[h] = m;
+        row_sum[h] *= correction;
+#pragma unroll
+        for (int nt = 0; nt < ON; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) o[4 * nt + 2 * h + e] *= correction;
+      }
+      wgmma_fence();
+      const u64 p_desc = smem_desc_sw128(p_tile);
+#pragma unroll
+      for (int k = 0; k < KEYS / 16; ++k)
+        wgmma_ss_t<DV / 2, T, false, true>(o, desc_advance(p_desc, 32 * k), desc_advance(v_desc, 16 * 128 * k), true);
+      wgmma_commit();
+      fence_registers(o);
+    }
+  }
+  wgmma_wait<0>();
+  fence_registers(o);
+  mla_write_out<T, DV, KEYS>(p, w, o, row_max, row_sum, exchange);
+}
+
+// T: q's and the cache's 16-bit type. SMEM_BYTES: as for mla_decode_sm90, checked against
+// MlaAlternatingSmem.
 template <class T, int D, int DV, int SMEM_BYTES>
-__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_tma_sm90(const __grid_constant__ MlaParamsTma p) {
-  static_assert(SMEM_BYTES == MlaTmaSmem<D>::BYTES + kSmemAlignSlack, "the host's shared memory differs from MlaTmaSmem");
+__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_alternating_sm90(const __grid_constant__ MlaParamsTma p) {
+  static_assert(SMEM_BYTES == MlaAlternatingSmem<D>::BYTES + kSmemAlignSlack,
+                "the host's shared memory differs from MlaAlternatingSmem");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
-  u64* full = reinterpret_cast<u64*>(smem + MlaTmaSmem<D>::FULL);
-  if (threadIdx.x == 0) {
-    prefetch_tensor_map(&p.kv_cache);
-    prefetch_tensor_map(&p.kv_rope);
-    mbarrier_init(&full[0], 1);
-    mbarrier_init(&full[1], 1);
-    mbarrier_init_fence();
-  }
-  // Every thread waits on the barriers; they are initialised first.
-  __syncthreads();
-  MlaTmaLoader<D, DV, kMlaKeys> loader{p, full};
-  mla_decode_body<T, T, MlaWgmma, D, DV, kMlaKeys>(p.base, smem, loader);
+  mla_decode_alternating<T, D, DV>(p, smem);
 }
 
 }  // namespace sm90
