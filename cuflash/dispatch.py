@@ -356,13 +356,13 @@ SM80_BWD_TILES = {
 # sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per kernel (head dim of q and k, of v):
 # the one with the fewest columns that holds the call's (TMA zero-fills the missing ones). 64
 # query rows per step, 12 warps; K, V, the Q/dO ring, two tiles of block_n keys x 64 queries (dS^T,
-# or dS^T and P^T) and the fp32 dQ block in shared memory. Up to d128, 128 keys per CTA (64 per
-# consumer warpgroup); above, the consumers split the head dim over 64 keys: at d256 one stage is
-# all that fits beside the 65 KB dQ block, DeepSeek's (192, 128) fits two.
+# or dS^T and P^T) and the fp32 dQ block in shared memory. Up to v's head
+# dim 128, 128 keys per CTA (64 per consumer warpgroup); at d256 the consumers split the head dim
+# over 64 keys, and one stage is all that fits beside the 65 KB dQ block.
 SM90_BWD_TILES = {
     (64, 64): Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 + dQ 17 = 145 KB
     (128, 128): Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 + dQ 33 = 193 KB
-    (192, 128): Tile(64, 64, 12, stages=2),  # K 24 + V 16 + 2 x (Q 24 + dO 16) + dS 8 + P 8 + dQ 49 = 186 KB
+    (192, 128): Tile(64, 128, 12, stages=1),  # K 48 + V 32 + Q 24 + dO 16 + dS 2 x 16 + dQ 49 = 201 KB
     (256, 256): Tile(64, 64, 12, stages=1),  # K 32 + V 32 + Q 32 + dO 32 + dS 8 + P 8 + dQ 65 = 209 KB
 }
 

@@ -38,8 +38,10 @@ def assert_compiled_without_spills(outcomes):
             assert resources["registers"] == 65536 // outcome.choice.threads // 8 * 8
         # Nothing goes to local memory: spills in the backward at head_dim 128, none of them between
         # its first and last wgmma, cost 2-8% of a call on the H200 (docs/kernels.md, backward sm90).
-        assert (resources["spill_stores"], resources["spill_loads"], resources["stack_frame"]) == (0, 0, 0), \
-            compiled.log
+        # The (192, 128) backward's allowance ran faster than its spill-free variants (same doc).
+        allowance = compile_check.spill_allowance(outcome.choice)
+        assert resources["spill_stores"] + resources["spill_loads"] <= allowance, compiled.log
+        assert allowance or resources["stack_frame"] == 0, compiled.log
         found = re.search(r"(\d+) bytes smem", compiled.log)  # no line: no static shared memory
         static_smem = int(found.group(1)) if found else 0
         assert outcome.choice.smem_bytes + static_smem <= 227 * 1024
@@ -158,14 +160,14 @@ def test_sm90_dispatch():
         assert wide.name_expression.startswith(f"cuflash::sm90::flash_bwd_sm90<256, 256, 1, {wide.smem_bytes}, ")
         assert wide.smem_bytes == ((2 * 64 + 2 * 64) * 256 + 2 * 64 * 64) * 2 + 64 * 260 * 4 + 1024 <= 227 * 1024
         assert dispatch.backward_kernel_dims("sm90", head_dim) == (256, 256)
-    # DeepSeek's pair and others that fit it run the (192, 128) kernel: three panels of Q and K, two
-    # of V and dO, two stages, dQ rows of 196 floats.
+    # DeepSeek's pair and others that fit it run the (192, 128) kernel: 128-key blocks, three panels
+    # of Q and K, two of V and dO, one stage, dQ rows of 196 floats.
     for head_dim, head_dim_v in ((192, 128), (160, 96), (136, 8)):
         pair = dispatch.backward_kernels("sm90", head_dim, "causal", "float16", head_dim_v=head_dim_v)[1]
-        assert pair.tile == dispatch.Tile(64, 64, 12, stages=2)
-        assert pair.name_expression == (f"cuflash::sm90::flash_bwd_sm90<192, 128, 2, {pair.smem_bytes}, true, false, "
+        assert pair.tile == dispatch.Tile(64, 128, 12, stages=1)
+        assert pair.name_expression == (f"cuflash::sm90::flash_bwd_sm90<192, 128, 1, {pair.smem_bytes}, true, false, "
                                         "false, 0, cuflash::f16>")
-        assert pair.smem_bytes == ((64 + 2 * 64) * 320 + 2 * 64 * 64) * 2 + 64 * 196 * 4 + 1024 <= 227 * 1024
+        assert pair.smem_bytes == ((128 + 64) * 320 + 2 * 128 * 64) * 2 + 64 * 196 * 4 + 1024 <= 227 * 1024
         assert dispatch.backward_kernel_dims("sm90", head_dim, head_dim_v) == (192, 128)
     assert dispatch.backward_kernel_dims("sm90", 192, 136) == (256, 256)
     assert dispatch.backward_kernel_dims("sm90", 96, 128) == (128, 128)

@@ -11,10 +11,11 @@
 //                 shared memory and added to global by one bulk reduction, which warp 1 of
 //                 the producer warpgroup issues).
 // Two ways to share the work between the consumers (BwdLayout):
-//  - up to head dim 128, blocks of 128 keys, each consumer owning 64 of them for the whole step:
-//    its S^T and dP^T cover all 64 queries, P^T and dS^T feed dV and dK from registers, and dQ's
-//    columns are split between the consumers;
-//  - above (head dim 256), blocks of 64 keys that both consumers own, each holding half of the
+//  - up to head dim 128, and q/k 192 with v 128, blocks of 128 keys, each consumer owning 64 of
+//    them for the whole step: its S^T and dP^T cover all 64 queries (at (192, 128) in two halves
+//    of 32), P^T and dS^T feed dV and dK from registers, and dQ's column panels are split between
+//    the consumers;
+//  - v's head dim 256, blocks of 64 keys that both consumers own, each holding half of the
 //    head dim's columns of dK, dV and dQ (64 + 64 + 64 fp32 registers per thread; 64 keys x 256
 //    columns of dK and dV alone would be 256). Each computes S^T and dP^T for half of the query
 //    block's 64 rows and stages its half of P^T and dS^T in shared memory, from where dV and dK
@@ -70,37 +71,30 @@ constexpr int kBwdConsumerRegisters = 240;
 
 // The consumers' shares (above) and the shared memory, from a 1024-byte-aligned base: K, V, the Q
 // and dO stages, two tiles of BLOCK_N keys x 64 queries (dS^T by step parity, or dS^T and P^T when
-// the consumers split the head dim), the fp32 dQ block (kBwdBlockM rows of HEAD_DIM + kDqRowPad).
-// Tiles are panels of 64 columns (one 128-byte swizzle row each), as TMA stores them: HEAD_DIM / 64
-// of Q and K, HEAD_DIM_V / 64 of V and dO; a dS^T or P^T tile is one such panel.
-// With the head dim split, each consumer owns half of dV's columns and whole panels of dK's and
-// dQ's: half of each, or with three panels (DeepSeek's q/k 192 beside v 128) consumer 0 the first
-// two of dK and the last of dQ, consumer 1 the rest, so that both compute 192 columns a step.
+// the consumers split the head dim), the fp32 dQ block
+// (kBwdBlockM rows of HEAD_DIM + kDqRowPad). Tiles are panels of 64 columns (one 128-byte swizzle
+// row each), as TMA stores them: HEAD_DIM / 64 of Q and K, HEAD_DIM_V / 64 of V and dO; a dS^T or
+// P^T tile is one such panel.
+// At (192, 128) a consumer's dK and dV are 96 + 64 fp32 registers per thread, which leaves room
+// for S^T and dP^T over 32 of the 64 queries at a time: QUERY_HALVES products of each per step.
+// dQ's three panels go two to one consumer and one to the other, alternating by step parity.
 template <int HEAD_DIM, int HEAD_DIM_V, int STAGES>
 struct BwdLayout {
   static_assert((HEAD_DIM == HEAD_DIM_V && (HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256)) ||
                     (HEAD_DIM == 192 && HEAD_DIM_V == 128),
                 "head dims 64, 128 and 256, and q/k 192 with v 128");
-  static constexpr bool SPLIT_DIMS = HEAD_DIM > 128;
-  static constexpr int BLOCK_N = SPLIT_DIMS ? 64 : 128;                   // keys per CTA
-  static constexpr int GROUP_KEYS = SPLIT_DIMS ? 0 : 64;                  // key offset of consumer 1
-  static constexpr int QUERY_COLS = SPLIT_DIMS ? kBwdBlockM / 2 : kBwdBlockM;  // of S^T, per consumer
-  static constexpr int PANELS = HEAD_DIM / 64;                            // of Q and K
-  static constexpr int V_PANELS = HEAD_DIM_V / 64;                        // of V and dO
-  static constexpr bool UNEVEN = SPLIT_DIMS && PANELS % 2 == 1;
+  static constexpr bool SPLIT_DIMS = HEAD_DIM_V > 128;
+  static constexpr int BLOCK_N = SPLIT_DIMS ? 64 : 128;  // keys per CTA
+  static constexpr int GROUP_KEYS = SPLIT_DIMS ? 0 : 64;  // key offset of consumer 1
+  static constexpr int PANELS = HEAD_DIM / 64;            // of Q and K
+  static constexpr int V_PANELS = HEAD_DIM_V / 64;        // of V and dO
+  static constexpr int QUERY_HALVES = !SPLIT_DIMS && HEAD_DIM > 128 ? 2 : 1;
+  // Of S^T, per product: with the head dim split, each consumer's half of the queries.
+  static constexpr int QUERY_COLS = SPLIT_DIMS || QUERY_HALVES == 2 ? kBwdBlockM / 2 : kBwdBlockM;
   static constexpr int V_DIMS = SPLIT_DIMS ? HEAD_DIM_V / 2 : HEAD_DIM_V;  // of dV, per consumer
-  static constexpr int WIDE_DIMS = (PANELS + 1) / 2 * 64;                 // the wider share of a split
-  static constexpr int DK_DIMS = SPLIT_DIMS ? WIDE_DIMS : HEAD_DIM;       // of dK, per consumer (at most)
-  static constexpr int DQ_DIMS = SPLIT_DIMS ? WIDE_DIMS : 64;             // of dQ, per consumer (at most)
-  static constexpr int DQ_CONSUMERS = SPLIT_DIMS || HEAD_DIM > 64 ? 2 : 1;  // 1 at head dim 64
-  // Whether `consumer` owns DK_DIMS (else 64) columns of dK, and DQ_DIMS (else 64) of dQ; and the
-  // first of them.
-  static __device__ __forceinline__ bool wide_dk(int consumer) { return !UNEVEN || consumer == 0; }
-  static __device__ __forceinline__ bool wide_dq(int consumer) { return !UNEVEN || consumer == 1; }
-  static __device__ __forceinline__ int dk_col0(int consumer) { return SPLIT_DIMS ? consumer * WIDE_DIMS : 0; }
-  static __device__ __forceinline__ int dq_col0(int consumer) {
-    return UNEVEN ? (1 - consumer) * WIDE_DIMS : consumer * DQ_DIMS;
-  }
+  static constexpr int DK_DIMS = SPLIT_DIMS ? HEAD_DIM / 2 : HEAD_DIM;     // of dK, per consumer
+  static constexpr int DQ_DIMS = SPLIT_DIMS ? HEAD_DIM / 2 : 64;           // of dQ, per product
+  static constexpr int DQ_CONSUMERS = PANELS > 1 ? 2 : 1;                  // 1 at head dim 64
   static constexpr u32 KV_PANEL = BLOCK_N * 128;
   static constexpr u32 QD_PANEL = kBwdBlockM * 128;
   static constexpr u32 K_BYTES = PANELS * KV_PANEL;
@@ -316,13 +310,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const int warp = t / 32;
   const int lane = t % 32;
   const int group_row = consumer * L::GROUP_KEYS;  // this warpgroup's first key inside the block
-  // The first of this warpgroup's query columns of S^T, and of its head-dim columns of dK, dV and dQ;
-  // whether it owns the wider share of dK's and dQ's columns (BwdLayout).
-  const int query_col0 = L::SPLIT_DIMS ? consumer * L::QUERY_COLS : 0;
-  const int dk_col0 = L::dk_col0(consumer);
+  // The first of this warpgroup's query columns of S^T (with the head dim split), and of its
+  // head-dim columns of dK and dV (BwdLayout).
+  const int split_query_col0 = L::SPLIT_DIMS ? consumer * L::QUERY_COLS : 0;
+  const int dk_col0 = L::SPLIT_DIMS ? consumer * L::DK_DIMS : 0;
   const int dv_col0 = L::SPLIT_DIMS ? consumer * L::V_DIMS : 0;
-  const int dq_col0 = L::dq_col0(consumer);
-  const bool wide_dk = L::wide_dk(consumer);
   const u64 k_desc = smem_desc_sw128(smem + L::K + group_row * 128);
   const u64 v_desc = smem_desc_sw128(smem + L::V + group_row * 128);
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
@@ -367,12 +359,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         const u32 q_offset = pos.stage * L::Q_BYTES, do_offset = pos.stage * L::DO_BYTES;
         // dS^T alternates per step between the two tiles where each consumer keeps P^T in
         // registers: a warp still reading the previous one (its dQ product) has passed this step's
-        // barrier only after finishing the one before. With the head dim split, both consumers
-        // compute dQ, so both have passed the previous step's dQ-empty barrier, after their dQ
-        // products, before either writes the next dS^T; the second tile holds P^T.
+        // barrier only after finishing the one before. With the head dim split, both consumers compute dQ, so both have passed the
+        // previous step's dQ-empty barrier, after their dQ products, before either writes the next
+        // dS^T; the second tile holds P^T.
         unsigned char* const ds_tile = smem + L::DS + (L::SPLIT_DIMS ? 0 : (step % 2) * L::DS_BYTES);
-        constexpr int NQ = L::QUERY_COLS / 8;  // 8-column tiles of this consumer's S^T
-        float s[1][NQ][4], dp[1][NQ][4];
+        constexpr int NQ = L::QUERY_COLS / 8;  // 8-column tiles of one S^T product
         // Stage this block's statistics (the other parity's buffer may still be read by slower
         // warps of the warpgroup; this one was last read two steps ago, before the previous
         // barrier): thread t copies lse (t < 64) or delta (t >= 64) of row t % 64, asynchronously,
@@ -390,88 +381,96 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         mbarrier_wait(&q_full[pos.stage], pos.phase);
         if constexpr (L::SPLIT_DIMS) mbarrier_wait(&do_full[pos.stage], pos.phase);
         __syncwarp();  // reconverge after the spins: wgmma is .aligned
-        wgmma_fence();
-        // S^T = K Q^T and dP^T = V dO^T over this consumer's query columns, K-major operands (a
-        // split's second half starts 32 rows, 4096 bytes, into the Q and dO panels: a whole number
-        // of swizzle periods).
-        wgmma_ss_panels<L::QUERY_COLS, Elem, L::PANELS>(
-            flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(smem + L::Q + q_offset + query_col0 * 128), L::QD_PANEL);
-        wgmma_commit();
-        wgmma_ss_panels<L::QUERY_COLS, Elem, L::V_PANELS>(
-            flat(dp), v_desc, L::KV_PANEL, smem_desc_sw128(smem + L::DO + do_offset + query_col0 * 128), L::QD_PANEL);
-        wgmma_commit();
-        cp_async_wait<0>();
-        named_barrier_sync(kStatsBarrier + consumer, 128);
-        fence_registers(flat(s));
-        fence_registers(flat(dp));
-        // With a softcap, dS needs dP^T beside each score's tanh slope: both products first.
-        wgmma_wait<SOFTCAP ? 0 : 1>();
-        fence_registers(flat(s));
-        // P^T: columns are queries query_col0 + 8 nt + 2 (lane % 4) + e of the block.
-        const int stat_base = query_col0 + 2 * (lane % 4);
-        const int query_base = m * kBwdBlockM + stat_base;
-        // dP^T - delta, times a factor per score, in place of dP^T: with a softcap the tanh's slope
-        // (s holds y), without one P (s holds P).
-        const auto weigh_dp = [&] {
+
+        // P^T and dS^T of queries query_col0 .. + QUERY_COLS - 1, 16-bit A fragments.
+        u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
+        const auto scores = [&](int query_col0, bool first) {
+          float s[1][NQ][4], dp[1][NQ][4];
+          wgmma_fence();
+          // S^T = K Q^T and dP^T = V dO^T over these query columns, K-major operands (a later
+          // half starts 32 rows, 4096 bytes, into the Q and dO panels: a whole number of swizzle
+          // periods).
+          wgmma_ss_panels<L::QUERY_COLS, Elem, L::PANELS>(
+              flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(smem + L::Q + q_offset + query_col0 * 128), L::QD_PANEL);
+          wgmma_commit();
+          wgmma_ss_panels<L::QUERY_COLS, Elem, L::V_PANELS>(
+              flat(dp), v_desc, L::KV_PANEL, smem_desc_sw128(smem + L::DO + do_offset + query_col0 * 128), L::QD_PANEL);
+          wgmma_commit();
+          if (first) {
+            cp_async_wait<0>();
+            named_barrier_sync(kStatsBarrier + consumer, 128);
+          }
+          fence_registers(flat(s));
+          fence_registers(flat(dp));
+          // With a softcap, dS needs dP^T beside each score's tanh slope: both products first.
+          wgmma_wait<SOFTCAP ? 0 : 1>();
+          fence_registers(flat(s));
+          // P^T: columns are queries query_col0 + 8 nt + 2 (lane % 4) + e of the block.
+          const int stat_base = query_col0 + 2 * (lane % 4);
+          const int query_base = m * kBwdBlockM + stat_base;
+          // dP^T - delta, times a factor per score, in place of dP^T: with a softcap the tanh's
+          // slope (s holds y), without one P (s holds P).
+          const auto weigh_dp = [&] {
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float row_delta = step_stats[kBwdBlockM + stat_base + 8 * nt + e];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  const float x = s[0][nt][2 * h + e];
+                  dp[0][nt][2 * h + e] = (dp[0][nt][2 * h + e] - row_delta) * (SOFTCAP ? softcap_slope(x) : x);
+                }
+              }
+          };
+          if constexpr (SOFTCAP) {
+            fence_registers(flat(dp));
+            scale(s, a.softcap_tanh_scale);  // y, whose tanh the softmax saw (softcap.cuh)
+            // The tanh's slope first, so that its temporaries are not live beside P's.
+            weigh_dp();
+          }
 #pragma unroll
           for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              const float row_delta = step_stats[kBwdBlockM + stat_base + 8 * nt + e];
+              const int query = query_base + 8 * nt + e;
+              // A row that saw no key (lse = -inf) or lies past the sequence (lse 0) only occurs in
+              // masked blocks, where the select makes P 0, never inf * 0.
+              const float lse_log2 = step_stats[stat_base + 8 * nt + e] * kLog2e;
 #pragma unroll
               for (int h = 0; h < 2; ++h) {
-                const float x = s[0][nt][2 * h + e];
-                dp[0][nt][2 * h + e] = (dp[0][nt][2 * h + e] - row_delta) * (SOFTCAP ? softcap_slope(x) : x);
+                const bool seen = !masked || (query >= query_begin[h] && query < query_end[h]);
+                // With a softcap, s holds y = score * scale / softcap and the softmax saw softcap t,
+                // t = tanh(y).
+                const float y = s[0][nt][2 * h + e];
+                const float score = SOFTCAP ? fast_tanh(y) : y;
+                const float prob = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
+                s[0][nt][2 * h + e] = prob;
+                // d(softcap t) / d(score) = scale (1 - t^2), the slope taken above; scale is
+                // applied with dK's and dQ's.
+                if constexpr (SOFTCAP) dp[0][nt][2 * h + e] *= prob;
               }
             }
-        };
-        if constexpr (SOFTCAP) {
-          fence_registers(flat(dp));
-          scale(s, a.softcap_tanh_scale);  // y, whose tanh the softmax saw (softcap.cuh)
-          // The tanh's slope first, so that its temporaries are not live beside P's.
-          weigh_dp();
-        }
-#pragma unroll
-        for (int nt = 0; nt < NQ; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int query = query_base + 8 * nt + e;
-            // A row that saw no key (lse = -inf) or lies past the sequence (lse 0) only occurs in
-            // masked blocks, where the select makes P 0, never inf * 0.
-            const float lse_log2 = step_stats[stat_base + 8 * nt + e] * kLog2e;
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const bool seen = !masked || (query >= query_begin[h] && query < query_end[h]);
-              // With a softcap, s holds y = score * scale / softcap and the softmax saw softcap t,
-              // t = tanh(y).
-              const float y = s[0][nt][2 * h + e];
-              const float score = SOFTCAP ? fast_tanh(y) : y;
-              const float prob = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
-              s[0][nt][2 * h + e] = prob;
-              // d(softcap t) / d(score) = scale (1 - t^2), the slope taken above; scale is applied
-              // with dK's and dQ's.
-              if constexpr (SOFTCAP) dp[0][nt][2 * h + e] *= prob;
-            }
+          if constexpr (!SOFTCAP) {
+            wgmma_wait<0>();
+            fence_registers(flat(dp));
+            // dS^T = P^T (dP^T - delta).
+            weigh_dp();
           }
-        if constexpr (!SOFTCAP) {
-          wgmma_wait<0>();
-          fence_registers(flat(dp));
-          // dS^T = P^T (dP^T - delta).
-          weigh_dp();
-        }
-        u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
-        pack_a<Elem>(s, p_a);
-        pack_a<Elem>(dp, ds_a);
+          pack_a<Elem>(s, p_a);
+          pack_a<Elem>(dp, ds_a);
+        };
 
-        // This consumer's columns of a (keys x 64 queries) tile in shared memory, rows = keys:
-        // dQ's A operand read MN-major, and with the head dim split, dV's and dK's read K-major.
-        const auto store_tile = [&](unsigned char* tile, const u32(&values)[NQ / 2][4]) {
+        // This consumer's keys of query columns col0 .. + QUERY_COLS - 1 of a (keys x 64 queries)
+        // tile in shared memory, rows = keys: dQ's A operand read MN-major, and with the head dim
+        // split, dV's and dK's read K-major.
+        const auto store_tile = [&](unsigned char* tile, const u32(&values)[NQ / 2][4], int col0) {
 #pragma unroll
           for (int nt = 0; nt < NQ; ++nt)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int row = group_row + warp * 16 + h * 8 + lane / 4;
-              *reinterpret_cast<u32*>(tile + swizzled_offset(row, query_col0 + 8 * nt + 2 * (lane % 4), L::DS_BYTES)) =
+              *reinterpret_cast<u32*>(tile + swizzled_offset(row, col0 + 8 * nt + 2 * (lane % 4), L::DS_BYTES)) =
                   values[nt / 2][(nt % 2) * 2 + h];
             }
         };
@@ -479,103 +478,108 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // queries (4 k16 steps of 16 rows, 2048 bytes).
         const u64 q_mn = smem_desc_sw128_mn(smem + L::Q + q_offset + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
         const u64 do_mn = smem_desc_sw128_mn(smem + L::DO + do_offset + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
-        // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = this
-        // warpgroup's dQ columns (from K's panel dq_col0 / 64; at head_dim 64 only consumer 0).
-        // Split by columns rather than by keys, each element has one writer: measured with
-        // per-thread reductions, two warpgroups adding into the same elements cost 20-30%.
+        // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = DQ_DIMS
+        // columns from col0 (from K's panel col0 / 64). Split by columns rather than by keys, each
+        // element has one writer: measured with per-thread reductions, two warpgroups adding into
+        // the same elements cost 20-30%.
         float dq_part[1][L::DQ_DIMS / 8][4];
-        const auto issue_dq = [&](bool wide) {
+        const auto issue_dq = [&](int col0) {
           wgmma_fence();
 #pragma unroll
           for (int j = 0; j < L::BLOCK_N / 16; ++j) {
             const u64 ds_desc = desc_advance(smem_desc_sw128_mn(ds_tile, L::DS_BYTES), 2048 * j);
             const u64 k_mn =
-                desc_advance(smem_desc_sw128_mn(smem + L::K + (dq_col0 / 64) * L::KV_PANEL, L::KV_PANEL), 2048 * j);
-            if (wide)
-              wgmma_ss_t<L::DQ_DIMS, Elem, true, true>(flat(dq_part), ds_desc, k_mn, j > 0);
-            else
-              wgmma_ss_t<64, Elem, true, true>(leading_columns<64>(flat(dq_part)), ds_desc, k_mn, j > 0);
+                desc_advance(smem_desc_sw128_mn(smem + L::K + (col0 / 64) * L::KV_PANEL, L::KV_PANEL), 2048 * j);
+            wgmma_ss_t<L::DQ_DIMS, Elem, true, true>(flat(dq_part), ds_desc, k_mn, j > 0);
           }
           wgmma_commit();
           fence_registers(flat(dq_part));
         };
-        // Stages dQ (`wide`: DQ_DIMS columns, else 64) for the writer warp.
-        const auto stage_dq = [&](bool wide) {
-          // The writer's previous reduction has read the staged block.
-          named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
-          // Accumulator rows are queries, columns this warpgroup's head-dim columns.
+        // Writes dq_part (accumulator rows are queries) into the staged block's columns from col0;
+        // the first of a step's writes waits for the writer's previous reduction to have read it.
+        const auto stage_dq = [&](int col0, bool first) {
+          if (first) named_barrier_sync(kDqEmptyBarrier, kDqWriterThreads);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            float* const row =
-                dq_block + (warp * 16 + h * 8 + lane / 4) * L::DQ_ROW + dq_col0 + 2 * (lane % 4);
+            float* const row = dq_block + (warp * 16 + h * 8 + lane / 4) * L::DQ_ROW + col0 + 2 * (lane % 4);
 #pragma unroll
             for (int nt = 0; nt < L::DQ_DIMS / 8; ++nt)
-              if (wide || nt < 8)
-                *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
+              *reinterpret_cast<float2*>(row + 8 * nt) = make_float2(dq_part[0][nt][2 * h], dq_part[0][nt][2 * h + 1]);
           }
-          // Read by the writer's bulk reduction through the async proxy.
+        };
+        // The step's staged columns go to the writer warp, whose bulk reduction reads them through
+        // the async proxy.
+        const auto publish_dq = [&] {
           fence_proxy_async_shared();
           named_barrier_arrive(kDqFullBarrier, kDqWriterThreads);
         };
+        // A panel of dQ over the block's keys, issued, waited for and staged.
+        const auto dq_panel = [&](int col0, bool first) {
+          issue_dq(col0);
+          wgmma_wait<0>();
+          fence_registers(flat(dq_part));
+          stage_dq(col0, first);
+        };
         if constexpr (L::SPLIT_DIMS) {
+          scores(split_query_col0, true);
           // Both halves of P^T and dS^T in shared memory before dK += dS^T Q and dV += P^T dO read
           // them (K-major A, 32 bytes per k16 step); dK first, whose completion frees Q's stage.
           unsigned char* const p_tile = smem + L::DS + L::DS_BYTES;
-          store_tile(ds_tile, ds_a);
-          store_tile(p_tile, p_a);
+          store_tile(ds_tile, ds_a, split_query_col0);
+          store_tile(p_tile, p_a, split_query_col0);
           // The stores are ordinary (generic proxy), wgmma reads through the async proxy.
           fence_proxy_async_shared();
           named_barrier_sync(kDsBarrier, 256);
           // dK, dV and dQ issued together, then waited for in that order: Q's stage is free once dK
-          // completes, dO's once dV does. Each consumer's shares of dK's and dQ's columns are
-          // constants in each copy: wgmma issued under a branch on them (and waited for after it)
-          // makes ptxas serialise every wgmma of the kernel.
-          const auto split_products = [&](int role) {
-            wgmma_fence();
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const u64 ds_desc = desc_advance(smem_desc_sw128(ds_tile), 32 * j);
-              if (L::wide_dk(role))
-                wgmma_ss_t<L::DK_DIMS, Elem, false, true>(flat(dk), ds_desc, desc_advance(q_mn, 2048 * j), true);
-              else
-                wgmma_ss_t<64, Elem, false, true>(leading_columns<64>(flat(dk)), ds_desc,
-                                                  desc_advance(q_mn, 2048 * j), true);
-            }
-            wgmma_commit();
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-              wgmma_ss_t<L::V_DIMS, Elem, false, true>(flat(dv), desc_advance(smem_desc_sw128(p_tile), 32 * j),
-                                                       desc_advance(do_mn, 2048 * j), true);
-            wgmma_commit();
-            issue_dq(L::wide_dq(role));
-            fence_registers(flat(dk));
-            fence_registers(flat(dv));
-            wgmma_wait<2>();
-            fence_registers(flat(dk));
-            if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
-            wgmma_wait<1>();
-            fence_registers(flat(dv));
-            if (lane == 0) mbarrier_arrive(&do_empty[pos.stage]);
-            wgmma_wait<0>();
-            fence_registers(flat(dq_part));
-            stage_dq(L::wide_dq(role));
-          };
-          if (!L::UNEVEN || consumer == 0) {
-            split_products(0);
-          } else {
-            split_products(1);
-          }
-        } else {
-          // dV += P^T dO and dK += dS^T Q from registers, N = the head dim.
+          // completes, dO's once dV does.
           wgmma_fence();
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * j), true);
+            wgmma_ss_t<L::DK_DIMS, Elem, false, true>(flat(dk), desc_advance(smem_desc_sw128(ds_tile), 32 * j),
+                                                      desc_advance(q_mn, 2048 * j), true);
+          wgmma_commit();
 #pragma unroll
           for (int j = 0; j < 4; ++j)
-            wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * j), true);
+            wgmma_ss_t<L::V_DIMS, Elem, false, true>(flat(dv), desc_advance(smem_desc_sw128(p_tile), 32 * j),
+                                                     desc_advance(do_mn, 2048 * j), true);
           wgmma_commit();
-          store_tile(ds_tile, ds_a);
+          issue_dq(consumer * L::DQ_DIMS);
+          fence_registers(flat(dk));
+          fence_registers(flat(dv));
+          wgmma_wait<2>();
+          fence_registers(flat(dk));
+          if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
+          wgmma_wait<1>();
+          fence_registers(flat(dv));
+          if (lane == 0) mbarrier_arrive(&do_empty[pos.stage]);
+          wgmma_wait<0>();
+          fence_registers(flat(dq_part));
+          stage_dq(consumer * L::DQ_DIMS, true);
+          publish_dq();
+        } else {
+#pragma unroll
+          for (int half = 0; half < L::QUERY_HALVES; ++half) {
+            if (half > 0) {
+              // The previous half's dV and dK products read p_a and ds_a, which scores rewrites.
+              fence_registers(flat(dk));
+              fence_registers(flat(dv));
+              wgmma_wait<0>();
+              fence_registers(flat(dk));
+              fence_registers(flat(dv));
+            }
+            const int query_col0 = half * L::QUERY_COLS;
+            scores(query_col0, half == 0);
+            // dV += P^T dO and dK += dS^T Q from registers, N = the head dim, K = these queries.
+            wgmma_fence();
+#pragma unroll
+            for (int j = 0; j < L::QUERY_COLS / 16; ++j)
+              wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * (query_col0 / 16 + j)), true);
+#pragma unroll
+            for (int j = 0; j < L::QUERY_COLS / 16; ++j)
+              wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * (query_col0 / 16 + j)), true);
+            wgmma_commit();
+            store_tile(ds_tile, ds_a, query_col0);
+          }
           fence_proxy_async_shared();
           named_barrier_sync(kDsBarrier, 256);
           // dV and dK first: their A registers (P, dS) die here, which leaves room for dQ's
@@ -587,19 +591,20 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           fence_registers(flat(dv));
           // Every product of this step that reads Q and dO is done: one arrival per warp frees the stage.
           if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
-        }
-
-        if (!L::SPLIT_DIMS && computes_dq) {
-          issue_dq(true);
-          wgmma_wait<0>();
-          fence_registers(flat(dq_part));
-          stage_dq(true);
+          if (computes_dq) {
+            // Three panels: two to one consumer and one to the other, by step parity (the
+            // consumers meet at every step's barriers, so over two steps both compute as much).
+            const bool two = L::PANELS == 3 && (step + consumer) % 2 == 0;
+            dq_panel(L::PANELS == 3 ? (two ? 0 : 128) : consumer * 64, true);
+            if (two) dq_panel(64, false);
+            publish_dq();
+          }
         }
       };
       // Taking turns under a mask keeps the one copy with the test: with two, ptxas moves loop
-      // state to local memory inside the step. So does an uneven split: a second copy beside its
-      // two shares' copies left ptxas too few registers to pipeline the wgmma (C7511).
-      constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW)) && !L::UNEVEN;
+      // state to local memory inside the step. ((192, 128)'s step spills with one copy or two, and
+      // ran 4-8% faster with two.)
+      constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW));
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
         const int m = query_block(m_range, i);
         // A block with rows past the sequence's end takes the masked copy too: those rows staged lse
@@ -622,8 +627,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     // GQA: the group's query heads add into fp32 slices, or, in the orders that repeat bitwise
     // (walk, turns), each stores its own slice (summed in order by the convert).
     const int dk_col = dk_col0 + 2 * (lane % 4), dv_col = dv_col0 + 2 * (lane % 4);
-    // dK's tiles that this consumer owns, and lie inside head_dim (dV's: inside head_dim_v).
-    const auto dk_tile = [&](int dt) { return (wide_dk || dt < 8) && 8 * dt + dk_col < a.head_dim; };
+    // dK's tiles inside head_dim (dV's: inside head_dim_v).
+    const auto dk_tile = [&](int dt) { return 8 * dt + dk_col < a.head_dim; };
     const auto dv_tile = [&](int dt) { return 8 * dt + dv_col < a.head_dim_v; };
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
