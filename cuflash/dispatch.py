@@ -110,7 +110,8 @@ class Tile:
     block_n: int  # keys per main-loop step
     warps: int
     ctas_per_sm: int = 1  # the register budget the compiler gets: 65536 / (ctas_per_sm * warps * 32)
-    stages: int = 1  # sm90: depth of the TMA ring of K and V tiles
+    stages: int = 1  # sm90: depth of the TMA ring of K and V tiles (the backward's: of Q and dO)
+    ring_rows: int = 0  # sm90 backward: query rows per stage of that ring (0: block_m)
 
 
 # sm80 forward tiles per head-dim bucket. Each warp owns block_m / warps query rows; 32 rows
@@ -362,7 +363,7 @@ SM80_BWD_TILES = {
 SM90_BWD_TILES = {
     (64, 64): Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 + dQ 17 = 145 KB
     (128, 128): Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 + dQ 33 = 193 KB
-    (192, 128): Tile(64, 128, 12, stages=1),  # K 48 + V 32 + Q 24 + dO 16 + dS 2 x 16 + dQ 49 = 201 KB
+    (192, 128): Tile(64, 128, 12, stages=3, ring_rows=32),  # K 48 + V 32 + 3 x (Q 12 + dO 8) + dS 2 x 16 + dQ 49 = 221 KB
     (256, 256): Tile(64, 64, 12, stages=1),  # K 32 + V 32 + Q 32 + dO 32 + dS 8 + P 8 + dQ 65 = 209 KB
 }
 
@@ -414,9 +415,10 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
                                  HELPER_THREADS, 0) for step in ("preprocess", "convert"))
     if family == "sm90":
         tile = tile or SM90_BWD_TILES[kernel_dim, kernel_dim_v]
-        # K and V (block_n rows), the Q and dO stages (block_m rows), two tiles of block_n rows of
+        # K and V (block_n rows), the Q and dO stages (ring_rows each), two tiles of block_n rows of
         # 64 queries, the fp32 dQ block, and the alignment slack.
-        smem = (((tile.block_n + tile.stages * tile.block_m) * (kernel_dim + kernel_dim_v) + 2 * tile.block_n * 64) * 2
+        ring_rows = tile.ring_rows or tile.block_m
+        smem = (((tile.block_n + tile.stages * ring_rows) * (kernel_dim + kernel_dim_v) + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (kernel_dim + SM90_BWD_DQ_ROW_PAD) * 4 + SM90_SMEM_ALIGN_SLACK)
         main = (f"cuflash::sm90::flash_bwd_sm90<{kernel_dim}, {kernel_dim_v}, {tile.stages}, {smem}, {_cpp(causal)}, "
                 f"{_cpp(window)}, {_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")

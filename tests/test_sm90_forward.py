@@ -161,13 +161,13 @@ def test_sm90_dispatch():
         assert wide.smem_bytes == ((2 * 64 + 2 * 64) * 256 + 2 * 64 * 64) * 2 + 64 * 260 * 4 + 1024 <= 227 * 1024
         assert dispatch.backward_kernel_dims("sm90", head_dim) == (256, 256)
     # DeepSeek's pair and others that fit it run the (192, 128) kernel: 128-key blocks, three panels
-    # of Q and K, two of V and dO, one stage, dQ rows of 196 floats.
+    # of Q and K, two of V and dO, a ring of three 32-row half stages, dQ rows of 196 floats.
     for head_dim, head_dim_v in ((192, 128), (160, 96), (136, 8)):
         pair = dispatch.backward_kernels("sm90", head_dim, "causal", "float16", head_dim_v=head_dim_v)[1]
-        assert pair.tile == dispatch.Tile(64, 128, 12, stages=1)
-        assert pair.name_expression == (f"cuflash::sm90::flash_bwd_sm90<192, 128, 1, {pair.smem_bytes}, true, false, "
+        assert pair.tile == dispatch.Tile(64, 128, 12, stages=3, ring_rows=32)
+        assert pair.name_expression == (f"cuflash::sm90::flash_bwd_sm90<192, 128, 3, {pair.smem_bytes}, true, false, "
                                         "false, 0, cuflash::f16>")
-        assert pair.smem_bytes == ((128 + 64) * 320 + 2 * 128 * 64) * 2 + 64 * 196 * 4 + 1024 <= 227 * 1024
+        assert pair.smem_bytes == ((128 + 3 * 32) * 320 + 2 * 128 * 64) * 2 + 64 * 196 * 4 + 1024 <= 227 * 1024
         assert dispatch.backward_kernel_dims("sm90", head_dim, head_dim_v) == (192, 128)
     assert dispatch.backward_kernel_dims("sm90", 192, 136) == (256, 256)
     assert dispatch.backward_kernel_dims("sm90", 96, 128) == (128, 128)

@@ -96,7 +96,10 @@ struct BwdLayout {
   static constexpr int DQ_DIMS = SPLIT_DIMS ? HEAD_DIM / 2 : 64;           // of dQ, per product
   static constexpr int DQ_CONSUMERS = PANELS > 1 ? 2 : 1;                  // 1 at head dim 64
   static constexpr u32 KV_PANEL = BLOCK_N * 128;
-  static constexpr u32 QD_PANEL = kBwdBlockM * 128;
+  // Query rows per stage of the Q/dO ring: at (192, 128) a half's, so that three half stages fit
+  // where two whole ones do not, and a half's stage is refilled once that half's dV and dK are done.
+  static constexpr int RING_ROWS = QUERY_HALVES == 2 ? kBwdBlockM / 2 : kBwdBlockM;
+  static constexpr u32 QD_PANEL = RING_ROWS * 128;
   static constexpr u32 K_BYTES = PANELS * KV_PANEL;
   static constexpr u32 V_BYTES = V_PANELS * KV_PANEL;
   static constexpr u32 Q_BYTES = PANELS * QD_PANEL;
@@ -283,11 +286,13 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       const int key_row = seq.k_begin + n_block * L::BLOCK_N;
       tma_load_panels<L::PANELS>(smem + L::K, L::KV_PANEL, &p.k, &kv_full, kv_head, key_row, map_batch);
       tma_load_panels<L::V_PANELS>(smem + L::V, L::KV_PANEL, &p.v, &kv_full, kv_head, key_row, map_batch);
-      for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance()) {
-        const int m = query_block(m_range, i);
+      // Each query block in kBwdBlockM / RING_ROWS stages.
+      constexpr int kParts = kBwdBlockM / L::RING_ROWS;
+      for (int unit = 0; unit < (m_range.end - m_range.begin) * kParts; ++unit, pos.advance()) {
+        const int m = query_block(m_range, unit / kParts);
         // Rows past the tensor arrive as zeros, rows past a packed sequence from the next one:
         // their lse is taken as +inf below, so P and dS are 0 there.
-        const int row = seq.q_begin + m * kBwdBlockM;
+        const int row = seq.q_begin + m * kBwdBlockM + unit % kParts * L::RING_ROWS;
         mbarrier_wait(&q_empty[pos.stage], pos.phase ^ 1);
         mbarrier_arrive_expect_tx(&q_full[pos.stage], L::SPLIT_DIMS ? L::Q_BYTES : L::Q_BYTES + L::DO_BYTES);
         tma_load_panels<L::PANELS>(smem + L::Q + pos.stage * L::Q_BYTES, L::QD_PANEL, &p.q, &q_full[pos.stage], head,
@@ -356,7 +361,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       // choice is uniform across the CTA, and no product is in flight between steps, so the branch
       // does not serialise any wgmma.
       const auto query_step = [&](int m, bool masked) {
-        const u32 q_offset = pos.stage * L::Q_BYTES, do_offset = pos.stage * L::DO_BYTES;
+        // The stage's offsets, and the first row of this consumer's queries in it (a half stage
+        // holds only its half's rows).
+        u32 q_offset = pos.stage * L::Q_BYTES, do_offset = pos.stage * L::DO_BYTES;
+        const auto row_in_stage = [](int query_col0) { return L::RING_ROWS == kBwdBlockM ? query_col0 : 0; };
         // dS^T alternates per step between the two tiles where each consumer keeps P^T in
         // registers: a warp still reading the previous one (its dQ product) has passed this step's
         // barrier only after finishing the one before. With the head dim split, both consumers compute dQ, so both have passed the
@@ -391,10 +399,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           // half starts 32 rows, 4096 bytes, into the Q and dO panels: a whole number of swizzle
           // periods).
           wgmma_ss_panels<L::QUERY_COLS, Elem, L::PANELS>(
-              flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(smem + L::Q + q_offset + query_col0 * 128), L::QD_PANEL);
+              flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(smem + L::Q + q_offset + row_in_stage(query_col0) * 128),
+              L::QD_PANEL);
           wgmma_commit();
           wgmma_ss_panels<L::QUERY_COLS, Elem, L::V_PANELS>(
-              flat(dp), v_desc, L::KV_PANEL, smem_desc_sw128(smem + L::DO + do_offset + query_col0 * 128), L::QD_PANEL);
+              flat(dp), v_desc, L::KV_PANEL,
+              smem_desc_sw128(smem + L::DO + do_offset + row_in_stage(query_col0) * 128), L::QD_PANEL);
           wgmma_commit();
           if (first) {
             cp_async_wait<0>();
@@ -476,8 +486,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         };
         // Q's and dO's panels of this consumer's dK and dV columns, read MN-major: K = the 64
         // queries (4 k16 steps of 16 rows, 2048 bytes).
-        const u64 q_mn = smem_desc_sw128_mn(smem + L::Q + q_offset + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
-        const u64 do_mn = smem_desc_sw128_mn(smem + L::DO + do_offset + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+        u64 q_mn = smem_desc_sw128_mn(smem + L::Q + q_offset + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+        u64 do_mn = smem_desc_sw128_mn(smem + L::DO + do_offset + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
         // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = DQ_DIMS
         // columns from col0 (from K's panel col0 / 64). Split by columns rather than by keys, each
         // element has one writer: measured with per-thread reductions, two warpgroups adding into
@@ -560,12 +570,23 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 #pragma unroll
           for (int half = 0; half < L::QUERY_HALVES; ++half) {
             if (half > 0) {
-              // The previous half's dV and dK products read p_a and ds_a, which scores rewrites.
+              // The previous half's dV and dK products read p_a and ds_a, which scores rewrites,
+              // and its half stage, which one arrival per warp then frees.
               fence_registers(flat(dk));
               fence_registers(flat(dv));
               wgmma_wait<0>();
               fence_registers(flat(dk));
               fence_registers(flat(dv));
+              if (L::RING_ROWS < kBwdBlockM) {
+                if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
+                pos.advance();
+                q_offset = pos.stage * L::Q_BYTES;
+                do_offset = pos.stage * L::DO_BYTES;
+                q_mn = smem_desc_sw128_mn(smem + L::Q + q_offset + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+                do_mn = smem_desc_sw128_mn(smem + L::DO + do_offset + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+                mbarrier_wait(&q_full[pos.stage], pos.phase);
+                __syncwarp();  // reconverge after the spin: wgmma is .aligned
+              }
             }
             const int query_col0 = half * L::QUERY_COLS;
             scores(query_col0, half == 0);
@@ -573,10 +594,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
             wgmma_fence();
 #pragma unroll
             for (int j = 0; j < L::QUERY_COLS / 16; ++j)
-              wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * (query_col0 / 16 + j)), true);
+              wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * (row_in_stage(query_col0) / 16 + j)),
+                                              true);
 #pragma unroll
             for (int j = 0; j < L::QUERY_COLS / 16; ++j)
-              wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * (query_col0 / 16 + j)), true);
+              wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * (row_in_stage(query_col0) / 16 + j)),
+                                               true);
             wgmma_commit();
             store_tile(ds_tile, ds_a, query_col0);
           }
