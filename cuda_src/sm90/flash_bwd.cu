@@ -71,8 +71,7 @@ constexpr int kBwdConsumerRegisters = 240;
 
 // The consumers' shares (above) and the shared memory, from a 1024-byte-aligned base: K, V, the Q
 // and dO stages, two tiles of BLOCK_N keys x 64 queries (dS^T by step parity, or dS^T and P^T when
-// the consumers split the head dim), the fp32 dQ block
-// (kBwdBlockM rows of HEAD_DIM + kDqRowPad). Tiles are panels of 64 columns (one 128-byte swizzle
+// the consumers split the head dim), the fp32 dQ block (kBwdBlockM rows of HEAD_DIM + kDqRowPad). Tiles are panels of 64 columns (one 128-byte swizzle
 // row each), as TMA stores them: HEAD_DIM / 64 of Q and K, HEAD_DIM_V / 64 of V and dO; a dS^T or
 // P^T tile is one such panel.
 // At (192, 128) a consumer's dK and dV are 96 + 64 fp32 registers per thread, which leaves room
@@ -367,9 +366,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         const auto row_in_stage = [](int query_col0) { return L::RING_ROWS == kBwdBlockM ? query_col0 : 0; };
         // dS^T alternates per step between the two tiles where each consumer keeps P^T in
         // registers: a warp still reading the previous one (its dQ product) has passed this step's
-        // barrier only after finishing the one before. With the head dim split, both consumers compute dQ, so both have passed the
-        // previous step's dQ-empty barrier, after their dQ products, before either writes the next
-        // dS^T; the second tile holds P^T.
+        // barrier only after finishing the one before. With the head dim split, both consumers
+        // compute dQ, so both have passed the previous step's dQ-empty barrier, after their dQ
+        // products, before either writes the next dS^T; the second tile holds P^T.
         unsigned char* const ds_tile = smem + L::DS + (L::SPLIT_DIMS ? 0 : (step % 2) * L::DS_BYTES);
         constexpr int NQ = L::QUERY_COLS / 8;  // 8-column tiles of one S^T product
         // Stage this block's statistics (the other parity's buffer may still be read by slower
