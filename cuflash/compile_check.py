@@ -6,9 +6,9 @@ backward, which runs two CTAs per SM (dispatch.SM80_BWD_TILES says why that pays
 keeps a few values in local memory, and dispatch.py's tiles were measured fastest with those
 spills. SPILL_ALLOWANCE bounds them per kernel and head-dim bucket; a kernel that spills more, or
 one outside the table that spills at all (the sm90 family, whose warpgroups' register split must
-hold everything, but for one backward kernel the table names), is a problem. So is a kernel whose wgmma ptxas serialised (a product
-issued under a branch that its wait is not in, for one): it compiles and runs correctly, several
-times slower.
+hold everything, but for one backward kernel the table names), is a problem. So is a kernel whose
+wgmma ptxas serialised (a product issued under a branch that its wait is not in, for one): it
+compiles and runs correctly, several times slower.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ SPILL_ALLOWANCE = {
     ("cuflash::flash_bwd_sm80", 256): 832,
     # The (192, 128) backward's step (two query halves on a ring of half stages, dQ's panels chosen
     # by step parity): every spill-free arrangement tried ran 8-12% slower (docs/kernels.md).
-    ("cuflash::sm90::flash_bwd_sm90", 192): 512,
+    ("cuflash::sm90::flash_bwd_sm90", 192): 320,
 }
 # The sm80 backward kernels for a v head dim of its own (dispatch.backward_kernels' own_v_dim) where
 # they spill more than the table above allows, measured as it was.

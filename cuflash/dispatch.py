@@ -113,6 +113,11 @@ class Tile:
     stages: int = 1  # sm90: depth of the TMA ring of K and V tiles (the backward's: of Q and dO)
     ring_rows: int = 0  # sm90 backward: query rows per stage of that ring (0: block_m)
 
+    @property
+    def stage_rows(self) -> int:
+        """Query rows per stage of the sm90 backward's Q/dO ring."""
+        return self.ring_rows or self.block_m
+
 
 # sm80 forward tiles per head-dim bucket. Each warp owns block_m / warps query rows; 32 rows
 # (two m16 tiles) let every K/V fragment loaded from shared memory feed two mma.sync, which keeps
@@ -357,9 +362,9 @@ SM80_BWD_TILES = {
 # sm90 backward main kernel (cuda_src/sm90/flash_bwd.cu), per kernel (head dim of q and k, of v):
 # the one with the fewest columns that holds the call's (TMA zero-fills the missing ones). 64
 # query rows per step, 12 warps; K, V, the Q/dO ring, two tiles of block_n keys x 64 queries (dS^T,
-# or dS^T and P^T) and the fp32 dQ block in shared memory. Up to v's head
-# dim 128, 128 keys per CTA (64 per consumer warpgroup); at d256 the consumers split the head dim
-# over 64 keys, and one stage is all that fits beside the 65 KB dQ block.
+# or dS^T and P^T) and the fp32 dQ block in shared memory. Up to v's head dim 128, 128 keys per CTA
+# (64 per consumer warpgroup); at d256 the consumers split the head dim over 64 keys, and one stage
+# is all that fits beside the 65 KB dQ block.
 SM90_BWD_TILES = {
     (64, 64): Tile(64, 128, 12, stages=4),  # K 16 + V 16 + 4 x (Q 8 + dO 8) + dS 2 x 16 + dQ 17 = 145 KB
     (128, 128): Tile(64, 128, 12, stages=2),  # K 32 + V 32 + 2 x (Q 16 + dO 16) + dS 2 x 16 + dQ 33 = 193 KB
@@ -415,10 +420,9 @@ def backward_kernels(family: str, head_dim: int, mask: str, dtype_name: str, sof
                                  HELPER_THREADS, 0) for step in ("preprocess", "convert"))
     if family == "sm90":
         tile = tile or SM90_BWD_TILES[kernel_dim, kernel_dim_v]
-        # K and V (block_n rows), the Q and dO stages (ring_rows each), two tiles of block_n rows of
+        # K and V (block_n rows), the Q and dO stages (stage_rows each), two tiles of block_n rows of
         # 64 queries, the fp32 dQ block, and the alignment slack.
-        ring_rows = tile.ring_rows or tile.block_m
-        smem = (((tile.block_n + tile.stages * ring_rows) * (kernel_dim + kernel_dim_v) + 2 * tile.block_n * 64) * 2
+        smem = (((tile.block_n + tile.stages * tile.stage_rows) * (kernel_dim + kernel_dim_v) + 2 * tile.block_n * 64) * 2
                 + tile.block_m * (kernel_dim + SM90_BWD_DQ_ROW_PAD) * 4 + SM90_SMEM_ALIGN_SLACK)
         main = (f"cuflash::sm90::flash_bwd_sm90<{kernel_dim}, {kernel_dim_v}, {tile.stages}, {smem}, {_cpp(causal)}, "
                 f"{_cpp(window)}, {_cpp(softcap)}, {DQ_ORDERS.index(dq_order)}, {elem}>")

@@ -190,13 +190,14 @@ def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: in
                           more_pointers=FWD_DESCALES if fp8 else ())
 
 
-def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, ring_rows: int, block_n: int) -> ArgumentBuffer:
+def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, stage_rows: int, block_n: int) -> ArgumentBuffer:
     """The BwdParamsSm90 argument for repeated launches: tensor maps of q and dout (boxes of
-    ``ring_rows`` rows, a stage of the kernel's Q/dO ring) and of k and v (``block_n`` rows), then ``packed``, pack_bwd_params' struct
-    for the same call; the maps are encoded again per fill (cached per address)."""
+    ``stage_rows`` rows, a stage of the kernel's Q/dO ring) and of k and v (``block_n`` rows), then
+    ``packed``, pack_bwd_params' struct for the same call; the maps are encoded again per fill
+    (cached per address)."""
     struct = np.zeros(1, BWD_PARAMS_SM90)
     struct["base"] = packed
-    maps = _map_fields(BWD_POINTERS, ("q", q, ring_rows), ("k", k, block_n), ("v", v, block_n), ("dout", dout, ring_rows))
+    maps = _map_fields(BWD_POINTERS, ("q", q, stage_rows), ("k", k, block_n), ("v", v, block_n), ("dout", dout, stage_rows))
     return ArgumentBuffer(struct, BWD_POINTERS, within="base", tensor_maps=maps)
 
 

@@ -298,8 +298,7 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
                              dv_accum, dq_turns, scale, mask.window, mask.softcap, *cu_seqlens,
                              turn_heads=launch.turn_heads)
     argument = ArgumentBuffer(packed, BWD_POINTERS)
-    main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.ring_rows or main.tile.block_m,
-                                            main.tile.block_n)
+    main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.stage_rows, main.tile.block_n)
                      if main.family == "sm90" else None)
     # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
     # scale): dQ sums its splits and takes the softmax scale; per-query-head GQA dK/dV sum the

@@ -183,6 +183,29 @@ struct MlaWork {
   }
 };
 
+// Scores (this thread's 4 NT of a step's, keys key0 + 8 nt + e) to exp2's units, keys at or past
+// a row's end to -inf (tested only in a `masked` step, one that crosses a row's end); the
+// maximum of each of the thread's two rows over its quad's scores folded into m.
+template <int NT, int KEYS>
+__device__ __forceinline__ void mla_scale_and_mask(float (&s)[4 * NT], const MlaWork<KEYS>& w, int key0, bool masked,
+                                                   float (&m)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = s[4 * nt + 2 * h + e];
+        x = (masked && key0 + 8 * nt + e >= w.my_key_end[h]) ? kNegInf : x * w.scale_log2;
+        m[h] = fmaxf(m[h], x);
+      }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m[h] = fmaxf(m[h], __shfl_xor_sync(~0u, m[h], 1));
+    m[h] = fmaxf(m[h], __shfl_xor_sync(~0u, m[h], 2));
+  }
+}
+
 // Q's 64 rows into their swizzled tile by cp.async, committed as one group: thread t copies row
 // t / 4's chunks t % 4 + 4 j; rows past the tile's are zeros.
 template <int D, int DV>
@@ -301,26 +324,12 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
       loader.lookup(p, b, (n + 2) * KEYS, kv_len);
     }
     Product::template scores_finish<T, D, KEYS>(s, smem + L::Q, stage + wg * (KEYS / 2) * 128, warp, lane);
-    // Scores to exp2's units; keys past a row's end to -inf (only in steps that cross one).
-    const int key0 = n * KEYS + wg * (KEYS / 2) + 2 * (lane % 4);
-    const bool masked = (n + 1) * KEYS > w.tile_key_end_min;
     float step_max[2] = {kNegInf, kNegInf};
+    mla_scale_and_mask<SN>(s, w, n * KEYS + wg * (KEYS / 2) + 2 * (lane % 4), (n + 1) * KEYS > w.tile_key_end_min,
+                           step_max);
 #pragma unroll
-    for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = s[4 * nt + 2 * h + e];
-          x = (masked && key0 + 8 * nt + e >= w.my_key_end[h]) ? kNegInf : x * w.scale_log2;
-          step_max[h] = fmaxf(step_max[h], x);
-        }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      step_max[h] = fmaxf(step_max[h], __shfl_xor_sync(~0u, step_max[h], 1));
-      step_max[h] = fmaxf(step_max[h], __shfl_xor_sync(~0u, step_max[h], 2));
+    for (int h = 0; h < 2; ++h)
       if (lane % 4 == 0) exchange[wg * kMlaRows + my_row + 8 * h] = step_max[h];
-    }
     // Both warpgroups' maxima of this step (the buffer is rewritten only after the next step's
     // first barrier, which each thread reaches after reading it).
     __syncthreads();

@@ -360,9 +360,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       // choice is uniform across the CTA, and no product is in flight between steps, so the branch
       // does not serialise any wgmma.
       const auto query_step = [&](int m, bool masked) {
-        // The stage's offsets, and the first row of this consumer's queries in it (a half stage
-        // holds only its half's rows).
-        u32 q_offset = pos.stage * L::Q_BYTES, do_offset = pos.stage * L::DO_BYTES;
+        // The current stage's Q and dO tiles (a half stage's, at (192, 128), follow pos from half to
+        // half), and the first row of a product's queries in it (a half stage holds only its half's).
+        const auto q_stage = [&] { return smem + L::Q + pos.stage * L::Q_BYTES; };
+        const auto do_stage = [&] { return smem + L::DO + pos.stage * L::DO_BYTES; };
         const auto row_in_stage = [](int query_col0) { return L::RING_ROWS == kBwdBlockM ? query_col0 : 0; };
         // dS^T alternates per step between the two tiles where each consumer keeps P^T in
         // registers: a warp still reading the previous one (its dQ product) has passed this step's
@@ -398,12 +399,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           // half starts 32 rows, 4096 bytes, into the Q and dO panels: a whole number of swizzle
           // periods).
           wgmma_ss_panels<L::QUERY_COLS, Elem, L::PANELS>(
-              flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(smem + L::Q + q_offset + row_in_stage(query_col0) * 128),
+              flat(s), k_desc, L::KV_PANEL, smem_desc_sw128(q_stage() + row_in_stage(query_col0) * 128),
               L::QD_PANEL);
           wgmma_commit();
           wgmma_ss_panels<L::QUERY_COLS, Elem, L::V_PANELS>(
               flat(dp), v_desc, L::KV_PANEL,
-              smem_desc_sw128(smem + L::DO + do_offset + row_in_stage(query_col0) * 128), L::QD_PANEL);
+              smem_desc_sw128(do_stage() + row_in_stage(query_col0) * 128), L::QD_PANEL);
           wgmma_commit();
           if (first) {
             cp_async_wait<0>();
@@ -485,8 +486,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         };
         // Q's and dO's panels of this consumer's dK and dV columns, read MN-major: K = the 64
         // queries (4 k16 steps of 16 rows, 2048 bytes).
-        u64 q_mn = smem_desc_sw128_mn(smem + L::Q + q_offset + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
-        u64 do_mn = smem_desc_sw128_mn(smem + L::DO + do_offset + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
+        const auto q_mn = [&] { return smem_desc_sw128_mn(q_stage() + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL); };
+        const auto do_mn = [&] { return smem_desc_sw128_mn(do_stage() + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL); };
         // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = DQ_DIMS
         // columns from col0 (from K's panel col0 / 64). Split by columns rather than by keys, each
         // element has one writer: measured with per-thread reductions, two warpgroups adding into
@@ -545,12 +546,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 #pragma unroll
           for (int j = 0; j < 4; ++j)
             wgmma_ss_t<L::DK_DIMS, Elem, false, true>(flat(dk), desc_advance(smem_desc_sw128(ds_tile), 32 * j),
-                                                      desc_advance(q_mn, 2048 * j), true);
+                                                      desc_advance(q_mn(), 2048 * j), true);
           wgmma_commit();
 #pragma unroll
           for (int j = 0; j < 4; ++j)
             wgmma_ss_t<L::V_DIMS, Elem, false, true>(flat(dv), desc_advance(smem_desc_sw128(p_tile), 32 * j),
-                                                     desc_advance(do_mn, 2048 * j), true);
+                                                     desc_advance(do_mn(), 2048 * j), true);
           wgmma_commit();
           issue_dq(consumer * L::DQ_DIMS);
           fence_registers(flat(dk));
@@ -579,10 +580,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
               if (L::RING_ROWS < kBwdBlockM) {
                 if (lane == 0) mbarrier_arrive(&q_empty[pos.stage]);
                 pos.advance();
-                q_offset = pos.stage * L::Q_BYTES;
-                do_offset = pos.stage * L::DO_BYTES;
-                q_mn = smem_desc_sw128_mn(smem + L::Q + q_offset + (dk_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
-                do_mn = smem_desc_sw128_mn(smem + L::DO + do_offset + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL);
                 mbarrier_wait(&q_full[pos.stage], pos.phase);
                 __syncwarp();  // reconverge after the spin: wgmma is .aligned
               }
@@ -593,11 +590,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
             wgmma_fence();
 #pragma unroll
             for (int j = 0; j < L::QUERY_COLS / 16; ++j)
-              wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn, 2048 * (row_in_stage(query_col0) / 16 + j)),
+              wgmma_rs<L::V_DIMS, Elem, true>(flat(dv), p_a[j], desc_advance(do_mn(), 2048 * (row_in_stage(query_col0) / 16 + j)),
                                               true);
 #pragma unroll
             for (int j = 0; j < L::QUERY_COLS / 16; ++j)
-              wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn, 2048 * (row_in_stage(query_col0) / 16 + j)),
+              wgmma_rs<L::DK_DIMS, Elem, true>(flat(dk), ds_a[j], desc_advance(q_mn(), 2048 * (row_in_stage(query_col0) / 16 + j)),
                                                true);
             wgmma_commit();
             store_tile(ds_tile, ds_a, query_col0);

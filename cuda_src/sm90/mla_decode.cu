@@ -208,24 +208,11 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
           ahead_page = page_of(i + 3);
         }
       }
-      const int key0 = n * KEYS + 2 * (lane % 4);
-      const bool masked = (n + 1) * KEYS > w.tile_key_end_min;
       float m[2] = {row_max[0], row_max[1]};
-#pragma unroll
-      for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = s[4 * nt + 2 * h + e];
-            x = (masked && key0 + 8 * nt + e >= w.my_key_end[h]) ? kNegInf : x * w.scale_log2;
-            m[h] = fmaxf(m[h], x);
-          }
+      mla_scale_and_mask<SN>(s, w, n * KEYS + 2 * (lane % 4), (n + 1) * KEYS > w.tile_key_end_min, m);
       float base[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        m[h] = fmaxf(m[h], __shfl_xor_sync(~0u, m[h], 1));
-        m[h] = fmaxf(m[h], __shfl_xor_sync(~0u, m[h], 2));
         // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
         base[h] = m[h] == kNegInf ? 0.f : m[h];
         const float correction = fast_exp2(row_max[h] - base[h]);
