@@ -78,7 +78,8 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
     switch: the smallest and largest head dims, both dtypes, each mask, softcap, each dQ order,
     sm80's two-CTA backward tile, FP8 inputs into either output type (sm80's d96 the closest to
     its spill allowance; sm90's d64 with three consumers at 152 registers), and the KV cache
-    kernels (the forward over a cache at d64 with softcap, at its allowance under NVRTC 13.0)."""
+    kernels (the forward over a cache at d64 with softcap, at its allowance under NVRTC 13.0), and
+    MLA decoding's transposed kernel for few query rows."""
     if family == "sm80":
         return [
             dispatch.forward_kernel("sm80", 64, "none", "float16"),
@@ -103,6 +104,7 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
         dispatch.backward_kernels("sm90", 64, "causal", "float16", dq_order="walk")[1],
         dispatch.backward_kernels("sm90", 128, "window", "bfloat16", softcap=True, dq_order="turns")[1],
         dispatch.mla_kernel("sm90", "float16", "float8_e4m3fn"),
+        dispatch.mla_kernel("sm90", "bfloat16", "bfloat16", tma=True, narrow_rows=16),
     ]
 
 

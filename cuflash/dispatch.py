@@ -63,6 +63,9 @@ __all__ = [
     "head_dim_bucket",
     "make_mask",
     "mla_kernel",
+    "mla_narrow_kernels",
+    "mla_narrow_rows",
+    "mla_narrow_smem_bytes",
     "mla_tma",
     "mla_tma_kernels",
     "mla_splits",
@@ -485,6 +488,7 @@ def all_kernels(family: str) -> list[KernelChoice]:
     if family == "sm90":
         later += backward_mains(192, 128)
         later += mla_tma_kernels()
+        later += mla_narrow_kernels()
     for choice in later:
         found.setdefault(choice.name_expression, choice)
     return list(found.values())
@@ -860,6 +864,10 @@ def kvcache_prefill_grid(choice: KernelChoice, heads: int, batch: int, max_seqle
 MLA_SOURCES = {"sm80": "sm80/mla_decode.cu", "sm90": "sm90/mla_decode.cu"}
 MLA_KERNELS = {"sm80": "cuflash::mla_decode_sm80", "sm90": "cuflash::sm90::mla_decode_sm90"}
 MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_alternating_sm90"
+# At <= 32 packed query rows sm90's TMA-loaded decoding transposes its products, the rows wgmma's N
+# (16 or 32): mla_decode_narrow_sm90.
+MLA_NARROW_KERNEL = "cuflash::sm90::mla_decode_narrow_sm90"
+MLA_NARROW_ROWS = (16, 32)
 MLA_KEYS = {"sm80": 32, "sm90": 64}  # kMlaKeys of each source
 MLA_ROWS, MLA_THREADS = 64, 256  # kMlaRows, kMlaThreads
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
@@ -873,6 +881,20 @@ def mla_smem_bytes(family: str, tma: bool = False) -> int:
     return layout + (4 * 8 if tma else 0) + (SM90_SMEM_ALIGN_SLACK if family == "sm90" else 0)
 
 
+def mla_narrow_smem_bytes(rows: int) -> int:
+    """MlaNarrowSmem<D, DV, rows>::BYTES (Q, two stages, two P^T tiles, the row statistics, two
+    mbarriers) plus sm90's alignment slack."""
+    layout = (rows * MLA_HEAD_DIM * 2 + 2 * MLA_KEYS["sm90"] * MLA_HEAD_DIM * 2 + 2 * rows * 128 + 2 * 4 * rows * 4
+              + 2 * 4 * rows * 4 + 2 * rows * 4 + 2 * 8)
+    return layout + SM90_SMEM_ALIGN_SLACK
+
+
+def mla_narrow_rows(tma: bool, rows: int) -> int:
+    """The transposed kernel's N for ``rows`` packed query rows (MLA_NARROW_ROWS), or 0 where the
+    64-row tile serves: more rows, or no TMA loads."""
+    return next((n for n in MLA_NARROW_ROWS if rows <= n), 0) if tma else 0
+
+
 def mla_tma(family: str, dtype: str, cache_dtype: str, page_size: int, max_pages: int) -> bool:
     """Whether sm90 loads the cache by TMA: a 16-bit cache whose steps of MLA_KEYS rows each lie in
     one page (pages of a multiple of them, or one page per sequence of at least a step); the
@@ -881,12 +903,14 @@ def mla_tma(family: str, dtype: str, cache_dtype: str, page_size: int, max_pages
             and (page_size % MLA_KEYS[family] == 0 or max_pages == 1))
 
 
-def mla_kernel(family: str, dtype: str, cache_dtype: str, tma: bool = False) -> KernelChoice:
+def mla_kernel(family: str, dtype: str, cache_dtype: str, tma: bool = False, narrow_rows: int = 0) -> KernelChoice:
     """MLA decoding for q's 16-bit ``dtype`` and the cache's (``dtype`` or float8_e4m3fn); ``tma``:
-    sm90's TMA-loaded kernel (mla_tma)."""
+    sm90's TMA-loaded kernel (mla_tma); ``narrow_rows``: its transposed form (mla_narrow_rows)."""
     element = ELEMENT_TYPES[dtype]
-    smem = mla_smem_bytes(family, tma)
-    if tma:
+    smem = mla_narrow_smem_bytes(narrow_rows) if narrow_rows else mla_smem_bytes(family, tma)
+    if narrow_rows:
+        name = f"{MLA_NARROW_KERNEL}<{element}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {narrow_rows}, {smem}>"
+    elif tma:
         name = f"{MLA_TMA_KERNEL}<{element}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
     else:
         cache = element if cache_dtype == dtype else FP8_TYPES[cache_dtype]
@@ -902,6 +926,12 @@ def mla_all_kernels(family: str) -> list[KernelChoice]:
 def mla_tma_kernels() -> list[KernelChoice]:
     """sm90's TMA-loaded MLA kernels (16-bit caches), listed apart: they came after the others."""
     return [mla_kernel("sm90", dtype, dtype, tma=True) for dtype in ELEMENT_TYPES]
+
+
+def mla_narrow_kernels() -> list[KernelChoice]:
+    """sm90's transposed MLA kernels for <= 32 query rows, listed after the TMA-loaded ones."""
+    return [mla_kernel("sm90", dtype, dtype, tma=True, narrow_rows=n) for n in MLA_NARROW_ROWS
+            for dtype in ELEMENT_TYPES]
 
 
 def mla_splits(requested: int, batch: int, row_tiles: int, capacity: int, family: str, sms: int) -> int:

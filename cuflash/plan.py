@@ -594,8 +594,8 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
     family, capability = target = dispatch.device_target(q.device)
     tma = (dispatch.mla_tma(family, q.dtype, kv.dtype, call.page_size, table.shape[1])
            and all(tma_ready(t) for t in (kv, kv_rope) if t is not None))
-    choice = dispatch.mla_kernel(family, q.dtype, kv.dtype, tma)
     rows = call.seqlen_q * call.heads
+    choice = dispatch.mla_kernel(family, q.dtype, kv.dtype, tma, dispatch.mla_narrow_rows(tma, rows))
     row_tiles = -(-rows // dispatch.MLA_ROWS)
     splits = dispatch.mla_splits(call.num_splits, call.batch, row_tiles, call.capacity, family,
                                  dispatch.sm_count(q.device))

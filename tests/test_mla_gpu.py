@@ -1,6 +1,6 @@
 """mla_decode on the GPU, both kernel families, against the float64 reference
 (reference_kvcache.mla_decode_reference) with the correctness rule (docs/measuring.md): out and
-lse over odd cache lengths, lengths 0 and 1, page boundaries, page sizes from 1, heads 16..128,
+lse over odd cache lengths, lengths 0 and 1, page boundaries, page sizes from 1, heads 4..128,
 one or two query tokens (causal), key splits (chosen, one, several, more than there are steps),
 FP8 (e4m3) caches with a scalar and a per-sequence descale, torch tensors. Pages and rows no
 sequence uses are NaN, so a stray read shows in out."""
@@ -110,6 +110,17 @@ def test_several_query_tokens(family, causal):
     # Sequences shorter than seqlen_q leave causal rows that see no key: out 0, lse -inf.
     rng = np.random.default_rng()
     run_and_check(*make_case(rng, 3, 4, 32, [2, 129, 1025], 64, "float16"), causal=causal)
+
+
+@pytest.mark.parametrize("heads,seqlen_q", [(16, 1), (4, 3), (24, 1), (16, 2)], ids=lambda x: str(x))
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_few_query_rows(family, heads, seqlen_q, num_splits):
+    # At most 32 packed rows, where sm90 transposes its products (the rows wgmma's N, 16 or 32, some
+    # of them padding): lengths 0, shorter than seqlen_q (causal rows that see no key), odd, and
+    # more than one step per warpgroup, in one split and across several.
+    rng = np.random.default_rng()
+    case = make_case(rng, 5, seqlen_q, heads, [0, 1, 130, 333, 2049], 64, "float16")
+    run_and_check(*case, causal=True, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [0, 1, 3, 40])

@@ -206,11 +206,17 @@ __device__ __forceinline__ void mla_scale_and_mask(float (&s)[4 * NT], const Mla
   }
 }
 
-// Q's 64 rows into their swizzled tile by cp.async, committed as one group: thread t copies row
-// t / 4's chunks t % 4 + 4 j; rows past the tile's are zeros.
-template <int D, int DV>
+// Q's ROWS packed rows into their swizzled tile (64-column panels of ROWS x 128 bytes) by cp.async,
+// committed as one group: TPR threads a row, thread t copying row t / TPR's chunks t % TPR + TPR j
+// (so which part a chunk is in is known at compile time); rows past the sequence's are zeros.
+template <int D, int DV, int ROWS = kMlaRows>
 __device__ __forceinline__ void mla_load_q(const MlaParams& p, unsigned char* tile, int b, int first_row, int rows) {
-  constexpr int TPR = kMlaThreads / kMlaRows;
+  constexpr int TPR = ROWS >= 32 ? kMlaThreads / ROWS : 8;
+  static_assert(D % (8 * TPR) == 0 && DV % (8 * TPR) == 0, "every thread copies as many chunks, of one part each");
+  if (ROWS * TPR < kMlaThreads && int(threadIdx.x) >= ROWS * TPR) {
+    cp_async_commit();
+    return;
+  }
   const int row = first_row + threadIdx.x / TPR;
   const bool valid = row < rows;
   const int t = valid ? row / p.heads : 0, h = valid ? row % p.heads : 0;
@@ -221,7 +227,7 @@ __device__ __forceinline__ void mla_load_q(const MlaParams& p, unsigned char* ti
 #pragma unroll
   for (int j = 0; j < D / 8 / TPR; ++j) {
     const int chunk = threadIdx.x % TPR + TPR * j;
-    cp_async_16(tile + mla_chunk(threadIdx.x / TPR, chunk, kMlaRows * 128),
+    cp_async_16(tile + mla_chunk(threadIdx.x / TPR, chunk, ROWS * 128),
                 (TPR * j >= DV / 8 ? rope : latent) + 8 * chunk, valid ? 16 : 0);
   }
   cp_async_commit();

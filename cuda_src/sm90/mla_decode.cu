@@ -292,5 +292,262 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_alternating_sm90(co
   mla_decode_alternating<T, D, DV>(p, smem);
 }
 
+// At <= 32 packed query rows (16 heads, one or two tokens) a 64-row tile is three quarters or half
+// padding, and its products, not the copies, bound a step (docs/mla.md). There the products are
+// transposed so that the rows are wgmma's N (16 or 32): S^T = K Q^T (m64, the step's keys, by R,
+// over D) and O^T = V^T P^T (DV / 64 m64 tiles, V^T read MN-major from the stage, by R, over the
+// keys), a quarter or half of the work. The two warpgroups then need nothing from each other per
+// step: warpgroup w takes the steps i = w mod 2, each in its own stage, with its own running
+// maxima and O^T, like two key splits of one CTA, merged in shared memory at the end. A
+// warpgroup refills its stage with step i + 2 once its P V of step i is done, so both stages are
+// loading while either computes.
+//
+// In the m64nR accumulators of a warpgroup, thread (warp w, lane l) holds rows 16 w + l / 4 (+ 8)
+// (keys, or V's columns) and columns 8 j + 2 (l % 4) + e (query rows). A query row's maximum over
+// the step's keys is over the lanes of equal l % 4 and then the four warps (through shared memory).
+constexpr int kMlaNarrowStep = 1;  // + warpgroup, 128 threads: the warps' maxima, P^T written
+
+template <int D, int DV, int R>
+struct MlaNarrowSmem {
+  static constexpr u32 Q_PANEL = R * 128, KV_PANEL = kMlaKeys * 128;
+  static constexpr u32 Q = 0;
+  static constexpr u32 KV = Q + (D / 64) * Q_PANEL;          // [2] stages, one per warpgroup
+  static constexpr u32 KV_STAGE = (D / 64) * KV_PANEL;
+  static constexpr u32 P = KV + 2 * KV_STAGE;                // [2] P^T tiles, R rows x 64 keys
+  static constexpr u32 MAXIMA = P + 2 * R * 128;             // [2][4 warps][R] floats
+  static constexpr u32 TOTALS = MAXIMA + 2 * 4 * R * 4;      // [2][4 warps][R] row sums, then [2][R] maxima
+  static constexpr u32 FULL = TOTALS + 2 * 4 * R * 4 + 2 * R * 4;  // [2] mbarriers, a stage's step landed
+  static constexpr u32 BYTES = FULL + 2 * 8;                 // dispatch.mla_smem_bytes
+  static constexpr u32 OUT_STRIDE = DV + 4;  // floats a row of the merged O (at KV): +4 spreads the banks
+  static_assert(KV % 1024 == 0 && P % 1024 == 0, "wgmma's descriptors take 1024-byte-aligned tiles");
+  static_assert(R * OUT_STRIDE * 4 <= 2 * KV_STAGE, "the merged O fits in the stages");
+};
+
+template <class T, int D, int DV, int R>
+__device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsigned char* smem) {
+  const MlaParams& p = maps.base;
+  constexpr int KEYS = kMlaKeys;
+  constexpr int CN = R / 4;       // query rows (columns) a thread holds: 8 j + 2 (l % 4) + e
+  constexpr int VT = DV / 64;     // m64 tiles of O^T
+  typedef MlaNarrowSmem<D, DV, R> L;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const MlaWork<KEYS> w(p);
+  const int blocks = max(w.step_end - w.step_begin, 0);
+  u64* full = reinterpret_cast<u64*>(smem + L::FULL);
+  unsigned char* stage = smem + L::KV + wg * L::KV_STAGE;
+  unsigned char* p_tile = smem + L::P + wg * R * 128;
+  float* maxima = reinterpret_cast<float*>(smem + L::MAXIMA) + wg * 4 * R;
+  const auto first_key = [&](int i) { return (w.step_begin + i) * KEYS; };
+  const auto page_of = [&](int i) {
+    const int key = first_key(i);
+    return key < w.kv_len ? p.page_table[i64(w.b) * p.max_pages + key / p.page_size] : 0;
+  };
+  const bool issuer = threadIdx.x % 128 == 0;
+  int ahead_page = 0;  // an issuer's: the page of its warpgroup's next step, looked up a step ahead
+  if (threadIdx.x == 0) {
+    prefetch_tensor_map(&maps.kv_cache);
+    prefetch_tensor_map(&maps.kv_rope);
+    mbarrier_init(&full[0], 1);
+    mbarrier_init(&full[1], 1);
+    mbarrier_init_fence();
+    for (int i = 0; i < 2 && i < blocks; ++i)
+      mla_issue_step<D, DV, KEYS>(maps, smem + L::KV + i * L::KV_STAGE, &full[i], first_key(i), page_of(i));
+  }
+  if (issuer) ahead_page = page_of(wg + 2);
+  mla_load_q<D, DV, R>(p, smem + L::Q, w.b, 0, w.rows);
+  // Q's copies, everyone's, are in shared memory and handed to wgmma; the barriers are initialised.
+  cp_async_wait<0>();
+  fence_proxy_async_shared();
+  __syncthreads();
+
+  int col_key_end[CN];  // where each of this thread's query rows stops seeing keys
+#pragma unroll
+  for (int c = 0; c < CN; ++c) col_key_end[c] = w.key_end(p, 8 * (c / 2) + 2 * (lane % 4) + c % 2);
+  float o[VT][R / 2], s[R / 2];
+#pragma unroll
+  for (int t = 0; t < VT; ++t)
+#pragma unroll
+    for (int e = 0; e < R / 2; ++e) o[t][e] = 0.f;
+  float row_max[CN], row_sum[CN];  // exp2's units; row_sum over this thread's two keys of each step
+#pragma unroll
+  for (int c = 0; c < CN; ++c) {
+    row_max[c] = kNegInf;
+    row_sum[c] = 0.f;
+  }
+  const u64 q_desc = smem_desc_sw128(smem + L::Q), k_desc = smem_desc_sw128(stage);
+  const u64 p_desc = smem_desc_sw128(p_tile);
+
+  for (int i = wg; i < blocks; i += 2) {
+    const int n = w.step_begin + i;
+    mbarrier_wait(&full[wg], (i / 2) % 2);
+    const int valid = w.kv_len - first_key(i);
+    if (valid < KEYS) {
+      mla_zero_rows<D, KEYS, 128>(stage, valid, threadIdx.x % 128);
+      fence_proxy_async_shared();
+      named_barrier_sync(kMlaNarrowStep + wg, 128);
+    }
+    wgmma_fence();
+    wgmma_ss_panels<R, T, D / 64>(s, k_desc, L::KV_PANEL, q_desc, L::Q_PANEL);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_registers(s);
+
+    // Scaled and masked scores; each query row's maximum over this warp's 16 keys.
+    const bool masked = (n + 1) * KEYS > w.tile_key_end_min;
+    float m[CN];
+#pragma unroll
+    for (int c = 0; c < CN; ++c) {
+      m[c] = kNegInf;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float& x = s[4 * (c / 2) + 2 * h + c % 2];
+        const int key = first_key(i) + 16 * warp + lane / 4 + 8 * h;
+        x = (masked && key >= col_key_end[c]) ? kNegInf : x * w.scale_log2;
+        m[c] = fmaxf(m[c], x);
+      }
+      m[c] = fmaxf(m[c], __shfl_xor_sync(~0u, m[c], 4));
+      m[c] = fmaxf(m[c], __shfl_xor_sync(~0u, m[c], 8));
+      m[c] = fmaxf(m[c], __shfl_xor_sync(~0u, m[c], 16));
+      if (lane < 4) maxima[warp * R + 8 * (c / 2) + 2 * lane + c % 2] = m[c];
+    }
+    named_barrier_sync(kMlaNarrowStep + wg, 128);
+#pragma unroll
+    for (int c = 0; c < CN; ++c) {
+      const int col = 8 * (c / 2) + 2 * (lane % 4) + c % 2;
+      float step_max = fmaxf(fmaxf(maxima[col], maxima[R + col]), fmaxf(maxima[2 * R + col], maxima[3 * R + col]));
+      const float mx = fmaxf(row_max[c], step_max);
+      // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
+      const float base = mx == kNegInf ? 0.f : mx;
+      const float correction = fast_exp2(row_max[c] - base);
+      row_max[c] = mx;
+      row_sum[c] *= correction;
+#pragma unroll
+      for (int t = 0; t < VT; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) o[t][4 * (c / 2) + 2 * h + c % 2] *= correction;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float pv = fast_exp2(s[4 * (c / 2) + 2 * h + c % 2] - base);
+        row_sum[c] += pv;
+        // P^T's row `col` (a query row), key 16 warp + l / 4 + 8 h: K-major B of O^T's product.
+        const int key = 16 * warp + lane / 4 + 8 * h;
+        *reinterpret_cast<u16*>(p_tile + col * 128 + (((key / 8) ^ (col % 8)) * 16) + (key % 8) * 2) = static_cast<u16>(T::pack(pv, 0.f));
+      }
+    }
+    // P^T whole before wgmma reads it; every thread has read the maxima before they are rewritten.
+    fence_proxy_async_shared();
+    named_barrier_sync(kMlaNarrowStep + wg, 128);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < KEYS / 16; ++k)
+#pragma unroll
+      for (int t = 0; t < VT; ++t)
+        wgmma_ss_t<R, T, true, false>(o[t], desc_advance(smem_desc_sw128_mn(stage + t * L::KV_PANEL, L::KV_PANEL),
+                                                         16 * 128 * k),
+                                      desc_advance(p_desc, 32 * k), true);
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int t = 0; t < VT; ++t) fence_registers(o[t]);
+    if (i + 2 < blocks) {
+      // Every warp's P V has read the stage (and the P^T tile) before it is refilled.
+      named_barrier_sync(kMlaNarrowStep + wg, 128);
+      if (issuer) {
+        mla_issue_step<D, DV, KEYS>(maps, stage, &full[wg], first_key(i + 2), ahead_page);
+        ahead_page = page_of(i + 4);
+      }
+    }
+  }
+
+  // Merge the warpgroups: each query row's sum over the four warps of each, then both maxima.
+  float* totals = reinterpret_cast<float*>(smem + L::TOTALS);
+  float* final_max = totals + 2 * 4 * R;
+#pragma unroll
+  for (int c = 0; c < CN; ++c) {
+    row_sum[c] += __shfl_xor_sync(~0u, row_sum[c], 4);
+    row_sum[c] += __shfl_xor_sync(~0u, row_sum[c], 8);
+    row_sum[c] += __shfl_xor_sync(~0u, row_sum[c], 16);
+    const int col = 8 * (c / 2) + 2 * lane + c % 2;
+    if (lane < 4) {
+      totals[(wg * 4 + warp) * R + col] = row_sum[c];
+      if (warp == 0) final_max[wg * R + col] = row_max[c];
+    }
+  }
+  __syncthreads();
+  float* merged = reinterpret_cast<float*>(smem + L::KV);  // R x OUT_STRIDE: the stages are free
+  constexpr float kLn2 = 0.6931471805599453f;
+  const bool one_split = p.num_splits == 1;
+  float scale[CN];
+#pragma unroll
+  for (int c = 0; c < CN; ++c) {
+    const int col = 8 * (c / 2) + 2 * (lane % 4) + c % 2;
+    const float m0 = final_max[col], m1 = final_max[R + col];
+    const float mx = fmaxf(m0, m1), base = mx == kNegInf ? 0.f : mx;
+    float sums[2];
+#pragma unroll
+    for (int g = 0; g < 2; ++g)
+      sums[g] = totals[(g * 4) * R + col] + totals[(g * 4 + 1) * R + col] + totals[(g * 4 + 2) * R + col] +
+                totals[(g * 4 + 3) * R + col];
+    const float total = sums[0] * fast_exp2(m0 - base) + sums[1] * fast_exp2(m1 - base);
+    const bool empty = total == 0.f;
+    scale[c] = empty ? 0.f : fast_exp2(row_max[c] - base) * w.descale / total;
+    if (wg == 0 && warp == 0 && lane < 4 && col < w.rows) {
+      const float lse = empty ? kNegInf : (mx + fast_log2(total)) * kLn2;
+      const int t = col / p.heads, head = col % p.heads;
+      if (one_split) {
+        if (p.lse) p.lse[(i64(w.b) * p.heads + head) * p.seqlen_q + t] = lse;
+      } else {
+        p.lse_partial[(i64(w.split) * p.heads + head) * (i64(p.batch) * p.seqlen_q) + i64(w.b) * p.seqlen_q + t] = lse;
+      }
+    }
+  }
+  // O = (both warpgroups' O^T, each scaled to the merged maximum and sum), transposed into rows.
+  for (int g = 0; g < 2; ++g) {
+    if (wg == g) {
+#pragma unroll
+      for (int t = 0; t < VT; ++t)
+#pragma unroll
+        for (int c = 0; c < CN; ++c)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int col = 8 * (c / 2) + 2 * (lane % 4) + c % 2, v = 64 * t + 16 * warp + lane / 4 + 8 * h;
+            const float x = o[t][4 * (c / 2) + 2 * h + c % 2] * scale[c];
+            float& at = merged[col * L::OUT_STRIDE + v];
+            at = g == 0 ? x : at + x;
+          }
+    }
+    __syncthreads();
+  }
+  // Rows out, 16 bytes a thread at a time.
+  if (one_split) {
+    for (int i = threadIdx.x; i < w.rows * (DV / 8); i += kMlaThreads) {
+      const int row = i / (DV / 8), v = 8 * (i % (DV / 8)), t = row / p.heads, head = row % p.heads;
+      const float* src = merged + row * L::OUT_STRIDE + v;
+      u16* out = static_cast<u16*>(p.out) + i64(w.b) * p.o_batch_stride + i64(t) * p.o_row_stride +
+                 i64(head) * p.o_head_stride + v;
+      *reinterpret_cast<uint4*>(out) = make_uint4(T::pack(src[0], src[1]), T::pack(src[2], src[3]),
+                                                  T::pack(src[4], src[5]), T::pack(src[6], src[7]));
+    }
+  } else {
+    for (int i = threadIdx.x; i < w.rows * (DV / 4); i += kMlaThreads) {
+      const int row = i / (DV / 4), v = 4 * (i % (DV / 4)), t = row / p.heads, head = row % p.heads;
+      const i64 at = (i64(w.split) * p.heads + head) * (i64(p.batch) * p.seqlen_q) + i64(w.b) * p.seqlen_q + t;
+      *reinterpret_cast<float4*>(p.out_partial + at * DV + v) =
+          *reinterpret_cast<const float4*>(merged + row * L::OUT_STRIDE + v);
+    }
+  }
+}
+
+// T: q's and the cache's 16-bit type; R: 16 or 32 query rows. SMEM_BYTES: as for
+// mla_decode_sm90, checked against MlaNarrowSmem.
+template <class T, int D, int DV, int R, int SMEM_BYTES>
+__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_narrow_sm90(const __grid_constant__ MlaParamsTma p) {
+  static_assert(SMEM_BYTES == MlaNarrowSmem<D, DV, R>::BYTES + kSmemAlignSlack,
+                "the host's shared memory differs from MlaNarrowSmem");
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
+  mla_decode_narrow<T, D, DV, R>(p, smem);
+}
+
 }  // namespace sm90
 }  // namespace cuflash

@@ -177,6 +177,7 @@ struct WgmmaElem<f16> {
   "{\n.reg .pred p;\nsetp.ne.b32 p, %" SCALE_D ", 0;\n"                                                  \
   "wgmma.mma_async.sync.aligned." SHAPE ".f32.e4m3.e4m3 " D ", " A ", %" DESC_B ", p, 1, 1;\n}\n"
 
+#define CUFLASH_D8 "{%0, %1, %2, %3, %4, %5, %6, %7}"
 #define CUFLASH_D16 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define CUFLASH_D32                                                                                      \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
@@ -216,6 +217,7 @@ struct WgmmaElem<f16> {
 #define CUFLASH_ACC8(d, i)                                                                               \
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),            \
       "+f"(d[i + 6]), "+f"(d[i + 7])
+#define CUFLASH_ACC8_ALL(d) CUFLASH_ACC8(d, 0)
 #define CUFLASH_ACC16(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8)
 #define CUFLASH_ACC32(d) CUFLASH_ACC8(d, 0), CUFLASH_ACC8(d, 8), CUFLASH_ACC8(d, 16), CUFLASH_ACC8(d, 24)
 #define CUFLASH_ACC40(d) CUFLASH_ACC32(d), CUFLASH_ACC8(d, 32)
@@ -283,12 +285,20 @@ struct WgmmaElem<f16> {
 template <int N>
 struct Wgmma;
 
-// N = 32 serves the backward's S^T and dP^T at head dims above 128, where each consumer warpgroup
-// takes half of a 64-query block (flash_bwd.cu), and MLA decoding's scores, half of a 64-key step
-// per warpgroup (mla_decode.cu).
+// N = 16 and 32 serve MLA decoding's transposed products at <= 32 query rows, whose N is the rows
+// (mla_decode.cu: S^T = K Q^T, O^T = V^T P^T with V^T read MN-major). N = 32 also serves the
+// backward's S^T and dP^T at head dims above 128, where each consumer warpgroup takes half of a
+// 64-query block (flash_bwd.cu), and MLA decoding's scores, half of a 64-key step per warpgroup.
+template <>
+struct Wgmma<16> {
+  CUFLASH_WGMMA_SS_MEMBER(8, "m64n16k16", CUFLASH_D8, CUFLASH_ACC8_ALL, "8", "9", "10")
+  CUFLASH_WGMMA_SS_T_MEMBER(8, "m64n16k16", CUFLASH_D8, CUFLASH_ACC8_ALL, "8", "9", "10", "11", "12")
+};
+
 template <>
 struct Wgmma<32> {
   CUFLASH_WGMMA_SS_MEMBER(16, "m64n32k16", CUFLASH_D16, CUFLASH_ACC16, "16", "17", "18")
+  CUFLASH_WGMMA_SS_T_MEMBER(16, "m64n32k16", CUFLASH_D16, CUFLASH_ACC16, "16", "17", "18", "19", "20")
 };
 
 template <>
