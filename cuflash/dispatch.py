@@ -865,9 +865,13 @@ MLA_SOURCES = {"sm80": "sm80/mla_decode.cu", "sm90": "sm90/mla_decode.cu"}
 MLA_KERNELS = {"sm80": "cuflash::mla_decode_sm80", "sm90": "cuflash::sm90::mla_decode_sm90"}
 MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_alternating_sm90"
 # At <= 32 packed query rows sm90's TMA-loaded decoding transposes its products, the rows wgmma's N
-# (16 or 32): mla_decode_narrow_sm90.
+# (16 or 32): mla_decode_narrow_sm90. Each of its steps is one warpgroup's alone, so a step takes
+# longer than the 64-row tile's, which two warpgroups share; it pays from enough keys a split
+# (batch 16-128 x 1k-32k: at 16 rows 0.99-1.24x from 1024, 0.88-0.95x below; at 32 rows 1.11-1.13x
+# from 8192, 0.99-1.02x at 4096, 0.86-0.95x below).
 MLA_NARROW_KERNEL = "cuflash::sm90::mla_decode_narrow_sm90"
 MLA_NARROW_ROWS = (16, 32)
+MLA_NARROW_MIN_KEYS = {16: 1024, 32: 8192}
 MLA_KEYS = {"sm80": 32, "sm90": 64}  # kMlaKeys of each source
 MLA_ROWS, MLA_THREADS = 64, 256  # kMlaRows, kMlaThreads
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
@@ -889,10 +893,11 @@ def mla_narrow_smem_bytes(rows: int) -> int:
     return layout + SM90_SMEM_ALIGN_SLACK
 
 
-def mla_narrow_rows(tma: bool, rows: int) -> int:
+def mla_narrow_rows(tma: bool, rows: int, keys_per_split: int) -> int:
     """The transposed kernel's N for ``rows`` packed query rows (MLA_NARROW_ROWS), or 0 where the
-    64-row tile serves: more rows, or no TMA loads."""
-    return next((n for n in MLA_NARROW_ROWS if rows <= n), 0) if tma else 0
+    64-row tile serves: more rows, no TMA loads, or fewer keys a split than MLA_NARROW_MIN_KEYS."""
+    n = next((n for n in MLA_NARROW_ROWS if rows <= n), 0) if tma else 0
+    return n if n and keys_per_split >= MLA_NARROW_MIN_KEYS[n] else 0
 
 
 def mla_tma(family: str, dtype: str, cache_dtype: str, page_size: int, max_pages: int) -> bool:

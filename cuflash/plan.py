@@ -595,10 +595,11 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
     tma = (dispatch.mla_tma(family, q.dtype, kv.dtype, call.page_size, table.shape[1])
            and all(tma_ready(t) for t in (kv, kv_rope) if t is not None))
     rows = call.seqlen_q * call.heads
-    choice = dispatch.mla_kernel(family, q.dtype, kv.dtype, tma, dispatch.mla_narrow_rows(tma, rows))
     row_tiles = -(-rows // dispatch.MLA_ROWS)
     splits = dispatch.mla_splits(call.num_splits, call.batch, row_tiles, call.capacity, family,
                                  dispatch.sm_count(q.device))
+    narrow_rows = dispatch.mla_narrow_rows(tma, rows, -(-call.capacity // splits))
+    choice = dispatch.mla_kernel(family, q.dtype, kv.dtype, tma, narrow_rows)
     out_shape = (call.batch, call.seqlen_q, call.heads, call.head_dim_v)
     lse_shape = (call.batch, call.heads, call.seqlen_q)
     dv, h, s = call.head_dim_v, call.heads, call.seqlen_q

@@ -132,6 +132,25 @@ def test_which_caches_load_by_tma(family, cache, page_size, max_pages, expected)
     assert choice.smem_bytes == dispatch.mla_smem_bytes(family, expected)
 
 
+@pytest.mark.parametrize("tma,rows,keys_per_split,expected", [
+    (True, 16, 1024, 16),
+    (True, 12, 4096, 16),
+    (True, 16, 1023, 0),     # too few keys a split: the 64-row tile's shared steps are shorter
+    (True, 24, 8192, 32),
+    (True, 32, 8191, 0),
+    (True, 33, 1 << 20, 0),  # more rows than wgmma's N takes here
+    (False, 16, 1 << 20, 0),  # the threads' loads keep the 64-row tile
+])
+def test_which_calls_take_the_transposed_kernel(tma, rows, keys_per_split, expected):
+    from cuflash import dispatch
+
+    assert dispatch.mla_narrow_rows(tma, rows, keys_per_split) == expected
+    choice = dispatch.mla_kernel("sm90", "bfloat16", "bfloat16", tma, expected)
+    assert choice.name_expression.startswith(dispatch.MLA_NARROW_KERNEL + "<") is bool(expected)
+    if expected:
+        assert choice.smem_bytes == dispatch.mla_narrow_smem_bytes(expected) <= 227 * 1024
+
+
 def test_tma_argument_layout():
     from cuflash.params import MLA_PARAMS, MLA_PARAMS_TMA, MLA_PARAMS_TMA_SIZE
 
