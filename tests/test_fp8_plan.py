@@ -105,7 +105,7 @@ def test_every_fp8_instantiation_is_listed_after_the_16bit_kernels():
     # end with FP8's.
     kv = {c.name_expression for c in dispatch.kvcache_all_kernels()}
     mla = {c.name_expression for family in dispatch.FAMILIES for c in dispatch.mla_all_kernels(family)}
-    mla |= {c.name_expression for c in dispatch.mla_tma_kernels()}
+    mla |= {c.name_expression for c in dispatch.mla_tma_kernels() + dispatch.mla_narrow_kernels()}
     names = [c.name_expression for c in dispatch.all_kernels("sm80")
              if c.name_expression not in kv | mla and not compile_check.own_v_dim(c)]
     fp8 = [n for n in names if n.endswith("cuflash::e4m3>")]
