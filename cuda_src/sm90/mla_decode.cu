@@ -104,6 +104,19 @@ __device__ __forceinline__ void mla_zero_rows(unsigned char* stage, int valid, i
     *reinterpret_cast<uint4*>(stage + mla_chunk(valid + i / (D / 8), i % (D / 8), KEYS * 128)) = make_uint4(0, 0, 0, 0);
 }
 
+// A warpgroup's wait for a step's boxes; then, in a step that reaches past the sequence's end,
+// its rows from `valid` on zeroed by the warpgroup, fenced into the async proxy and barriered
+// (`barrier`, 128 threads), so that wgmma reads finite keys.
+template <int D, int KEYS>
+__device__ __forceinline__ void mla_land_step(u64* full, u32 parity, unsigned char* stage, int valid, int barrier) {
+  mbarrier_wait(full, parity);
+  if (valid < KEYS) {
+    mla_zero_rows<D, KEYS, 128>(stage, valid, threadIdx.x % 128);
+    fence_proxy_async_shared();
+    named_barrier_sync(barrier, 128);
+  }
+}
+
 // With the copies off the threads, the TMA kernel also reorders the work: the two warpgroups'
 // roles alternate step by step, so that one's softmax runs while the other's products do
 // (FlashMLA's schedule; +12-16% over both warpgroups in lockstep on the same TMA loads).
@@ -184,13 +197,7 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
     unsigned char* stage = stage_of(i);
     const u64 v_desc = smem_desc_sw128_mn(stage + wg * (DV / 128) * L::KV_PANEL, L::KV_PANEL);
     if (i % 2 == wg) {
-      mbarrier_wait(&full[i % 2], (i / 2) % 2);
-      const int valid = w.kv_len - first_key(i);
-      if (valid < KEYS) {
-        mla_zero_rows<D, KEYS, 128>(stage, valid, threadIdx.x % 128);
-        fence_proxy_async_shared();
-        named_barrier_sync(kMlaZeroed + wg, 128);
-      }
+      mla_land_step<D, KEYS>(&full[i % 2], (i / 2) % 2, stage, w.kv_len - first_key(i), kMlaZeroed + wg);
       wgmma_fence();
       wgmma_ss_panels<KEYS, T, D / 64>(s, smem_desc_sw128(smem + L::Q), L::Q_PANEL, smem_desc_sw128(stage),
                                        L::KV_PANEL);
@@ -299,8 +306,8 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_alternating_sm90(co
 // keys), a quarter or half of the work. The two warpgroups then need nothing from each other per
 // step: warpgroup w takes the steps i = w mod 2, each in its own stage, with its own running
 // maxima and O^T, like two key splits of one CTA, merged in shared memory at the end. A
-// warpgroup refills its stage with step i + 2 once its P V of step i is done, so both stages are
-// loading while either computes.
+// warpgroup refills its stage with step i + 2 once its P V of step i is done, so that one stage
+// loads while the other warpgroup computes (dispatch.MLA_NARROW_MIN_KEYS: where this pays).
 //
 // In the m64nR accumulators of a warpgroup, thread (warp w, lane l) holds rows 16 w + l / 4 (+ 8)
 // (keys, or V's columns) and columns 8 j + 2 (l % 4) + e (query rows). A query row's maximum over
@@ -379,13 +386,7 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
 
   for (int i = wg; i < blocks; i += 2) {
     const int n = w.step_begin + i;
-    mbarrier_wait(&full[wg], (i / 2) % 2);
-    const int valid = w.kv_len - first_key(i);
-    if (valid < KEYS) {
-      mla_zero_rows<D, KEYS, 128>(stage, valid, threadIdx.x % 128);
-      fence_proxy_async_shared();
-      named_barrier_sync(kMlaNarrowStep + wg, 128);
-    }
+    mla_land_step<D, KEYS>(&full[wg], (i / 2) % 2, stage, w.kv_len - first_key(i), kMlaNarrowStep + wg);
     wgmma_fence();
     wgmma_ss_panels<R, T, D / 64>(s, k_desc, L::KV_PANEL, q_desc, L::Q_PANEL);
     wgmma_commit();
