@@ -324,7 +324,7 @@ struct MlaNarrowSmem {
   static constexpr u32 MAXIMA = P + 2 * R * 128;             // [2][4 warps][R] floats
   static constexpr u32 TOTALS = MAXIMA + 2 * 4 * R * 4;      // [2][4 warps][R] row sums, then [2][R] maxima
   static constexpr u32 FULL = TOTALS + 2 * 4 * R * 4 + 2 * R * 4;  // [2] mbarriers, a stage's step landed
-  static constexpr u32 BYTES = FULL + 2 * 8;                 // dispatch.mla_smem_bytes
+  static constexpr u32 BYTES = FULL + 2 * 8;                 // dispatch.mla_narrow_smem_bytes
   static constexpr u32 OUT_STRIDE = DV + 4;  // floats a row of the merged O (at KV): +4 spreads the banks
   static_assert(KV % 1024 == 0 && P % 1024 == 0, "wgmma's descriptors take 1024-byte-aligned tiles");
   static_assert(R * OUT_STRIDE * 4 <= 2 * KV_STAGE, "the merged O fits in the stages");
