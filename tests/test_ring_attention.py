@@ -20,6 +20,19 @@ ring = pytest.importorskip("cuflash.torch.distributed")
 mp = pytest.importorskip("torch.multiprocessing")
 
 ATOL = 1e-5
+# Explicit mantissa bits of the 16-bit types the results come back in.
+_MANTISSA_BITS = {torch.float16: 10, torch.bfloat16: 7}
+
+
+def atol_for(want: np.ndarray, dtype) -> float:
+    """ATOL plus half a unit in the last place, in the returned 16-bit type, of the largest exact
+    value: the error of rounding the exact result to that type, which no implementation avoids.
+    The naive baseline's own largest error can miss it over the few elements of sequences of a
+    few tokens: the rule alone failed about one check in 5,000 there."""
+    top = float(np.max(np.abs(want), initial=0.0))
+    if dtype not in _MANTISSA_BITS or top == 0.0:
+        return ATOL
+    return ATOL + 2.0 ** (math.floor(math.log2(top)) - _MANTISSA_BITS[dtype] - 1)
 
 # (dtype, causal, window, softcap, layout, (heads, heads_kv), head_dim, seqlen_local): odd head
 # dims in their buckets, GQA and MQA, odd local lengths where the layout allows them, windows
@@ -96,7 +109,7 @@ def check_case(case, rank, world_size, device, seed, attention=None):
     lowp_out.backward(low["dout"])
     lowp = [lowp_out.detach()] + [x.grad for x in leaves]
     for name, got, want, base in zip(("out", "dq", "dk", "dv"), results, [ref_out, *ref_grads], lowp):
-        ok, err, bound = reference.max_error_bound(got, want, base.double().numpy(), atol=ATOL)
+        ok, err, bound = reference.max_error_bound(got, want, base.double().numpy(), atol=atol_for(want, dtype))
         assert ok, f"{case}, {world_size} ranks: {name} max error {err:.3e} over the bound {bound:.3e}"
 
 
@@ -151,7 +164,8 @@ def check_varlen_case(case, rank, world_size, device, seed):
             want[name].append(x[0].detach().double().numpy())
     want = {name: np.concatenate(parts) for name, parts in want.items()}
     for name, got in zip(("out", "dq", "dk", "dv"), results):
-        ok, err, bound = reference.max_error_bound(got, want[name], want["lowp_" + name], atol=ATOL)
+        ok, err, bound = reference.max_error_bound(got, want[name], want["lowp_" + name],
+                                                   atol=atol_for(want[name], dtype))
         assert ok, f"{case}, {world_size} ranks: {name} max error {err:.3e} over the bound {bound:.3e}"
     check_lse(got_lse, want["lse"].T, case, world_size)
 
