@@ -867,7 +867,7 @@ MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_alternating_sm90"
 # At <= 32 packed query rows sm90's TMA-loaded decoding transposes its products, the rows wgmma's N
 # (16 or 32): mla_decode_narrow_sm90. Each of its steps is one warpgroup's alone, so a step takes
 # longer than the 64-row tile's, which two warpgroups share; it pays from enough keys a split
-# (batch 16-128 x 1k-32k: at 16 rows 0.99-1.24x from 1024, 0.88-0.95x below; at 32 rows 1.11-1.13x
+# (batch 16-128 x 1k-32k: at 16 rows 0.99-1.27x from 1024, 0.88-0.95x below; at 32 rows 1.11-1.17x
 # from 8192, 0.99-1.02x at 4096, 0.86-0.95x below).
 MLA_NARROW_KERNEL = "cuflash::sm90::mla_decode_narrow_sm90"
 MLA_NARROW_ROWS = (16, 32)
