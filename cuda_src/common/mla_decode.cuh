@@ -181,6 +181,19 @@ struct MlaWork {
   __device__ __forceinline__ int key_end(const MlaParams& p, int row) const {
     return p.causal ? kv_len - p.seqlen_q + 1 + row / p.heads : kv_len;
   }
+
+  // Where packed row `row` (token row / heads, head row % heads) goes: its element offset in out,
+  // its index in lse (batch, heads, seqlen_q), and with several splits its row of this split's
+  // partials (splits, heads, batch x seqlen_q) in out_partial (times DV) and lse_partial.
+  __device__ __forceinline__ i64 out_offset(const MlaParams& p, int row) const {
+    return i64(b) * p.o_batch_stride + i64(row / p.heads) * p.o_row_stride + i64(row % p.heads) * p.o_head_stride;
+  }
+  __device__ __forceinline__ i64 lse_index(const MlaParams& p, int row) const {
+    return (i64(b) * p.heads + row % p.heads) * p.seqlen_q + row / p.heads;
+  }
+  __device__ __forceinline__ i64 partial_row(const MlaParams& p, int row) const {
+    return (i64(split) * p.heads + row % p.heads) * (i64(p.batch) * p.seqlen_q) + i64(b) * p.seqlen_q + row / p.heads;
+  }
 };
 
 // Scores (this thread's 4 NT of a step's, keys key0 + 8 nt + e) to exp2's units, keys at or past
@@ -267,18 +280,15 @@ __device__ __forceinline__ void mla_write_out(const MlaParams& p, const MlaWork<
     const bool empty = total == 0.f;
     const float lse = empty ? kNegInf : (row_max[h] + fast_log2(total)) * kLn2;
     const float inv = empty ? 0.f : w.descale / total;
-    const int t = row / p.heads, head = row % p.heads;
-    const i64 row_index = i64(w.b) * p.seqlen_q + t;  // of batch x seqlen_q
     const int col0 = wg * (DV / 2) + 2 * (lane % 4);
     if (one_split) {
-      u16* out = static_cast<u16*>(p.out) + i64(w.b) * p.o_batch_stride + i64(t) * p.o_row_stride +
-                 i64(head) * p.o_head_stride;
+      u16* out = static_cast<u16*>(p.out) + w.out_offset(p, row);
 #pragma unroll
       for (int nt = 0; nt < ON; ++nt)
         *reinterpret_cast<u32*>(out + col0 + 8 * nt) = T::pack(o[4 * nt + 2 * h] * inv, o[4 * nt + 2 * h + 1] * inv);
-      if (p.lse && wg == 0 && lane % 4 == 0) p.lse[(i64(w.b) * p.heads + head) * p.seqlen_q + t] = lse;
+      if (p.lse && wg == 0 && lane % 4 == 0) p.lse[w.lse_index(p, row)] = lse;
     } else {
-      const i64 at = (i64(w.split) * p.heads + head) * (i64(p.batch) * p.seqlen_q) + row_index;
+      const i64 at = w.partial_row(p, row);
       float* out = p.out_partial + at * DV;
 #pragma unroll
       for (int nt = 0; nt < ON; ++nt)

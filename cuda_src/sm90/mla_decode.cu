@@ -367,9 +367,12 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   fence_proxy_async_shared();
   __syncthreads();
 
+  // This thread's query row c, and its accumulator of key (or V column) row h, in an m64nR tile.
+  const auto col_of = [&](int c) { return 8 * (c / 2) + 2 * (lane % 4) + c % 2; };
+  const auto acc = [](int c, int h) { return 4 * (c / 2) + 2 * h + c % 2; };
   int col_key_end[CN];  // where each of this thread's query rows stops seeing keys
 #pragma unroll
-  for (int c = 0; c < CN; ++c) col_key_end[c] = w.key_end(p, 8 * (c / 2) + 2 * (lane % 4) + c % 2);
+  for (int c = 0; c < CN; ++c) col_key_end[c] = w.key_end(p, col_of(c));
   float o[VT][R / 2], s[R / 2];
 #pragma unroll
   for (int t = 0; t < VT; ++t)
@@ -385,7 +388,6 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   const u64 p_desc = smem_desc_sw128(p_tile);
 
   for (int i = wg; i < blocks; i += 2) {
-    const int n = w.step_begin + i;
     mla_land_step<D, KEYS>(&full[wg], (i / 2) % 2, stage, w.kv_len - first_key(i), kMlaNarrowStep + wg);
     wgmma_fence();
     wgmma_ss_panels<R, T, D / 64>(s, k_desc, L::KV_PANEL, q_desc, L::Q_PANEL);
@@ -394,14 +396,14 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
     fence_registers(s);
 
     // Scaled and masked scores; each query row's maximum over this warp's 16 keys.
-    const bool masked = (n + 1) * KEYS > w.tile_key_end_min;
+    const bool masked = first_key(i) + KEYS > w.tile_key_end_min;
     float m[CN];
 #pragma unroll
     for (int c = 0; c < CN; ++c) {
       m[c] = kNegInf;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float& x = s[4 * (c / 2) + 2 * h + c % 2];
+        float& x = s[acc(c, h)];
         const int key = first_key(i) + 16 * warp + lane / 4 + 8 * h;
         x = (masked && key >= col_key_end[c]) ? kNegInf : x * w.scale_log2;
         m[c] = fmaxf(m[c], x);
@@ -409,12 +411,12 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
       m[c] = fmaxf(m[c], __shfl_xor_sync(~0u, m[c], 4));
       m[c] = fmaxf(m[c], __shfl_xor_sync(~0u, m[c], 8));
       m[c] = fmaxf(m[c], __shfl_xor_sync(~0u, m[c], 16));
-      if (lane < 4) maxima[warp * R + 8 * (c / 2) + 2 * lane + c % 2] = m[c];
+      if (lane < 4) maxima[warp * R + col_of(c)] = m[c];
     }
     named_barrier_sync(kMlaNarrowStep + wg, 128);
 #pragma unroll
     for (int c = 0; c < CN; ++c) {
-      const int col = 8 * (c / 2) + 2 * (lane % 4) + c % 2;
+      const int col = col_of(c);
       float step_max = fmaxf(fmaxf(maxima[col], maxima[R + col]), fmaxf(maxima[2 * R + col], maxima[3 * R + col]));
       const float mx = fmaxf(row_max[c], step_max);
       // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
@@ -425,10 +427,10 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
 #pragma unroll
       for (int t = 0; t < VT; ++t)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) o[t][4 * (c / 2) + 2 * h + c % 2] *= correction;
+        for (int h = 0; h < 2; ++h) o[t][acc(c, h)] *= correction;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float pv = fast_exp2(s[4 * (c / 2) + 2 * h + c % 2] - base);
+        const float pv = fast_exp2(s[acc(c, h)] - base);
         row_sum[c] += pv;
         // P^T's row `col` (a query row), key 16 warp + l / 4 + 8 h: K-major B of O^T's product.
         const int key = 16 * warp + lane / 4 + 8 * h;
@@ -468,10 +470,9 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
     row_sum[c] += __shfl_xor_sync(~0u, row_sum[c], 4);
     row_sum[c] += __shfl_xor_sync(~0u, row_sum[c], 8);
     row_sum[c] += __shfl_xor_sync(~0u, row_sum[c], 16);
-    const int col = 8 * (c / 2) + 2 * lane + c % 2;
     if (lane < 4) {
-      totals[(wg * 4 + warp) * R + col] = row_sum[c];
-      if (warp == 0) final_max[wg * R + col] = row_max[c];
+      totals[(wg * 4 + warp) * R + col_of(c)] = row_sum[c];
+      if (warp == 0) final_max[wg * R + col_of(c)] = row_max[c];
     }
   }
   __syncthreads();
@@ -481,7 +482,7 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   float scale[CN];
 #pragma unroll
   for (int c = 0; c < CN; ++c) {
-    const int col = 8 * (c / 2) + 2 * (lane % 4) + c % 2;
+    const int col = col_of(c);
     const float m0 = final_max[col], m1 = final_max[R + col];
     const float mx = fmaxf(m0, m1), base = mx == kNegInf ? 0.f : mx;
     float sums[2];
@@ -494,11 +495,10 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
     scale[c] = empty ? 0.f : fast_exp2(row_max[c] - base) * w.descale / total;
     if (wg == 0 && warp == 0 && lane < 4 && col < w.rows) {
       const float lse = empty ? kNegInf : (mx + fast_log2(total)) * kLn2;
-      const int t = col / p.heads, head = col % p.heads;
       if (one_split) {
-        if (p.lse) p.lse[(i64(w.b) * p.heads + head) * p.seqlen_q + t] = lse;
+        if (p.lse) p.lse[w.lse_index(p, col)] = lse;
       } else {
-        p.lse_partial[(i64(w.split) * p.heads + head) * (i64(p.batch) * p.seqlen_q) + i64(w.b) * p.seqlen_q + t] = lse;
+        p.lse_partial[w.partial_row(p, col)] = lse;
       }
     }
   }
@@ -511,9 +511,8 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
         for (int c = 0; c < CN; ++c)
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int col = 8 * (c / 2) + 2 * (lane % 4) + c % 2, v = 64 * t + 16 * warp + lane / 4 + 8 * h;
-            const float x = o[t][4 * (c / 2) + 2 * h + c % 2] * scale[c];
-            float& at = merged[col * L::OUT_STRIDE + v];
+            const float x = o[t][acc(c, h)] * scale[c];
+            float& at = merged[col_of(c) * L::OUT_STRIDE + 64 * t + 16 * warp + lane / 4 + 8 * h];
             at = g == 0 ? x : at + x;
           }
     }
@@ -522,18 +521,16 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   // Rows out, 16 bytes a thread at a time.
   if (one_split) {
     for (int i = threadIdx.x; i < w.rows * (DV / 8); i += kMlaThreads) {
-      const int row = i / (DV / 8), v = 8 * (i % (DV / 8)), t = row / p.heads, head = row % p.heads;
+      const int row = i / (DV / 8), v = 8 * (i % (DV / 8));
       const float* src = merged + row * L::OUT_STRIDE + v;
-      u16* out = static_cast<u16*>(p.out) + i64(w.b) * p.o_batch_stride + i64(t) * p.o_row_stride +
-                 i64(head) * p.o_head_stride + v;
+      u16* out = static_cast<u16*>(p.out) + w.out_offset(p, row) + v;
       *reinterpret_cast<uint4*>(out) = make_uint4(T::pack(src[0], src[1]), T::pack(src[2], src[3]),
                                                   T::pack(src[4], src[5]), T::pack(src[6], src[7]));
     }
   } else {
     for (int i = threadIdx.x; i < w.rows * (DV / 4); i += kMlaThreads) {
-      const int row = i / (DV / 4), v = 4 * (i % (DV / 4)), t = row / p.heads, head = row % p.heads;
-      const i64 at = (i64(w.split) * p.heads + head) * (i64(p.batch) * p.seqlen_q) + i64(w.b) * p.seqlen_q + t;
-      *reinterpret_cast<float4*>(p.out_partial + at * DV + v) =
+      const int row = i / (DV / 4), v = 4 * (i % (DV / 4));
+      *reinterpret_cast<float4*>(p.out_partial + w.partial_row(p, row) * DV + v) =
           *reinterpret_cast<const float4*>(merged + row * L::OUT_STRIDE + v);
     }
   }
