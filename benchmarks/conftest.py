@@ -1,10 +1,10 @@
-"""Benchmarks need a GPU; without one they are skipped with the reason (cuflash.device)."""
+"""Benchmarks need a GPU; without one they are skipped with the reason (cuflash._core.device)."""
 
 from pathlib import Path
 
 import pytest
 
-from cuflash.device import gpu_unavailable
+from cuflash._core.device import gpu_unavailable
 
 
 def pytest_collection_modifyitems(config, items):

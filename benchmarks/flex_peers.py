@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from cuflash.timing import tflops
+from cuflash.bench.timing import tflops
 
 from gpu_check import skipped_without_gpu
 from varlen_window import DIM, DTYPE, HEADS, flops, pair_count, settled_ms
@@ -88,7 +88,7 @@ def main() -> None:
         return
     import cupy as cp
 
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, torch {torch.__version__}")
     # Every case compiles flex_attention twice (with and without grad): past dynamo's default

@@ -29,8 +29,8 @@ import ml_dtypes
 import numpy as np
 
 import cuflash
-from cuflash import reference
-from cuflash.device import gpu_unavailable
+from cuflash._cpu import reference
+from cuflash._core.device import gpu_unavailable
 
 
 def outlier_inputs(shape: tuple[int, ...], rng: np.random.Generator) -> tuple[np.ndarray, ...]:

@@ -1,9 +1,9 @@
 """The GPU check the benchmark scripts share: without a usable GPU a script says why and exits 0
-(the reason is cuflash.device's, as for the pytest benchmarks)."""
+(the reason is cuflash._core.device's, as for the pytest benchmarks)."""
 
 from __future__ import annotations
 
-from cuflash.device import gpu_unavailable
+from cuflash._core.device import gpu_unavailable
 
 
 def skipped_without_gpu(script: str) -> bool:

@@ -1,6 +1,6 @@
 """Forward, backward and both, pytest-benchmark: ``pytest benchmarks/ --benchmark-only`` on a GPU.
 
-cuflash and its peers (cuflash.bench.IMPLEMENTATIONS: torch SDPA's FlashAttention-2, cuDNN and
+cuflash and its peers (cuflash.bench.attention.IMPLEMENTATIONS: torch SDPA's FlashAttention-2, cuDNN and
 memory-efficient backends, standard attention in CuPy) on the standard shapes. Each round
 runs one call per rotated input set (together over 3x the L2) and synchronises, so rounds time
 queued kernels, not the cache or one launch's host cost; compilation happens in the warm-up
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import bench, dispatch
+from cuflash.bench import attention as bench
+from cuflash._core import dispatch
 
 
 def timed_rounds(benchmark, impl, run, case: bench.Case, rounds: int, **info) -> None:

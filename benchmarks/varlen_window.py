@@ -24,9 +24,9 @@ import time
 import numpy as np
 
 import cuflash
-from cuflash.bench import random_normal
-from cuflash.reference import key_bounds
-from cuflash.timing import tflops, time_ms
+from cuflash.bench.attention import random_normal
+from cuflash._cpu.reference import key_bounds
+from cuflash.bench.timing import tflops, time_ms
 
 from gpu_check import skipped_without_gpu
 

@@ -1,12 +1,13 @@
 """The public entry points on fixed-length batches: check the options, then the CPU path
-(host.py) for NumPy arrays or the launch pipeline (plan.py) for GPU arrays."""
+(numpy_path.py) for NumPy arrays or the launch pipeline (plan.py) for GPU arrays."""
 
 from __future__ import annotations
 
 import operator
 from typing import Any
 
-from cuflash import checks, dispatch, host, interop, plan
+from cuflash._core import checks, dispatch, interop, plan
+from cuflash._cpu import numpy_path
 
 __all__ = ["attention", "attention_backward", "explain"]
 
@@ -134,7 +135,7 @@ def attention(
     if framework == "numpy":
         q, k, v = (checks.declared_dtype(name, x, dtype) for name, x in (("q", q), ("k", k), ("v", v)))
         scale, fp8 = checks.check_forward(q, k, v, out, softmax_scale, False, descales, out_dtype)
-        return host.attention(q, k, v, causal, scale, window, softcap, return_lse, out, fp8)
+        return numpy_path.attention(q, k, v, causal, scale, window, softcap, return_lse, out, fp8)
 
     # One call each: a generator over the three costs ~0.4 us more.
     qt, kt = interop.describe(q, framework, "q"), interop.describe(k, framework, "k")
@@ -273,7 +274,7 @@ def attention_backward(
     causal, deterministic = checks.resolve_flag("causal", causal), checks.resolve_flag("deterministic", deterministic)
     if framework == "numpy":
         scale, window, softcap = checks.check_backward(arrays, softmax_scale, window, softcap, on_device=False)
-        return host.attention_backward(arrays, causal, scale, window, softcap)
+        return numpy_path.attention_backward(arrays, causal, scale, window, softcap)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
     # Item getters, not generators over the names (~0.5 us).
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)

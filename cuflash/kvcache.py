@@ -1,7 +1,7 @@
 """Inference: attention against a KV cache (contiguous or paged), with the new tokens appended in
 place, and the combine step of split-KV attention.
 
-NumPy inputs run the float64 reference on the CPU (host.py) and update the NumPy caches in place
+NumPy inputs run the float64 reference on the CPU (numpy_path.py) and update the NumPy caches in place
 exactly where the GPU does: the appended positions, nothing else. GPU inputs run the append
 kernel (rotary embedding and the cache writes), the decode kernel over key splits, and the
 combine kernel (cuda_src/common/kvcache.cu), planned through plan.py and dispatch.py.
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cuflash import checks, decode, host, interop
+from cuflash._core import checks, interop, kvcache_gpu
+from cuflash._cpu import numpy_path
 
 __all__ = ["attention_with_kvcache", "combine"]
 
@@ -123,8 +124,8 @@ def attention_with_kvcache(
     options = checks.KvOptions(cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap,
                                num_splits, descale_k, descale_v, return_lse, validate, dtype)
     if interop.framework_of(q, "q") == "numpy":
-        return host.attention_with_kvcache(checks.check_kvcache(arrays, *options))
-    return decode.attention_with_kvcache(arrays, options)
+        return numpy_path.attention_with_kvcache(checks.check_kvcache(arrays, *options))
+    return kvcache_gpu.attention_with_kvcache(arrays, options)
 
 
 def combine(out_partial: Any, lse_partial: Any, *, out_dtype: Any = None, return_lse: bool = False) -> Any:
@@ -148,6 +149,6 @@ def combine(out_partial: Any, lse_partial: Any, *, out_dtype: Any = None, return
     """
     call = checks.check_combine(out_partial, lse_partial, out_dtype, return_lse)
     if call.framework == "numpy":
-        return host.combine(call)
-    return decode.combine(call)
+        return numpy_path.combine(call)
+    return kvcache_gpu.combine(call)
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from cuflash import checks, interop, plan
-from cuflash.reference_kvcache import mla_decode_reference
+from cuflash._core import checks, interop, plan
+from cuflash._cpu.reference_kvcache import mla_decode_reference
 
 __all__ = ["mla_decode"]
 

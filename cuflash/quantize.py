@@ -22,7 +22,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from cuflash import checks, dispatch, interop, kernels, params
+from cuflash._core import checks, dispatch, interop, kernels, params
 
 __all__ = ["GRANULARITIES", "quantize_fp8", "rotation"]
 

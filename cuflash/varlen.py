@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from cuflash import checks, dispatch, host, interop, plan
+from cuflash._core import checks, dispatch, interop, plan
+from cuflash._cpu import numpy_path
 
 __all__ = ["attention_varlen", "attention_varlen_backward"]
 
@@ -111,7 +112,7 @@ def attention_varlen(
         checks.check_out("out", tensors["out"], checks.output_shape(tensors["q"], tensors["v"]), tensors["q"],
                          on_device, fp8 and fp8.out_dtype)
     if not on_device:
-        return host.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
+        return numpy_path.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
                                      scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k)
     checks.check_varlen_grid(lengths)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
@@ -194,7 +195,7 @@ def attention_varlen_backward(
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
     checks.check_backward_inputs(tensors, (qt.shape[1], qt.shape[0]), on_device)
     if not on_device:
-        return host.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window, softcap)
+        return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window, softcap)
     checks.check_varlen_grid(lengths)
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                  for t in (tensors[name] for name in ("q", "k", "v", "dout", "out")))

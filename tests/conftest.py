@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash.device import gpu_unavailable
+from cuflash._core.device import gpu_unavailable
 
 
 def pytest_collection_modifyitems(config, items):
@@ -23,7 +23,7 @@ def family(request, monkeypatch):
     cached device plan re-read); sm90 needs compute capability 9.x."""
     import cupy
 
-    from cuflash import dispatch
+    from cuflash._core import dispatch
 
     capability = divmod(int(cupy.cuda.Device().compute_capability), 10)
     try:
@@ -41,7 +41,7 @@ def causal_dq_order(request, monkeypatch):
     """Runs a deterministic-mode test once per way sm90 orders dQ for short causal sequences: the
     walk (taken up to dispatch.WALK_CAUSAL_KEYS keys, here up to 2048 at every head dim) and turns
     per query block (taken beyond it, here from zero keys on). sm80 walks in both runs."""
-    from cuflash import dispatch, plan
+    from cuflash._core import dispatch, plan
 
     keys = 2048 if request.param == "walk" else 0
     monkeypatch.setattr(dispatch, "WALK_CAUSAL_KEYS", dict.fromkeys(dispatch.SM90_BWD_TILES, keys))

@@ -1,6 +1,6 @@
 """Float64 reference attention on the GPU (CuPy), for checking kernels at real sizes quickly.
 
-Same semantics as cuflash.reference.attention_reference (its mask: reference.allowed_keys),
+Same semantics as cuflash._cpu.reference.attention_reference (its mask: reference.allowed_keys),
 batched over (batch, head) on the device; ``lowp`` rounds S, P and out to float16/bfloat16 as the
 same-dtype baseline of the correctness rule does.
 """
@@ -42,7 +42,7 @@ def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None, w
               softcap: float = 0.0, p_lowp: str | None = None):
     """Returns (out, lse) in float64: out (b, sq, h, d), lse (b, h, sq). ``p_lowp``: the dtype P
     is rounded to before P V, default ``lowp`` (float8_e4m3fn: FlashAttention-3's FP8 baseline)."""
-    from cuflash.reference import allowed_keys
+    from cuflash._cpu.reference import allowed_keys
 
     q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, s, d)
     group = q.shape[1] // k.shape[1]
@@ -91,7 +91,7 @@ def attention_backward(q, k, v, dout, *, causal: bool, scale: float, lowp: str |
     """(dq, dk, dv) in float64; ``lowp`` rounds S, P, dP, dS and the gradients to float16/bfloat16,
     as autograd through attention computed in that dtype would. Window and softcap as in
     :func:`attention`; rows without keys get zero gradients."""
-    from cuflash.reference import allowed_keys
+    from cuflash._cpu.reference import allowed_keys
 
     group = q.shape[2] // k.shape[2]
     qh, kh, vh, doh = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
@@ -200,6 +200,6 @@ def check_backward(q, k, v, causal, dtype_name, rng, scale=None, window=(-1, -1)
 
 def random_bshd(shape, dtype_name: str, rng: np.random.Generator):
     """Fresh standard-normal CuPy array of float16 or bfloat16."""
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     return random_normal(shape, dtype_name, seed=int(rng.integers(2**31)))

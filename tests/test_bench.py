@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from cuflash import bench
-from cuflash.__main__ import build_parser, main
-from cuflash.device import gpu_unavailable
+from cuflash.bench import attention as bench
+from cuflash.cli.main import build_parser, main
+from cuflash._core.device import gpu_unavailable
 
 
 def test_parser_defaults_and_quick():

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from cuflash import bench_decode as bd
-from cuflash.__main__ import build_parser, main, mode_conflict
-from cuflash.device import gpu_unavailable
+from cuflash.bench import decode as bd
+from cuflash.cli.main import build_parser, main, mode_conflict
+from cuflash._core.device import gpu_unavailable
 
 
 def test_parser_takes_decode_batches_and_contexts():

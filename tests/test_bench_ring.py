@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from cuflash import bench_ring
-from cuflash.__main__ import build_parser, mode_conflict
-from cuflash.reference import attention_flops
+from cuflash.bench import ring as bench_ring
+from cuflash.cli.main import build_parser, mode_conflict
+from cuflash._cpu.reference import attention_flops
 
 pytest.importorskip("torch", reason="torch is not installed (pip install torch, a CPU build is enough)")
 

@@ -9,8 +9,9 @@ import dataclasses
 
 import pytest
 
-from cuflash import __main__ as cli
-from cuflash import compile_check, device, dispatch, kernels, nvrtc
+from cuflash.cli import main as cli
+from cuflash.cli import compile_check
+from cuflash._core import device, dispatch, kernels, nvrtc
 
 
 def assert_compiled_within_allowance(outcomes, arch):

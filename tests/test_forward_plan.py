@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cuflash import checks, dispatch, interop, kernels, plan
-from cuflash.params import FWD_PARAMS, FWD_PARAMS_FP8, ArgumentBuffer
-from cuflash.reference import allowed_keys
+from cuflash._core import checks, dispatch, interop, kernels, plan
+from cuflash._core.params import FWD_PARAMS, FWD_PARAMS_FP8, ArgumentBuffer
+from cuflash._cpu.reference import allowed_keys
 
 WINDOW_SIDES = (-1, 0, 1, 3, 6, 7, 8, 20)
 FP8 = "float8_e4m3fn"

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import dispatch, kernels, quantize, reference
+from cuflash._core import dispatch, kernels
+from cuflash import quantize
+from cuflash._cpu import reference
 
 E4M3 = ml_dtypes.float8_e4m3fn
 

@@ -9,7 +9,8 @@ import math
 
 import pytest
 
-from cuflash import checks, compile_check, dispatch, interop, params, plan
+from cuflash._core import checks, dispatch, interop, params, plan
+from cuflash.cli import compile_check
 
 FP8 = "float8_e4m3fn"
 

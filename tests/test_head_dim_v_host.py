@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import checks, dispatch, interop, reference
+from cuflash._core import checks, dispatch, interop
+from cuflash._cpu import reference
 
 OPTIONS = [dict(), dict(causal=True), dict(window=(4, 2), softcap=5.0)]
 

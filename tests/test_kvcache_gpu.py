@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import dispatch, plan
-from cuflash.reference import max_error_bound
-from cuflash.reference_kvcache import combine_reference, kvcache_reference
+from cuflash._core import dispatch, plan
+from cuflash._cpu.reference import max_error_bound
+from cuflash._cpu.reference_kvcache import combine_reference, kvcache_reference
 from kvcache_cases import make_case, reference_args, same_bytes
 
 pytestmark = pytest.mark.gpu

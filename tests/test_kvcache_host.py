@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.reference_kvcache import combine_reference, kvcache_reference
+from cuflash._cpu.reference_kvcache import combine_reference, kvcache_reference
 from kvcache_cases import make_case, reference_args, same_bytes
 
 

@@ -8,8 +8,8 @@ import contextlib
 import numpy as np
 import pytest
 
-from cuflash import checks, dispatch, interop, kernels, plan
-from cuflash.params import COMBINE_PARAMS, FWD_PARAMS_PAGED, FWD_PARAMS_PAGED_SIZE, KV_PARAMS
+from cuflash._core import checks, dispatch, interop, kernels, plan
+from cuflash._core.params import COMBINE_PARAMS, FWD_PARAMS_PAGED, FWD_PARAMS_PAGED_SIZE, KV_PARAMS
 from kvcache_cases import make_case
 
 

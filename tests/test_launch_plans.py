@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import dispatch, interop, kernels, plan
-from cuflash.params import FWD_PARAMS, FWD_POINTERS, ArgumentBuffer, pack_fwd_params
+from cuflash._core import dispatch, interop, kernels, plan
+from cuflash._core.params import FWD_PARAMS, FWD_POINTERS, ArgumentBuffer, pack_fwd_params
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),

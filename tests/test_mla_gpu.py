@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash.reference import max_error_bound
-from cuflash.reference_kvcache import mla_decode_reference
+from cuflash._cpu.reference import max_error_bound
+from cuflash._cpu.reference_kvcache import mla_decode_reference
 
 pytestmark = pytest.mark.gpu
 D, DV = 576, 512

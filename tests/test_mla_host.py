@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import bench_mla
-from cuflash.__main__ import build_parser, mode_conflict
-from cuflash.reference_kvcache import mla_decode_reference
+from cuflash.bench import mla as bench_mla
+from cuflash.cli.main import build_parser, mode_conflict
+from cuflash._cpu.reference_kvcache import mla_decode_reference
 
 D = 576
 
@@ -123,7 +123,7 @@ def test_split_form_bad_arguments_are_named(change, error, match):
     ("sm80", "bfloat16", 64, 40, False),
 ])
 def test_which_caches_load_by_tma(family, cache, page_size, max_pages, expected):
-    from cuflash import dispatch
+    from cuflash._core import dispatch
 
     dtype = "float16" if cache == "float16" else "bfloat16"
     assert dispatch.mla_tma(family, dtype, cache, page_size, max_pages) is expected
@@ -142,7 +142,7 @@ def test_which_caches_load_by_tma(family, cache, page_size, max_pages, expected)
     (False, 16, 1 << 20, 0),  # the threads' loads keep the 64-row tile
 ])
 def test_which_calls_take_the_transposed_kernel(tma, rows, keys_per_split, expected):
-    from cuflash import dispatch
+    from cuflash._core import dispatch
 
     assert dispatch.mla_narrow_rows(tma, rows, keys_per_split) == expected
     choice = dispatch.mla_kernel("sm90", "bfloat16", "bfloat16", tma, expected)
@@ -152,7 +152,7 @@ def test_which_calls_take_the_transposed_kernel(tma, rows, keys_per_split, expec
 
 
 def test_tma_argument_layout():
-    from cuflash.params import MLA_PARAMS, MLA_PARAMS_TMA, MLA_PARAMS_TMA_SIZE
+    from cuflash._core.params import MLA_PARAMS, MLA_PARAMS_TMA, MLA_PARAMS_TMA_SIZE
 
     assert MLA_PARAMS_TMA.itemsize == MLA_PARAMS_TMA_SIZE
     assert MLA_PARAMS_TMA.fields["base"][1] == 256 and MLA_PARAMS_TMA.fields["base"][0] == MLA_PARAMS
@@ -163,7 +163,7 @@ def test_tma_argument_maps_the_cache_and_the_rope(split):
     """The rope map describes the split form's own array, or the cache again; boxes of a step's rows."""
     from types import SimpleNamespace
 
-    from cuflash.params import MLA_PARAMS_TMA, MLA_POINTERS, mla_tma_argument, pack_mla_params
+    from cuflash._core.params import MLA_PARAMS_TMA, MLA_POINTERS, mla_tma_argument, pack_mla_params
 
     def tensor(dim):  # what tma_view reads of a DeviceTensor: (pages, page_size, 1, dim), contiguous
         return SimpleNamespace(shape=(10, 64, 1, dim), strides=(64 * dim, dim, dim, 1), itemsize=2, dtype="bfloat16")

@@ -1,4 +1,4 @@
-"""CPU tests of cuflash.reference: the naive reference, the blockwise algorithm, FLOPs, the 2x rule."""
+"""CPU tests of cuflash._cpu.reference: the naive reference, the blockwise algorithm, FLOPs, the 2x rule."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuflash.reference import (
+from cuflash._cpu.reference import (
     attention_blockwise,
     attention_flops,
     attention_reference,
@@ -231,7 +231,7 @@ def test_bad_inputs(impl):
                          ids=["mha", "mqa"])
 def test_backward_reference_matches_finite_differences(causal, shapes):
     """d/dx sum(out * dout), central differences in float64, for q, k and v."""
-    from cuflash.reference import attention_backward_reference
+    from cuflash._cpu.reference import attention_backward_reference
 
     rng = np.random.default_rng()
     q = rng.standard_normal(shapes[0])
@@ -251,7 +251,7 @@ def test_backward_reference_matches_finite_differences(causal, shapes):
                                                      (False, (2, 1), 4.0)])
 def test_backward_from_lse_equals_the_reference(causal, window, softcap):
     """17 queries against 9 keys: under the windows some rows see no key (lse = -inf)."""
-    from cuflash.reference import attention_backward_from_lse, attention_backward_reference
+    from cuflash._cpu.reference import attention_backward_from_lse, attention_backward_reference
 
     rng = np.random.default_rng()
     q = rng.standard_normal((2, 17, 4, 8))
@@ -268,7 +268,7 @@ def test_backward_from_lse_equals_the_reference(causal, window, softcap):
 def test_backward_from_lse_splits_over_key_blocks(softcap):
     """With the whole attention's out and lse, each key block's gradients are its share of the
     whole's: dq sums over the blocks, dk and dv are the blocks' rows."""
-    from cuflash.reference import attention_backward_from_lse, attention_backward_reference
+    from cuflash._cpu.reference import attention_backward_from_lse, attention_backward_reference
 
     rng = np.random.default_rng()
     q = rng.standard_normal((1, 13, 2, 8))

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuflash.reference import (
+from cuflash._cpu.reference import (
     allowed_keys,
     attention_backward_reference,
     attention_blockwise,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash.reference import attention_reference
-from cuflash.reference_kvcache import apply_rotary, combine_reference, kvcache_reference
+from cuflash._cpu.reference import attention_reference
+from cuflash._cpu.reference_kvcache import apply_rotary, combine_reference, kvcache_reference
 
 
 def rng():

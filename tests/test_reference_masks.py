@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash.reference import (
+from cuflash._cpu.reference import (
     allowed_keys,
     attention_backward_reference,
     attention_blockwise,

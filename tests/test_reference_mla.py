@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cuflash.reference_kvcache import mla_decode_reference, quantize_e4m3
+from cuflash._cpu.reference_kvcache import mla_decode_reference, quantize_e4m3
 
 HEAD_DIM, HEAD_DIM_V = 576, 512
 

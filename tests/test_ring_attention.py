@@ -12,7 +12,7 @@ import socket
 import numpy as np
 import pytest
 
-from cuflash import reference
+from cuflash._cpu import reference
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch, a CPU build is enough)")
 dist = pytest.importorskip("torch.distributed")

@@ -1,4 +1,4 @@
-"""The sm90 building blocks (cuda_src/sm90/: mbarrier, TMA, wgmma; cuflash/tma.py) on a GEMM.
+"""The sm90 building blocks (cuda_src/sm90/: mbarrier, TMA, wgmma; cuflash/_core/tma.py) on a GEMM.
 
 tests/cuda/sm90_gemm_check.cu computes C = A * B^T (A 64 x K, B N x K, 16-bit; C fp32) on one
 CTA: TMA loads with the 128-byte swizzle into a 2-stage mbarrier ring, wgmma from shared memory
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cuflash import kernels, nvrtc, tma
+from cuflash._core import kernels, nvrtc, tma
 
 SOURCE = Path(__file__).resolve().parent / "cuda" / "sm90_gemm_check.cu"
 M, BLOCK_K, STAGES, THREADS = 64, 64, 2, 256
@@ -179,7 +179,7 @@ def hopper():
 
 
 def _random(shape, dtype, rng):
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     return random_normal(shape, dtype, seed=int(rng.integers(2**31)))
 

@@ -15,8 +15,9 @@ import numpy as np
 
 import pytest
 
-from cuflash import checks, compile_check, dispatch, interop, kernels, params, plan, tma
-from cuflash.params import (BWD_PARAMS, BWD_PARAMS_SM90, BWD_PARAMS_SM90_SIZE, FWD_PARAMS, FWD_PARAMS_SM90,
+from cuflash._core import checks, dispatch, interop, kernels, params, plan, tma
+from cuflash.cli import compile_check
+from cuflash._core.params import (BWD_PARAMS, BWD_PARAMS_SM90, BWD_PARAMS_SM90_SIZE, FWD_PARAMS, FWD_PARAMS_SM90,
                             FWD_PARAMS_SM90_SIZE, FWD_POINTERS, ArgumentBuffer)
 
 SM90_KERNELS = dispatch.all_kernels("sm90")

@@ -21,7 +21,7 @@ def sm90(monkeypatch):
     ``ctas`` CTAs (the plan cache emptied so the grid is rebuilt)."""
     import cupy
 
-    from cuflash import dispatch, plan
+    from cuflash._core import dispatch, plan
 
     capability = divmod(int(cupy.cuda.Device().compute_capability), 10)
     try:

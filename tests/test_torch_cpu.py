@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from cuflash import reference
+from cuflash._cpu import reference
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch, a CPU build is enough)")
 ct = pytest.importorskip("cuflash.torch")

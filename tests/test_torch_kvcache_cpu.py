@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash.reference_kvcache import combine_reference, kvcache_reference, mla_decode_reference
+from cuflash._cpu.reference_kvcache import combine_reference, kvcache_reference, mla_decode_reference
 from kvcache_cases import make_case, reference_args, same_bytes
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch, a CPU build is enough)")

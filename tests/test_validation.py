@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import checks, dispatch, interop
-from cuflash.params import (BWD_PARAMS, BWD_PARAMS_SIZE, CONVERT_PARAMS, CONVERT_PARAMS_SIZE, FWD_PARAMS,
+from cuflash._core import checks, dispatch, interop
+from cuflash._core.params import (BWD_PARAMS, BWD_PARAMS_SIZE, CONVERT_PARAMS, CONVERT_PARAMS_SIZE, FWD_PARAMS,
                             FWD_PARAMS_SIZE)
 
 
@@ -214,7 +214,7 @@ def _forward_for_backward(dtype=np.float32):
 
 
 def test_backward_host_path_recomputes_from_the_given_lse():
-    from cuflash.reference import attention_backward_from_lse
+    from cuflash._cpu.reference import attention_backward_from_lse
 
     dout, q, k, v, out, lse = _forward_for_backward(np.float64)
     dk_given = np.full(k.shape, np.nan)

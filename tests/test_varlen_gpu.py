@@ -196,7 +196,7 @@ def test_total_length_zero(lengths_q, lengths_k, rng, monkeypatch):
     import cupy as cp
 
     import cuflash
-    from cuflash import kernels
+    from cuflash._core import kernels
 
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 4, 2, 64, "float16", rng)
     monkeypatch.setattr(kernels, "launch", lambda *args: pytest.fail("a kernel was launched"))
@@ -223,7 +223,7 @@ def test_seqused(causal, window, which, rng):
     import cupy as cp
 
     import cuflash
-    from cuflash.reference import attention_varlen_reference, max_error_bound
+    from cuflash._cpu.reference import attention_varlen_reference, max_error_bound
 
     lengths_q, lengths_k = [130, 0, 1, 300, 64], [200, 17, 0, 300, 1]
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, 128, "bfloat16", rng)
@@ -252,7 +252,7 @@ def test_seqused(causal, window, which, rng):
 
 def test_seqused_torch():
     torch = pytest.importorskip("torch")
-    from cuflash.reference import attention_varlen_reference
+    from cuflash._cpu.reference import attention_varlen_reference
     from cuflash.torch import flash_attn_varlen_func
 
     g = torch.Generator().manual_seed(3)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import reference
+from cuflash._cpu import reference
 
 
 def _packed(lengths_q=(5, 0, 9), lengths_k=(7, 3, 2), heads=4, heads_kv=2, head_dim=16, dtype=np.float32):

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 import cuflash
-from cuflash import checks
+from cuflash._core import checks
 
 __all__ = ["attention", "attention_varlen", "distributed", "flash_attn_combine", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache"]

@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from cuflash import checks
+from cuflash._core import checks
 
 __all__ = ["LAYOUTS", "ring_attention", "ring_attention_varlen", "sequence_positions", "ulysses_attention",
            "varlen_positions"]

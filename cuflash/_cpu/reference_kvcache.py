@@ -22,7 +22,7 @@ import math
 import numpy as np
 import numpy.typing as npt
 
-from cuflash.reference import attention_reference
+from cuflash._cpu.reference import attention_reference
 
 __all__ = ["apply_rotary", "cache_slots", "combine_reference", "kvcache_reference", "mla_decode_reference",
            "quantize_e4m3", "rotary_per_row"]

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from cuflash import dispatch, interop
+from cuflash._core import dispatch, interop
 
 __all__ = [
     "CombineCall",
@@ -788,7 +788,7 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
                 raise ValueError(f"{name}: must be contiguous")
             if on_device and x.device != device:
                 raise ValueError(f"{name}: on device {x.device}, but q is on device {device}")
-        from cuflash.reference_kvcache import rotary_per_row
+        from cuflash._cpu.reference_kvcache import rotary_per_row
         per_row = rotary_per_row(causal, window, capacity, max_seqlen_q)
         if per_row and not varlen and max_seqlen_q > seqlen_new:
             raise ValueError(f"q: with rotary embedding and a causal or local mask, row i is rotated at "

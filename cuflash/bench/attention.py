@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from cuflash.reference import attention_flops
+from cuflash._cpu.reference import attention_flops
 
 TOTAL_TOKENS = 16384
 HIDDEN = 2048
@@ -312,7 +312,8 @@ def environment() -> dict:
     env = {"date": datetime.date.today().isoformat(), "device": props["name"].decode(),
            "driver": cp.cuda.runtime.driverGetVersion(), "cuda runtime": cp.cuda.runtime.runtimeGetVersion(),
            "CuPy": cp.__version__, "Python": platform.python_version()}
-    from cuflash import __version__, dispatch, nvrtc
+    from cuflash import __version__
+    from cuflash._core import dispatch, nvrtc
 
     env["cuflash"] = __version__
     env["cuflash family"] = dispatch.device_target(cp.cuda.Device().id)[0]
@@ -334,7 +335,7 @@ def implementations(names, dtype: str = "bfloat16") -> dict[str, Callable]:
     if dtype == "e4m3":
         return fp8_implementations(names)
     import cuflash
-    from cuflash.baseline import standard_attention
+    from cuflash.bench.baseline import standard_attention
 
     found: dict[str, Callable] = {}
     for name in names:
@@ -376,7 +377,7 @@ class Fp8Inputs:
 def fp8_implementations(names) -> dict[str, Callable]:
     """FP8_IMPLEMENTATIONS among ``names`` that can run here: name -> prepare(Fp8Inputs, causal)."""
     import cuflash
-    from cuflash import cudnn_fp8
+    from cuflash.bench import cudnn_fp8
 
     def cuflash_fp8(s: Fp8Inputs, causal: bool):
         return lambda: cuflash.attention(s.q, s.k, s.v, causal=causal, dtype="e4m3", descale_q=s.descale_q,
@@ -400,7 +401,7 @@ def matmul_rates(size: int = 8192) -> dict[str, float]:
         import torch
     except ImportError:
         return {}
-    from cuflash.timing import time_ms
+    from cuflash.bench.timing import time_ms
 
     a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
@@ -455,7 +456,7 @@ def gradient_call(name: str, case: Case, q, k, v, dout) -> Callable[[], object]:
 def input_sets(case: Case) -> list[tuple]:
     """Random q, k, v (and the upstream gradient for the backward modes) of ``case``, in as many
     copies as it takes to rotate through 3x the L2 cache."""
-    from cuflash.timing import copies_to_defeat_l2
+    from cuflash.bench.timing import copies_to_defeat_l2
 
     qk, vo = case.shapes()
     shapes = (qk, qk, vo, vo)[:3 if case.mode == "fwd" else 4]  # q, k, v[, dout]
@@ -497,7 +498,7 @@ def timed_calls(name: str, run: Callable, case: Case, sets) -> list[Callable[[],
 
 def measure(name: str, run: Callable, case: Case, sets, repeats: int) -> float:
     """Median ms per call of implementation ``name`` (``run`` is its forward) over the rotated sets."""
-    from cuflash.timing import time_ms
+    from cuflash.bench.timing import time_ms
 
     calls = timed_calls(name, run, case, sets)
     return time_ms(lambda i: calls[i](), len(calls), repeats=repeats)
@@ -509,7 +510,7 @@ def compile_times(dtype: str, head_dims, causals, mode: str = "fwd") -> list[dic
     import cupy as cp
     from cupy.cuda import function as cuda_function
 
-    from cuflash import dispatch, kernels
+    from cuflash._core import dispatch, kernels
 
     family, capability = dispatch.device_target(cp.cuda.Device().id)
     rows = []
@@ -587,9 +588,9 @@ def _memory_row(label: str, batch: int, seqlen: int, heads: int, head_dim: int, 
     import cupy as cp
 
     import cuflash
-    from cuflash import dispatch
-    from cuflash.baseline import standard_attention
-    from cuflash.timing import PeakMemory, time_ms
+    from cuflash._core import dispatch
+    from cuflash.bench.baseline import standard_attention
+    from cuflash.bench.timing import PeakMemory, time_ms
 
     shape = (batch, seqlen, heads, head_dim)
     q, k, v = (random_normal(shape, dtype, seed=i) for i in range(3))

@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cuflash import nvrtc
-from cuflash.dispatch import KernelChoice
+from cuflash._core import nvrtc
+from cuflash._core.dispatch import KernelChoice
 
 __all__ = ["Launch", "cache_dir", "compile_kernel", "get_function", "launch", "prepare", "source_root",
            "sources_fingerprint"]
@@ -32,7 +32,7 @@ _SOURCE_SUFFIXES = (".cu", ".cuh", ".h")
 
 def source_root() -> Path:
     """cuda_src/ of an installed package (``cuflash/cuda_src``) or of a checkout."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent
     for candidate in (package / "cuda_src", package.parent / "cuda_src"):
         if (candidate / "common").is_dir():
             return candidate
@@ -118,7 +118,7 @@ def compile_kernel(choice: KernelChoice, arch: str, use_cache: bool = True) -> C
 
 
 # Loaded functions by (device, arch, name expression). Public so that a harness timing two source
-# trees in one process (benchmarks/ab_trees.py) can give each tree its own.
+# trees in one process (tools/ab_trees.py) can give each tree its own.
 LOADED: dict[tuple[int, str, str], object] = {}
 _lock = threading.Lock()
 

@@ -1,9 +1,9 @@
 """Compare the SASS of every kernel instantiation between two versions of the sources; no GPU.
 
     git archive main cuda_src cuflash | tar -x -C /tmp/main
-    PYTHONPATH=. python benchmarks/sass_diff.py /tmp/main [--jobs 2] [--limit N] [--family sm80]
+    PYTHONPATH=. python tools/sass_diff.py /tmp/main [--jobs 2] [--limit N] [--family sm80]
 
-The old tree is a checkout root holding ``cuda_src/`` and ``cuflash/dispatch.py``; the new one is
+The old tree is a checkout root holding ``cuda_src/`` and ``cuflash/_core/dispatch.py``; the new one is
 this checkout unless ``--new-root`` names another (the sources must not change during a run).
 Each tree's own ``dispatch.all_kernels`` lists its instantiations (sm80's compiled for sm_80,
 sm90's for sm_90a, with the options cuflash compiles with), paired by position: the lists
@@ -35,7 +35,7 @@ ARCHES = {"sm80": "sm_80", "sm90": "sm_90a"}
 _LIST_KERNELS = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from cuflash import dispatch
+from cuflash._core import dispatch
 print(json.dumps([[c.source, c.name_expression] for c in dispatch.all_kernels(sys.argv[2])]))
 """
 
@@ -80,7 +80,7 @@ def ptxas_report(log: str) -> list[str]:
 def compile_sass(root: str, source: str, expression: str, arch: str, cache_file: str, nvdisasm: str) -> None:
     """Compile one instantiation of ``root``'s sources and store its SASS and ptxas report."""
     sys.path.insert(0, str(CHECKOUT))
-    from cuflash import nvrtc
+    from cuflash._core import nvrtc
 
     options = ["-std=c++17", f"-arch={arch}", f"-I{Path(root) / 'cuda_src'}", "-lineinfo", "-Xptxas=-v"]
     program = nvrtc.compile_program(f'#include "{source}"\n', "cuflash_kernel.cu", options, [expression])

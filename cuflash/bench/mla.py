@@ -18,8 +18,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cuflash import bench_decode
-from cuflash.bench import document_header, gpu_slug
+from cuflash.bench import decode as bench_decode
+from cuflash.bench.attention import document_header, gpu_slug
 
 __all__ = ["MlaCase", "markdown_table", "run_sweep", "sweep", "write_outputs"]
 
@@ -61,7 +61,7 @@ def _call(case: MlaCase, q_dtype: str, seed: int, through_torch: bool):
     import numpy as np
 
     import cuflash
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     pages = case.batch * -(-case.context // PAGE_SIZE)
     q = random_normal((case.batch, case.seqlen_q, case.heads, HEAD_DIM), q_dtype, seed)
@@ -82,8 +82,8 @@ def run_sweep(cases: list[MlaCase], q_dtype: str = "bfloat16", repeats: int = 10
               progress=sys.stderr, eager: bool = False) -> dict:
     import cupy as cp
 
-    from cuflash.bench import environment, matmul_rates
-    from cuflash.timing import copies_to_defeat_l2
+    from cuflash.bench.attention import environment, matmul_rates
+    from cuflash.bench.timing import copies_to_defeat_l2
 
     pool = cp.get_default_memory_pool()
     graph = not eager and bench_decode.torch_gpu()

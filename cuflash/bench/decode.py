@@ -14,7 +14,7 @@ bandwidth. Files ``<gpu>-decode.md``, ``.json`` and ``.png`` as the other modes 
 
 Each implementation's steps are timed as replays of a torch CUDA graph that holds GRAPH_STEPS steps,
 the rotated input sets in turn (TIMING_GRAPH), as a serving loop that captures its decoding step runs them: the
-figure is the kernels' time, the host's cost per call is benchmarks/host_overhead.py's. Without
+figure is the kernels' time, the host's cost per call is tools/host_overhead.py's. Without
 torch, or with ``eager=True``, the steps are launched back to back (TIMING_EAGER), and at small
 batches the host's cost per call is then what is timed.
 """
@@ -27,7 +27,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cuflash.bench import document_header, gpu_slug
+from cuflash.bench.attention import document_header, gpu_slug
 
 __all__ = ["DecodeCase", "DecodeMeasurement", "DecodeReport", "DecodeShape", "available_impls", "copy_bandwidth",
            "markdown_table", "random_cache", "report_json", "run_sweep", "sweep", "time_calls", "torch_gpu",
@@ -247,7 +247,7 @@ def random_cache(shape: tuple[int, ...], cache: str, q_dtype: str, seed: int):
     32-bit temporaries stay near CHUNK_ELEMENTS at 128k contexts."""
     import cupy as cp
 
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     rows = max(1, CHUNK_ELEMENTS // math.prod(shape[1:]))
     out = cp.empty(shape, cp.uint8 if cache == "e4m3" else cp.uint16)
@@ -272,7 +272,7 @@ def _cuflash_call(case: DecodeCase, q_dtype: str, seed: int, through_torch: bool
     import numpy as np
 
     import cuflash
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     s = case.shape
     q = random_normal((s.batch, s.seqlen_q, s.heads, s.head_dim), q_dtype, seed)
@@ -305,7 +305,7 @@ def _sdpa_call(case: DecodeCase, q_dtype: str, seed: int):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     backend = {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-flash": SDPBackend.FLASH_ATTENTION}[case.impl]
     s = case.shape
@@ -323,7 +323,7 @@ def _sdpa_call(case: DecodeCase, q_dtype: str, seed: int):
 def measure(case: DecodeCase, q_dtype: str, repeats: int, timing: str = TIMING_GRAPH) -> float:
     """Median ms of one decoding step, the inputs rotated over 3x the L2 cache (torch SDPA runs on
     torch's default stream, the legacy one CuPy's default shares)."""
-    from cuflash.timing import copies_to_defeat_l2
+    from cuflash.bench.timing import copies_to_defeat_l2
 
     graph = timing == TIMING_GRAPH
     calls = [_cuflash_call(case, q_dtype, 16 * i, graph) if case.impl == "cuflash" else _sdpa_call(case, q_dtype, 16 * i)
@@ -335,7 +335,7 @@ def time_calls(calls: list, repeats: int, timing: str) -> float:
     """Median ms of one of ``calls`` (each one step on its own input set, taken in turn): launched
     back to back (TIMING_EAGER), or replayed from one torch CUDA graph of GRAPH_STEPS or more
     steps (TIMING_GRAPH: the calls then launch on torch's current stream)."""
-    from cuflash.timing import time_ms
+    from cuflash.bench.timing import time_ms
 
     rotations = len(calls)
     if timing != TIMING_GRAPH:
@@ -362,7 +362,7 @@ def copy_bandwidth(nbytes: int = COPY_BYTES) -> float:
     """GB/s (bytes read + written) of a device-to-device copy of ``nbytes``."""
     import cupy as cp
 
-    from cuflash.timing import time_ms
+    from cuflash.bench.timing import time_ms
 
     src = cp.random.default_rng(0).integers(0, 255, nbytes, dtype=cp.uint8)
     dst = cp.empty_like(src)
@@ -390,7 +390,7 @@ def run_sweep(sweep: list[DecodeCase], q_dtype: str = "bfloat16", repeats: int =
               progress=sys.stderr, eager: bool = False) -> DecodeReport:
     import cupy as cp
 
-    from cuflash.bench import environment
+    from cuflash.bench.attention import environment
 
     # Each case's inputs are freed before the next case allocates (the largest take tens of GB).
     pool = cp.get_default_memory_pool()

@@ -12,14 +12,14 @@ costs at least walk_penalty x (keys walked / keys used) of its share. The script
 cuflash (its default kernel, and its window kernel on the same dense shape), torch SDPA's cuDNN
 and FlashAttention-2 backends, and cuflash's windows themselves, all settled (varlen_window.py).
 
-    PYTHONPATH=. python benchmarks/walk_floor.py
+    PYTHONPATH=. python tools/walk_floor.py
 
 bf16, head_dim 128, 16 heads, batch 1, as varlen_window.py's table. Without a GPU it says so and exits 0.
 """
 
 from __future__ import annotations
 
-from cuflash.timing import tflops
+from cuflash.bench.timing import tflops
 
 from gpu_check import skipped_without_gpu
 from varlen_window import BACKWARD_FLOPS, DIM, DTYPE, HEADS, flops, pair_count, settled_ms
@@ -64,7 +64,7 @@ def cuflash_call(mode, q, k, v, dout, **options):
 
 def sdpa_call(name, mode, q, k, v, dout):
     """One timed call of the torch SDPA backend ``name`` (bench.py's peers, called as there)."""
-    from cuflash import bench
+    from cuflash.bench import attention as bench
 
     if mode == "fwd":
         run = bench.implementations([name])[name]
@@ -96,7 +96,7 @@ def main() -> None:
     import cupy as cp
     import torch
 
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, torch {torch.__version__}, "
           f"cuDNN {torch.backends.cudnn.version()}; bf16, d{DIM}, {HEADS} heads, batch 1, settled timing")

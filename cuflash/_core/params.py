@@ -16,7 +16,7 @@ import struct
 
 import numpy as np
 
-from cuflash import tma
+from cuflash._core import tma
 
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 

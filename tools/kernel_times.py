@@ -2,7 +2,7 @@
 medium lengths where a call's host time is close to its kernel's: device time per kernel from the
 torch profiler, and each library's host time per call.
 
-    PYTHONPATH=. python benchmarks/kernel_times.py [--seqlens 1024 2048 4096]
+    PYTHONPATH=. python tools/kernel_times.py [--seqlens 1024 2048 4096]
 
 The standard shapes (batch * seqlen = 16384, heads * head_dim = 2048), bf16, the same inputs back
 to back (L2 warm for both). ``python -m cuflash bench`` times whole calls instead, as a user makes
@@ -67,7 +67,7 @@ def main() -> None:
     import cupy as cp
 
     import cuflash
-    from cuflash.reference import attention_flops
+    from cuflash._cpu.reference import attention_flops
 
     print("| head_dim | causal | seqlen | cuDNN kernel us | cuflash kernel us | cuflash / cuDNN (kernel) "
           "| cuDNN host us | cuflash host us |")

@@ -3,7 +3,7 @@ times in one process (the target is >= 0.9x cuDNN there). At these lengths a sin
 ``python -m cuflash bench`` moves 5-15% between runs, cuDNN's side most, so one pass can put a cell
 either side of the bar; the median over alternating rounds and the per-round range say where it is.
 
-    PYTHONPATH=. python benchmarks/short_repeated.py [--rounds N]
+    PYTHONPATH=. python tools/short_repeated.py [--rounds N]
 
 The standard shapes (batch * seqlen = 16384, heads * head_dim = 2048), bf16; each
 measurement is bench.measure's (median of 5 samples of ten calls). Without a GPU it says so and
@@ -24,7 +24,7 @@ def main() -> None:
     args = parser.parse_args()
     if skipped_without_gpu("short_repeated"):
         return
-    from cuflash import bench
+    from cuflash.bench import attention as bench
 
     runs = bench.implementations(["cuflash", "sdpa-cudnn"])
     print(f"| head_dim | causal | seqlen | cuflash (median of {args.rounds}) | sdpa-cudnn (median of {args.rounds}) "

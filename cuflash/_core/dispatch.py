@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from cuflash.params import tma_ready
+from cuflash._core.params import tma_ready
 
 __all__ = [
     "FAMILIES",

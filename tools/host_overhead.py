@@ -3,12 +3,12 @@ microseconds and the figure is the Python and driver work of one call (the targe
 launch, and per decoding step of attention_with_kvcache; torch SDPA ~10-20 us per call). CuPy
 inputs always; torch inputs and torch SDPA next to them when torch is installed.
 
-    PYTHONPATH=. python benchmarks/host_overhead.py [--calls N] [--profile NAME]
+    PYTHONPATH=. python tools/host_overhead.py [--calls N] [--profile NAME]
 
 "host" is the time the calls take to return (launches queue, nothing waits); "with GPU" adds the
 final synchronisation, so it exceeds "host" only where the GPU is the limit. ``--profile NAME``
 prints cProfile's top entries for that row instead. Without a GPU it says so and exits 0;
-benchmarks/host_overhead_cpu.py times the Python part there.
+tools/host_overhead_cpu.py times the Python part there.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _per_call_us(fn, calls: int, sync) -> tuple[float, float]:
 
 def _cases(cp, torch):
     import cuflash
-    from cuflash.bench import random_normal
+    from cuflash.bench.attention import random_normal
 
     q, k, v, dout = (random_normal((1, 128, 1, 64), "bfloat16", seed) for seed in range(4))
     out, lse = cuflash.attention(q, k, v, return_lse=True)

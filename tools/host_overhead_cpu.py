@@ -5,9 +5,9 @@ kernel launch cost next to nothing, and ``kernels.get_function`` by a stub, so t
 what cuflash's own Python costs per call: framework detection, describing the tensors,
 validation, kernel choice, grid, parameter packing and the bookkeeping around allocation and
 launch. What real CuPy and the driver add (an allocation ~2-4 us, cuLaunchKernel ~2-4 us) comes
-on top; benchmarks/host_overhead.py measures the whole on a GPU.
+on top; tools/host_overhead.py measures the whole on a GPU.
 
-    PYTHONPATH=. python benchmarks/host_overhead_cpu.py [--calls N]
+    PYTHONPATH=. python tools/host_overhead_cpu.py [--calls N]
 
 It imports whichever cuflash PYTHONPATH finds, so the same script times an older checkout
 (``git archive <commit> | tar -x -C /tmp/old; PYTHONPATH=/tmp/old python benchmarks/...``).
@@ -87,11 +87,11 @@ def main() -> None:
     sys.modules["cupy"], sys.modules["cupy.cuda"] = cupy, cupy.cuda
 
     import cuflash
-    from cuflash import kernels
+    from cuflash._core import kernels
 
     kernels.get_function = lambda choice, arch, device_id: types.SimpleNamespace(ptr=1)
     with contextlib.suppress(ImportError):  # versions with the sm90 family: the stand-in device is 9.0
-        from cuflash import tma
+        from cuflash._core import tma
 
         tma.encode_tiled = lambda args: bytes(128)  # the driver's encoder (once per new buffer, then cached)
     print(f"cuflash from {cuflash.__file__}; Python {sys.version.split()[0]}; {args.calls} calls per row")

@@ -1,12 +1,12 @@
 """Interleaved A/B timing of two versions of the CUDA sources in one process.
 
     git archive main cuda_src | tar -x -C /tmp/main
-    PYTHONPATH=. python benchmarks/ab_trees.py /tmp/main/cuda_src [--mode bwd] [--cases SPEC ...]
+    PYTHONPATH=. python tools/ab_trees.py /tmp/main/cuda_src [--mode bwd] [--cases SPEC ...]
 
 A is the given cuda_src tree, B this checkout's; the Python side (dispatch, plans, launch) is this
 checkout's for both, so a change to dispatch.py applies to both versions, and both trees must
 take the template arguments this checkout's name expressions give (where they differ,
-benchmarks/sass_diff.py compares the generated code instead). Each version keeps its
+tools/sass_diff.py compares the generated code instead). Each version keeps its
 own compiled modules and launch plans, swapped in before each of its rounds. Under the H200's
 power cap a kernel's clock depends on what ran before it and takes hundreds of milliseconds to
 settle (docs/measuring.md), so two versions are compared alternately in one
@@ -74,7 +74,7 @@ class Case:
     def call(self):
         """The timed call on fresh random inputs, and a function giving its results."""
         import cuflash
-        from cuflash.bench import random_normal
+        from cuflash.bench.attention import random_normal
 
         batch, heads = max(1, TOTAL_TOKENS // self.seqlen), MODEL_WIDTH // self.head_dim
         shape_q = (batch, self.seqlen, heads, self.head_dim)
@@ -99,13 +99,13 @@ class Versions:
     """Each cuda_src tree with its own loaded modules and launch plans."""
 
     def __init__(self, trees: dict[str, Path]):
-        from cuflash import plan
+        from cuflash._core import plan
 
         self.trees = trees
         self.state = {name: ({}, plan.PlanCache()) for name in trees}
 
     def use(self, name: str) -> None:
-        from cuflash import kernels, plan
+        from cuflash._core import kernels, plan
 
         root = self.trees[name]
         kernels.source_root = lambda: root
@@ -171,7 +171,7 @@ def main() -> None:
         return
     import cupy as cp
 
-    from cuflash import kernels
+    from cuflash._core import kernels
 
     versions = Versions({"A": tree_a, "B": kernels.source_root()})
     print(cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), f"A = {tree_a}, B = {versions.trees['B']}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from cuflash import checks, interop, plan
+from cuflash._core import checks, interop, plan
 
 __all__ = ["attention_with_kvcache", "combine"]
 

@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from cuflash import dispatch, kernels, nvrtc
+from cuflash._core import dispatch, kernels, nvrtc
 
 __all__ = ["OWN_V_SPILL_ALLOWANCE", "SERIALIZED_NOTE", "SPILL_ALLOWANCE", "Outcome", "check_arch", "compile_all", "families", "own_v_dim",
            "representative_kernel", "representative_kernels", "spill_allowance", "verdict"]

@@ -18,8 +18,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from cuflash import dispatch, interop, kernels
-from cuflash.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
+from cuflash._core import dispatch, interop, kernels
+from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
                             FWD_POINTERS, KV_POINTERS, MLA_POINTERS, ArgumentBuffer, pack_bwd_params,
                             pack_combine_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
                             pack_fwd_params_paged, pack_kv_params, pack_mla_params, mla_tma_argument,

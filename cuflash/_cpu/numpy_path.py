@@ -1,4 +1,4 @@
-"""The CPU path: NumPy in, NumPy out, computed by the float64 reference (cuflash.reference) and
+"""The CPU path: NumPy in, NumPy out, computed by the float64 reference (cuflash._cpu.reference) and
 cast to the inputs' dtype. FP8 inputs are dequantized first (x * descale, in float64) and give
 their out_dtype. The callers check the arguments exactly as for the GPU (checks.py)."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from cuflash import checks, reference
+from cuflash._core import checks
+from cuflash._cpu import reference
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_varlen_backward", "attention_with_kvcache",
            "combine"]
@@ -90,7 +91,7 @@ def attention_varlen_backward(arrays: dict, cu_seqlens_q, cu_seqlens_k, causal: 
 def attention_with_kvcache(call: checks.KvCall):
     """A checked NumPy call (checks.KvCall): the reference's attention, and its appended cache
     rows copied into the caller's caches (only those positions are written)."""
-    from cuflash import reference_kvcache
+    from cuflash._cpu import reference_kvcache
 
     t, h = call.tensors, call.host
     q = t["q"]
@@ -119,7 +120,7 @@ def attention_with_kvcache(call: checks.KvCall):
 
 def combine(call: checks.CombineCall):
     """A checked NumPy combine (checks.CombineCall) by the float64 reference."""
-    from cuflash import reference_kvcache
+    from cuflash._cpu import reference_kvcache
 
     out, lse = reference_kvcache.combine_reference(call.out_partial, call.lse_partial)
     out = out.astype(_COMBINE_DTYPES[call.out_dtype])

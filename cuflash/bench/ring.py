@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cuflash.bench import HIDDEN, document_header, gpu_slug
-from cuflash.reference import attention_flops
+from cuflash.bench.attention import HIDDEN, document_header, gpu_slug
+from cuflash._cpu.reference import attention_flops
 
 __all__ = ["RingCase", "markdown_table", "run", "sweep", "write_outputs"]
 
