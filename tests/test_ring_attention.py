@@ -245,12 +245,12 @@ def test_blocks_mask_what_the_whole_mask_masks(layout, world_size, local, window
     """Every (rank, source) pair of shards: the blocks under their windows, placed back, are the
     whole sequence's mask of the pair; no block is masked out entirely, and the unmasked ones are
     joined (under a causal mask, zigzag needs one launch per step off the diagonal)."""
-    from cuflash.torch.distributed import _Ring
+    from cuflash._core.ring import Ring
 
     whole = reference.allowed_keys(world_size * local, world_size * local, window=window)
     positions = [ring.sequence_positions(r, world_size, local, layout=layout).numpy() for r in range(world_size)]
     for rank in range(world_size):
-        ranks = _Ring(None, rank, world_size, layout, ((0, local),))
+        ranks = Ring(None, rank, world_size, layout, ((0, local),))
         for source in range(world_size):
             got = np.zeros((local, local), bool)
             blocks = ranks.blocks(source, window)
@@ -268,15 +268,15 @@ def test_blocks_mask_what_the_whole_mask_masks(layout, world_size, local, window
 def test_packed_blocks_stay_within_their_sequences():
     """Three sequences of a packed shard: every block's rows and keys lie in one sequence's rows,
     and the blocks of each sequence are those of that sequence alone, shifted to its rows."""
-    from cuflash.torch.distributed import _Ring
+    from cuflash._core.ring import Ring
 
     segments = ((0, 4), (4, 0), (4, 6))
     for rank in range(2):
         for source in range(2):
-            got = _Ring(None, rank, 2, "zigzag", segments).blocks(source, (-1, 0))
+            got = Ring(None, rank, 2, "zigzag", segments).blocks(source, (-1, 0))
             expected = []
             for first, length in segments:
-                for block in _Ring(None, rank, 2, "zigzag", ((0, length),)).blocks(source, (-1, 0)):
+                for block in Ring(None, rank, 2, "zigzag", ((0, length),)).blocks(source, (-1, 0)):
                     expected.append((slice(block.rows.start + first, block.rows.stop + first),
                                      slice(block.keys.start + first, block.keys.stop + first), block.window))
             assert [tuple(b) for b in got] == expected

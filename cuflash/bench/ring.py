@@ -80,14 +80,14 @@ def _timed(call, repeats: int, device, group) -> float:
 def _local_transfers():
     """The ring passing nothing: each rank computes on its own K/V block at every step (the same
     blocks' kernels as the ring's, no communication)."""
-    from cuflash.torch import distributed
+    from cuflash._core.ring import Ring, Transfer
 
-    original = distributed._Ring.pass_on
-    distributed._Ring.pass_on = lambda self, tensor, tag: distributed._Transfer(tensor.clone(), [])
+    original = Ring.pass_on
+    Ring.pass_on = lambda self, tensor, tag: Transfer(tensor.clone(), [])
     try:
         yield
     finally:
-        distributed._Ring.pass_on = original
+        Ring.pass_on = original
 
 
 def _step(function, mode: str, q, k, v, dout, causal: bool):
