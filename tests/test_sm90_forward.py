@@ -18,7 +18,7 @@ import pytest
 from cuflash._core import checks, dispatch, interop, kernels, params, plan, tma
 from cuflash.cli import compile_check
 from cuflash._core.params import (BWD_PARAMS, BWD_PARAMS_SM90, BWD_PARAMS_SM90_SIZE, FWD_PARAMS, FWD_PARAMS_SM90,
-                            FWD_PARAMS_SM90_SIZE, FWD_POINTERS, ArgumentBuffer)
+                                  FWD_PARAMS_SM90_SIZE, FWD_POINTERS, ArgumentBuffer)
 
 SM90_KERNELS = dispatch.all_kernels("sm90")
 SM90_FORWARD = [c for c in SM90_KERNELS if c.source == "sm90/flash_fwd.cu"]

@@ -14,7 +14,7 @@ import pytest
 import cuflash
 from cuflash._core import checks, dispatch, interop
 from cuflash._core.params import (BWD_PARAMS, BWD_PARAMS_SIZE, CONVERT_PARAMS, CONVERT_PARAMS_SIZE, FWD_PARAMS,
-                            FWD_PARAMS_SIZE)
+                                  FWD_PARAMS_SIZE)
 
 
 def qkv(shape_q=(2, 16, 4, 64), shape_kv=(2, 24, 2, 64), dtype=np.float32):

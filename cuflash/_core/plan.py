@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 from cuflash._core import dispatch, interop, kernels
 from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
-                            FWD_POINTERS, KV_POINTERS, MLA_POINTERS, ArgumentBuffer, pack_bwd_params,
-                            pack_combine_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
-                            pack_fwd_params_paged, pack_kv_params, pack_mla_params, mla_tma_argument,
-                            sm90_backward_argument, sm90_forward_argument, tma_ready)
+                                  FWD_POINTERS, KV_POINTERS, MLA_POINTERS, ArgumentBuffer, pack_bwd_params,
+                                  pack_combine_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
+                                  pack_fwd_params_paged, pack_kv_params, pack_mla_params, mla_tma_argument,
+                                  sm90_backward_argument, sm90_forward_argument, tma_ready)
 
 __all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan", "PlanCache",
            "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache", "build_mla",
