@@ -3,19 +3,18 @@
     git archive main cuda_src cuflash | tar -x -C /tmp/main
     PYTHONPATH=. python tools/sass_diff.py /tmp/main [--jobs 2] [--limit N] [--family sm80]
 
-The old tree is a checkout root holding ``cuda_src/`` and ``cuflash/_core/dispatch.py``; the new one is
-this checkout unless ``--new-root`` names another (the sources must not change during a run).
-Each tree's own ``dispatch.all_kernels`` lists its instantiations (sm80's compiled for sm_80,
-sm90's for sm_90a, with the options cuflash compiles with), paired by position: the lists
-enumerate the same switches in the same order, so a kernel that changes its template arguments or
-its name still meets its counterpart. Each cubin's code (``nvdisasm -c -hex``: the instructions
-and their control bits; pip's nvidia-cuda-nvdisasm has it) is compared with addresses dropped and
-mangled symbol names replaced by a placeholder, together with the ptxas register, stack and spill
-report. Results are kept under ``--cache`` keyed by the tree's sources and the name expression,
-so the old tree compiles once and an unchanged kernel of the new tree is not compiled again.
-Prints one line per kernel that differs and a verdict; exits 1 if any differs. All 214 kernels
-take about 6 minutes per tree on 2 cores.
-"""
+The old tree is a checkout root holding ``cuda_src/`` and ``cuflash/_core/dispatch.py`` (or, older,
+``cuflash/dispatch.py``); the new one is this checkout unless ``--new-root`` names another (the
+sources must not change during a run). Each tree's own ``dispatch.all_kernels`` lists its
+instantiations (sm80's compiled for sm_80, sm90's for sm_90a, with the options cuflash compiles
+with), paired by position: the lists enumerate the same switches in the same order, so a kernel
+that changes its template arguments or its name still meets its counterpart. Each cubin's code
+(``nvdisasm -c -hex``: the instructions and their control bits; pip's nvidia-cuda-nvdisasm has it)
+is compared with addresses dropped and mangled symbol names replaced by a placeholder, together
+with the ptxas register, stack and spill report. Results are kept under ``--cache`` keyed by the
+tree's sources and the name expression, so the old tree compiles once and an unchanged kernel of
+the new tree is not compiled again. Prints one line per kernel that differs and a verdict; exits 1
+if any differs. All 214 kernels take about 6 minutes per tree on 2 cores. """
 
 from __future__ import annotations
 
@@ -35,7 +34,10 @@ ARCHES = {"sm80": "sm_80", "sm90": "sm_90a"}
 _LIST_KERNELS = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
-from cuflash._core import dispatch
+try:
+    from cuflash._core import dispatch
+except ImportError:  # a tree from before the internals moved under cuflash/_core
+    from cuflash import dispatch
 print(json.dumps([[c.source, c.name_expression] for c in dispatch.all_kernels(sys.argv[2])]))
 """
 
