@@ -146,7 +146,7 @@ def _driver() -> ctypes.CDLL:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError as error:
-        raise RuntimeError(f"cuflash._core.tma: the CUDA driver (libcuda.so.1) is not loadable: {error}") from None
+        raise RuntimeError(f"cuflash: the CUDA driver (libcuda.so.1) is not loadable: {error}") from None
     lib.cuInit.argtypes = [ctypes.c_uint]
     lib.cuTensorMapEncodeTiled.argtypes = [
         ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
@@ -157,7 +157,7 @@ def _driver() -> ctypes.CDLL:
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     status = lib.cuInit(0)  # already done when CuPy is in use; harmless again
     if status != 0:
-        raise RuntimeError(f"cuflash._core.tma: cuInit failed with CUresult {status}")
+        raise RuntimeError(f"cuflash: cuInit failed with CUresult {status}")
     return lib
 
 
