@@ -95,7 +95,7 @@ def attention_varlen(
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
         arrays["out"] = out
-    if type(validate) is not bool or type(return_lse) is not bool:  # plain bools skip two calls (~0.2 us)
+    if type(validate) is not bool or type(return_lse) is not bool:  # plain bools skip two calls
         validate, return_lse = checks.resolve_flag("validate", validate), checks.resolve_flag("return_lse", return_lse)
     framework, tensors, lengths = checks.check_varlen(arrays, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                                       validate, dtype=dtype)

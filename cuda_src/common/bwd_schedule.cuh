@@ -2,8 +2,8 @@
 //
 // Every key block adds into the dQ rows of every query block it sees, with fp32 reductions. If
 // all key blocks of a head walked the query blocks in the same order, they would add into the
-// same rows at the same moment, and reductions to one address serialise in L2 (measured: 13-23%
-// of backward time). Without a mask every key block sees every query block, so key block n starts
+// same rows at the same moment, and reductions to one address serialise in L2 (docs/kernels.md).
+// Without a mask every key block sees every query block, so key block n starts
 // at query block n * m_blocks / n_blocks and wraps around; under a causal mask or a window the
 // key blocks already start at different query blocks (their first visible one) and walk up.
 #pragma once

@@ -8,8 +8,8 @@ namespace cuflash {
 
 // t = tanh(s * tanh_scale), tanh_scale = scale / softcap, by tanh.approx.f32: one MUFU op per
 // score where 1 - 2 / (exp(2y) + 1) took two (exp2, rcp) and three ALU ops, and the softcap
-// forward was bound by those issue slots (1.43x the call without softcap at d128, 1.19x with
-// this). Its error, up to 2^-11 relative, is that of rounding the capped score to fp16, which the
+// forward was bound by those issue slots (docs/kernels.md, softcap). Its error, up to 2^-11
+// relative, is that of rounding the capped score to fp16, which the
 // correctness rule's low-precision baseline spends too; not so for the slope 1 - t^2 that the
 // backward needs (softcap_slope below).
 // Saturates to exactly +-1 for large |y|; masks are applied after it, so it never sees -inf.
@@ -29,7 +29,7 @@ __device__ __forceinline__ void softcap_scores(float (&s)[MT][NT][4], float tanh
 // 1 - tanh(y)^2 as sech(y)^2 = 4 u / (1 + u)^2 with u = exp(-2 |y|): relative accuracy where tanh
 // saturates. From tanh.approx's t, whose absolute error reaches 2^-11, 1 - t^2 was 1% off at
 // |y| = 2 and wholly lost where t rounds to 1, which put dQ and dK past the correctness rule's
-// bound at softcap 5 in about one draw in eight.
+// bound at small softcaps (docs/kernels.md, softcap).
 __device__ __forceinline__ float softcap_slope(float y) {
   constexpr float kMinus2Log2e = -2.8853900817779268f;
   const float u = fast_exp2(kMinus2Log2e * fabsf(y));

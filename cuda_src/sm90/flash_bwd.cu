@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   __shared__ u64 kv_full, kv_empty;
   // With the head dim split, Q and dO of a stage have their own barriers: the consumers are done
   // with Q (dK) before dO (dV), and the producer refills each as soon as it is free. Otherwise the
-  // q barriers guard both (one wait and one arrival fewer per step: measured 1-3% of the time).
+  // q barriers guard both (one wait and one arrival fewer per step).
   __shared__ u64 q_full[STAGES], q_empty[STAGES], do_full[STAGES], do_empty[STAGES];
   u64* const dout_full = L::SPLIT_DIMS ? do_full : q_full;
   extern __shared__ unsigned char smem_raw[];
@@ -177,14 +177,14 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   // walking CTAs walk theirs (above). Under a causal mask each walks its query blocks from the
   // last, which every key block sees, so a head's CTAs read the same Q and dO block at once, from
   // L2. sm80's order (causal key blocks slowest, longest first, each walking up from its diagonal)
-  // reads them from memory: it took 1.16x the time at d64 causal 4k and 1.6-1.8x at d256 1k-2k,
-  // where one Q/dO stage hides little of a load. Taking turns relies on the order of the grid: a
+  // reads them from memory, which costs most at d256, where one Q/dO stage hides little of a
+  // load (docs/kernels.md). Taking turns relies on the order of the grid: a
   // CTA waits only for key blocks of lower index, dispatched before it.
   // Without a causal mask, turns interleave the key blocks of a group of turn_heads heads, key
   // block slowest: grid (key blocks x turn_heads, head groups, batch). CTAs that start together
   // then belong to different heads or are a head's consecutive key blocks, started in order, so
-  // no head's CTAs queue at their first query block behind each other (measured with one head's
-  // key blocks adjacent in the grid: 17-19% over default mode at d64 1k-4k).
+  // no head's CTAs queue at their first query block behind each other, as they do with one head's
+  // key blocks adjacent in the grid (docs/kernels.md, determinism).
   // A packed batch's CTAs past a shorter sequence, and a last group's past the heads, leave at once.
   constexpr bool GROUPED = TURNS && !CAUSAL;
   constexpr bool LAST_FIRST = TURNS || (CAUSAL && !WALK);
@@ -228,8 +228,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
     setmaxnreg_dec<kBwdProducerRegisters>();
     if (threadIdx.x / 32 == 1) {
       // The dQ writer: adds each staged block into global memory, so that the consumers only
-      // stage it (measured against a consumer thread issuing the reductions: 6.5% less time at
-      // d64, 1.5% at d128). The walk's split and the turn counters as above.
+      // stage it and never issue, or wait for, a reduction inside their step. The walk's split
+      // and the turn counters as above.
       const int split = WALK ? blockIdx.x : 0;
       float* const dq = a.dq_accum + split * a.dq_split_stride + batch * a.dq_batch_stride + head * a.dq_head_stride;
       int* const turns = TURNS ? a.dq_turns + (static_cast<i64>(batch) * a.heads + head) * a.dq_turn_blocks : nullptr;
@@ -324,7 +324,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const float* const lse = a.lse + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   const float* const delta = a.delta + batch * a.lse_batch_stride + head * a.lse_head_stride + seq.q_begin;
   // A constant at head_dim 128: with the test `consumer < PANELS` there (always true), ptxas spilled
-  // 200-240 bytes in every d128 kernel, which cost 2-8% of a call.
+  // 200-240 bytes in every d128 kernel.
   const bool computes_dq = L::DQ_CONSUMERS == 2 || consumer == 0;
   // The pad columns are reduced into global's pad columns, which nothing reads: zeros, not
   // whatever shared memory held.
@@ -490,8 +490,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         const auto do_mn = [&] { return smem_desc_sw128_mn(do_stage() + (dv_col0 / 64) * L::QD_PANEL, L::QD_PANEL); };
         // dQ = dS K: M = the 64 queries, K = the block's keys (k16 steps of 16 rows), N = DQ_DIMS
         // columns from col0 (from K's panel col0 / 64). Split by columns rather than by keys, each
-        // element has one writer: measured with per-thread reductions, two warpgroups adding into
-        // the same elements cost 20-30%.
+        // element has one writer: two warpgroups adding into the same elements at once contend
+        // for them (docs/kernels.md).
         float dq_part[1][L::DQ_DIMS / 8][4];
         const auto issue_dq = [&](int col0) {
           wgmma_fence();
@@ -622,7 +622,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       };
       // Taking turns under a mask keeps the one copy with the test: with two, ptxas moves loop
       // state to local memory inside the step. ((192, 128)'s step spills with one copy or two, and
-      // ran 4-8% faster with two.)
+      // is faster with two: docs/kernels.md.)
       constexpr bool kUnmaskedCopy = !(TURNS && (CAUSAL || WINDOW));
       for (int i = 0; i < m_range.end - m_range.begin; ++i, pos.advance(), ++step) {
         const int m = query_block(m_range, i);

@@ -453,8 +453,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
         // Each step issues S of block n and then P V of block n + 1 (FlashAttention-3's
         // intra-warpgroup overlap): the softmax of block n runs while the tensor cores still
         // multiply P V, and the rescale of o waits for that product. The two calls below inline
-        // the step twice, with the mask and without: a mask test inside the step (even one that
-        // never passes) cost 4-5% at long causal lengths.
+        // the step twice, with the mask and without: a mask test inside the step, even one that
+        // never passes, shapes ptxas's schedule of every step.
         const auto step = [&](bool masked) {
           mbarrier_wait(&k_full[k_pos.stage], k_pos.phase);
           mbarrier_wait(&pv_full[v_pos.stage], v_pos.phase);
@@ -482,8 +482,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
           k_pos.advance();
           v_pos.advance();
         };
-        // Three consumers (d64, 160 registers each) keep one step with the test inside: the two
-        // copies measured 1-3% slower there. Otherwise, without a causal or window mask only the
+        // Three consumers (d64, 160 registers each) keep one step with the test inside: two copies
+        // do not pay there (docs/kernels.md). Otherwise, without a causal or window mask only the
         // sequence's last key block needs one, and the walk takes it first; with one, the test is
         // the whole tile's, uniform across the CTA: a branch around wgmma on a value that ptxas
         // cannot prove warp-uniform (this warpgroup's rows) would serialise every wgmma of the

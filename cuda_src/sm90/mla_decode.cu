@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_sm90(const __grid_c
 // A 16-bit cache whose steps of 64 rows each lie in one page (pages of a multiple of 64 rows, or
 // one page per sequence) comes by TMA instead: one thread issues a step's boxes (64 rows x 64
 // columns, 128-byte swizzled as the stages are laid out) on the stage's mbarrier. The SM's copy
-// engine streams a step at ~4.2-4.6 TB/s where the threads' 16-byte cp.async reach ~3.7-4.0
-// (docs/mla.md), and the other threads issue no copies.
+// engine streams a step faster than the threads' 16-byte cp.async do (docs/mla.md), and the
+// other threads issue no copies.
 struct MlaParamsTma {
   TensorMap kv_cache;  // (pages, page_size, 1, its head dim), boxes of 64 rows x 64 columns
   TensorMap kv_rope;   // the split form's rotary cache; else kv_cache's again
@@ -119,7 +119,7 @@ __device__ __forceinline__ void mla_land_step(u64* full, u32 parity, unsigned ch
 
 // With the copies off the threads, the TMA kernel also reorders the work: the two warpgroups'
 // roles alternate step by step, so that one's softmax runs while the other's products do
-// (FlashMLA's schedule; +12-16% over both warpgroups in lockstep on the same TMA loads).
+// (FlashMLA's schedule; docs/mla.md compares it with both warpgroups in lockstep).
 // Step i's owner, warpgroup i % 2, alone computes S = Q K^T for it (all 64 rows, m64n64: Q read
 // once a step, not once per warpgroup) and its softmax, scaling by the running maximum after step i - 1, which the previous
 // owner published; it publishes P (16-bit, one shared tile) and the new maximum (kMlaReady), and

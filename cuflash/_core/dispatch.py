@@ -91,9 +91,9 @@ def _mask_flags(mask: str, softcap_in_window: bool) -> tuple[bool, bool]:
     """The CAUSAL and WINDOW template flags of the kernels for ``mask``; ``softcap_in_window``: a
     softcap runs every mask in the window kernel, from the run-time bounds. So run sm80's forward
     (one instantiation instead of three) and every backward: sm90's causal backward kernel with
-    softcap measured 2-14% slower than the window kernel. sm90's forward caps scores in each
-    mask's own kernel, where causal keeps its grid order and unmasked steps (key blocks that no
-    row's mask cuts, which skip the per-element mask), and d64 its third consumer
+    softcap is slower than the window kernel (docs/kernels.md, softcap). sm90's forward caps scores
+    in each mask's own kernel, where causal keeps its grid order and unmasked steps (key blocks
+    that no row's mask cuts, which skip the per-element mask), and d64 its third consumer
     (forward_kernel)."""
     return mask == "causal" and not softcap_in_window, mask == "window" or softcap_in_window
 
@@ -129,7 +129,7 @@ class Tile:
 # warp with 8 warps, as FlashAttention-2 does, so O stays at 128 registers per thread.
 SM80_FWD_TILES = {
     # head_dim 64: O is only 64 registers, so 128 keys per step fit; twice the work per barrier
-    # pair and per softmax reduction (measured 1.1x over 64 keys on the H200).
+    # pair and per softmax reduction.
     64: Tile(128, 128, 4),
     96: Tile(128, 64, 4),
     128: Tile(128, 64, 4),
@@ -164,12 +164,11 @@ SM90_SHORT_ROWS = 1024
 # main-loop steps, each a longer Q K^T and P V between the same barriers and softmax reductions.
 # Two stages of them fit next to Q, three at none. Per consumer thread S is block_n / 2 fp32
 # registers, its 16-bit copy for P V block_n / 4 and O head_dim / 2: 196, 168 and 188 of the 240,
-# and ptxas spills nothing. Measured on the H200 (bf16, against the tiles above in one run):
-# d128 1.00-1.12x from 1k, d192 1.09-1.33x, d256 1.06-1.22x; d192 at 112 keys (216 KB, 28 B
-# spilled: offsets of the epilogue's stores kept on the stack) ran below 96. Masked
+# and ptxas spills nothing. d192 takes 96 keys, not 112: at 112 (216 KB) ptxas spills 28 B
+# (offsets of the epilogue's stores kept on the stack). Masked
 # kernels keep the tiles above: with these ptxas spills 4 B (d128 causal) to 132 B (d256 softcap),
-# and with softcap some of it in the main loop. Short d128 calls (``short``) keep 128 keys: the
-# wide tile measured 0.96x at 512 and 1.00x at 1k.
+# and with softcap some of it in the main loop. Short d128 calls (``short``) keep 128 keys: there
+# the wide tile gains nothing (docs/kernels.md, the sm90 forward).
 SM90_WIDE_LONG_ONLY = {128}
 SM90_WIDE_TILES = {
     128: Tile(128, 176, 12, stages=2),  # Q 32 KB + 2 x (K 44 KB + V 44 KB) = 208 KB
@@ -351,8 +350,8 @@ def forward_kernel(
 # thread at head_dim 128 and 256. 128 keys per CTA halve the Q/dO loads and dQ reductions per
 # FLOP against 64; heads wider than 128 drop to 64 keys to fit K, V and two Q/dO buffers in 227 KB.
 # head_dim 64 runs two CTAs per SM (97 KB of shared memory each) at 128 registers: S, dP, dK and
-# dV alone are 128 fp32 registers, so ~170 B spill, and still 3-7% faster than one CTA at 241
-# registers: the second CTA's warps cover the barriers.
+# dV alone are 128 fp32 registers, so ~170 B spill, and yet two CTAs beat one at 241 registers:
+# the second CTA's warps run while the first waits at its barriers.
 SM80_BWD_TILES = {
     64: Tile(64, 128, 8, ctas_per_sm=2),
     96: Tile(64, 128, 8),
@@ -503,8 +502,9 @@ MAX_GRID_YZ = 65535
 class Mask(NamedTuple):
     """Which keys each query row sees, the one form every launch decision reads: ``kind`` one of
     MASKS, the kernels' run-time bounds ``left`` and ``right`` (cuda_src/common/mask.cuh; -1
-    unbounded, causal is right = 0), and ``softcap`` (0: none). A tuple, as it is built per
-    packed-batch call (0.25 us against 0.8 for a frozen dataclass)."""
+    unbounded, causal is right = 0), and ``softcap`` (0: none). A tuple, not a frozen dataclass
+    (whose constructor sets each field through object.__setattr__): one is built per packed-batch
+    call."""
 
     kind: str
     left: int
@@ -529,7 +529,7 @@ def make_mask(causal: bool, window: tuple[int, int], softcap: float, seqlen_q: i
     if causal:
         right = 0
     left, right = (-1 if left >= seqlen_k - 1 else left), (-1 if right >= seqlen_q - 1 else right)
-    # tuple.__new__ skips the NamedTuple's Python-level constructor (~0.2 us per packed-batch call).
+    # tuple.__new__ skips the NamedTuple's Python-level constructor, on every packed-batch call.
     return _new_tuple(Mask, (_MASK_KINDS.get((left, right), "window"), left, right, softcap))
 
 
@@ -586,9 +586,9 @@ def sm90_ctas(unequal: bool, max_seqlen_k: int, tiles: int, device: int) -> int:
     """CTAs of the sm90 forward's grid over ``tiles`` tiles. Persistent (the tile's shared memory
     allows no second CTA per SM) where the tiles are equal (sm90_tiles_unequal), and over
     sequences of at most PERSISTENT_UNEQUAL_KEYS keys, where the tiles are short and hiding each
-    one's prologue and epilogue pays most (causal 1k: +3% at d128, +11% at d64). Longer unequal
-    tiles get one CTA per tile, longest first, and the hardware's block scheduler balances them
-    (measured 5-9% faster at 4k-16k causal)."""
+    one's prologue and epilogue pays most. Longer unequal tiles get one CTA per tile, longest
+    first: a static round robin cannot balance tiles of unequal length, the hardware's block
+    scheduler can (docs/kernels.md, the sm90 forward)."""
     if unequal and max_seqlen_k > PERSISTENT_UNEQUAL_KEYS:
         return tiles
     return min(tiles, multiprocessors(device))
@@ -599,9 +599,9 @@ def sm90_tiles_unequal(mask: Mask, packed: bool) -> bool:
     one-sided window a tile's keys grow or shrink with its rows, and a packed batch's sequences
     differ. A narrow band (both sides bounded, at most PERSISTENT_BAND_KEYS wide) gives every tile
     the same few key blocks but near the sequence's ends, and runs persistent like an unmasked
-    grid: measured at 16k keys, 4-10% less time than one CTA per tile for widths 256-1024 at
-    head_dim 64-256, while (1024, 1024) was even and (4096, 0) 1-6% slower. Softcap kernels keep
-    one CTA per tile, as measured when the policy was set."""
+    grid, which hides each tile's prologue and epilogue, worth most where walks are short; at
+    (1024, 1024) the two grids are even (docs/kernels.md, windows).
+    Softcap kernels keep one CTA per tile: the band's grid was chosen on kernels without softcap."""
     narrow_band = 0 <= mask.left and 0 <= mask.right and mask.left + mask.right <= PERSISTENT_BAND_KEYS
     return (mask.kind != "none" and not narrow_band) or bool(mask.softcap) or packed
 
@@ -632,9 +632,9 @@ def forward_launch(family: str, q, k, v, mask: Mask, batch: int, max_seqlen_q: i
 
 
 # sm90's deterministic mode walks causal sequences up to this many keys, per kernel
-# (SM90_BWD_TILES); elsewhere one CTA per key block runs faster (flash_bwd.cu: a causal head's key
-# blocks side by side). Measured against the walk, d128: default 1.22-1.33x, deterministic
-# 1.04-1.08x at 1k-2k; d256 1.22-1.93x; d64 default 0.98-1.11x, deterministic 0.81-0.86x.
+# (SM90_BWD_TILES): the walk spreads each CTA's start over its blocks, which outweighs the
+# side-by-side grid's shared L2 reads at d64 only; elsewhere one CTA per key block runs faster
+# (flash_bwd.cu: a causal head's key blocks side by side; docs/kernels.md, the sm90 backward).
 WALK_CAUSAL_KEYS = {(64, 64): 2048, (128, 128): 0, (192, 128): 0, (256, 256): 0}
 
 
@@ -679,7 +679,7 @@ def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seql
         raise ValueError(f"k: sequences must be at most {MAX_GRID_YZ * main.tile.block_n} keys long for the "
                          f"backward at head dims {head_dims}, got {max_seqlen_k}")
     # Walk: as many CTAs per (batch, head) as fill the resident slots in one wave (rounding up
-    # would leave a second, nearly empty wave: measured 147 vs 271 TFLOP/s).
+    # would leave a second, nearly empty wave).
     slots = multiprocessors(device) * main.tile.ctas_per_sm
     splits = max(1, min(n_blocks, slots // (batch * heads))) if order == "walk" else 1
     # Turns without a causal mask: the key blocks of turn_heads heads interleaved (flash_bwd.cu),
@@ -866,9 +866,8 @@ MLA_KERNELS = {"sm80": "cuflash::mla_decode_sm80", "sm90": "cuflash::sm90::mla_d
 MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_alternating_sm90"
 # At <= 32 packed query rows sm90's TMA-loaded decoding transposes its products, the rows wgmma's N
 # (16 or 32): mla_decode_narrow_sm90. Each of its steps is one warpgroup's alone, so a step takes
-# longer than the 64-row tile's, which two warpgroups share; it pays from enough keys a split
-# (batch 16-128 x 1k-32k: at 16 rows 0.99-1.27x from 1024, 0.88-0.95x below; at 32 rows 1.11-1.17x
-# from 8192, 0.99-1.02x at 4096, 0.86-0.95x below).
+# longer than the 64-row tile's, which two warpgroups share: it pays from MLA_NARROW_MIN_KEYS keys
+# a split (docs/mla.md).
 MLA_NARROW_KERNEL = "cuflash::sm90::mla_decode_narrow_sm90"
 MLA_NARROW_ROWS = (16, 32)
 MLA_NARROW_MIN_KEYS = {16: 1024, 32: 8192}

@@ -2,9 +2,9 @@
 
 Each kernel takes one struct by value, described here as a NumPy structured dtype; ``align=True``
 gives the C layout, and params.cuh static_asserts the same size. The pack_* functions fill a
-whole struct with NumPy (~3 us each), which a launch plan does once; per call, an
+whole struct with NumPy, too slow for every call, which a launch plan does once; per call, an
 ``ArgumentBuffer`` copies that template and writes only the leading pointer fields, the one
-part that changes between calls with the same shapes (~0.5 us).
+part that changes between calls with the same shapes (docs/host.md).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def tma_ready(t) -> bool:
 
 # A map depends only on these arguments, so one encoded for the same tensor before is reused: a
 # model calls attention on the same buffers again and again, and the checks, the driver call and
-# its ctypes arrays cost ~7 us per map.
+# its ctypes arrays then run once per buffer, not once per call.
 # The address is last so that a plan binds the rest positionally (functools.partial), which keeps
 # the cache lookup cheap.
 @functools.lru_cache(maxsize=256)
@@ -269,8 +269,8 @@ def pack_convert_params(src, dst, src_strides: tuple[int, int, int], group: int 
                     dtype=CONVERT_PARAMS)
 
 
-# Copies a 128-byte tensor map into a filled buffer: a struct write costs ~0.05 us where
-# ctypes.memmove, a foreign-function call, costs ~0.4 us.
+# Copies a 128-byte tensor map into a filled buffer: a struct write, not ctypes.memmove, whose
+# foreign-function call costs more than the copy.
 _pack_map = struct.Struct(f"{tma.TENSOR_MAP_BYTES}s").pack_into
 
 

@@ -3,8 +3,8 @@
 
 The sm80 kernels are tuned at their register ceiling: 255 per thread, or 128 for the head_dim 64
 backward, which runs two CTAs per SM (dispatch.SM80_BWD_TILES says why that pays). There ptxas
-keeps a few values in local memory, and dispatch.py's tiles were measured fastest with those
-spills. SPILL_ALLOWANCE bounds them per kernel and head-dim bucket; a kernel that spills more, or
+keeps a few values in local memory, and dispatch.py's tiles are the fastest found, those spills
+included. SPILL_ALLOWANCE bounds them per kernel and head-dim bucket; a kernel that spills more, or
 one outside the table that spills at all (the sm90 family, whose warpgroups' register split must
 hold everything, but for one backward kernel the table names), is a problem. So is a kernel whose
 wgmma ptxas serialised (a product issued under a branch that its wait is not in, for one): it
@@ -37,7 +37,7 @@ SPILL_ALLOWANCE = {
     ("cuflash::flash_bwd_sm80", 192): 128,
     ("cuflash::flash_bwd_sm80", 256): 832,
     # The (192, 128) backward's step (two query halves on a ring of half stages, dQ's panels chosen
-    # by step parity): every spill-free arrangement tried ran 8-12% slower (docs/kernels.md).
+    # by step parity): every spill-free arrangement tried was slower (docs/kernels.md).
     ("cuflash::sm90::flash_bwd_sm90", 192): 320,
 }
 # The sm80 backward kernels for a v head dim of its own (dispatch.backward_kernels' own_v_dim) where

@@ -1,14 +1,8 @@
-"""``python -m cuflash``: environment report, self-check, and cuflash next to standard attention.
+"""``python -m cuflash``: the environment report and self-check, ``bench`` and ``compile-check``.
 
-Without a GPU it checks the CPU path and compiles one kernel, in seconds.
-``python -m cuflash bench [--quick | --memory]`` times cuflash next to its peers (see
-cuflash/bench/attention.py; ``--mode decode`` decoding against a KV cache, cuflash/bench/decode.py;
-``--mode mla`` MLA decoding, cuflash/bench/mla.py; ``--mode ring`` context parallelism across
-the GPUs, cuflash/bench/ring.py);
-``python -m cuflash compile-check --arch sm_80`` compiles every kernel
-instantiation for one architecture with NVRTC, in parallel (no GPU needed), and gives a verdict on
-the spills (cuflash/cli/compile_check.py); ``--front-end`` compiles the representative ones only and
-judges no spills (for an older NVRTC than the allowances were measured with).
+The help texts below are what a user reads in a terminal: plain sentences, no source paths. The
+bench modes live in cuflash/bench/ (attention.py, decode.py, mla.py, ring.py), the compile check
+in cuflash/cli/compile_check.py.
 """
 
 from __future__ import annotations
@@ -178,20 +172,84 @@ def _head_dims(text: str) -> list[int | tuple[int, int]]:
     return values
 
 
+DESCRIPTION = """\
+cuflash: exact attention (FlashAttention) for CuPy, PyTorch and NumPy arrays, with CUDA kernels
+compiled at run time by NVRTC.
+
+Without a command: report the GPU, NVRTC and the kernel cache, check one call against the float64
+reference and time cuflash next to standard attention. Without a GPU it says what is missing,
+checks the CPU path and compiles one kernel, in seconds."""
+
+EPILOG = """\
+examples:
+  python -m cuflash                               environment report and self-check
+  python -m cuflash bench --quick                 forward, head_dim 128, 1k and 4k tokens
+  python -m cuflash bench --out results           the standard forward sweep, tables into results/
+  python -m cuflash bench --mode bwd              the backward (fwd_bwd: both)
+  python -m cuflash bench --dtype e4m3            FP8 forward next to cuDNN's FP8 attention
+  python -m cuflash bench --mode decode --quick   decoding against a KV cache, in GB/s
+  python -m cuflash bench --mode mla --quick      MLA decoding, in GB/s and TFLOP/s
+  python -m cuflash bench --mode ring             context parallelism over every GPU (2 or more)
+  python -m cuflash bench --memory                peak memory and modelled memory traffic
+  python -m cuflash compile-check --arch sm_90a   compile every kernel for Hopper, no GPU needed
+  python -m cuflash compile-check --front-end     only whether NVRTC takes the sources
+
+python -m cuflash bench --help and python -m cuflash compile-check --help list their options."""
+
+BENCH_DESCRIPTION = """\
+Time cuflash on this GPU next to its peers, in the same run: torch SDPA's backends
+(FlashAttention-2, cuDNN, memory-efficient) and standard attention, cuDNN's FP8 attention for
+--dtype e4m3 (each peer where it is installed); decoding next to SDPA and the copy rate, MLA next
+to the copy and matmul rates, the ring next to one GPU. Prints the table and writes it, with every
+number, to --out as <gpu>-<mode>.md and .json (and a .png plot where matplotlib is installed),
+each headed by the command that regenerates it."""
+
+BENCH_EPILOG = """\
+examples:
+  python -m cuflash bench --quick
+  python -m cuflash bench --head-dims 128 --seqlens '1024 4096' --causal yes
+  python -m cuflash bench --head-dims 192/128 --mode bwd
+  python -m cuflash bench --dtype e4m3
+  python -m cuflash bench --mode decode --batches '1 64' --contexts '8192 32768'
+  python -m cuflash bench --mode mla --quick
+  python -m cuflash bench --mode ring --ranks 2 --seqlens 131072
+  python -m cuflash bench --memory"""
+
+CHECK_DESCRIPTION = """\
+Compile every kernel instantiation for one GPU architecture with NVRTC, in parallel processes (no
+GPU needed), and end with one verdict: ok, or PROBLEM with each kernel that failed to compile,
+spilled registers beyond its allowance, or had its wgmma serialised by ptxas. The exit status is 1
+on a problem."""
+
+CHECK_EPILOG = """\
+examples:
+  python -m cuflash compile-check                        every kernel for sm_80
+  python -m cuflash compile-check --arch sm_90a          the sm90 family too (H100, H200)
+  python -m cuflash compile-check --arch sm_80 --details registers and spills per kernel
+  python -m cuflash compile-check --front-end            representative kernels, spills not judged"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__)
-    sub = parser.add_subparsers(dest="command")
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="python -m cuflash", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=raw)
+    parser.add_argument("--version", action="version", version=f"cuflash {cuflash.__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands")
     check = sub.add_parser("compile-check", help="compile every kernel for one architecture, in parallel "
-                                                 "(no GPU needed), and a verdict on the spills")
+                                                 "(no GPU needed), and a verdict on the spills",
+                           description=CHECK_DESCRIPTION, epilog=CHECK_EPILOG, formatter_class=raw)
     check.add_argument("--arch", type=_arch, default="sm_80",
-                       help="sm_80, sm_86, sm_90, sm_90a (adds the sm90 family), ...")
+                       help="a target of compute capability 8.0 or newer that NVRTC knows: sm_80 (default), sm_86, "
+                            "sm_89, sm_90, ...; sm_90a adds the sm90 family")
     check.add_argument("--jobs", type=_positive_int,
                        help="compiler processes (default: one per CPU)")
     check.add_argument("--details", action="store_true", help="each kernel's registers, spills and compile time")
     check.add_argument("--front-end", action="store_true",
                        help="only whether the representative kernels compile, spills not judged (for an older "
                             "NVRTC than the allowances were measured with)")
-    bench = sub.add_parser("bench", help="cuflash next to its peers (TFLOP/s table, JSON, plot), or --memory")
+    bench = sub.add_parser("bench", help="cuflash next to its peers on a GPU (TFLOP/s or GB/s table, JSON, plot), "
+                                         "or --memory",
+                           description=BENCH_DESCRIPTION, epilog=BENCH_EPILOG, formatter_class=raw)
     bench.add_argument("--quick", action="store_true", help="head_dim 128, seqlen 1024 and 4096 only; decode: "
                                                                 "batch 1 and 64, context 8k and 32k, 1 query token, "
                                                                 "32/8 heads, contiguous and page 64")
