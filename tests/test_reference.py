@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from cuflash._cpu.reference import (
-                                    attention_blockwise,
-                                    attention_flops,
-                                    attention_reference,
-                                    max_error_bound,
-                                    )
+    attention_blockwise,
+    attention_flops,
+    attention_reference,
+    max_error_bound,
+)
 from tests.finite_differences import finite_difference_gradients
 
 # Any RuntimeWarning (overflow, invalid value, divide by zero) is a failure.

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from cuflash._cpu.reference import (
-                                    allowed_keys,
-                                    attention_backward_reference,
-                                    attention_blockwise,
-                                    attention_reference,
-                                    attention_varlen_backward_reference,
-                                    attention_varlen_reference,
-                                    )
+    allowed_keys,
+    attention_backward_reference,
+    attention_blockwise,
+    attention_reference,
+    attention_varlen_backward_reference,
+    attention_varlen_reference,
+)
 from tests.finite_differences import finite_difference_gradients
 
 pytestmark = pytest.mark.filterwarnings("error")

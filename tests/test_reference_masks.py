@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from cuflash._cpu.reference import (
-                                    allowed_keys,
-                                    attention_backward_reference,
-                                    attention_blockwise,
-                                    attention_reference,
-                                    attention_varlen_backward_reference,
-                                    attention_varlen_reference,
-                                    )
+    allowed_keys,
+    attention_backward_reference,
+    attention_blockwise,
+    attention_reference,
+    attention_varlen_backward_reference,
+    attention_varlen_reference,
+)
 from tests.finite_differences import finite_difference_gradients
 
 WINDOWS = [(-1, -1), (0, 0), (3, -1), (-1, 2), (4, 1), (0, 5), (40, 40)]
