@@ -18,7 +18,11 @@ Layout is ``(batch, seqlen, heads, head_dim)`` ("BSHD"). ``v`` may have its own 
 ``h // (heads_q // heads_kv)``. Which keys a query sees is :func:`allowed_keys` (causal and
 sliding windows, flash-attn's semantics, aligned bottom-right). ``softcap > 0`` replaces the
 scaled scores ``s`` by ``softcap * tanh(s / softcap)`` before the softmax. A row whose keys are
-all masked gives ``out = 0`` and ``lse = -inf``, never NaN. Variable-length batches
+all masked gives ``out = 0`` and ``lse = -inf``, never NaN. ``alibi_slopes`` (heads,) or (batch,
+heads) adds flash-attn's bias ``-slope * |i + seqlen_k - seqlen_q - j|`` to the (softcapped) score.
+``sinks`` (heads,) adds ``exp(sink)`` to each row's softmax denominator (gpt-oss's extra score column,
+not scaled): the lse includes it, and a row that sees no key then gives ``out = 0`` and
+``lse = sink``. Variable-length batches
 (:func:`attention_varlen_reference`) are packed ``(total_tokens, heads, head_dim)`` with
 cumulative lengths, each sequence attending only to itself.
 """
@@ -41,6 +45,7 @@ __all__ = [
     "attention_flops",
     "dequantize",
     "max_error_bound",
+    "sinks_gradient",
 ]
 
 _LOG2E = math.log2(math.e)
@@ -109,6 +114,26 @@ def _softcapped(s: np.ndarray, softcap: float) -> np.ndarray:
     return s if softcap == 0 else softcap * np.tanh(s / softcap)
 
 
+def alibi_bias(slopes: npt.ArrayLike, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+               rows: slice = slice(None), cols: slice = slice(None)) -> np.ndarray:
+    """flash-attn's ALiBi bias ``-slope * |i + seqlen_k - seqlen_q - j|`` as a float64
+    ``(batch, heads, rows, cols)`` array for query rows ``rows`` and keys ``cols``; ``slopes`` is
+    ``(heads,)`` or ``(batch, heads)``."""
+    slopes = np.broadcast_to(np.asarray(slopes, np.float64), (batch, heads))
+    distance = np.abs(np.arange(seqlen_q)[rows, None] + (seqlen_k - seqlen_q) - np.arange(seqlen_k)[None, cols])
+    return -slopes[:, :, None, None] * distance
+
+
+def _sink_logits(sinks: npt.ArrayLike | None, heads: int) -> np.ndarray:
+    """The per-head sink logits as float64 ``(heads,)``; ``-inf`` (no sink) where None."""
+    if sinks is None:
+        return np.full(heads, -np.inf)
+    sinks = np.asarray(sinks, np.float64)
+    if sinks.shape != (heads,):
+        raise ValueError(f"sinks: expected shape ({heads},), got {sinks.shape}")
+    return sinks
+
+
 def _finalize(
     acc: np.ndarray, m: np.ndarray, l: np.ndarray, *, base2: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -137,6 +162,8 @@ def attention_reference(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     p_dtype: npt.DTypeLike | None = None,
+    sinks: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Naive attention ``softmax(q k^T * scale) v``, one (batch, head) at a time.
 
@@ -163,13 +190,18 @@ def attention_reference(
         The dtype the normalised ``P`` is rounded to before ``P @ v``; default ``dtype``.
         ``ml_dtypes.float8_e4m3fn`` (with ``dtype`` bfloat16 or float16 and dequantized inputs)
         is FlashAttention-3's FP8 baseline, as its tests compute it.
+    sinks : array, optional
+        (heads,) logits, one extra score per row that takes part in the softmax's denominator
+        only; in the accumulation dtype.
+    alibi_slopes : array, optional
+        (heads,) or (batch, heads): the bias :func:`alibi_bias` added after the softcap.
 
     Returns
     -------
     out : ndarray, (batch, seqlen_q, heads, head_dim_v), ``dtype``
     lse : ndarray, (batch, heads, seqlen_q), float64 if ``dtype`` is float64, else float32
-        Natural-log log-sum-exp of the scaled scores; ``-inf`` (and ``out = 0``) for a row
-        whose keys are all masked.
+        Natural-log log-sum-exp of the scaled scores and the sink; ``-inf`` (and ``out = 0``)
+        for a row whose keys are all masked and that has no sink.
     """
     q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
     dtype = np.dtype(dtype)
@@ -186,6 +218,8 @@ def attention_reference(
     hkv, sk, dv = kh.shape[1], kh.shape[2], vh.shape[3]
     group = hq // hkv
     masked = ~allowed_keys(sq, sk, causal=causal, window=window)
+    bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, b, hq, sq, sk).astype(acc)
+    sink_logits = _sink_logits(sinks, hq).astype(acc)
 
     out = np.empty((b, hq, sq, dv), dtype)
     lse = np.empty((b, hq, sq), acc)
@@ -196,13 +230,15 @@ def attention_reference(
             s = rounded(s)
             if softcap:
                 s = rounded(_softcapped(s, acc.type(softcap)))
+            if bias is not None:
+                s = rounded(s + bias[bi, h])
             if masked.any():
                 np.copyto(s, -np.inf, where=masked)
-            m = s.max(axis=-1, initial=-np.inf)
+            m = np.maximum(s.max(axis=-1, initial=-np.inf), sink_logits[h])
             m_safe = np.where(np.isneginf(m), 0, m)  # fully masked row: avoid -inf - -inf
             s -= m_safe[:, None]
             p = np.exp(s, out=s)
-            l = p.sum(axis=-1)
+            l = p.sum(axis=-1) + np.exp(sink_logits[h] - m_safe)
             p, lse[bi, h] = _finalize(p, m, l, base2=False)
             out[bi, h] = (rounded(p, p_dtype) @ vh[bi, h // group]).astype(dtype)
     return out.transpose(0, 2, 1, 3), lse
@@ -220,6 +256,8 @@ def attention_blockwise(
     dtype: npt.DTypeLike = np.float64,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sinks: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FlashAttention-2 forward: online softmax over key blocks, vectorised over batch and heads.
 
@@ -228,11 +266,12 @@ def attention_blockwise(
     (``scale * log2(e)`` folded into the scores once); rescale by ``exp2(m_old - m_new)``; visit
     only the key blocks some row of the query block may see (causal diagonal, sliding window), so
     the cost follows the window; mask only the tiles a boundary crosses; normalise once at the
-    end. The full score matrix is never formed.
+    end. The full score matrix is never formed. A sink starts each row's running max and sum as
+    the one score seen before the first key.
 
     Parameters
     ----------
-    q, k, v, causal, softmax_scale, window, softcap
+    q, k, v, causal, softmax_scale, window, softcap, sinks, alibi_slopes
         As in :func:`attention_reference` (BSHD layout, GQA/MQA allowed).
     block_m, block_n : int
         Query and key tile sizes; they need not divide the sequence lengths.
@@ -263,11 +302,13 @@ def attention_blockwise(
 
     out = np.empty((b, hkv, group, sq, dv), dtype)
     lse = np.empty((b, hkv, group, sq), dtype)
+    # The sink in the exp2 domain, per (hkv, group) head.
+    sink = (_sink_logits(sinks, hq) * _LOG2E).astype(dtype).reshape(hkv, group, 1)
     for i0 in range(0, sq, block_m):
         i1 = min(i0 + block_m, sq)
         q_blk = qg[..., i0:i1, :]
-        m = np.full(q_blk.shape[:-1], -np.inf, dtype)
-        l = np.zeros(q_blk.shape[:-1], dtype)
+        m = np.broadcast_to(sink, q_blk.shape[:-1]).copy()
+        l = np.where(np.isneginf(m), 0, 1).astype(dtype)
         acc = np.zeros(q_blk.shape[:-1] + (dv,), dtype)
         lo, hi = key_bounds(np.arange(i0, i1), sq, sk, causal, window)
         n_begin, n_end = int(lo.min()) // block_n * block_n, int(hi.max())  # keys outside: all masked
@@ -278,6 +319,9 @@ def attention_blockwise(
                 s = _softcapped(s * dtype.type(scale), dtype.type(softcap)) * dtype.type(_LOG2E)
             else:
                 s *= scale_log2
+            if alibi_slopes is not None:
+                tile_bias = alibi_bias(alibi_slopes, b, hq, sq, sk, slice(i0, i1), slice(j0, j1)) * _LOG2E
+                s += tile_bias.astype(dtype).reshape(s.shape)
             if lo.max() > j0 or hi.min() < j1:  # a window or diagonal boundary crosses this tile
                 allowed = (np.arange(j0, j1)[None, :] >= lo[:, None]) & (np.arange(j0, j1)[None, :] < hi[:, None])
                 np.copyto(s, -np.inf, where=~allowed)
@@ -307,29 +351,42 @@ def attention_backward_reference(
     softmax_scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    sinks: npt.ArrayLike | None = None,
+    alibi_slopes: npt.ArrayLike | None = None,
+) -> tuple[np.ndarray, ...]:
     """Float64 gradients of ``out = attention(q, k, v)`` against the upstream gradient ``dout``.
 
     With ``P = softmax(S)``, ``S = q kᵀ · scale``: ``dv = Pᵀ dout``, ``dP = dout vᵀ``,
     ``dS = P ∘ (dP - rowsum(dP ∘ P))``, ``dq = dS k · scale``, ``dk = dSᵀ q · scale``. With a
     softcap, ``S = c · tanh(q kᵀ · scale / c)`` and dS is multiplied by its derivative
     ``1 - (S / c)²``. For GQA/MQA, dk and dv of a kv head are summed over the query heads that
-    share it. Masked scores, and rows that see no key, contribute nothing.
+    share it. Masked scores, and rows that see no key, contribute nothing. An ALiBi bias is a
+    constant of the score: it changes P, not the chain rule. A sink is a score column whose value
+    is 0, so ``rowsum(dP ∘ P)`` is over the keys only and the sink's own gradient is
+    ``-P_sink · rowsum(dP ∘ P)`` summed over every row of its head (:func:`sinks_gradient`).
 
     Returns
     -------
     dq : (batch, seqlen_q, heads, head_dim), dk : (batch, seqlen_k, heads_kv, head_dim),
-    dv : (batch, seqlen_k, heads_kv, head_dim_v), all float64.
+    dv : (batch, seqlen_k, heads_kv, head_dim_v), all float64; with ``sinks``, also
+    dsinks : (heads,).
     """
+    sink_logits = _sink_logits(sinks, np.shape(q)[2])
+    dsinks = np.zeros_like(sink_logits)
 
     def softmax(bi, h, s, dp):
-        m = s.max(axis=-1, keepdims=True, initial=-np.inf)
-        p = np.exp(s - np.where(np.isneginf(m), 0, m))
-        l = p.sum(axis=-1, keepdims=True)
+        m = np.maximum(s.max(axis=-1, keepdims=True, initial=-np.inf), sink_logits[h])
+        m_safe = np.where(np.isneginf(m), 0, m)
+        p = np.exp(s - m_safe)
+        sink_weight = np.exp(sink_logits[h] - m_safe)
+        l = p.sum(axis=-1, keepdims=True) + sink_weight
         p /= np.where(l == 0, 1, l)
-        return p, (p * dp).sum(axis=-1, keepdims=True)
+        delta = (p * dp).sum(axis=-1, keepdims=True)
+        dsinks[h] -= float((sink_weight / np.where(l == 0, 1, l) * delta).sum())
+        return p, delta
 
-    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax)
+    grads = _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes)
+    return grads if sinks is None else (*grads, dsinks)
 
 
 def attention_backward_from_lse(
@@ -344,6 +401,7 @@ def attention_backward_from_lse(
     softmax_scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    alibi_slopes: npt.ArrayLike | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The gradients as the kernels compute them, in float64: ``P = exp(S - lse)`` and
     ``rowsum(dP ∘ P) = rowsum(dout ∘ out)`` from the given ``out`` (batch, seqlen_q, heads,
@@ -351,7 +409,9 @@ def attention_backward_from_lse(
 
     Equal to :func:`attention_backward_reference` when out and lse are this call's; with those of
     an attention over more keys (a ring's other blocks), the contribution of these keys to the
-    whole attention's gradients. Rows with ``lse = -inf`` contribute nothing.
+    whole attention's gradients. Rows with ``lse = -inf`` contribute nothing. An lse that
+    includes a sink gives the gradients with that sink; its own gradient is
+    :func:`sinks_gradient`.
     """
     out_h = np.asarray(out, dtype=np.float64).transpose(0, 2, 1, 3)
     dout_h = np.asarray(dout, dtype=np.float64).transpose(0, 2, 1, 3)
@@ -362,12 +422,12 @@ def attention_backward_from_lse(
         p = np.where(np.isneginf(row_lse), 0, np.exp(s - np.where(np.isneginf(row_lse), 0, row_lse)))
         return p, (dout_h[bi, h] * out_h[bi, h]).sum(axis=-1, keepdims=True)
 
-    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax)
+    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes)
 
 
-def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax):
+def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes=None):
     """The backward's loop over (batch, head), ``softmax(bi, h, s, dp)`` giving P and
-    ``rowsum(dP ∘ P)`` from the masked scores ``s`` and ``dP``."""
+    ``rowsum(dP ∘ P)`` from the masked scores ``s`` (bias included) and ``dP``."""
     q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != q.shape[:3] + (v.shape[3],):
@@ -377,21 +437,36 @@ def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax):
     hkv, sk = kh.shape[1], kh.shape[2]
     group = hq // hkv
     allowed = allowed_keys(sq, sk, causal=causal, window=window)
+    bias = np.zeros((b, hq, 1, 1)) if alibi_slopes is None else alibi_bias(alibi_slopes, b, hq, sq, sk)
     dq, dk, dv = np.zeros_like(qh), np.zeros_like(kh), np.zeros_like(vh)
     for bi in range(b):
         for h in range(hq):
             kv = h // group
-            s = _softcapped(qh[bi, h] @ kh[bi, kv].T * scale, softcap)
-            s = np.where(allowed, s, -np.inf)
+            capped = _softcapped(qh[bi, h] @ kh[bi, kv].T * scale, softcap)
+            s = np.where(allowed, capped + bias[bi, h], -np.inf)
             dp = doh[bi, h] @ vh[bi, kv].T
             p, delta = softmax(bi, h, s, dp)
             dv[bi, kv] += p.T @ doh[bi, h]
             ds = p * (dp - delta)
             if softcap:
-                ds *= 1 - np.where(allowed, s / softcap, 0) ** 2
+                ds *= 1 - np.where(allowed, capped / softcap, 0) ** 2
             dq[bi, h] = ds @ kh[bi, kv] * scale
             dk[bi, kv] += ds.T @ qh[bi, h] * scale
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+
+
+def sinks_gradient(dout: npt.ArrayLike, out: npt.ArrayLike, lse: npt.ArrayLike, sinks: npt.ArrayLike) -> np.ndarray:
+    """``dsinks_h = -sum_{b,i} exp(sink_h - lse_bhi) * D_bhi``, ``D = rowsum(dout ∘ out)``, in
+    float64: the sink's gradient from the forward's ``out`` (batch, seqlen_q, heads, head_dim_v)
+    and its ``lse`` (batch, heads, seqlen_q), which includes the sink. A packed batch passes
+    ``out`` and ``dout`` as (1, total_q, heads, head_dim_v) and ``lse`` as (1, heads, total_q)."""
+    lse = np.asarray(lse, np.float64)
+    sinks = _sink_logits(sinks, lse.shape[1])
+    delta = (np.asarray(dout, np.float64) * np.asarray(out, np.float64)).sum(axis=-1).transpose(0, 2, 1)
+    # A row of lse -inf (past seqused_q, or neither keys nor sink) has out = 0: it adds nothing.
+    finite = np.isfinite(lse)
+    weight = np.exp(np.where(finite, sinks[None, :, None] - np.where(finite, lse, 0), -np.inf))
+    return -(weight * delta).sum(axis=(0, 2))
 
 
 def dequantize(x: np.ndarray, descale, cu_seqlens: npt.ArrayLike | None = None) -> np.ndarray:
@@ -411,6 +486,14 @@ def dequantize(x: np.ndarray, descale, cu_seqlens: npt.ArrayLike | None = None) 
         return values * per_head[:, None, :, None]
     sequence_of_row = np.repeat(np.arange(descale.shape[0]), np.diff(np.asarray(cu_seqlens, np.int64)))
     return values * per_head[sequence_of_row][:, :, None]
+
+
+def _options_of_sequence(options: dict, i: int) -> dict:
+    """``options`` for sequence ``i`` of a packed batch: (batch, heads) ALiBi slopes cut to its row."""
+    slopes = options.get("alibi_slopes")
+    if slopes is None or np.ndim(slopes) == 1:
+        return options
+    return {**options, "alibi_slopes": np.asarray(slopes)[i:i + 1]}
 
 
 def _sequences(cu_seqlens_q: npt.ArrayLike, cu_seqlens_k: npt.ArrayLike):
@@ -437,7 +520,8 @@ def attention_varlen_reference(
     ``(total_k, heads_kv, head_dim_v)``; sequence ``i``
     owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``
     (either may be empty) and sees only its own keys, with causal and window alignment per
-    sequence. ``options``: causal, softmax_scale, window, softcap, dtype. ``seqused_q`` /
+    sequence. ``options``: causal, softmax_scale, window, softcap, dtype, sinks and alibi_slopes
+    (``(heads,)`` or ``(batch, heads)``, a row per sequence). ``seqused_q`` /
     ``seqused_k`` (batch,): only the first ``seqused_q[i]`` queries and ``seqused_k[i]`` keys of
     sequence ``i`` are used (masks align against those lengths); the rows past seqused_q are 0 with
     lse ``-inf``.
@@ -455,8 +539,8 @@ def attention_varlen_reference(
             rows = slice(rows.start, rows.start + min(int(np.asarray(seqused_q)[i]), rows.stop - rows.start))
         if seqused_k is not None:
             keys = slice(keys.start, keys.start + min(int(np.asarray(seqused_k)[i]), keys.stop - keys.start))
-        if rows.stop > rows.start and keys.stop > keys.start:
-            o, l = attention_reference(q[None, rows], k[None, keys], v[None, keys], **options)
+        if rows.stop > rows.start:  # a sequence of no keys still has its sinks' lse
+            o, l = attention_reference(q[None, rows], k[None, keys], v[None, keys], **_options_of_sequence(options, i))
             out[rows], lse[:, rows] = o[0], l[0]
     return out, lse
 
@@ -471,15 +555,20 @@ def attention_varlen_backward_reference(
     **options,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`attention_backward_reference` of each sequence of a packed batch (layout as in
-    :func:`attention_varlen_reference`; ``options``: causal, softmax_scale, window, softcap)."""
+    :func:`attention_varlen_reference`; ``options``: causal, softmax_scale, window, softcap, sinks,
+    alibi_slopes). With ``sinks``, also dsinks summed over the sequences (a row that sees no key
+    has ``out = 0``, so ``D = 0``: it adds nothing)."""
     dout, q, k, v = (np.asarray(x) for x in (dout, q, k, v))
     dq, dk, dv = (np.zeros(x.shape, np.float64) for x in (q, k, v))
-    for rows, keys in _sequences(cu_seqlens_q, cu_seqlens_k):
+    dsinks = np.zeros(q.shape[1])
+    for i, (rows, keys) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
         if rows.stop > rows.start and keys.stop > keys.start:
             grads = attention_backward_reference(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
-                                                 **options)
-            dq[rows], dk[keys], dv[keys] = (g[0] for g in grads)
-    return dq, dk, dv
+                                                 **_options_of_sequence(options, i))
+            dq[rows], dk[keys], dv[keys] = (g[0] for g in grads[:3])
+            if options.get("sinks") is not None:
+                dsinks += grads[3]
+    return (dq, dk, dv) if options.get("sinks") is None else (dq, dk, dv, dsinks)
 
 
 def attention_flops(
