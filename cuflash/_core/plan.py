@@ -446,8 +446,12 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
 
     # Scratch: rotated q (rows, heads, head_dim) in q's type, then fp32 partial out and lse.
     sizes = [rows * call.heads * call.head_dim * q.itemsize if call.rotary_dim else 0]
+    combine = combine_argument = None
     if splits > 1:
-        sizes += [splits * call.heads * rows * call.head_dim * 4, splits * call.heads * rows * 4]
+        batch, seqlen = (1, rows) if call.varlen else (call.batch, call.max_seqlen_q)
+        combine, combine_argument, out_bytes, lse_bytes = _split_combine(q.dtype, arch, q.device, splits, batch,
+                                                                         seqlen, call.heads, call.head_dim, call.varlen)
+        sizes += [out_bytes, lse_bytes]
     offsets, end = [], 0
     for size in sizes + [0] * (3 - len(sizes)):
         offsets.append(end if size else None)
@@ -458,22 +462,7 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     decode = (kernels.prepare(decode_choice, arch, q.device, (splits * row_tiles, call.heads_kv, call.batch))
               if rows and not prefill else None)
     forward_choice, forward = _kvcache_forward(call, tensors, ints, arch) if prefill else (decode_choice, None)
-    combine = combine_argument = None
     lse_shape = (call.heads, rows) if call.varlen else (call.batch, call.heads, call.max_seqlen_q)
-    if splits > 1:
-        d, h = call.head_dim, call.heads
-        if call.varlen:  # one batch of ``rows`` rows
-            batch, seqlen = 1, rows
-            o_strides, l_strides = (0, h * d, d), (0, 1, rows)
-            op, lp = (h * rows * d, 0, d, rows * d), (h * rows, 0, 1, rows)
-        else:
-            batch, seqlen = call.batch, call.max_seqlen_q
-            o_strides, l_strides = out_strides[:3], (h * seqlen, 1, seqlen)
-            op, lp = (h * rows * d, seqlen * d, d, rows * d), (h * rows, seqlen, 1, rows)
-        combine = kernels.prepare(dispatch.combine_kernel(q.dtype), arch, q.device,
-                                  dispatch.kv_combine_grid(batch * seqlen * h))
-        combine_argument = ArgumentBuffer(pack_combine_params(op, lp, o_strides, l_strides, splits, batch, seqlen, h,
-                                                              d), COMBINE_POINTERS)
     return KvCachePlan(target, forward_choice.name_expression, append, decode, forward if rows else None, combine,
                        argument, combine_argument, out_shape, lse_shape, tuple(offsets), end)
 
@@ -503,6 +492,25 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
     argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_CACHE_POINTERS)
     grid = dispatch.kvcache_prefill_grid(choice, call.heads, batch, call.max_seqlen_q)
     return choice, (kernels.prepare(choice, arch, q.device, grid), argument)
+
+
+def _split_combine(dtype: str, arch: str, device: int, splits: int, batch: int, seqlen: int, heads: int, dim: int,
+                   packed: bool = False) -> tuple[kernels.Launch, ArgumentBuffer, int, int]:
+    """kv_combine over the fp32 partials of a decode split ``splits`` ways, as kv_decode and the MLA
+    kernels write them: out (splits, heads, rows, dim) and lse (splits, heads, rows), rows being
+    batch x seqlen, merged into a contiguous out (batch, seqlen, heads, dim) of ``dtype`` and lse
+    (batch, heads, seqlen), or for a ``packed`` q (one sequence of ``seqlen`` rows) out (rows, heads,
+    dim) and lse (heads, rows). Returns the combine's launch and argument and the two partials' sizes
+    in bytes."""
+    rows = batch * seqlen
+    # Strides (split, batch, row, head) of the partials, (batch, row, head) of out and lse.
+    out_partial = (heads * rows * dim, 0 if packed else seqlen * dim, dim, rows * dim)
+    lse_partial = (heads * rows, 0 if packed else seqlen, 1, rows)
+    out, lse = (0 if packed else seqlen * heads * dim, heads * dim, dim), (0 if packed else heads * seqlen, 1, seqlen)
+    launch = kernels.prepare(dispatch.combine_kernel(dtype), arch, device, dispatch.kv_combine_grid(rows * heads))
+    argument = ArgumentBuffer(pack_combine_params(out_partial, lse_partial, out, lse, splits, batch, seqlen, heads, dim),
+                              COMBINE_POINTERS)
+    return launch, argument, splits * heads * rows * dim * 4, splits * heads * rows * 4
 
 
 @dataclass(frozen=True, eq=False)
@@ -616,15 +624,9 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
     combine = combine_argument = None
     scratch_bytes = lse_offset = 0
     if splits > 1:
-        # The partials as the kernel writes them: (splits, heads, batch x seqlen_q rows, dv) and
-        # (splits, heads, rows); kv_combine reads them as (split, batch, row, head) strides.
-        n = call.batch * s
-        lse_offset = -(-splits * h * n * dv * 4 // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-        scratch_bytes = lse_offset + splits * h * n * 4
-        op, lp = (h * n * dv, s * dv, dv, n * dv), (h * n, s, 1, n)
-        combine = kernels.prepare(dispatch.combine_kernel(q.dtype), dispatch.compile_arch("sm80", capability),
-                                  q.device, dispatch.kv_combine_grid(call.batch * s * h))
-        combine_argument = ArgumentBuffer(pack_combine_params(op, lp, (s * h * dv, h * dv, dv), (h * s, 1, s), splits,
-                                                              call.batch, s, h, dv), COMBINE_POINTERS)
+        combine, combine_argument, out_bytes, lse_bytes = _split_combine(
+            q.dtype, dispatch.compile_arch("sm80", capability), q.device, splits, call.batch, s, h, dv)
+        lse_offset = -(-out_bytes // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        scratch_bytes = lse_offset + lse_bytes
     return MlaPlan(target, decode, combine, argument, combine_argument, out_shape, lse_shape, scratch_bytes,
                    lse_offset)
