@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._core import dispatch, interop, kernels, plan
+from cuflash._core import checks, dispatch, interop, kernels, plan
 from cuflash._core.params import FWD_PARAMS, FWD_POINTERS, ArgumentBuffer, pack_fwd_params
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -247,12 +247,21 @@ def test_bad_input_after_a_cached_call_still_raises(gpu):
                                    dq=FakeCupyArray((1, 64, 2, 64), ptr=(2 << 30) + 8))
 
 
-def test_misaligned_inputs_are_copied_and_not_cached(gpu):
+def test_misaligned_inputs_are_copied_and_checked_every_call(gpu, monkeypatch):
+    """A tensor whose pointer or strides are not 16-byte aligned is copied; the plan is the copy's
+    (contiguous like q: the first call's plan), and no signature is recorded for the call, whose
+    own tensors the plan cannot launch on."""
+    checked = []
+    check = checks.check_forward
+    monkeypatch.setattr(checks, "check_forward", lambda *args: checked.append(args) or check(*args))
     q = FakeCupyArray((1, 64, 2, 64))
     cuflash.attention(q, q, q)
-    launches, _ = _run(gpu, lambda: cuflash.attention(FakeCupyArray((1, 64, 2, 64), ptr=(1 << 30) + 2), q, q))
-    assert np.frombuffer(launches[0][1], FWD_PARAMS)[0]["q"] == 7 << 30  # the realigned copy
-    assert gpu.builds == ["build_forward"] * 2 and len(plan.PLANS) == 1
+    misaligned = [FakeCupyArray((1, 64, 2, 64), ptr=(1 << 30) + 2),
+                  FakeCupyArray((1, 64, 2, 64), strides=(64 * 2 * 68, 2 * 68, 68, 1))]  # rows of 136 bytes
+    for x in misaligned * 2:
+        launches, _ = _run(gpu, lambda: cuflash.attention(x, q, q))
+        assert np.frombuffer(launches[0][1], FWD_PARAMS)[0]["q"] == 7 << 30  # the realigned copy
+    assert gpu.builds == ["build_forward"] and len(plan.PLANS) == 1 and len(checked) == 5
 
 
 def test_a_new_device_plan_rebuilds(gpu, monkeypatch):

@@ -2,13 +2,18 @@
 computed once per distinct call, cached, and launched.
 
 A plan holds the kernels, grids, scratch layout and argument structs but for their pointers; a
-repeated call fills in the pointers and launches. Every entry point runs the same pipeline:
-describe its tensors (interop), take a key of everything its checks and its plan read but
-pointers, then ``run``: the plan cached under the key, or ``prepare`` (the entry point's checks,
-then build_forward / build_backward) on a miss, and the plan's ``launch``. Where the key is
-taken before validation, a hit also skips the checks that call passed before: each check reads
-only what the key holds, and errors are never cached, so a bad input always runs the full checks
-and raises as it would without the cache.
+repeated call fills in the pointers and launches. Every entry point runs the same pipeline,
+``run``: its checks give a checked call (a checks record), the record's ``plan_key`` names the
+plan (built on a miss), and the plan's ``launch`` runs it. A plan key is taken at that one moment,
+after the checks, from the record alone, for every operation.
+
+An entry point whose repeated calls would cost mostly their checks (the fixed-length forward and
+backward, a decoding step against a KV cache) also gives ``run`` the call's signature: its
+arguments as passed, every array's layout and every option, when its checks read nothing else.
+A signature is not a second key chosen per field: it holds the whole call, so it decides the
+checked call and therefore its plan key; ``run`` records it beside the plan that key named once the
+checks have passed, and a later call of that signature launches that plan without checks. Errors
+are never recorded, so a bad input always runs the full checks and raises as it would uncached.
 """
 
 from __future__ import annotations
@@ -25,16 +30,17 @@ from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTE
                             pack_fwd_params_paged, pack_kv_params, pack_mla_params, mla_tma_argument,
                             sm90_backward_argument, sm90_forward_argument, tma_ready)
 
-__all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan", "PlanCache",
-           "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache", "build_mla",
-           "fill_empty", "fp8_key", "run"]
+__all__ = ["PLANS", "SIGNATURE_SCALARS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan",
+           "PlanCache", "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache",
+           "build_mla", "fill_empty", "run"]
 
 # cu_seqlens of a fixed-length batch: none.
 NO_LENGTHS = (None, None)
-# Option types whose values alone decide validation: a key holds a scalar only if its type is one
-# of these, because True == 1 and hash(True) == hash(1), yet softmax_scale=True or window=(True, 0)
-# must raise TypeError where 1 and (1, 0) pass. Other types run uncached (and work).
-KEY_SCALARS = frozenset({int, float, type(None)})
+# Option types whose values alone decide validation: a signature holds a scalar only if its type is
+# one of these, because True == 1 and hash(True) == hash(1), yet softmax_scale=True or
+# window=(True, 0) must raise TypeError where 1 and (1, 0) pass. Other types run their checks on
+# every call (and work).
+SIGNATURE_SCALARS = frozenset({int, float, type(None)})
 _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocation would
 
 
@@ -158,32 +164,46 @@ class BackwardPlan:
 
 
 class PlanCache:
-    """Plans by key, oldest evicted first past ``max_size``: that bounds the memory when shapes
-    keep changing (a growing KV cache makes a new key per step); 1024 plans are well under a
-    megabyte. A plan is returned only if it was built for the family and arch the device has now
+    """Plans by key (a checked call's plan_key), and the plan each recorded signature names (run);
+    oldest evicted first past ``max_size`` each: that bounds the memory when shapes keep changing
+    (a growing KV cache makes a new key per step); 1024 plans are well under a megabyte. A plan is
+    returned only if it was built for the family and arch the device has now
     (``dispatch.device_target.cache_clear()`` and a new CUFLASH_FAMILY must not run a stale
     kernel)."""
 
     def __init__(self, max_size: int = 1024):
         self.max_size = max_size
-        self._plans: dict[tuple, ForwardPlan | BackwardPlan] = {}
+        self._plans: dict[tuple, Any] = {}
+        self._signatures: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: tuple | None, device: int) -> ForwardPlan | BackwardPlan | None:
+    def get(self, key: tuple, device: int) -> Any:
         plan = self._plans.get(key)
         return plan if plan is not None and plan.target == dispatch.device_target(device) else None
 
-    def put(self, key: tuple, plan: ForwardPlan | BackwardPlan) -> None:
+    def recall(self, signature: tuple, device: int) -> Any:
+        """The plan recorded for ``signature``, as ``get``."""
+        plan = self._signatures.get(signature)
+        return plan if plan is not None and plan.target == dispatch.device_target(device) else None
+
+    def put(self, key: tuple, plan) -> None:
+        self._store(self._plans, key, plan)
+
+    def record(self, signature: tuple, plan) -> None:
+        self._store(self._signatures, signature, plan)
+
+    def _store(self, table: dict, key: tuple, plan) -> None:
         with self._lock:
-            if len(self._plans) >= self.max_size and key not in self._plans:
-                del self._plans[next(iter(self._plans))]
-            self._plans[key] = plan
+            if len(table) >= self.max_size and key not in table:
+                del table[next(iter(table))]
+            table[key] = plan
 
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+            self._signatures.clear()
 
-    def items(self) -> list[tuple[tuple, ForwardPlan | BackwardPlan]]:
+    def items(self) -> list[tuple[tuple, Any]]:
         """(key, plan) pairs, oldest first."""
         return list(self._plans.items())
 
@@ -195,8 +215,8 @@ PLANS = PlanCache()
 
 
 def aligned_pointers(*tensors) -> bool:
-    """The pointers of ``tensors`` (DeviceTensors or None) on 16-byte boundaries; their strides'
-    alignment is part of a plan key."""
+    """The pointers of ``tensors`` (DeviceTensors or None) on 16-byte boundaries: a signature's
+    condition, since its layouts hold their strides' alignment but not the pointers'."""
     bits = 0
     for t in tensors:
         if t is not None:
@@ -204,25 +224,27 @@ def aligned_pointers(*tensors) -> bool:
     return bits % 16 == 0
 
 
-def fp8_key(fp8) -> tuple:
-    """What a plan reads of checked FP8 options (checks.Fp8): the output dtype, each scalar descale's value
-    (folded into the kernel argument) and each descale array's layout."""
-    return (fp8.out_dtype, *(d.layout if isinstance(d, interop.DeviceTensor) else d
-                             for d in (fp8.descale_q, fp8.descale_k, fp8.descale_v)))
-
-
-def run(key: tuple | None, device: int, reusable: bool, prepare: Callable, args: tuple, framework: str,
+def run(signature: tuple | None, device: int, prepare: Callable, args: tuple, build: Callable, framework: str,
         tensors: tuple, given: tuple, given_t: tuple, *options) -> tuple:
-    """The one pipeline of every entry point, after its tensors are described and its key taken:
-    the plan cached under ``key`` if the call is ``reusable`` (its pointers as aligned as the key
-    assumes), else ``prepare(*args)`` -> (plan, tensors to launch on, whether to cache it); then
-    the plan's launch on ``tensors``, into ``given``, with the plan's own ``options`` (the
-    forward's return_lse, then either's cu_seqlens: ForwardPlan.launch, BackwardPlan.launch)."""
-    plan = PLANS.get(key, device) if reusable else None
+    """The one pipeline of every entry point, after its tensors are described. ``signature``:
+    None, or the call as passed (module docstring), formed only where its pointers are 16-byte
+    aligned (its layouts hold the rest of what the checks and the plan read); a recorded one
+    launches its plan on ``tensors``, unchecked. Otherwise
+    ``prepare(*args)`` checks the call -> (checked call, the tensors to launch on, whether they are
+    the ones given, nothing copied); the plan under the checked call's ``plan_key()``, or
+    ``build(call)``, cached; the signature recorded for a call launched as given. Then the plan's
+    launch on the tensors, into ``given`` (whose DeviceTensors are ``given_t``), with the plan's own
+    ``options`` (ForwardPlan.launch's return_lse and cu_seqlens, ...)."""
+    plan = PLANS.recall(signature, device) if signature is not None else None
     if plan is None:
-        plan, tensors, cacheable = prepare(*args)
-        if cacheable and key is not None:
+        call, tensors, as_given = prepare(*args)
+        key = call.plan_key()
+        plan = PLANS.get(key, device)
+        if plan is None:
+            plan = build(call)
             PLANS.put(key, plan)
+        if signature is not None and as_given:
+            PLANS.record(signature, plan)
     return plan.launch(framework, tensors, given, given_t, *options)
 
 
@@ -383,7 +405,7 @@ class KvCachePlan:
         allocated like it) and the pointers (0 where not given) of q, k_cache, v_cache, k, v,
         cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos,
         rotary_sin, descale_k, descale_v (0 where scalar). Pointers alone, because a repeated
-        decoding call reads nothing else of its arrays (decode._unchecked_key)."""
+        decoding call reads nothing else of its arrays (kvcache_gpu._signature)."""
         q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv) = operands
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
@@ -508,8 +530,8 @@ def _split_combine(dtype: str, arch: str, device: int, splits: int, batch: int, 
     lse_partial = (heads * rows, 0 if packed else seqlen, 1, rows)
     out, lse = (0 if packed else seqlen * heads * dim, heads * dim, dim), (0 if packed else heads * seqlen, 1, seqlen)
     launch = kernels.prepare(dispatch.combine_kernel(dtype), arch, device, dispatch.kv_combine_grid(rows * heads))
-    argument = ArgumentBuffer(pack_combine_params(out_partial, lse_partial, out, lse, splits, batch, seqlen, heads, dim),
-                              COMBINE_POINTERS)
+    argument = ArgumentBuffer(pack_combine_params(out_partial, lse_partial, out, lse, splits, batch, seqlen, heads,
+                                                  dim), COMBINE_POINTERS)
     return launch, argument, splits * heads * rows * dim * 4, splits * heads * rows * 4
 
 
@@ -534,9 +556,10 @@ class CombinePlan:
         return out, lse
 
 
-def build_combine(o, l, out_dtype: str) -> CombinePlan:
-    """cuflash.combine's plan for checked DeviceTensors: out_partial ``o`` (splits, [batch,] seqlen,
-    heads, head_dim) and lse_partial ``l``."""
+def build_combine(call) -> CombinePlan:
+    """cuflash.combine's plan for a checked GPU call (checks.CombineCall): out_partial (splits,
+    [batch,] seqlen, heads, head_dim) and lse_partial."""
+    o, l, out_dtype = call.out_partial, call.lse_partial, call.out_dtype
     target = dispatch.device_target(o.device)
     arch = dispatch.compile_arch("sm80", target[1])
     if o.ndim == 4:  # packed: a batch of one
