@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash import quantize
 from cuflash._core import checks, dispatch, interop, kernels, plan
 from cuflash._core.params import FWD_PARAMS, FWD_POINTERS, ArgumentBuffer, pack_fwd_params
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float32": np.dtype(np.float32), "int32": np.dtype(np.int32)}
+          "float32": np.dtype(np.float32), "int32": np.dtype(np.int32), "uint8": np.dtype(np.uint8)}
 
 
 class FakeCupyArray:
@@ -76,6 +77,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(interop, "allocate", lambda framework, like, shape, dtype=None: (
         lambda ptr: (FakeCupyArray(shape, dtype or like.dtype, ptr=ptr), ptr))(take(4 * math.prod(shape))))
     monkeypatch.setattr(interop, "scratch", lambda framework, like, nbytes: (None, take(nbytes)))
+    monkeypatch.setattr(interop, "upload", lambda framework, like, host: (None, take(host.nbytes)))
     monkeypatch.setattr(interop, "zero", lambda ptr, nbytes, stream: state.memsets.append((ptr, nbytes)))
     return state
 
@@ -170,6 +172,17 @@ def test_varlen_cache_is_transparent(gpu):
         calls.append(lambda q=q, k=k, out=out, dout=dout, lse=lse, cu_q=cu_q, cu_k=cu_k, c=causal, m=max_q, g=grads:
                      cuflash.attention_varlen_backward(dout, q, k, k, out, lse, cu_q, cu_k, m, 60, causal=c,
                                                        validate=False, **g))
+    _assert_transparent(gpu, calls + calls[::-1])
+
+
+def test_quantize_cache_is_transparent(gpu):
+    calls = []
+    for layout, dtype, granularity, rotate, seed in itertools.product(["contiguous", "padded", "bhsd"],
+                                                                      ["float16", "float32"], quantize.GRANULARITIES,
+                                                                      [False, True], [0, 1]):
+        x = _strided((2, 33, 4, 64), dtype, layout, 1 << 30)
+        calls.append(lambda x=x, g=granularity, r=rotate, s=seed: cuflash.quantize_fp8(
+            x, g, block_size=16, rotate=r, seed=s, heads_kv=2))
     _assert_transparent(gpu, calls + calls[::-1])
 
 

@@ -184,3 +184,12 @@ def test_mla():
     rope_arrays = [{**t, **rope, name: x} for name in rope for x in relayouts(rope[name])]
     assert_keyed(split, variants | {"tensors": [t, *rope_arrays], "descale_kv": [None, 2.0, *relayouts(descale)]},
                  launch_only=("framework", "return_lse"))
+
+
+def test_quantize():
+    x = tensor((2, 33, 4, 64))
+    base = checks.QuantizeCall(x, "head", 1, 128, True, 3)
+    assert_keyed(base, {"x": relayouts(x), "granularity": ["tensor", "block"], "group_heads": [2],
+                        "block_size": [64], "rotate": [False], "seed": [4]})
+    unrotated = base._replace(rotate=False)
+    assert unrotated._replace(seed=4).plan_key() == unrotated.plan_key()  # the signs are not read

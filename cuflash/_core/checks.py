@@ -4,9 +4,9 @@ Every check raises a TypeError or ValueError naming the argument, before anythin
 The checks read DeviceTensors (GPU arrays, interop.describe) or NumPy arrays alike, so the CPU
 path refuses exactly what the GPU path refuses.
 
-A checked GPU call is a record (ForwardCall, BackwardCall, KvCall, CombineCall, MlaCall) whose
-``plan_key`` is the key of its launch plan (plan.run): everything the plan reads but pointers,
-written beside the fields it reads so that a new field meets its key.
+A checked GPU call is a record (ForwardCall, BackwardCall, KvCall, CombineCall, MlaCall,
+QuantizeCall) whose ``plan_key`` is the key of its launch plan (plan.run): everything the plan
+reads but pointers, written beside the fields it reads so that a new field meets its key.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "MLA_ARRAYS",
     "MlaCall",
     "Lengths",
+    "QuantizeCall",
     "as_batch_of_one",
     "check_backward",
     "check_backward_inputs",
@@ -1055,6 +1056,25 @@ class MlaCall(NamedTuple):
 
 # MlaCall.tensors' names.
 MLA_ARRAYS = ("q", "kv_cache", "cache_seqlens", "page_table", "q_rope", "kv_rope_cache")
+
+
+# FP8 quantizing (quantize.py).
+
+class QuantizeCall(NamedTuple):
+    """A checked GPU quantize_fp8 call: x's DeviceTensor and the resolved options."""
+
+    x: Any
+    granularity: str
+    group_heads: int
+    block_size: int
+    rotate: bool
+    seed: int
+
+    def plan_key(self) -> tuple:
+        """Everything plan.build_quantize reads but pointers; the seed (the rotation's signs) only
+        with ``rotate``, since a call without rotation never reads it."""
+        return ("quantize_fp8", self.x.layout, self.granularity, self.group_heads, self.block_size, self.rotate,
+                self.seed if self.rotate else None)
 
 
 MLA_MAX_REQUESTED_SPLITS = 256  # kv_combine's limit

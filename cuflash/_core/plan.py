@@ -25,14 +25,15 @@ from typing import Any, Callable
 
 from cuflash._core import dispatch, interop, kernels
 from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
-                            FWD_POINTERS, KV_POINTERS, MLA_POINTERS, ArgumentBuffer, pack_bwd_params,
-                            pack_combine_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
-                            pack_fwd_params_paged, pack_kv_params, pack_mla_params, mla_tma_argument,
-                            sm90_backward_argument, sm90_forward_argument, tma_ready)
+                            FWD_POINTERS, KV_POINTERS, MLA_POINTERS, QUANTIZE_POINTERS, ArgumentBuffer,
+                            pack_bwd_params, pack_combine_params, pack_convert_params, pack_fwd_params,
+                            pack_fwd_params_fp8, pack_fwd_params_paged, pack_kv_params, pack_mla_params,
+                            pack_quantize_params, mla_tma_argument, sm90_backward_argument, sm90_forward_argument,
+                            tma_ready)
 
 __all__ = ["PLANS", "SIGNATURE_SCALARS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan",
-           "PlanCache", "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache",
-           "build_mla", "fill_empty", "run"]
+           "PlanCache", "QuantizePlan", "aligned_pointers", "build_backward", "build_combine", "build_forward",
+           "build_kvcache", "build_mla", "build_quantize", "fill_empty", "run"]
 
 # cu_seqlens of a fixed-length batch: none.
 NO_LENGTHS = (None, None)
@@ -653,3 +654,50 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
         scratch_bytes = lse_offset + lse_bytes
     return MlaPlan(target, decode, combine, argument, combine_argument, out_shape, lse_shape, scratch_bytes,
                    lse_offset)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizePlan:
+    """quantize_fp8's launch: one CTA per group (the whole tensor on one), none where there is no
+    descale to write."""
+
+    target: tuple[str, tuple[int, int]]
+    kernel: kernels.Launch | None
+    argument: ArgumentBuffer  # QuantizeArgs, pointers in QUANTIZE_POINTERS order
+    out_shape: tuple[int, ...]
+    descale_shape: tuple[int, ...]
+    signs: Any  # the rotation's float32 signs along head_dim (NumPy), None without rotation
+
+    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple) -> tuple[Any, Any]:
+        """(e4m3 bytes, float32 descale) of ``tensors`` (x's DeviceTensor): float8_e4m3fn in torch,
+        uint8 in CuPy, which has no float8 dtype (attention's dtype="e4m3" reads it)."""
+        (x,) = tensors
+        with interop.on_device(x.device):
+            out, out_ptr = interop.allocate(framework, x, self.out_shape,
+                                            "float8_e4m3fn" if framework == "torch" else "uint8")
+            descale, descale_ptr = interop.allocate(framework, x, self.descale_shape, "float32")
+            if self.kernel is not None:
+                signs, signs_ptr = interop.upload(framework, x, self.signs) if self.signs is not None else (None, 0)
+                kernels.launch(self.kernel, interop.stream_handle(framework, x.device),
+                               self.argument.fill(x.ptr, out_ptr, descale_ptr, signs_ptr))
+                del signs  # held until the launch is queued; the pool reuses it in stream order
+        return out, descale
+
+
+def build_quantize(call, signs, block: int, norm: float) -> QuantizePlan:
+    """quantize_fp8's plan for a checked GPU call (checks.QuantizeCall); ``signs``, ``block`` and
+    ``norm``: the rotation along head_dim (quantize.rotation), the signs and block read only with
+    ``call.rotate``."""
+    x, granularity = call.x, call.granularity
+    batch, seqlen, heads = x.shape[:3]
+    groups = (batch, heads // call.group_heads)
+    descale_shape = groups + (-(-seqlen // call.block_size),) if granularity == "block" else groups
+    descales = math.prod(descale_shape)
+    argument = ArgumentBuffer(pack_quantize_params(x, granularity, call.group_heads, call.block_size,
+                                                   descale_shape[2] if granularity == "block" else 1,
+                                                   descales if granularity == "tensor" else 1,
+                                                   block if call.rotate else 0, norm), QUANTIZE_POINTERS)
+    target = dispatch.device_target(x.device)
+    kernel = (kernels.prepare(dispatch.quantize_kernel(x.dtype), dispatch.compile_arch("sm80", target[1]), x.device,
+                              (1 if granularity == "tensor" else descales, 1, 1)) if descales else None)
+    return QuantizePlan(target, kernel, argument, tuple(x.shape), descale_shape, signs if call.rotate else None)
