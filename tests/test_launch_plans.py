@@ -260,6 +260,19 @@ def test_bad_input_after_a_cached_call_still_raises(gpu):
                                    dq=FakeCupyArray((1, 64, 2, 64), ptr=(2 << 30) + 8))
 
 
+def test_signatures_name_the_plan_of_their_checked_key(gpu, monkeypatch):
+    """Two spellings of one call (the default scale, and the same scale given) are two signatures
+    of one plan key: one plan is built, and each signature, once checked, skips the checks."""
+    checked = []
+    check = checks.check_forward
+    monkeypatch.setattr(checks, "check_forward", lambda *args: checked.append(args) or check(*args))
+    q = FakeCupyArray((1, 64, 2, 64))
+    for _ in range(3):
+        cuflash.attention(q, q, q)
+        cuflash.attention(q, q, q, softmax_scale=64 ** -0.5)
+    assert gpu.builds == ["build_forward"] and len(plan.PLANS) == 1 and len(checked) == 2
+
+
 def test_misaligned_inputs_are_copied_and_checked_every_call(gpu, monkeypatch):
     """A tensor whose pointer or strides are not 16-byte aligned is copied; the plan is the copy's
     (contiguous like q: the first call's plan), and no signature is recorded for the call, whose
