@@ -141,64 +141,40 @@ def attention(
     qt, kt = interop.describe(q, framework, "q"), interop.describe(k, framework, "k")
     vt = interop.describe(v, framework, "v")
     out_t = interop.describe(out, interop.framework_of(out, "out"), "out") if out is not None else None
-    if (qt.dtype == checks.FP8_DTYPE or dtype is not None or out_dtype is not None or descale_q is not None
-            or descale_k is not None or descale_v is not None):
+    fp8_call = (qt.dtype == checks.FP8_DTYPE or dtype is not None or out_dtype is not None or descale_q is not None
+                or descale_k is not None or descale_v is not None)
+    if fp8_call:
         qt, kt, vt = (checks.declared_dtype(name, t, dtype) for name, t in (("q", qt), ("k", kt), ("v", vt)))
-        scale, fp8 = checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
-        if fp8 is not None:
-            result, lse = _attention_fp8(framework, qt, kt, vt, out, out_t, causal, scale, window, softcap, return_lse,
-                                         fp8)
-            return (result, lse) if return_lse else result
-    # Everything _prepare_forward reads, but pointers; the window and softcap are already resolved.
-    key = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
-            softcap) if type(softmax_scale) in plan.KEY_SCALARS else None)
-    result, lse = plan.run(key, qt.device, plan.aligned_pointers(qt, kt, vt, out_t), _prepare_forward,
-                           (framework, qt, kt, vt, out_t, causal, softmax_scale, window, softcap), framework,
-                           (qt, kt, vt), (out,), (out_t,), return_lse)
+    # FP8 calls run their checks every time (a signature would have to hold the descales).
+    signature = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
+                  softcap)
+                 if (not fp8_call and type(softmax_scale) in plan.SIGNATURE_SCALARS
+                     and plan.aligned_pointers(qt, kt, vt, out_t)) else None)
+    result, lse = plan.run(signature, qt.device, _checked_forward,
+                           (framework, qt, kt, vt, out_t, causal, softmax_scale, window, softcap, descales, out_dtype),
+                           _build_forward, framework, (qt, kt, vt), (out,), (out_t,), return_lse)
     return (result, lse) if return_lse else result
 
 
-def _attention_fp8(framework: str, qt, kt, vt, out, out_t, causal: bool, scale: float, window, softcap: float,
-                   return_lse: bool, fp8: checks.Fp8) -> tuple[Any, Any]:
-    """attention on checked FP8 GPU inputs: (out, lse or None). The checks run on every call
-    (they read the descales), so the plan key holds only what the plan reads."""
-    descales = fp8.descale_q, fp8.descale_k, fp8.descale_v
-    key = ("attention_fp8", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, scale, window, softcap,
-           plan.fp8_key(fp8))
-    return plan.run(key, qt.device, plan.aligned_pointers(qt, kt, vt, out_t), _prepare_forward_fp8,
-                    (framework, qt, kt, vt, out_t, causal, scale, window, softcap, fp8), framework,
-                    (qt, kt, vt, *descales), (out,), (out_t,), return_lse)
-
-
-def _prepare_forward_fp8(framework: str, qt, kt, vt, out_t, causal: bool, scale: float, window, softcap: float,
-                         fp8: checks.Fp8):
-    """The FP8 forward's plan, as _prepare_forward's for checked inputs; out is fp8.out_dtype."""
-    aligned = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
-    if not aligned:
+def _checked_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_scale, window, softcap: float,
+                     descales: tuple, out_dtype):
+    """attention's checks, for plan.run: (checks.ForwardCall, the tensors to launch on, whether they
+    are the given ones). A tensor whose pointer or strides are not 16-byte aligned is copied."""
+    scale, fp8 = checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
+    as_given = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
+    if not as_given:
         qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
-    batch, seqlen_q, heads = qt.shape[:3]
-    mask = dispatch.make_mask(causal, window, softcap, seqlen_q, kt.shape[1])
-    descales = fp8.descale_q, fp8.descale_k, fp8.descale_v
-    out_t = out_t or interop.contiguous(checks.output_shape(qt, vt), qt, fp8.out_dtype)
-    built = plan.build_forward(qt, kt, vt, out_t, interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale,
-                               mask, batch, seqlen_q, descales=descales)
-    return built, (qt, kt, vt, *descales), aligned
+    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8)
+    return call, (qt, kt, vt, *fp8.descales) if fp8 else (qt, kt, vt), as_given
 
 
-def _prepare_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_scale, window, softcap: float):
-    """attention's checks and plan: (plan, the tensors to launch on, whether to cache the plan).
-    A tensor whose pointer or strides are not 16-byte aligned is copied once, and such a call is
-    not cached."""
-    scale = checks.check_forward(qt, kt, vt, out_t, softmax_scale, on_device=True)[0]
-    aligned = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
-    if not aligned:
-        qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
-    batch, seqlen_q, heads = qt.shape[:3]
-    mask = dispatch.make_mask(causal, window, softcap, seqlen_q, kt.shape[1])
-    built = plan.build_forward(qt, kt, vt, out_t or interop.contiguous(checks.output_shape(qt, vt), qt),
-                               interop.contiguous((batch, heads, seqlen_q), qt, "float32"), scale, mask, batch,
-                               seqlen_q)
-    return built, (qt, kt, vt), aligned
+def _build_forward(call: checks.ForwardCall) -> plan.ForwardPlan:
+    q, k, v, fp8 = call.q, call.k, call.v, call.fp8
+    batch, seqlen_q, heads = q.shape[:3]
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1])
+    out = call.out or interop.contiguous(checks.output_shape(q, v), q, fp8 and fp8.out_dtype)
+    return plan.build_forward(q, k, v, out, interop.contiguous((batch, heads, seqlen_q), q, "float32"), call.scale,
+                              mask, batch, seqlen_q, descales=fp8 and fp8.descales)
 
 
 def attention_backward(
@@ -278,30 +254,35 @@ def attention_backward(
     # Item getters, not generators over the names: no generator object per call.
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
     given_t = dq_t, dk_t, dv_t = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")
-    # Everything _prepare_backward reads, but pointers.
-    key = (("attention_backward", qt.layout, kt.layout, vt.layout, dout_t.layout, out_t.layout, lse_t.layout,
-            dq_t and dq_t.layout, dk_t and dk_t.layout, dv_t and dv_t.layout, causal, softmax_scale, window, softcap,
-            deterministic)
-           if (type(softmax_scale) in plan.KEY_SCALARS
-               and checks.plain_window(window) and type(softcap) in plan.KEY_SCALARS) else None)
-    return plan.run(key, qt.device, plan.aligned_pointers(qt, kt, vt, dout_t, out_t, dq_t, dk_t, dv_t),
-                    _prepare_backward, (framework, tensors, given_t, causal, softmax_scale, window, softcap,
-                                        deterministic),
-                    framework, (qt, kt, vt, out_t, dout_t, lse_t), (dq, dk, dv), given_t)
+    signature = (("attention_backward", qt.layout, kt.layout, vt.layout, dout_t.layout, out_t.layout, lse_t.layout,
+                  dq_t and dq_t.layout, dk_t and dk_t.layout, dv_t and dv_t.layout, causal, softmax_scale, window,
+                  softcap, deterministic)
+                 if (type(softmax_scale) in plan.SIGNATURE_SCALARS and checks.plain_window(window)
+                     and type(softcap) in plan.SIGNATURE_SCALARS
+                     and plan.aligned_pointers(qt, kt, vt, dout_t, out_t, dq_t, dk_t, dv_t)) else None)
+    return plan.run(signature, qt.device, _checked_backward,
+                    (framework, tensors, given_t, causal, softmax_scale, window, softcap, deterministic),
+                    _build_backward, framework, (qt, kt, vt, out_t, dout_t, lse_t), (dq, dk, dv), given_t)
 
 
-def _prepare_backward(framework: str, tensors: dict, given_t: tuple, causal: bool, softmax_scale, window, softcap,
+def _checked_backward(framework: str, tensors: dict, given_t: tuple, causal: bool, softmax_scale, window, softcap,
                       deterministic: bool):
-    """attention_backward's checks and plan, as _prepare_forward's."""
+    """attention_backward's checks, as _checked_forward's."""
     scale, window, softcap = checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
-    batch, seqlen_q = qt.shape[:2]
-    aligned = all(t.aligned_16 for t in (qt, kt, vt, dout_t, out_t))
-    if not aligned:
+    as_given = all(t.aligned_16 for t in (qt, kt, vt, dout_t, out_t))
+    if not as_given:
         qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                      for t in (qt, kt, vt, dout_t, out_t))
-    grads = tuple(t or interop.contiguous(like.shape, qt) for t, like in zip(given_t, (qt, kt, vt)))
-    mask = dispatch.make_mask(causal, window, softcap, seqlen_q, kt.shape[1])
-    built = plan.build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads, scale, mask, deterministic, batch, seqlen_q,
-                                kt.shape[1])
-    return built, (qt, kt, vt, out_t, dout_t, lse_t), aligned
+    call = checks.BackwardCall(qt, kt, vt, out_t, dout_t, lse_t, *given_t, scale, causal, window, softcap,
+                               deterministic)
+    return call, (qt, kt, vt, out_t, dout_t, lse_t), as_given
+
+
+def _build_backward(call: checks.BackwardCall) -> plan.BackwardPlan:
+    q, k = call.q, call.k
+    batch, seqlen_q = q.shape[:2]
+    grads = tuple(t or interop.contiguous(like.shape, q) for t, like in ((call.dq, q), (call.dk, k), (call.dv, call.v)))
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1])
+    return plan.build_backward(q, k, call.v, call.out, call.dout, call.lse, grads, call.scale, mask,
+                               call.deterministic, batch, seqlen_q, k.shape[1])

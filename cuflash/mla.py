@@ -97,17 +97,27 @@ def mla_decode(
                             dtype)
     if call.framework == "numpy":
         return _on_host(call)
+    out, lse = plan.run(None, call.tensors["q"].device, _prepared, (call,), _build, call.framework, (), (None,),
+                        (None,), call.return_lse)
+    return (out, lse) if call.return_lse else out
+
+
+def _tensors(call: checks.MlaCall) -> tuple:
+    """The DeviceTensors of MlaPlan.launch's pointers: q, kv_cache, cache_seqlens, page_table,
+    descale_kv (None where scalar), q_rope and kv_rope_cache (None but in the split form)."""
     t = call.tensors
     descale = call.descale_kv if isinstance(call.descale_kv, interop.DeviceTensor) else None
-    tensors = (t["q"], t["kv_cache"], t["cache_seqlens"], t["page_table"], descale, t.get("q_rope"),
-               t.get("kv_rope_cache"))
-    operands = (t["q"], tuple(x.ptr if x is not None else 0 for x in tensors))
-    scalar_descale = call.descale_kv if isinstance(call.descale_kv, float) else None
-    key = ("mla_decode", *(x.layout if x is not None else None for x in tensors), call.head_dim_v, call.scale,
-           call.causal, call.num_splits, scalar_descale)
-    out, lse = plan.run(key, t["q"].device, True, lambda: (plan.build_mla(call, tensors), operands, True), (),
-                        call.framework, operands, (None,), (None,), call.return_lse)
-    return (out, lse) if call.return_lse else out
+    return t["q"], t["kv_cache"], t["cache_seqlens"], t["page_table"], descale, t.get("q_rope"), t.get("kv_rope_cache")
+
+
+def _prepared(call: checks.MlaCall):
+    """plan.run's prepare of a checked call: the call, MlaPlan.launch's operands, True (nothing is copied)."""
+    tensors = _tensors(call)
+    return call, (tensors[0], tuple(x.ptr if x is not None else 0 for x in tensors)), True
+
+
+def _build(call: checks.MlaCall) -> plan.MlaPlan:
+    return plan.build_mla(call, _tensors(call))
 
 
 def _on_host(call: checks.MlaCall):

@@ -22,25 +22,15 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from cuflash._core import checks, dispatch, interop, kernels, params
+from cuflash._core import checks, dispatch, interop, params, plan
 
 __all__ = ["GRANULARITIES", "quantize_fp8", "rotation"]
 
-GRANULARITIES = ("tensor", "head", "block")
+GRANULARITIES = params.QUANTIZE_GRANULARITIES
 _E4M3_MAX = np.float32(448.0)
 _MAX_HEAD_DIM = dispatch.HEAD_DIM_BUCKETS[-1]  # the kernel's shared-memory row
 _HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _DEVICE_DTYPES = ("float16", "bfloat16", "float32")
-# The kernel's QuantizeArgs (static_assert'ed at 104 bytes there), pointers first.
-_POINTERS = ("x", "out", "descale", "signs")
-_ARGS = np.dtype(
-    [(name, np.uint64) for name in _POINTERS]
-    + [(name, np.int64) for name in ("x_batch_stride", "x_row_stride", "x_head_stride")]
-    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "granularity", "group_heads",
-                                     "block_size", "blocks_per_head", "descales_per_group", "rotate_block")]
-    + [("rotate_norm", np.float32)],
-    align=True,
-)
 
 
 def rotation(head_dim: int, seed: int) -> tuple[np.ndarray, int, np.float32]:
@@ -96,12 +86,6 @@ def _check(x, on_device: bool, granularity: Any, block_size: Any, rotate: Any, s
     return group_heads, int(block_size), checks.resolve_flag("rotate", rotate)
 
 
-def _descale_shape(shape: tuple[int, ...], granularity: str, group_heads: int, block_size: int) -> tuple[int, ...]:
-    batch, seqlen, heads = shape[:3]
-    groups = (batch, heads // group_heads)
-    return groups + (-(-seqlen // block_size),) if granularity == "block" else groups
-
-
 def _quantize_host(x: np.ndarray, granularity: str, group_heads: int, block_size: int, rotate: bool,
                    seed: int) -> tuple[np.ndarray, np.ndarray]:
     values = x.astype(np.float32)
@@ -128,34 +112,6 @@ def _quantize_host(x: np.ndarray, granularity: str, group_heads: int, block_size
     grouped = values.reshape(batch, seqlen, groups, group_heads, head_dim)
     scaled = np.clip(grouped * scale, -_E4M3_MAX, _E4M3_MAX).reshape(x.shape)
     return scaled.astype(ml_dtypes.float8_e4m3fn), descale
-
-
-def _quantize_device(kind: str, t: interop.DeviceTensor, granularity: str, group_heads: int, block_size: int,
-                     rotate: bool, seed: int) -> tuple[Any, Any]:
-    batch, seqlen, heads, head_dim = t.shape
-    descale_shape = _descale_shape(t.shape, granularity, group_heads, block_size)
-    # CuPy has no float8 dtype: its callers get the bytes as uint8 (attention's dtype="e4m3").
-    out_dtype = "float8_e4m3fn" if kind == "torch" else "uint8"
-    with interop.on_device(t.device):
-        out, out_ptr = interop.allocate(kind, t, tuple(t.shape), out_dtype)
-        descale, descale_ptr = interop.allocate(kind, t, descale_shape, "float32")
-        if math.prod(descale_shape) == 0:
-            return out, descale
-        groups = 1 if granularity == "tensor" else math.prod(descale_shape)  # one CTA each
-        signs, block, norm = rotation(head_dim, seed)
-        signs_native, signs_ptr = interop.upload(kind, t, signs) if rotate else (None, 0)
-        args = np.array([(t.ptr, out_ptr, descale_ptr, signs_ptr, *t.strides[:3], batch, seqlen, heads, head_dim,
-                          GRANULARITIES.index(granularity), group_heads, block_size,
-                          descale_shape[2] if granularity == "block" else 1,
-                          math.prod(descale_shape) if granularity == "tensor" else 1,
-                          block if rotate else 0, norm)], _ARGS)
-        choice = dispatch.quantize_kernel(t.dtype)
-        arch = dispatch.compile_arch("sm80", dispatch.device_target(t.device)[1])
-        launch = kernels.prepare(choice, arch, t.device, (groups, 1, 1))
-        argument = params.ArgumentBuffer(args, _POINTERS).fill(t.ptr, out_ptr, descale_ptr, signs_ptr)
-        kernels.launch(launch, interop.stream_handle(kind, t.device), argument)
-        del signs_native  # held until the launch is queued; the pool reuses it in stream order
-    return out, descale
 
 
 def quantize_fp8(x: Any, granularity: str = "tensor", *, block_size: int = 128, rotate: bool = False,
@@ -206,4 +162,15 @@ def quantize_fp8(x: Any, granularity: str = "tensor", *, block_size: int = 128, 
         return _quantize_host(x, granularity, group_heads, block_size, rotate, int(seed))
     if checks.element_strides(t)[3] != 1 and 0 not in t.shape:
         raise ValueError(f"x: the last (head_dim) dimension must be contiguous, stride is {t.strides[3]} elements")
-    return _quantize_device(kind, t, granularity, group_heads, block_size, rotate, int(seed))
+    call = checks.QuantizeCall(t, granularity, group_heads, block_size, rotate, int(seed))
+    return plan.run(None, t.device, _prepared, (call,), _build, kind, (), (), ())
+
+
+def _prepared(call: checks.QuantizeCall):
+    """plan.run's prepare of a checked call: the call, the tensors to launch on (x) and True (x
+    itself)."""
+    return call, (call.x,), True
+
+
+def _build(call: checks.QuantizeCall) -> plan.QuantizePlan:
+    return plan.build_quantize(call, *rotation(call.x.shape[3], call.seed))

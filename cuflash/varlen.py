@@ -123,35 +123,32 @@ def attention_varlen(
         filled = plan.fill_empty(framework, qt, (out,), (out_t,), (checks.output_shape(qt, vt),),
                                  (heads, total_q) if return_lse else None, fp8 and fp8.out_dtype)
         return filled if return_lse else filled[0]
-    # Windows normalised against the packed lengths, which bound every sequence's.
-    mask = dispatch.make_mask(causal, window, softcap, total_q, kt.shape[0])
-    max_seqlen_q = int(lengths.max_seqlen_q)
-    # The plan is cached, the checks above run every call (they read the lengths' values).
-    key = ("attention_varlen", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, scale, mask, lengths.batch,
-           max_seqlen_q, fp8 and plan.fp8_key(fp8))
-    cu_seqlens = lengths.device_q, lengths.device_k
-    tensors = (qt, kt, vt, fp8.descale_q, fp8.descale_k, fp8.descale_v) if fp8 else (qt, kt, vt)
+    # The checks above run on every call (they read the lengths' values); the plan is cached.
+    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8, lengths)
+    tensors = (qt, kt, vt, *fp8.descales) if fp8 else (qt, kt, vt)
     # The used prefixes travel with the lengths to the launch, which fills them in per call.
+    cu_seqlens = lengths.device_q, lengths.device_k
     launch_lengths = (cu_seqlens if lengths.device_used_q is None and lengths.device_used_k is None
                       else (*cu_seqlens, lengths.device_used_q, lengths.device_used_k))
-    out, lse = plan.run(key, qt.device, True, _prepare_forward,
-                        (tensors, out_t, scale, mask, lengths.batch, max_seqlen_q, cu_seqlens, fp8), framework,
-                        tensors, (out,), (out_t,), return_lse, launch_lengths)
+    out, lse = plan.run(None, qt.device, _checked, (call, tensors), _build_forward, framework, tensors, (out,),
+                        (out_t,), return_lse, launch_lengths)
     return (out, lse) if return_lse else out
 
 
-def _prepare_forward(tensors: tuple, out_t, scale: float, mask: dispatch.Mask, batch: int, max_seqlen_q: int,
-                     cu_seqlens: tuple, fp8: checks.Fp8 | None):
-    """The forward plan of a checked, aligned packed batch: (plan, tensors, cache it). ``tensors``:
-    q, k, v, and for FP8 inputs (``fp8``, checks.resolve_fp8's) their descales."""
-    qt, kt, vt = tensors[:3]
-    heads, total_q = qt.shape[1], qt.shape[0]
-    built = plan.build_forward(*(checks.as_batch_of_one(t) for t in
-                                 (qt, kt, vt, out_t or interop.contiguous(checks.output_shape(qt, vt), qt,
-                                                                          fp8 and fp8.out_dtype))),
-                               interop.contiguous((heads, total_q), qt, "float32"), scale, mask, batch,
-                               max_seqlen_q, cu_seqlens, tensors[3:] or None)
-    return built, tensors, True
+def _checked(call, tensors: tuple):
+    """plan.run's prepare of a call checked already, launched on ``tensors``."""
+    return call, tensors, True
+
+
+def _build_forward(call: checks.ForwardCall) -> plan.ForwardPlan:
+    q, k, v, fp8, lengths = call.q, call.k, call.v, call.fp8, call.lengths
+    heads, total_q = q.shape[1], q.shape[0]
+    # Windows normalised against the packed lengths, which bound every sequence's.
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, total_q, k.shape[0])
+    out = call.out or interop.contiguous(checks.output_shape(q, v), q, fp8 and fp8.out_dtype)
+    return plan.build_forward(*(checks.as_batch_of_one(t) for t in (q, k, v, out)),
+                              interop.contiguous((heads, total_q), q, "float32"), call.scale, mask, lengths.batch,
+                              int(lengths.max_seqlen_q), (lengths.device_q, lengths.device_k), fp8 and fp8.descales)
 
 
 def attention_varlen_backward(
@@ -203,25 +200,18 @@ def attention_varlen_backward(
     given_t = tuple(tensors.get(name) for name in ("dq", "dk", "dv"))
     if qt.shape[0] == 0 or kt.shape[0] == 0:  # no work: the gradients are empty or zero
         return plan.fill_empty(framework, qt, given, given_t, (qt.shape, kt.shape, vt.shape))
-    mask = dispatch.make_mask(causal, window, softcap, qt.shape[0], kt.shape[0])
-    max_seqlen_q, max_seqlen_k = int(lengths.max_seqlen_q), int(lengths.max_seqlen_k)
-    key = ("attention_varlen_backward", *(t.layout for t in (qt, kt, vt, dout_t, out_t, lse_t)),
-           *(t and t.layout for t in given_t), scale, mask, deterministic, lengths.batch, max_seqlen_q,
-           max_seqlen_k)
+    call = checks.BackwardCall(qt, kt, vt, out_t, dout_t, lse_t, *given_t, scale, causal, window, softcap,
+                               deterministic, lengths)
     tensors = qt, kt, vt, out_t, dout_t, lse_t
-    cu_seqlens = lengths.device_q, lengths.device_k
-    return plan.run(key, qt.device, True, _prepare_backward,
-                    (tensors, given_t, scale, mask, deterministic, lengths, max_seqlen_q, max_seqlen_k), framework,
-                    tensors, given, given_t, cu_seqlens)
+    return plan.run(None, qt.device, _checked, (call, tensors), _build_backward, framework, tensors, given, given_t,
+                    (lengths.device_q, lengths.device_k))
 
 
-def _prepare_backward(tensors: tuple, given_t: tuple, scale: float, mask: dispatch.Mask, deterministic: bool,
-                      lengths: checks.Lengths, max_seqlen_q: int, max_seqlen_k: int):
-    """The backward plan of a checked, aligned packed batch: (plan, tensors, cache it)."""
-    qt, kt, vt, out_t, dout_t, lse_t = tensors
-    grads = tuple(checks.as_batch_of_one(t or interop.contiguous(like.shape, qt))
-                  for t, like in zip(given_t, (qt, kt, vt)))
-    built = plan.build_backward(*(checks.as_batch_of_one(t) for t in (qt, kt, vt, out_t, dout_t)), lse_t, grads,
-                                scale, mask, deterministic, lengths.batch, max_seqlen_q, max_seqlen_k,
-                                (lengths.device_q, lengths.device_k))
-    return built, tensors, True
+def _build_backward(call: checks.BackwardCall) -> plan.BackwardPlan:
+    q, k, v, lengths = call.q, call.k, call.v, call.lengths
+    grads = tuple(checks.as_batch_of_one(t or interop.contiguous(like.shape, q))
+                  for t, like in ((call.dq, q), (call.dk, k), (call.dv, v)))
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, q.shape[0], k.shape[0])
+    return plan.build_backward(*(checks.as_batch_of_one(t) for t in (q, k, v, call.out, call.dout)), call.lse, grads,
+                               call.scale, mask, call.deterministic, lengths.batch, int(lengths.max_seqlen_q),
+                               int(lengths.max_seqlen_k), (lengths.device_q, lengths.device_k))

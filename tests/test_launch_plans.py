@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash._core import dispatch, interop, kernels, plan
+from cuflash import quantize
+from cuflash._core import checks, dispatch, interop, kernels, plan
 from cuflash._core.params import FWD_PARAMS, FWD_POINTERS, ArgumentBuffer, pack_fwd_params
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-          "float32": np.dtype(np.float32), "int32": np.dtype(np.int32)}
+          "float32": np.dtype(np.float32), "int32": np.dtype(np.int32), "uint8": np.dtype(np.uint8)}
 
 
 class FakeCupyArray:
@@ -76,6 +77,7 @@ def gpu(monkeypatch):
     monkeypatch.setattr(interop, "allocate", lambda framework, like, shape, dtype=None: (
         lambda ptr: (FakeCupyArray(shape, dtype or like.dtype, ptr=ptr), ptr))(take(4 * math.prod(shape))))
     monkeypatch.setattr(interop, "scratch", lambda framework, like, nbytes: (None, take(nbytes)))
+    monkeypatch.setattr(interop, "upload", lambda framework, like, host: (None, take(host.nbytes)))
     monkeypatch.setattr(interop, "zero", lambda ptr, nbytes, stream: state.memsets.append((ptr, nbytes)))
     return state
 
@@ -173,6 +175,17 @@ def test_varlen_cache_is_transparent(gpu):
     _assert_transparent(gpu, calls + calls[::-1])
 
 
+def test_quantize_cache_is_transparent(gpu):
+    calls = []
+    for layout, dtype, granularity, rotate, seed in itertools.product(["contiguous", "padded", "bhsd"],
+                                                                      ["float16", "float32"], quantize.GRANULARITIES,
+                                                                      [False, True], [0, 1]):
+        x = _strided((2, 33, 4, 64), dtype, layout, 1 << 30)
+        calls.append(lambda x=x, g=granularity, r=rotate, s=seed: cuflash.quantize_fp8(
+            x, g, block_size=16, rotate=r, seed=s, heads_kv=2))
+    _assert_transparent(gpu, calls + calls[::-1])
+
+
 def test_hit_skips_the_build_and_writes_the_new_pointers(gpu):
     q = FakeCupyArray((1, 64, 2, 64))
     cuflash.attention(q, q, q)
@@ -247,12 +260,34 @@ def test_bad_input_after_a_cached_call_still_raises(gpu):
                                    dq=FakeCupyArray((1, 64, 2, 64), ptr=(2 << 30) + 8))
 
 
-def test_misaligned_inputs_are_copied_and_not_cached(gpu):
+def test_signatures_name_the_plan_of_their_checked_key(gpu, monkeypatch):
+    """Two spellings of one call (the default scale, and the same scale given) are two signatures
+    of one plan key: one plan is built, and each signature, once checked, skips the checks."""
+    checked = []
+    check = checks.check_forward
+    monkeypatch.setattr(checks, "check_forward", lambda *args: checked.append(args) or check(*args))
+    q = FakeCupyArray((1, 64, 2, 64))
+    for _ in range(3):
+        cuflash.attention(q, q, q)
+        cuflash.attention(q, q, q, softmax_scale=64 ** -0.5)
+    assert gpu.builds == ["build_forward"] and len(plan.PLANS) == 1 and len(checked) == 2
+
+
+def test_misaligned_inputs_are_copied_and_checked_every_call(gpu, monkeypatch):
+    """A tensor whose pointer or strides are not 16-byte aligned is copied; the plan is the copy's
+    (contiguous like q: the first call's plan), and no signature is recorded for the call, whose
+    own tensors the plan cannot launch on."""
+    checked = []
+    check = checks.check_forward
+    monkeypatch.setattr(checks, "check_forward", lambda *args: checked.append(args) or check(*args))
     q = FakeCupyArray((1, 64, 2, 64))
     cuflash.attention(q, q, q)
-    launches, _ = _run(gpu, lambda: cuflash.attention(FakeCupyArray((1, 64, 2, 64), ptr=(1 << 30) + 2), q, q))
-    assert np.frombuffer(launches[0][1], FWD_PARAMS)[0]["q"] == 7 << 30  # the realigned copy
-    assert gpu.builds == ["build_forward"] * 2 and len(plan.PLANS) == 1
+    misaligned = [FakeCupyArray((1, 64, 2, 64), ptr=(1 << 30) + 2),
+                  FakeCupyArray((1, 64, 2, 64), strides=(64 * 2 * 68, 2 * 68, 68, 1))]  # rows of 136 bytes
+    for x in misaligned * 2:
+        launches, _ = _run(gpu, lambda: cuflash.attention(x, q, q))
+        assert np.frombuffer(launches[0][1], FWD_PARAMS)[0]["q"] == 7 << 30  # the realigned copy
+    assert gpu.builds == ["build_forward"] and len(plan.PLANS) == 1 and len(checked) == 5
 
 
 def test_a_new_device_plan_rebuilds(gpu, monkeypatch):

@@ -42,7 +42,7 @@ struct QuantizeArgs {
   int rotate_block;     // Hadamard block size (a power of two dividing head_dim), 0: no rotation
   float rotate_norm;    // 1 / sqrt(rotate_block) in float32
 };
-static_assert(sizeof(QuantizeArgs) == 104, "cuflash/quantize.py packs QuantizeArgs in 104 bytes");
+static_assert(sizeof(QuantizeArgs) == 104, "cuflash/_core/params.py packs QuantizeArgs in 104 bytes");
 
 // Row `row` of the group (batch_count x row_count x head_count rows from batch0, row0, head0) into
 // `values` (this warp's head_dim floats in shared memory), rotated when asked; returns its

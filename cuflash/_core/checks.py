@@ -3,6 +3,10 @@
 Every check raises a TypeError or ValueError naming the argument, before anything is launched.
 The checks read DeviceTensors (GPU arrays, interop.describe) or NumPy arrays alike, so the CPU
 path refuses exactly what the GPU path refuses.
+
+A checked GPU call is a record (ForwardCall, BackwardCall, KvCall, CombineCall, MlaCall,
+QuantizeCall) whose ``plan_key`` is the key of its launch plan (plan.run): everything the plan
+reads but pointers, written beside the fields it reads so that a new field meets its key.
 """
 
 from __future__ import annotations
@@ -17,12 +21,17 @@ import numpy as np
 from cuflash._core import dispatch, interop
 
 __all__ = [
+    "BackwardCall",
     "CombineCall",
     "FP8_DTYPE",
+    "ForwardCall",
     "Fp8",
+    "KV_ARRAYS",
     "KvCall",
+    "MLA_ARRAYS",
     "MlaCall",
     "Lengths",
+    "QuantizeCall",
     "as_batch_of_one",
     "check_backward",
     "check_backward_inputs",
@@ -55,6 +64,12 @@ _GRID_Z_ROWS = 128
 
 def dtype_name(x: Any) -> str:
     return x.dtype if isinstance(x, interop.DeviceTensor) else x.dtype.name
+
+
+def _layout(x: Any) -> Any:
+    """What a plan key holds of a field that may be an array: a DeviceTensor's layout, any other
+    value (a number, None) as it is."""
+    return x.layout if isinstance(x, interop.DeviceTensor) else x
 
 
 def element_strides(x: Any) -> tuple[int, ...]:
@@ -142,7 +157,8 @@ def resolve_scale(softmax_scale: Any, head_dim: int) -> float:
 
 
 def plain_window(window: Any) -> bool:
-    """Whether ``window`` is a tuple of two plain ints (which a plan key may hold as they are)."""
+    """Whether ``window`` is a tuple of two plain ints (which a signature may hold as they are,
+    plan.run)."""
     return type(window) is tuple and len(window) == 2 and type(window[0]) is int and type(window[1]) is int
 
 
@@ -267,6 +283,63 @@ def check_backward(arrays: dict, softmax_scale: Any, window: Any, softcap: Any,
     batch, seqlen_q, heads = q.shape[:3]
     check_backward_inputs(arrays, (batch, heads, seqlen_q), on_device)
     return scale, resolve_window(window), resolve_softcap(softcap)
+
+
+# Checked GPU forward and backward calls, fixed-length (api.py) or packed (varlen.py).
+
+class ForwardCall(NamedTuple):
+    """A checked GPU forward call, of a fixed-length batch (BSHD) or a packed one (``lengths``):
+    the DeviceTensors the kernel reads (16-byte-aligned copies of any that were not) and the
+    resolved options."""
+
+    q: Any
+    k: Any
+    v: Any
+    out: Any  # None: allocated per call
+    scale: float
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    fp8: Fp8 | None
+    lengths: Lengths | None = None
+
+    def plan_key(self) -> tuple:
+        """Everything plan.build_forward reads but pointers; of a packed batch's lengths, the number
+        of sequences and the longest query sequence (the grid)."""
+        lengths = self.lengths
+        return ("forward", self.q.layout, self.k.layout, self.v.layout, _layout(self.out), self.scale, self.causal,
+                self.window, self.softcap, self.fp8 and self.fp8.plan_key(),
+                lengths and (lengths.batch, lengths.max_seqlen_q))
+
+
+class BackwardCall(NamedTuple):
+    """A checked GPU backward call, fixed-length or packed, as ForwardCall: the inputs the kernels
+    read, the gradients given (None: allocated per call) and the resolved options."""
+
+    q: Any
+    k: Any
+    v: Any
+    out: Any
+    dout: Any
+    lse: Any
+    dq: Any
+    dk: Any
+    dv: Any
+    scale: float
+    causal: bool
+    window: tuple[int, int]
+    softcap: float
+    deterministic: bool
+    lengths: Lengths | None = None
+
+    def plan_key(self) -> tuple:
+        """Everything plan.build_backward reads but pointers; of a packed batch's lengths, the
+        number of sequences and the longest query and key sequences (the grids)."""
+        lengths = self.lengths
+        return ("backward", self.q.layout, self.k.layout, self.v.layout, self.out.layout, self.dout.layout,
+                self.lse.layout, _layout(self.dq), _layout(self.dk), _layout(self.dv), self.scale, self.causal,
+                self.window, self.softcap, self.deterministic,
+                lengths and (lengths.batch, lengths.max_seqlen_q, lengths.max_seqlen_k))
 
 
 # Packed batches (varlen.py).
@@ -433,6 +506,15 @@ class Fp8(NamedTuple):
     descale_k: Any
     descale_v: Any
 
+    @property
+    def descales(self) -> tuple:
+        return self.descale_q, self.descale_k, self.descale_v
+
+    def plan_key(self) -> tuple:
+        """What a plan reads: the output dtype, each scalar descale's value (folded into the
+        kernel argument) and each descale array's layout."""
+        return self.out_dtype, _layout(self.descale_q), _layout(self.descale_k), _layout(self.descale_v)
+
 
 def resolve_fp8(q, k, v, descale_q: Any, descale_k: Any, descale_v: Any, out_dtype: Any, on_device: bool,
                 batch: int | None = None) -> Fp8 | None:
@@ -559,6 +641,23 @@ class KvCall(NamedTuple):
     descale_k: Any  # FP8 cache: float or (batch, heads_kv) float32 array; else None
     descale_v: Any
     return_lse: bool
+
+    def plan_key(self) -> tuple:
+        """Everything plan.build_kvcache reads but pointers: each array's layout by name, every
+        resolved option (cache_seqlens and the descales where numbers) and whether q's pointer is
+        16-byte aligned (dispatch.kvcache_prefill); not the host copies, nor return_lse (the
+        launch's)."""
+        t = self.tensors
+        return ("attention_with_kvcache", *(_layout(t.get(name)) for name in KV_ARRAYS), t["q"].ptr % 16 == 0,
+                self.batch, self.max_seqlen_q, self.heads, self.heads_kv, self.head_dim, self.page_size,
+                self.capacity, self.seqlen_new, self.varlen, _layout(self.cache_seqlens), self.scale, self.causal,
+                self.window, self.softcap, self.rotary_dim, self.rotary_interleaved, self.rotary_per_row,
+                self.num_splits, _layout(self.descale_k), _layout(self.descale_v))
+
+
+# KvCall.tensors' names, in the order KvCachePlan.launch takes their pointers.
+KV_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
+             "cu_seqlens_q", "rotary_cos", "rotary_sin")
 
 
 class KvOptions(NamedTuple):
@@ -878,6 +977,10 @@ class CombineCall(NamedTuple):
     out_dtype: str
     return_lse: bool
 
+    def plan_key(self) -> tuple:
+        """Everything plan.build_combine reads but pointers."""
+        return "combine", self.out_partial.layout, self.lse_partial.layout, self.out_dtype
+
 
 def check_combine(out_partial: Any, lse_partial: Any, out_dtype: Any, return_lse: Any) -> CombineCall:
     kind = framework({"q": out_partial, "lse_partial": lse_partial})
@@ -941,6 +1044,38 @@ class MlaCall(NamedTuple):
     num_splits: int
     descale_kv: Any  # FP8 cache: float or (batch,) float32 array; else None
     return_lse: bool
+
+    def plan_key(self) -> tuple:
+        """Everything plan.build_mla reads but pointers: each array's layout by name and every
+        resolved option (the descale where a number); check_mla has required 16-byte-aligned
+        pointers."""
+        t = self.tensors
+        return ("mla_decode", *(_layout(t.get(name)) for name in MLA_ARRAYS), self.batch, self.seqlen_q, self.heads,
+                self.head_dim, self.head_dim_v, self.page_size, self.capacity, self.scale, self.causal,
+                self.num_splits, _layout(self.descale_kv))
+
+
+# MlaCall.tensors' names.
+MLA_ARRAYS = ("q", "kv_cache", "cache_seqlens", "page_table", "q_rope", "kv_rope_cache")
+
+
+# FP8 quantizing (quantize.py).
+
+class QuantizeCall(NamedTuple):
+    """A checked GPU quantize_fp8 call: x's DeviceTensor and the resolved options."""
+
+    x: Any
+    granularity: str
+    group_heads: int
+    block_size: int
+    rotate: bool
+    seed: int
+
+    def plan_key(self) -> tuple:
+        """Everything plan.build_quantize reads but pointers; the seed (the rotation's signs) only
+        with ``rotate``, since a call without rotation never reads it."""
+        return ("quantize_fp8", self.x.layout, self.granularity, self.group_heads, self.block_size, self.rotate,
+                self.seed if self.rotate else None)
 
 
 MLA_MAX_REQUESTED_SPLITS = 256  # kv_combine's limit

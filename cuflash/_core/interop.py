@@ -150,8 +150,8 @@ def layouts_and_pointers(arrays: list) -> tuple[str, tuple, tuple] | None:
     """(framework, layouts, pointers) of a call's ``arrays`` (None where not given), the first
     given, when all are CuPy arrays of its type or all torch CUDA tensors: what ``describe``
     reads, in the framework's own terms (CuPy's byte strides and dtype objects) and without
-    building a DeviceTensor, because a repeated call's plan key needs only that (keys of two
-    frameworks never meet: the framework leads the key). Per array the layout (shape, strides,
+    building a DeviceTensor, because a repeated call's signature needs only that (signatures of
+    two frameworks never meet: the framework leads the signature). Per array the layout (shape, strides,
     dtype, device) and the pointer; None and 0 where not given. None for any other mix (NumPy,
     DLPack producers, CPU tensors, numbers), which the caller then describes in full."""
     cls = type(arrays[0])

@@ -410,3 +410,25 @@ def mla_tma_argument(packed: np.ndarray, kv_cache, kv_rope, rows: int) -> Argume
     rope = ("kv_rope", kv_rope, rows) if kv_rope is not None else ("kv_rope", kv_cache, rows, "kv_cache")
     maps = _map_fields(MLA_POINTERS, ("kv_cache", kv_cache, rows), rope)
     return ArgumentBuffer(struct, MLA_POINTERS, within="base", tensor_maps=maps)
+
+
+# cuda_src/common/quantize_fp8.cu: QuantizeArgs (104 bytes, static_assert'ed there);
+# QUANTIZE_GRANULARITIES in the order of its granularity codes.
+QUANTIZE_GRANULARITIES = ("tensor", "head", "block")
+QUANTIZE_POINTERS = ("x", "out", "descale", "signs")
+QUANTIZE_PARAMS = np.dtype(
+    [(name, np.uint64) for name in QUANTIZE_POINTERS]
+    + [(name, np.int64) for name in ("x_batch_stride", "x_row_stride", "x_head_stride")]
+    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "granularity", "group_heads",
+                                     "block_size", "blocks_per_head", "descales_per_group", "rotate_block")]
+    + [("rotate_norm", np.float32)],
+    align=True,
+)
+
+
+def pack_quantize_params(x, granularity: str, group_heads: int, block_size: int, blocks_per_head: int,
+                         descales_per_group: int, rotate_block: int, rotate_norm: float) -> np.ndarray:
+    """One QuantizeArgs with null pointers for the DeviceTensor ``x`` (BSHD)."""
+    return np.array([(*(0,) * len(QUANTIZE_POINTERS), *x.strides[:3], *x.shape,
+                      QUANTIZE_GRANULARITIES.index(granularity), group_heads, block_size, blocks_per_head,
+                      descales_per_group, rotate_block, rotate_norm)], dtype=QUANTIZE_PARAMS)

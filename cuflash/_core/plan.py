@@ -2,13 +2,18 @@
 computed once per distinct call, cached, and launched.
 
 A plan holds the kernels, grids, scratch layout and argument structs but for their pointers; a
-repeated call fills in the pointers and launches. Every entry point runs the same pipeline:
-describe its tensors (interop), take a key of everything its checks and its plan read but
-pointers, then ``run``: the plan cached under the key, or ``prepare`` (the entry point's checks,
-then build_forward / build_backward) on a miss, and the plan's ``launch``. Where the key is
-taken before validation, a hit also skips the checks that call passed before: each check reads
-only what the key holds, and errors are never cached, so a bad input always runs the full checks
-and raises as it would without the cache.
+repeated call fills in the pointers and launches. Every entry point runs the same pipeline,
+``run``: its checks give a checked call (a checks record), the record's ``plan_key`` names the
+plan (built on a miss), and the plan's ``launch`` runs it. A plan key is taken at that one moment,
+after the checks, from the record alone, for every operation.
+
+An entry point whose repeated calls would cost mostly their checks (the fixed-length forward and
+backward, a decoding step against a KV cache) also gives ``run`` the call's signature: its
+arguments as passed, every array's layout and every option, when its checks read nothing else.
+A signature is not a second key chosen per field: it holds the whole call, so it decides the
+checked call and therefore its plan key; ``run`` records it beside the plan that key named once the
+checks have passed, and a later call of that signature launches that plan without checks. Errors
+are never recorded, so a bad input always runs the full checks and raises as it would uncached.
 """
 
 from __future__ import annotations
@@ -20,21 +25,23 @@ from typing import Any, Callable
 
 from cuflash._core import dispatch, interop, kernels
 from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
-                                  FWD_POINTERS, KV_POINTERS, MLA_POINTERS, ArgumentBuffer, pack_bwd_params,
-                                  pack_combine_params, pack_convert_params, pack_fwd_params, pack_fwd_params_fp8,
-                                  pack_fwd_params_paged, pack_kv_params, pack_mla_params, mla_tma_argument,
-                                  sm90_backward_argument, sm90_forward_argument, tma_ready)
+                                  FWD_POINTERS, KV_POINTERS, MLA_POINTERS, QUANTIZE_POINTERS, ArgumentBuffer,
+                                  pack_bwd_params, pack_combine_params, pack_convert_params, pack_fwd_params,
+                                  pack_fwd_params_fp8, pack_fwd_params_paged, pack_kv_params, pack_mla_params,
+                                  pack_quantize_params, mla_tma_argument, sm90_backward_argument, sm90_forward_argument,
+                                  tma_ready)
 
-__all__ = ["KEY_SCALARS", "PLANS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan", "PlanCache",
-           "aligned_pointers", "build_backward", "build_combine", "build_forward", "build_kvcache", "build_mla",
-           "fill_empty", "fp8_key", "run"]
+__all__ = ["PLANS", "SIGNATURE_SCALARS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan",
+           "PlanCache", "QuantizePlan", "aligned_pointers", "build_backward", "build_combine", "build_forward",
+           "build_kvcache", "build_mla", "build_quantize", "fill_empty", "run"]
 
 # cu_seqlens of a fixed-length batch: none.
 NO_LENGTHS = (None, None)
-# Option types whose values alone decide validation: a key holds a scalar only if its type is one
-# of these, because True == 1 and hash(True) == hash(1), yet softmax_scale=True or window=(True, 0)
-# must raise TypeError where 1 and (1, 0) pass. Other types run uncached (and work).
-KEY_SCALARS = frozenset({int, float, type(None)})
+# Option types whose values alone decide validation: a signature holds a scalar only if its type is
+# one of these, because True == 1 and hash(True) == hash(1), yet softmax_scale=True or
+# window=(True, 0) must raise TypeError where 1 and (1, 0) pass. Other types run their checks on
+# every call (and work).
+SIGNATURE_SCALARS = frozenset({int, float, type(None)})
 _SCRATCH_ALIGN = 512  # each scratch buffer starts where a separate pool allocation would
 
 
@@ -158,32 +165,46 @@ class BackwardPlan:
 
 
 class PlanCache:
-    """Plans by key, oldest evicted first past ``max_size``: that bounds the memory when shapes
-    keep changing (a growing KV cache makes a new key per step); 1024 plans are well under a
-    megabyte. A plan is returned only if it was built for the family and arch the device has now
+    """Plans by key (a checked call's plan_key), and the plan each recorded signature names (run);
+    oldest evicted first past ``max_size`` each: that bounds the memory when shapes keep changing
+    (a growing KV cache makes a new key per step); 1024 plans are well under a megabyte. A plan is
+    returned only if it was built for the family and arch the device has now
     (``dispatch.device_target.cache_clear()`` and a new CUFLASH_FAMILY must not run a stale
     kernel)."""
 
     def __init__(self, max_size: int = 1024):
         self.max_size = max_size
-        self._plans: dict[tuple, ForwardPlan | BackwardPlan] = {}
+        self._plans: dict[tuple, Any] = {}
+        self._signatures: dict[tuple, Any] = {}
         self._lock = threading.Lock()
 
-    def get(self, key: tuple | None, device: int) -> ForwardPlan | BackwardPlan | None:
+    def get(self, key: tuple, device: int) -> Any:
         plan = self._plans.get(key)
         return plan if plan is not None and plan.target == dispatch.device_target(device) else None
 
-    def put(self, key: tuple, plan: ForwardPlan | BackwardPlan) -> None:
+    def recall(self, signature: tuple, device: int) -> Any:
+        """The plan recorded for ``signature``, as ``get``."""
+        plan = self._signatures.get(signature)
+        return plan if plan is not None and plan.target == dispatch.device_target(device) else None
+
+    def put(self, key: tuple, plan) -> None:
+        self._store(self._plans, key, plan)
+
+    def record(self, signature: tuple, plan) -> None:
+        self._store(self._signatures, signature, plan)
+
+    def _store(self, table: dict, key: tuple, plan) -> None:
         with self._lock:
-            if len(self._plans) >= self.max_size and key not in self._plans:
-                del self._plans[next(iter(self._plans))]
-            self._plans[key] = plan
+            if len(table) >= self.max_size and key not in table:
+                del table[next(iter(table))]
+            table[key] = plan
 
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+            self._signatures.clear()
 
-    def items(self) -> list[tuple[tuple, ForwardPlan | BackwardPlan]]:
+    def items(self) -> list[tuple[tuple, Any]]:
         """(key, plan) pairs, oldest first."""
         return list(self._plans.items())
 
@@ -195,8 +216,8 @@ PLANS = PlanCache()
 
 
 def aligned_pointers(*tensors) -> bool:
-    """The pointers of ``tensors`` (DeviceTensors or None) on 16-byte boundaries; their strides'
-    alignment is part of a plan key."""
+    """The pointers of ``tensors`` (DeviceTensors or None) on 16-byte boundaries: a signature's
+    condition, since its layouts hold their strides' alignment but not the pointers'."""
     bits = 0
     for t in tensors:
         if t is not None:
@@ -204,25 +225,27 @@ def aligned_pointers(*tensors) -> bool:
     return bits % 16 == 0
 
 
-def fp8_key(fp8) -> tuple:
-    """What a plan reads of checked FP8 options (checks.Fp8): the output dtype, each scalar descale's value
-    (folded into the kernel argument) and each descale array's layout."""
-    return (fp8.out_dtype, *(d.layout if isinstance(d, interop.DeviceTensor) else d
-                             for d in (fp8.descale_q, fp8.descale_k, fp8.descale_v)))
-
-
-def run(key: tuple | None, device: int, reusable: bool, prepare: Callable, args: tuple, framework: str,
+def run(signature: tuple | None, device: int, prepare: Callable, args: tuple, build: Callable, framework: str,
         tensors: tuple, given: tuple, given_t: tuple, *options) -> tuple:
-    """The one pipeline of every entry point, after its tensors are described and its key taken:
-    the plan cached under ``key`` if the call is ``reusable`` (its pointers as aligned as the key
-    assumes), else ``prepare(*args)`` -> (plan, tensors to launch on, whether to cache it); then
-    the plan's launch on ``tensors``, into ``given``, with the plan's own ``options`` (the
-    forward's return_lse, then either's cu_seqlens: ForwardPlan.launch, BackwardPlan.launch)."""
-    plan = PLANS.get(key, device) if reusable else None
+    """The one pipeline of every entry point, after its tensors are described. ``signature``:
+    None, or the call as passed (module docstring), formed only where its pointers are 16-byte
+    aligned (its layouts hold the rest of what the checks and the plan read); a recorded one
+    launches its plan on ``tensors``, unchecked. Otherwise
+    ``prepare(*args)`` checks the call -> (checked call, the tensors to launch on, whether they are
+    the ones given, nothing copied); the plan under the checked call's ``plan_key()``, or
+    ``build(call)``, cached; the signature recorded for a call launched as given. Then the plan's
+    launch on the tensors, into ``given`` (whose DeviceTensors are ``given_t``), with the plan's own
+    ``options`` (ForwardPlan.launch's return_lse and cu_seqlens, ...)."""
+    plan = PLANS.recall(signature, device) if signature is not None else None
     if plan is None:
-        plan, tensors, cacheable = prepare(*args)
-        if cacheable and key is not None:
+        call, tensors, as_given = prepare(*args)
+        key = call.plan_key()
+        plan = PLANS.get(key, device)
+        if plan is None:
+            plan = build(call)
             PLANS.put(key, plan)
+        if signature is not None and as_given:
+            PLANS.record(signature, plan)
     return plan.launch(framework, tensors, given, given_t, *options)
 
 
@@ -383,7 +406,7 @@ class KvCachePlan:
         allocated like it) and the pointers (0 where not given) of q, k_cache, v_cache, k, v,
         cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos,
         rotary_sin, descale_k, descale_v (0 where scalar). Pointers alone, because a repeated
-        decoding call reads nothing else of its arrays (decode._unchecked_key)."""
+        decoding call reads nothing else of its arrays (kvcache_gpu._signature)."""
         q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv) = operands
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
@@ -446,8 +469,12 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
 
     # Scratch: rotated q (rows, heads, head_dim) in q's type, then fp32 partial out and lse.
     sizes = [rows * call.heads * call.head_dim * q.itemsize if call.rotary_dim else 0]
+    combine = combine_argument = None
     if splits > 1:
-        sizes += [splits * call.heads * rows * call.head_dim * 4, splits * call.heads * rows * 4]
+        batch, seqlen = (1, rows) if call.varlen else (call.batch, call.max_seqlen_q)
+        combine, combine_argument, out_bytes, lse_bytes = _split_combine(q.dtype, arch, q.device, splits, batch,
+                                                                         seqlen, call.heads, call.head_dim, call.varlen)
+        sizes += [out_bytes, lse_bytes]
     offsets, end = [], 0
     for size in sizes + [0] * (3 - len(sizes)):
         offsets.append(end if size else None)
@@ -458,22 +485,7 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     decode = (kernels.prepare(decode_choice, arch, q.device, (splits * row_tiles, call.heads_kv, call.batch))
               if rows and not prefill else None)
     forward_choice, forward = _kvcache_forward(call, tensors, ints, arch) if prefill else (decode_choice, None)
-    combine = combine_argument = None
     lse_shape = (call.heads, rows) if call.varlen else (call.batch, call.heads, call.max_seqlen_q)
-    if splits > 1:
-        d, h = call.head_dim, call.heads
-        if call.varlen:  # one batch of ``rows`` rows
-            batch, seqlen = 1, rows
-            o_strides, l_strides = (0, h * d, d), (0, 1, rows)
-            op, lp = (h * rows * d, 0, d, rows * d), (h * rows, 0, 1, rows)
-        else:
-            batch, seqlen = call.batch, call.max_seqlen_q
-            o_strides, l_strides = out_strides[:3], (h * seqlen, 1, seqlen)
-            op, lp = (h * rows * d, seqlen * d, d, rows * d), (h * rows, seqlen, 1, rows)
-        combine = kernels.prepare(dispatch.combine_kernel(q.dtype), arch, q.device,
-                                  dispatch.kv_combine_grid(batch * seqlen * h))
-        combine_argument = ArgumentBuffer(pack_combine_params(op, lp, o_strides, l_strides, splits, batch, seqlen, h,
-                                                              d), COMBINE_POINTERS)
     return KvCachePlan(target, forward_choice.name_expression, append, decode, forward if rows else None, combine,
                        argument, combine_argument, out_shape, lse_shape, tuple(offsets), end)
 
@@ -505,6 +517,25 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
     return choice, (kernels.prepare(choice, arch, q.device, grid), argument)
 
 
+def _split_combine(dtype: str, arch: str, device: int, splits: int, batch: int, seqlen: int, heads: int, dim: int,
+                   packed: bool = False) -> tuple[kernels.Launch, ArgumentBuffer, int, int]:
+    """kv_combine over the fp32 partials of a decode split ``splits`` ways, as kv_decode and the MLA
+    kernels write them: out (splits, heads, rows, dim) and lse (splits, heads, rows), rows being
+    batch x seqlen, merged into a contiguous out (batch, seqlen, heads, dim) of ``dtype`` and lse
+    (batch, heads, seqlen), or for a ``packed`` q (one sequence of ``seqlen`` rows) out (rows, heads,
+    dim) and lse (heads, rows). Returns the combine's launch and argument and the two partials' sizes
+    in bytes."""
+    rows = batch * seqlen
+    # Strides (split, batch, row, head) of the partials, (batch, row, head) of out and lse.
+    out_partial = (heads * rows * dim, 0 if packed else seqlen * dim, dim, rows * dim)
+    lse_partial = (heads * rows, 0 if packed else seqlen, 1, rows)
+    out, lse = (0 if packed else seqlen * heads * dim, heads * dim, dim), (0 if packed else heads * seqlen, 1, seqlen)
+    launch = kernels.prepare(dispatch.combine_kernel(dtype), arch, device, dispatch.kv_combine_grid(rows * heads))
+    argument = ArgumentBuffer(pack_combine_params(out_partial, lse_partial, out, lse, splits, batch, seqlen, heads,
+                                                  dim), COMBINE_POINTERS)
+    return launch, argument, splits * heads * rows * dim * 4, splits * heads * rows * 4
+
+
 @dataclass(frozen=True, eq=False)
 class CombinePlan:
     target: tuple[str, tuple[int, int]]
@@ -526,9 +557,10 @@ class CombinePlan:
         return out, lse
 
 
-def build_combine(o, l, out_dtype: str) -> CombinePlan:
-    """cuflash.combine's plan for checked DeviceTensors: out_partial ``o`` (splits, [batch,] seqlen,
-    heads, head_dim) and lse_partial ``l``."""
+def build_combine(call) -> CombinePlan:
+    """cuflash.combine's plan for a checked GPU call (checks.CombineCall): out_partial (splits,
+    [batch,] seqlen, heads, head_dim) and lse_partial."""
+    o, l, out_dtype = call.out_partial, call.lse_partial, call.out_dtype
     target = dispatch.device_target(o.device)
     arch = dispatch.compile_arch("sm80", target[1])
     if o.ndim == 4:  # packed: a batch of one
@@ -616,15 +648,56 @@ def build_mla(call, tensors: tuple) -> MlaPlan:
     combine = combine_argument = None
     scratch_bytes = lse_offset = 0
     if splits > 1:
-        # The partials as the kernel writes them: (splits, heads, batch x seqlen_q rows, dv) and
-        # (splits, heads, rows); kv_combine reads them as (split, batch, row, head) strides.
-        n = call.batch * s
-        lse_offset = -(-splits * h * n * dv * 4 // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-        scratch_bytes = lse_offset + splits * h * n * 4
-        op, lp = (h * n * dv, s * dv, dv, n * dv), (h * n, s, 1, n)
-        combine = kernels.prepare(dispatch.combine_kernel(q.dtype), dispatch.compile_arch("sm80", capability),
-                                  q.device, dispatch.kv_combine_grid(call.batch * s * h))
-        combine_argument = ArgumentBuffer(pack_combine_params(op, lp, (s * h * dv, h * dv, dv), (h * s, 1, s), splits,
-                                                              call.batch, s, h, dv), COMBINE_POINTERS)
+        combine, combine_argument, out_bytes, lse_bytes = _split_combine(
+            q.dtype, dispatch.compile_arch("sm80", capability), q.device, splits, call.batch, s, h, dv)
+        lse_offset = -(-out_bytes // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
+        scratch_bytes = lse_offset + lse_bytes
     return MlaPlan(target, decode, combine, argument, combine_argument, out_shape, lse_shape, scratch_bytes,
                    lse_offset)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizePlan:
+    """quantize_fp8's launch: one CTA per group (the whole tensor on one), none where there is no
+    descale to write."""
+
+    target: tuple[str, tuple[int, int]]
+    kernel: kernels.Launch | None
+    argument: ArgumentBuffer  # QuantizeArgs, pointers in QUANTIZE_POINTERS order
+    out_shape: tuple[int, ...]
+    descale_shape: tuple[int, ...]
+    signs: Any  # the rotation's float32 signs along head_dim (NumPy), None without rotation
+
+    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple) -> tuple[Any, Any]:
+        """(e4m3 bytes, float32 descale) of ``tensors`` (x's DeviceTensor): float8_e4m3fn in torch,
+        uint8 in CuPy, which has no float8 dtype (attention's dtype="e4m3" reads it)."""
+        (x,) = tensors
+        with interop.on_device(x.device):
+            out, out_ptr = interop.allocate(framework, x, self.out_shape,
+                                            "float8_e4m3fn" if framework == "torch" else "uint8")
+            descale, descale_ptr = interop.allocate(framework, x, self.descale_shape, "float32")
+            if self.kernel is not None:
+                signs, signs_ptr = interop.upload(framework, x, self.signs) if self.signs is not None else (None, 0)
+                kernels.launch(self.kernel, interop.stream_handle(framework, x.device),
+                               self.argument.fill(x.ptr, out_ptr, descale_ptr, signs_ptr))
+                del signs  # held until the launch is queued; the pool reuses it in stream order
+        return out, descale
+
+
+def build_quantize(call, signs, block: int, norm: float) -> QuantizePlan:
+    """quantize_fp8's plan for a checked GPU call (checks.QuantizeCall); ``signs``, ``block`` and
+    ``norm``: the rotation along head_dim (quantize.rotation), the signs and block read only with
+    ``call.rotate``."""
+    x, granularity = call.x, call.granularity
+    batch, seqlen, heads = x.shape[:3]
+    groups = (batch, heads // call.group_heads)
+    descale_shape = groups + (-(-seqlen // call.block_size),) if granularity == "block" else groups
+    descales = math.prod(descale_shape)
+    argument = ArgumentBuffer(pack_quantize_params(x, granularity, call.group_heads, call.block_size,
+                                                   descale_shape[2] if granularity == "block" else 1,
+                                                   descales if granularity == "tensor" else 1,
+                                                   block if call.rotate else 0, norm), QUANTIZE_POINTERS)
+    target = dispatch.device_target(x.device)
+    kernel = (kernels.prepare(dispatch.quantize_kernel(x.dtype), dispatch.compile_arch("sm80", target[1]), x.device,
+                              (1 if granularity == "tensor" else descales, 1, 1)) if descales else None)
+    return QuantizePlan(target, kernel, argument, tuple(x.shape), descale_shape, signs if call.rotate else None)
