@@ -3,7 +3,11 @@ few by default, every one (in parallel processes) under ``-m compile_all``; the 
 verdict, its --arch validation and ``python -m cuflash`` without a GPU."""
 
 import ctypes
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import dataclasses
 
@@ -98,6 +102,29 @@ def test_main_without_gpu_checks_the_cpu_path_and_one_compile(capsys):
     assert f"No CUDA GPU: {device.gpu_unavailable()}." in report
     assert f"compiled {compile_check.representative_kernel().name_expression} for sm_80" in report
     assert report.endswith("ok: the CPU path and the kernel compiler work here\n")
+
+
+# `python -m cuflash` where `pip install .` ran without an extra: neither CuPy nor cuda-pathfinder
+# (NVRTC's locator) can be imported.
+WITHOUT_THE_EXTRA = """
+import runpy, sys
+for name in ("cupy", "cuda", "cuda.pathfinder"):
+    sys.modules[name] = None
+runpy.run_module("cuflash", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("argv", [[], ["compile-check"], ["compile-check", "--arch", "sm_90a", "--front-end"]])
+def test_main_without_the_cuda_extra_stops_after_its_diagnosis(argv):
+    root = Path(__file__).resolve().parent.parent
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_THE_EXTRA, *argv], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    report = done.stdout + done.stderr
+    assert "cuda-pathfinder is not importable" in report and "pip install 'cuflash[cuda13]'" in report
+    if not argv:
+        assert "No CUDA GPU: CuPy is not importable" in report and "CPU path (blockwise online softmax)" in report
 
 
 def test_disk_cache_key_follows_header_content(tmp_path, monkeypatch):

@@ -161,6 +161,8 @@ def _arch(text: str) -> str:
         return compile_check.check_arch(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    except nvrtc.NvrtcNotFound:
+        return text  # the targets are NVRTC's to list; main() says it is missing before any use
 
 
 def _head_dims(text: str) -> list[int | tuple[int, int]]:
@@ -317,6 +319,10 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compile-check":
+        missing = nvrtc.unavailable()
+        if missing is not None:
+            print(f"python -m cuflash compile-check: {missing}", file=sys.stderr)
+            return 1
         if args.front_end:
             return check_front_end(args.arch, args.jobs)
         return check_all_kernels(args.arch, args.jobs, args.details)
@@ -332,6 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CPU path (blockwise online softmax) vs float64 reference: max error {error:.2e}")
         if error > 1e-12:  # both run in float64: anything above rounding is a wrong result
             print("FAILED: the CPU path disagrees with the reference")
+            return 1
+        missing = nvrtc.unavailable()
+        if missing is not None:
+            print(f"No kernel compiler: {missing}.")
             return 1
         if check_one_kernel():
             return 1
