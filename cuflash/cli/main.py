@@ -46,8 +46,8 @@ def check_all_kernels(arch: str, jobs: int | None, details: bool) -> int:
             print(f"{o.choice.name_expression:<72} {r['registers']:>3} registers, "
                   f"{r['spill_stores']:>3} B spill stores, {r['spill_loads']:>3} B spill loads "
                   f"(allowed {compile_check.spill_allowance(o.choice):>3} B), {o.compiled.seconds:5.2f} s")
-    problems, line = compile_check.verdict(outcomes, arch)
-    for problem in problems:
+    problems, notes, line = compile_check.verdict(outcomes, arch, nvrtc.version())
+    for problem in problems + notes:
         print(problem)
     print(f"{line} ({time.perf_counter() - start:.0f} s)")
     return 1 if problems else 0
