@@ -55,17 +55,34 @@ def _from_numpy(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
-def _check_tensors(required: dict, optional: dict | None = None) -> None:
-    """The tensor arguments by name: ``required`` must be torch tensors, ``optional`` tensors or
-    None. Checked first, because anything else reaches an op's schema (whose error prints a whole
-    NumPy array) or a tensor attribute (an AttributeError)."""
-    for given, may_be_none in ((required, False), (optional or {}, True)):
-        for name, x in given.items():
-            if not isinstance(x, torch.Tensor) and not (may_be_none and x is None):
-                hint = ("; cuflash's own functions (cuflash.attention, ...) take NumPy arrays"
-                        if isinstance(x, np.ndarray) else "")
-                raise TypeError(f"{name}: expected a torch.Tensor{' or None' if may_be_none else ''}, got "
-                                f"{type(x).__name__}{hint}")
+def _check_tensors(names: tuple[str, ...], values: tuple, required: int) -> None:
+    """The tensor arguments ``names``, given as ``values``: the first ``required`` must be torch
+    tensors, the others tensors or None. Checked first, because anything else reaches an op's
+    schema (whose error prints a whole NumPy array) or a tensor attribute (an AttributeError).
+    Two plain loops before any naming: a decoding step calls this every time."""
+    for x in values[:required]:
+        if not isinstance(x, torch.Tensor):
+            break
+    else:
+        for x in values[required:]:
+            if x is not None and not isinstance(x, torch.Tensor):
+                break
+        else:
+            return
+    for index, (name, x) in enumerate(zip(names, values)):
+        optional = index >= required
+        if not isinstance(x, torch.Tensor) and not (optional and x is None):
+            hint = ("; cuflash's own functions (cuflash.attention, ...) take NumPy arrays"
+                    if isinstance(x, np.ndarray) else "")
+            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got "
+                            f"{type(x).__name__}{hint}")
+
+
+# The tensor arguments of the entry points below, in _check_tensors's order: required, then optional.
+_QKV = ("q", "k", "v")
+_PACKED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+_KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
+            "page_table", "cu_seqlens_q")
 
 
 def _as_cuflash(x):
@@ -83,8 +100,8 @@ def _direct(function, *args, **options):
     """``function`` (a cuflash entry point, called directly rather than as a custom op) on torch
     tensors: CPU tensors as NumPy views, so that it takes its CPU path, and its NumPy results
     back as tensors; CUDA tensors as they are."""
-    args = [_as_cuflash(x) for x in args]
-    options = {name: _as_cuflash(x) for name, x in options.items()}
+    args = [_as_cuflash(x) if isinstance(x, torch.Tensor) else x for x in args]
+    options = {name: _as_cuflash(x) if isinstance(x, torch.Tensor) else x for name, x in options.items()}
     result = function(*args, **options)
     return tuple(_as_torch(x) for x in result) if isinstance(result, tuple) else _as_torch(result)
 
@@ -243,7 +260,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
     when ``deterministic`` (see there for the cost).
     """
-    _check_tensors({"q": q, "k": k, "v": v})
+    _check_tensors(_QKV, (q, k, v), 3)
     out, _ = _forward(q, k, v, *_flags_and_options(q, causal, softmax_scale, window, softcap, deterministic))
     return out
 
@@ -261,8 +278,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ``seqused_q`` / ``seqused_k`` (int32 (batch,)): the used prefix of each sequence, as for
     :func:`cuflash.attention_varlen`; forward only (NotImplementedError where a gradient is wanted).
     """
-    _check_tensors({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
-                   {"seqused_q": seqused_q, "seqused_k": seqused_k})
+    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), 5)
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
     if seqused_q is not None or seqused_k is not None:
@@ -311,7 +327,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     only, as in FlashAttention-3, so not differentiable, and called directly rather than as a
     custom op.
     """
-    _check_tensors({"q": q, "k": k, "v": v})
+    _check_tensors(_QKV, (q, k, v), 3)
     _refuse("flash_attn_func", dropout_p, alibi_slopes, return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
         return _direct(cuflash.attention, q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
@@ -331,8 +347,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     :func:`flash_attn_func` does.
     ``seqused_q`` / ``seqused_k``: FlashAttention-3's used prefix of each sequence (forward only).
     """
-    _check_tensors({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k},
-                   {"seqused_q": seqused_q, "seqused_k": seqused_k})
+    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), 5)
     _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
         return _direct(cuflash.attention_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -368,10 +383,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     append (k, v), rotary, cache_batch_idx, cache_leftpad, cu_seqlens_q, window or softcap, and one
     descale for the latent cache (k_descale, v_descale the same tensor or one of them).
     """
-    _check_tensors({"q": q, "k_cache": k_cache, "v_cache": v_cache},
-                   {"k": k, "v": v, "qv": qv, "rotary_cos": rotary_cos, "rotary_sin": rotary_sin,
-                    "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "page_table": page_table,
-                    "cu_seqlens_q": cu_seqlens_q})
+    _check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                              page_table, cu_seqlens_q), 3)
     unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None,
                    "rotary_seqlens": rotary_seqlens is not None, "q_descale": q_descale is not None,
                    "attention_chunk": attention_chunk != 0, "scheduler_metadata": scheduler_metadata is not None,
@@ -425,7 +438,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     head_dim), lse_partial float32 (splits, batch, seqlen, heads) (or both without batch, packed);
     returns (out, lse), out in ``out_dtype`` (default float32), written into ``out`` when given,
     lse float32 (batch, seqlen, heads). See :func:`cuflash.combine`."""
-    _check_tensors({"out_partial": out_partial, "lse_partial": lse_partial}, {"out": out})
+    _check_tensors(("out_partial", "lse_partial", "out"), (out_partial, lse_partial, out), 2)
     if out is not None:  # checked before the combine runs, as every argument is
         if out_dtype is not None and out.dtype != out_dtype:
             raise TypeError(f"out: dtype {out.dtype} does not match out_dtype {out_dtype}")
