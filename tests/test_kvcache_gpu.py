@@ -271,7 +271,7 @@ def misaligned(x):
 
     base = cp.empty(x.size + 1, x.dtype)
     view = base[1:].reshape(x.shape)
-    view[...] = x
+    view[...] = cp.asarray(x)
     return view
 
 
