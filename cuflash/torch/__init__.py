@@ -85,11 +85,11 @@ _KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin
             "page_table", "cu_seqlens_q")
 
 
-def _as_cuflash(x):
-    """A torch CPU tensor as a NumPy view (sharing its memory, so in-place cache updates reach
-    it); anything else as it is. ``is_cuda`` first: ``device.type`` costs ~0.6 us per tensor, on
-    every decoding call."""
-    return _numpy_view(x) if isinstance(x, torch.Tensor) and not x.is_cuda and x.device.type == "cpu" else x
+def _as_cuflash(t: torch.Tensor):
+    """A CPU tensor as a NumPy view (sharing its memory, so in-place cache updates reach it); any
+    other tensor as it is. ``is_cuda`` first: ``device.type`` costs ~0.6 us per tensor, on every
+    decoding call."""
+    return _numpy_view(t) if not t.is_cuda and t.device.type == "cpu" else t
 
 
 def _as_torch(x):
@@ -99,7 +99,8 @@ def _as_torch(x):
 def _direct(function, *args, **options):
     """``function`` (a cuflash entry point, called directly rather than as a custom op) on torch
     tensors: CPU tensors as NumPy views, so that it takes its CPU path, and its NumPy results
-    back as tensors; CUDA tensors as they are."""
+    back as tensors; CUDA tensors as they are. Only tensors are looked at further: a decoding
+    step passes a dozen other options."""
     args = [_as_cuflash(x) if isinstance(x, torch.Tensor) else x for x in args]
     options = {name: _as_cuflash(x) if isinstance(x, torch.Tensor) else x for name, x in options.items()}
     result = function(*args, **options)
