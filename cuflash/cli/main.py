@@ -55,8 +55,8 @@ def check_all_kernels(arch: str, jobs: int | None, details: bool) -> int:
 
 def check_front_end(arch: str, jobs: int | None) -> int:
     """Compile the representative kernels (compile_check.representative_kernels) for ``arch``; 1 if
-    NVRTC rejects one, else 0. Spills are not judged: their allowances are the newest NVRTC's, and
-    an older one's ptxas spills differently, but its front end must take every source."""
+    NVRTC rejects one, else 0. Spills are not judged (check_all_kernels judges them under
+    compile_check.ALLOWANCE_NVRTC only): what an older NVRTC must do is take every source."""
     choices = [c for family in compile_check.families(arch) for c in compile_check.representative_kernels(family)]
     outcomes = compile_check.compile_all(choices, arch, jobs)
     failed = [o for o in outcomes if o.compiled is None]
