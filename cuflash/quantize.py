@@ -75,6 +75,8 @@ def _check(x, on_device: bool, granularity: Any, block_size: Any, rotate: Any, s
             raise TypeError(f"{name}: expected an int, got {value!r}")
     if block_size < 1:
         raise ValueError(f"block_size: must be at least 1, got {block_size}")
+    if seed < 0:  # NumPy's generators take non-negative seeds
+        raise ValueError(f"seed: must be >= 0, got {seed}")
     if heads_kv is None:
         group_heads = 1
     elif isinstance(heads_kv, bool) or not isinstance(heads_kv, numbers.Integral):
@@ -88,9 +90,19 @@ def _check(x, on_device: bool, granularity: Any, block_size: Any, rotate: Any, s
 
 def _quantize_host(x: np.ndarray, granularity: str, group_heads: int, block_size: int, rotate: bool,
                    seed: int) -> tuple[np.ndarray, np.ndarray]:
-    values = x.astype(np.float32)
-    if rotate:
-        values = _rotated(values, seed)
+    # A value that is not finite in float32 is refused here rather than warned about by NumPy
+    # several steps later (a float64 beyond float32's range overflows the cast, the rotation's sums
+    # can overflow too).
+    with np.errstate(over="ignore", invalid="ignore"):
+        values = x.astype(np.float32)
+        if rotate:
+            values = _rotated(values, seed)
+    if not np.isfinite(values).all():
+        if not np.isfinite(x).all():
+            raise ValueError("x: holds NaN or infinity; quantize_fp8 takes finite values")
+        steps = "cast and rotated" if rotate else "cast"
+        raise ValueError(f"x: holds values beyond float32's range (3.4e38) once {steps}: quantize_fp8 computes in "
+                         f"float32")
     batch, seqlen, heads, head_dim = x.shape
     groups = heads // group_heads
     if granularity == "tensor":
@@ -149,10 +161,17 @@ def quantize_fp8(x: Any, granularity: str = "tensor", *, block_size: int = 128, 
         for "block": the attention kernels take per-tensor and per-head descales only, so
         block-quantized tensors serve the accuracy study (benchmarks/fp8_accuracy.py).
 
+    Raises
+    ------
+    TypeError, ValueError
+        Every bad argument, naming it, before anything is launched; a NumPy ``x`` holding NaN or
+        infinity is a ValueError. A GPU ``x``'s values are not read on the host (that would be a
+        synchronisation): a NaN or infinity there gives wrong bytes, not an error.
+
     Notes
     -----
-    Inputs must be finite. On the GPU one CTA quantizes one group, so "tensor" runs on a single
-    multiprocessor: prefer "head" for large tensors.
+    On the GPU one CTA quantizes one group, so "tensor" runs on a single multiprocessor: prefer
+    "head" for large tensors.
     """
     kind = interop.framework_of(x, "x")
     on_device = kind != "numpy"

@@ -1,6 +1,9 @@
-"""GPU detection: tests marked ``gpu`` are skipped, with the reason, where no CUDA GPU works."""
+"""GPU detection: tests marked ``gpu`` are skipped, with the reason, where no CUDA GPU works; the
+skips are summed up by reason, one line each."""
 
 from __future__ import annotations
+
+import collections
 
 import pytest
 
@@ -15,6 +18,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per skip reason with its count, where ``-rs`` (which lists every skipped test's
+    file and line: dozens of lines on a machine without a GPU) is not asked for."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped or terminalreporter.hasopt("s"):
+        return
+    reasons = collections.Counter(report.longrepr[2].removeprefix("Skipped: ") for report in skipped
+                                  if isinstance(report.longrepr, tuple))
+    terminalreporter.section("skipped, by reason")
+    for reason, count in reasons.most_common():
+        terminalreporter.write_line(f"{count:5d}  {reason}")
 
 
 @pytest.fixture(params=["sm80", "sm90"])

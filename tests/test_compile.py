@@ -3,7 +3,11 @@ few by default, every one (in parallel processes) under ``-m compile_all``; the 
 verdict, its --arch validation and ``python -m cuflash`` without a GPU."""
 
 import ctypes
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import dataclasses
 
@@ -20,7 +24,7 @@ def assert_compiled_within_allowance(outcomes, arch):
         assert outcome.compiled.cubin[:4] == b"\x7fELF"
         assert outcome.compiled.symbol.startswith("_ZN7cuflash")
         assert outcome.compiled.resources()["registers"] > 0
-    problems, line = compile_check.verdict(outcomes, arch)
+    problems, notes, line = compile_check.verdict(outcomes, arch, nvrtc.version())
     assert problems == [] and line.endswith("ok"), (problems, line)
 
 
@@ -54,20 +58,57 @@ def test_verdict_names_failures_spills_over_the_allowance_and_serialised_wgmma()
         log = f"{note}\nUsed 128 registers, {spill_bytes} bytes spill stores, 0 bytes spill loads"
         return compile_check.Outcome(choice, kernels.CompiledKernel(b"", "symbol", log, 1.0))
 
-    problems, line = compile_check.verdict([outcome(backward, allowed), outcome(forward, 0)], "sm_80")
-    assert problems == [] and line == ("sm_80: 2 of 2 kernels compiled; 1 spill, 1 of them within the sm80 "
-                                       "register-ceiling allowance; ok")
+    measured = compile_check.ALLOWANCE_NVRTC
+    problems, notes, line = compile_check.verdict([outcome(backward, allowed), outcome(forward, 0)], "sm_80", measured)
+    assert problems == notes == [] and line == ("sm_80: 2 of 2 kernels compiled; 1 spill, 1 of them within the sm80 "
+                                                "register-ceiling allowance; ok")
     failed = compile_check.Outcome(replace(forward, name_expression="cuflash::missing<1>"), None, "error: no")
-    problems, line = compile_check.verdict([outcome(backward, allowed + 4), outcome(forward, 4), failed], "sm_80")
-    assert problems == ["FAILED cuflash::missing<1>\nerror: no",
-                        f"SPILLS {backward.name_expression}: {allowed + 4} B, allowed {allowed} B",
-                        f"SPILLS {forward.name_expression}: 4 B, allowed 0 B"]
+    spilling = [outcome(backward, allowed + 4), outcome(forward, 4)]
+    problems, notes, line = compile_check.verdict([*spilling, failed], "sm_80", measured)
+    spills = [f"SPILLS {backward.name_expression}: {allowed + 4} B, allowed {allowed} B",
+              f"SPILLS {forward.name_expression}: 4 B, allowed 0 B"]
+    assert problems == ["FAILED cuflash::missing<1>\nerror: no", *spills] and notes == []
     assert line.endswith("PROBLEM: 1 failed, 2 spill too much, 0 serialise their wgmma")
     note = ("ptxas info    : (C7519) Potential Performance Loss: wgmma.mma_async instructions are serialized due "
             "to program dependence on compiler-inserted WG.AR in divergent path in the function 'k'")
-    problems, line = compile_check.verdict([outcome(forward, 0, note)], "sm_90a")
+    problems, notes, line = compile_check.verdict([outcome(forward, 0, note)], "sm_90a", measured)
     assert problems == [f"SERIALIZED {forward.name_expression}: ptxas serialised its wgmma"]
     assert line.endswith("PROBLEM: 0 failed, 0 spill too much, 1 serialise their wgmma")
+
+
+def test_verdict_under_another_nvrtc_notes_spills_and_names_both_versions():
+    """The allowances are ALLOWANCE_NVRTC's: under another NVRTC (torch's CUDA wheels pin an older
+    one within the extras' range) spills beyond them are notes and the verdict is ok, naming both
+    versions; failures and serialised wgmma stay problems."""
+    backward = dispatch.backward_kernels("sm80", 64, "causal", "float16")[1]
+    allowed = compile_check.spill_allowance(backward)
+    log = f"Used 128 registers, {allowed + 64} bytes spill stores, 0 bytes spill loads"
+    spilling = compile_check.Outcome(backward, kernels.CompiledKernel(b"", "symbol", log, 1.0))
+    measured = ".".join(map(str, compile_check.ALLOWANCE_NVRTC))
+    problems, notes, line = compile_check.verdict([spilling], "sm_80", (13, 0))
+    assert problems == [] and notes == [f"note: SPILLS {backward.name_expression}: {allowed + 64} B, allowed {allowed} B"]
+    assert line.startswith("sm_80: 1 of 1 kernels compiled; 1 spill; spills not judged")
+    assert f"measured with NVRTC {measured}, this is NVRTC 13.0" in line
+    assert f"run this under NVRTC {measured}" in line and line.endswith("; ok")
+    failed = compile_check.Outcome(replace(backward, name_expression="cuflash::missing<1>"), None, "error: no")
+    problems, notes, line = compile_check.verdict([spilling, failed], "sm_80", (13, 0))
+    assert problems == ["FAILED cuflash::missing<1>\nerror: no"] and len(notes) == 1
+    assert line.endswith("PROBLEM: 1 failed, 0 serialise their wgmma")
+
+
+def test_compile_check_under_another_nvrtc_exits_0_with_notes(monkeypatch, capsys):
+    """What `python -m cuflash compile-check` prints and returns after `pip install torch` moved
+    NVRTC to an older 13.x: the kernels compile, the verdict is ok."""
+    backward = dispatch.backward_kernels("sm80", 64, "causal", "float16")[1]
+    log = f"Used 128 registers, {compile_check.spill_allowance(backward) + 64} bytes spill stores, 0 bytes spill loads"
+    compiled = kernels.CompiledKernel(b"", "symbol", log, 1.0)
+    monkeypatch.setattr(compile_check, "compile_all",
+                        lambda choices, arch, jobs=None: [compile_check.Outcome(c, compiled) for c in choices])
+    monkeypatch.setattr(nvrtc, "version", lambda: (13, 0))
+    monkeypatch.setattr(nvrtc, "version_text", lambda: "13.0")
+    assert cli.main(["compile-check", "--arch", "sm_80"]) == 0
+    report = capsys.readouterr().out
+    assert "note: SPILLS" in report and "PROBLEM" not in report and "this is NVRTC 13.0" in report
 
 
 @pytest.mark.parametrize("arch", ["sm_75", "sm_80a", "sm80", "compute_80", "sm_9999", 80])
@@ -98,6 +139,29 @@ def test_main_without_gpu_checks_the_cpu_path_and_one_compile(capsys):
     assert f"No CUDA GPU: {device.gpu_unavailable()}." in report
     assert f"compiled {compile_check.representative_kernel().name_expression} for sm_80" in report
     assert report.endswith("ok: the CPU path and the kernel compiler work here\n")
+
+
+# `python -m cuflash` where `pip install .` ran without an extra: neither CuPy nor cuda-pathfinder
+# (NVRTC's locator) can be imported.
+WITHOUT_THE_EXTRA = """
+import runpy, sys
+for name in ("cupy", "cuda", "cuda.pathfinder"):
+    sys.modules[name] = None
+runpy.run_module("cuflash", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.parametrize("argv", [[], ["compile-check"], ["compile-check", "--arch", "sm_90a", "--front-end"]])
+def test_main_without_the_cuda_extra_stops_after_its_diagnosis(argv):
+    root = Path(__file__).resolve().parent.parent
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", WITHOUT_THE_EXTRA, *argv], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    report = done.stdout + done.stderr
+    assert "cuda-pathfinder is not importable" in report and "pip install 'cuflash[cuda13]'" in report
+    if not argv:
+        assert "No CUDA GPU: CuPy is not importable" in report and "CPU path (blockwise online softmax)" in report
 
 
 def test_disk_cache_key_follows_header_content(tmp_path, monkeypatch):

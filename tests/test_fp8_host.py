@@ -327,10 +327,36 @@ def test_a_group_of_zeros_gets_descale_one():
     ((1, 8, 4, 64), {"heads_kv": 3}, ValueError, r"heads_kv: must divide x's heads \(4\)"),
     ((1, 8, 2, 64), {"rotate": "yes"}, TypeError, "rotate: expected a bool"),
     ((1, 8, 2, 64), {"seed": None}, TypeError, "seed: expected an int"),
+    ((1, 8, 2, 64), {"seed": -1}, ValueError, "seed: must be >= 0, got -1"),
+    ((1, 8, 2, 64), {"seed": -1, "rotate": True}, ValueError, "seed: must be >= 0, got -1"),
 ])
 def test_bad_quantize_input(x_shape, options, error, words):
     with pytest.raises(error, match=words):
         cuflash.quantize_fp8(np.ones(x_shape, np.float32), **options)
+
+
+@pytest.mark.filterwarnings("error")  # nothing of NumPy's may leak out: a RuntimeWarning fails
+@pytest.mark.parametrize("rotate", [False, True])
+@pytest.mark.parametrize("granularity", quantize.GRANULARITIES)
+@pytest.mark.parametrize("bad, dtype, words", [
+    (np.nan, np.float32, "x: holds NaN or infinity"),
+    (-np.inf, np.float16, "x: holds NaN or infinity"),
+    (np.inf, ml_dtypes.bfloat16, "x: holds NaN or infinity"),
+    (1e300, np.float64, "x: holds values beyond float32's range"),
+])
+def test_quantize_refuses_values_that_are_not_finite(bad, dtype, words, granularity, rotate):
+    x = np.random.default_rng(5).standard_normal((2, 8, 2, 64)).astype(dtype)
+    x[1, 3, 0, 7] = bad
+    with pytest.raises(ValueError, match=words):
+        cuflash.quantize_fp8(x, granularity, block_size=4, rotate=rotate)
+
+
+@pytest.mark.filterwarnings("error")
+def test_quantize_of_finite_values_that_a_rotation_overflows():
+    x = np.full((1, 2, 1, 64), 3e38, np.float32)
+    cuflash.quantize_fp8(x)  # the values themselves are fine
+    with pytest.raises(ValueError, match="beyond float32's range .* once cast and rotated"):
+        cuflash.quantize_fp8(x, rotate=True)
 
 
 def test_quantize_refuses_integer_input():

@@ -265,6 +265,64 @@ def test_validate_refuses_out_of_range_pages_before_any_write():
     assert same_bytes(cp.asnumpy(device["k_cache"]), before)
 
 
+def misaligned(x):
+    """A CuPy copy of ``x`` whose data pointer is 2 bytes past a 16-byte boundary."""
+    import cupy as cp
+
+    base = cp.empty(x.size + 1, x.dtype)
+    view = base[1:].reshape(x.shape)
+    view[...] = cp.asarray(x)
+    return view
+
+
+# A bad argument the checks read after k_cache (in check_kvcache's order), with the error it gets.
+BAD_AFTER_K_CACHE = [
+    ("v_cache", lambda cp, x: cp.asarray(x.astype(np.float32)), TypeError, "v_cache: dtype float32"),
+    ("v_cache", lambda cp, x: cp.asarray(x[:, :, :1]), ValueError, "v_cache: shape"),
+    ("v_cache", lambda cp, x: misaligned(x), ValueError, "v_cache: data pointer and strides must be 16-byte"),
+    ("v_cache", lambda cp, x: x, TypeError, "v_cache: is on the CPU"),
+    ("v", lambda cp, x: cp.asarray(x.astype(np.float16)), TypeError, "v: dtype float16"),
+    ("cache_seqlens", lambda cp, x: cp.asarray(x.astype(np.int64)), TypeError, "cache_seqlens: expected int32"),
+    ("rotary_sin", lambda cp, x: cp.asarray(x[:, :2]), ValueError, "rotary_cos, rotary_sin: expected equal"),
+]
+
+
+@pytest.mark.parametrize("cached_plan", [False, True], ids=["first call", "after a good call"])
+@pytest.mark.parametrize("name, bad, error, words", BAD_AFTER_K_CACHE)
+def test_bad_argument_refused_before_the_append_writes(name, bad, error, words, cached_plan):
+    """The append kernel writes both caches, so every check, of every argument, runs before it is
+    launched: the caches keep every byte. ``cached_plan``: a good call with the same caches first,
+    so that a plan is cached for them and the bad call's key must miss it."""
+    import cupy as cp
+
+    args = case(np.random.default_rng(8), batch=2, new=2, seqlen_q=2, page_size=16, capacity=32, lens=[3, 17],
+                rotary="half")
+    device = {key: to_device(value) for key, value in args.items()}
+    if cached_plan:
+        check(args, causal=True)
+    before = {key: cp.asnumpy(device[key]) for key in ("k_cache", "v_cache")}
+    with pytest.raises(error, match=words):
+        cuflash.attention_with_kvcache(**(device | {name: bad(cp, args[name])}), causal=True)
+    cp.cuda.Device().synchronize()
+    for key, values in before.items():
+        assert same_bytes(cp.asnumpy(device[key]), values), f"{key} was written before the checks refused {name}"
+
+
+def test_bad_torch_argument_refused_before_the_append_writes():
+    """The same through cuflash.torch: a v_cache of another dtype leaves k_cache as it was."""
+    torch = pytest.importorskip("torch")
+    from cuflash.torch import flash_attn_with_kvcache
+
+    args = case(np.random.default_rng(9), batch=2, new=1, page_size=16, capacity=32, lens=[3, 17])
+    t = {key: to_torch(value) for key, value in args.items() if isinstance(value, np.ndarray)}
+    before = t["k_cache"].clone()
+    with pytest.raises(TypeError, match="v_cache: dtype float16 does not match k_cache's bfloat16"):
+        flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"].half(), t["k"], t["v"],
+                                cache_seqlens=t["cache_seqlens"], page_table=t["page_table"])
+    torch.cuda.synchronize()
+    assert torch.equal(t["k_cache"].view(torch.int16), before.view(torch.int16))
+
+
 @pytest.mark.parametrize("page_size", [None, 16, 64])
 @pytest.mark.parametrize("descales", ["scalar", "array", "none"])
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])

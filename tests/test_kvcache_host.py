@@ -125,6 +125,8 @@ def test_combine(shape, out_dtype):
     (dict(lse_partial=np.zeros((2, 3, 5), np.float32)), ValueError, "lse_partial: expected shape"),
     (dict(out_partial=np.zeros((2, 8), np.float32), lse_partial=np.zeros(2, np.float32)), ValueError, "out_partial"),
     (dict(out_dtype="int8"), TypeError, "out_dtype"),
+    (dict(out_partial=None), TypeError, "out_partial: expected a CuPy array"),
+    (dict(lse_partial=None), TypeError, "lse_partial: expected a CuPy array"),
 ])
 def test_combine_refuses(bad, error, words):
     args = dict(out_partial=np.zeros((2, 3, 4, 8), np.float32), lse_partial=np.zeros((2, 3, 4), np.float32)) | bad
@@ -142,6 +144,12 @@ def base_args():
 
 def i32(*values):
     return np.array(values, np.int32)
+
+
+def read_only(x: np.ndarray) -> np.ndarray:
+    x = x.copy()
+    x.flags.writeable = False
+    return x
 
 
 BAD_CALLS = [
@@ -179,6 +187,9 @@ BAD_CALLS = [
     (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
     (dict(max_seqlen_q=2), ValueError, "max_seqlen_q: only taken with cu_seqlens_q"),
     (dict(cu_seqlens_q=i32(0, 2)), ValueError, "q: expected 3 dims"),
+    # The append writes k_cache, then v_cache: a read-only v_cache must stop it before the first.
+    (dict(v_cache=read_only(base_args()["v_cache"])), ValueError, "v_cache: is read-only"),
+    (dict(k_cache=read_only(base_args()["k_cache"])), ValueError, "k_cache: is read-only"),
 ]
 
 
@@ -193,6 +204,15 @@ def test_bad_arguments_refused_before_any_write(bad, error, words):
     with pytest.raises(error, match=words):
         cuflash.attention_with_kvcache(**args)
     assert same_bytes(args["k_cache"], kc)
+
+
+def test_read_only_caches_without_an_append():
+    """Nothing is written without k, v: read-only caches serve."""
+    args = base_args()
+    args["k_cache"], args["v_cache"] = read_only(args["k_cache"]), read_only(args["v_cache"])
+    del args["k"], args["v"]
+    expected = cuflash.attention_with_kvcache(**(args | {name: args[name].copy() for name in ("k_cache", "v_cache")}))
+    np.testing.assert_array_equal(cuflash.attention_with_kvcache(**args), expected)
 
 
 def test_rotary_with_more_queries_than_new_tokens_refused():

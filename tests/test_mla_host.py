@@ -56,6 +56,8 @@ def test_cpu_path_takes_an_fp8_cache_as_bytes():
     (lambda a: a | {"cache_seqlens": np.array([49, 7], np.int32)}, ValueError, "cache_seqlens: entry 0"),
     (lambda a: a | {"page_table": np.full((2, 3), 6, np.int32)}, ValueError, "page_table: entry"),
     (lambda a: a | {"causal": "yes"}, TypeError, "causal"),
+    *((lambda a, name=name: a | {name: None}, TypeError, f"{name}: expected a CuPy array")
+      for name in ("q", "kv_cache", "page_table", "cache_seqlens")),
 ])
 def test_bad_arguments_are_named(change, error, match):
     q, kv, table, lengths = case(np.random.default_rng(2))

@@ -56,6 +56,14 @@ def test_gpu_head_groups_and_strided_input(granularity):
     assert_same_bits(result, cuflash.quantize_fp8(np.ascontiguousarray(host), granularity, **options))
 
 
+@pytest.mark.parametrize("rotate", [False, True])
+def test_gpu_negative_seed_is_named(rotate):
+    import cupy as cp
+
+    with pytest.raises(ValueError, match="seed: must be >= 0, got -1"):
+        cuflash.quantize_fp8(cp.ones((1, 4, 2, 64), cp.float16), rotate=rotate, seed=-1)
+
+
 def test_gpu_empty_sequence_gives_descale_one():
     import cupy as cp
 

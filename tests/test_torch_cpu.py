@@ -176,3 +176,72 @@ def test_head_dim_v_fake_outputs_match_the_cpu_ops():
     torch.library.opcheck(ct._backward, (torch.randn(out.shape), q, k, v, out, lse, True, 0.125, -1, -1, 0.0, False))
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
     torch.library.opcheck(ct._varlen_forward, (q[0], k[0], v[0], cu, cu, 5, 5, True, 0.125, -1, -1, 0.0, False))
+
+
+def _wrapper_calls():
+    """(argument name, a call of a cuflash.torch wrapper with that argument replaced, whether it
+    may be None) for the tensor arguments of every wrapper."""
+    q, packed, cu = torch.randn(1, 4, 2, 16), torch.randn(4, 2, 16), torch.tensor([0, 4], dtype=torch.int32)
+    cache, partial, lse = torch.zeros(1, 8, 2, 16), torch.zeros(2, 1, 4, 2, 16), torch.zeros(2, 1, 4, 2)
+    return [
+        ("q", lambda x: ct.attention(x, q, q), False),
+        ("v", lambda x: ct.attention(q, q, x), False),
+        ("q", lambda x: ct.flash_attn_func(x, q, q), False),
+        ("k", lambda x: ct.attention_varlen(packed, x, packed, cu, cu), False),
+        ("cu_seqlens_q", lambda x: ct.attention_varlen(packed, packed, packed, x, cu), False),
+        ("seqused_k", lambda x: ct.attention_varlen(packed, packed, packed, cu, cu, seqused_k=x), True),
+        ("cu_seqlens_k", lambda x: ct.flash_attn_varlen_func(packed, packed, packed, cu, x, 4, 4), False),
+        ("q", lambda x: ct.flash_attn_with_kvcache(x, cache, cache), False),
+        ("v_cache", lambda x: ct.flash_attn_with_kvcache(q, cache, x), False),
+        ("page_table", lambda x: ct.flash_attn_with_kvcache(q, cache, cache, page_table=x), True),
+        ("qv", lambda x: ct.flash_attn_with_kvcache(q, cache, cache, qv=x), True),
+        ("out_partial", lambda x: ct.flash_attn_combine(x, lse), False),
+        ("lse_partial", lambda x: ct.flash_attn_combine(partial, x), False),
+        ("out", lambda x: ct.flash_attn_combine(partial, lse, out=x), True),
+    ]
+
+
+@pytest.mark.parametrize("name, call, bad", [(name, call, bad) for name, call, optional in _wrapper_calls()
+                                             for bad in ("numpy",) + (() if optional else ("none",))])
+def test_wrappers_name_an_argument_that_is_not_a_tensor(name, call, bad):
+    """A NumPy array, or None where a tensor is required: a short TypeError naming the argument,
+    not the dispatcher's error printing the whole array, nor an AttributeError."""
+    value = np.zeros((1, 4, 2, 16), np.float32) if bad == "numpy" else None
+    with pytest.raises(TypeError, match=f"^{name}: expected a torch.Tensor") as error:
+        call(value)
+    assert "array(" not in str(error.value) and len(str(error.value)) < 200
+
+
+def e4m3(rng, shape) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(torch.float8_e4m3fn)
+
+
+def as_numpy(t):
+    """A CPU tensor as the NumPy array cuflash's CPU path takes (e4m3 and bf16 through ml_dtypes)."""
+    import ml_dtypes
+
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    return t.numpy()
+
+
+def test_fp8_cpu_tensors_take_the_cpu_path():
+    """float8_e4m3fn CPU tensors run cuflash's CPU path through flash_attn_func and
+    flash_attn_varlen_func, as their NumPy views do, descales as numbers or CPU tensors."""
+    import cuflash
+
+    rng = np.random.default_rng(21)
+    q, k, v = e4m3(rng, (2, 9, 4, 32)), e4m3(rng, (2, 13, 2, 32)), e4m3(rng, (2, 13, 2, 32))
+    descale_k = torch.from_numpy(rng.uniform(0.5, 2.0, (2, 2)).astype(np.float32))
+    got = ct.flash_attn_func(q, k, v, causal=True, q_descale=0.5, k_descale=descale_k)
+    expected = cuflash.attention(*(as_numpy(x) for x in (q, k, v)), causal=True, descale_q=0.5,
+                                 descale_k=descale_k.numpy())
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 9, 4, 32)
+    assert torch.equal(got.view(torch.int16), torch.from_numpy(expected.view(np.int16)))
+
+    cu_q, cu_k = torch.tensor([0, 9, 18], dtype=torch.int32), torch.tensor([0, 13, 26], dtype=torch.int32)
+    packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
+    got = ct.flash_attn_varlen_func(*packed, cu_q, cu_k, 9, 13, k_descale=descale_k)
+    expected = cuflash.attention_varlen(*(as_numpy(x) for x in packed), cu_q.numpy(), cu_k.numpy(),
+                                        descale_k=descale_k.numpy())
+    assert torch.equal(got.view(torch.int16), torch.from_numpy(expected.view(np.int16)))

@@ -102,3 +102,40 @@ def test_qv_form_refuses_what_mla_decoding_does_not_take(name, value):
     q, cache = torch.zeros(1, 1, 2, 8), torch.zeros(1, 4, 1, 8)
     with pytest.raises(NotImplementedError, match=f"{name} with qv"):
         ct.flash_attn_with_kvcache(q, cache, torch.zeros(1, 4, 1, 32), qv=torch.zeros(1, 1, 2, 32), **{name: value})
+
+
+def test_fp8_cache_on_cpu():
+    """float8_e4m3fn CPU caches: the CPU path, as their NumPy views take it, appended in place."""
+    import cuflash
+    import ml_dtypes
+
+    e4m3 = np.dtype(ml_dtypes.float8_e4m3fn)
+    r = np.random.default_rng(14)
+    args = make_case(r, seqlen_q=2, new=2, page_size=4, cache_dtype=e4m3)
+    options = dict(cache_seqlens=args["cache_seqlens"], page_table=args["page_table"], causal=True)
+    descale_k = r.uniform(0.5, 2.0, (3, 2)).astype(np.float32)
+    caches = {name: args[name].copy() for name in ("k_cache", "v_cache")}
+    expected = cuflash.attention_with_kvcache(args["q"], caches["k_cache"], caches["v_cache"], args["k"], args["v"],
+                                              descale_k=descale_k, descale_v=0.5, **options)
+
+    def fp8(x):
+        return torch.from_numpy(x.view(np.uint8)).view(torch.float8_e4m3fn)
+
+    k_cache, v_cache = fp8(args["k_cache"].copy()), fp8(args["v_cache"].copy())
+    got = ct.flash_attn_with_kvcache(as_torch(args["q"]), k_cache, v_cache, as_torch(args["k"]), as_torch(args["v"]),
+                                     k_descale=torch.from_numpy(descale_k), v_descale=0.5,
+                                     **{name: as_torch(value) for name, value in options.items()})
+    np.testing.assert_array_equal(got.numpy(), expected)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        assert same_bytes(cache.view(torch.uint8).numpy().view(e4m3), caches[name]), name
+
+
+def test_combine_refuses_a_wrong_out_before_combining(monkeypatch):
+    import cuflash
+
+    monkeypatch.setattr(cuflash, "combine", lambda *args, **kwargs: pytest.fail("combined before checking out"))
+    partial, lse = torch.zeros(2, 1, 4, 2, 16), torch.zeros(2, 1, 4, 2)
+    with pytest.raises(ValueError, match=r"out: expected shape \(1, 4, 2, 16\)"):
+        ct.flash_attn_combine(partial, lse, out=torch.zeros(1, 4, 2, 8))
+    with pytest.raises(TypeError, match="out: dtype torch.float32 does not match out_dtype"):
+        ct.flash_attn_combine(partial, lse, out=torch.zeros(1, 4, 2, 16), out_dtype=torch.bfloat16)

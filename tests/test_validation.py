@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import cuflash
 from cuflash._core import checks, dispatch, interop
+from cuflash._cpu import numpy_path
 from cuflash._core.params import (BWD_PARAMS, BWD_PARAMS_SIZE, CONVERT_PARAMS, CONVERT_PARAMS_SIZE, FWD_PARAMS,
                                   FWD_PARAMS_SIZE)
 
@@ -84,6 +86,48 @@ def test_bad_out():
         cuflash.attention(q, k, v, out=np.empty((2, 16, 4, 32), np.float32))
     with pytest.raises(TypeError, match="out: expected dtype"):
         cuflash.attention(q, k, v, out=np.empty(q.shape, np.float64))
+
+
+def read_only(x: np.ndarray) -> np.ndarray:
+    x = x.copy()
+    x.flags.writeable = False
+    return x
+
+
+def _fixed_length_calls():
+    q, k, v = qkv()
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    backward = dict(dout=np.ones_like(out), q=q, k=k, v=v, out=out, lse=lse)
+    yield "out", lambda out: cuflash.attention(q, k, v, out=out), out
+    q8, k8, v8 = (x.astype(ml_dtypes.float8_e4m3fn) for x in (q, k, v))
+    fp8_out = cuflash.attention(q8, k8, v8)
+    yield "out", lambda out: cuflash.attention(q8, k8, v8, out=out), fp8_out
+    for name, like in zip(("dq", "dk", "dv"), (q, k, v)):
+        yield name, lambda x, name=name: cuflash.attention_backward(**backward, **{name: x}), like
+
+
+def _packed_calls():
+    rng = np.random.default_rng(3)
+    cu = np.array([0, 5, 12], np.int32)
+    q, k, v = (rng.standard_normal((12, 2, 16)).astype(np.float32) for _ in range(3))
+    out, lse = cuflash.attention_varlen(q, k, v, cu, cu, return_lse=True)
+    backward = (np.ones_like(out), q, k, v, out, lse, cu, cu)
+    yield "out", lambda out: cuflash.attention_varlen(q, k, v, cu, cu, out=out), out
+    for name, like in zip(("dq", "dk", "dv"), (q, k, v)):
+        yield name, lambda x, name=name: cuflash.attention_varlen_backward(*backward, **{name: x}), like
+
+
+@pytest.mark.parametrize("name, call, like", [*_fixed_length_calls(), *_packed_calls()])
+def test_read_only_outputs_are_refused(name, call, like, monkeypatch):
+    """Every output argument (out; dq, dk, dv of the backward passes), FP8's out included: a NumPy
+    array that is not writable is a ValueError naming it, raised before anything is computed."""
+    def computed(*args, **kwargs):
+        raise AssertionError("the CPU path ran before the checks refused the output")
+
+    for entry in ("attention", "attention_backward", "attention_varlen", "attention_varlen_backward"):
+        monkeypatch.setattr(numpy_path, entry, computed)
+    with pytest.raises(ValueError, match=f"{name}: is read-only"):
+        call(read_only(np.empty_like(like)))
 
 
 class _FakeDeviceTensor:

@@ -43,6 +43,7 @@ __all__ = [
     "check_qkv",
     "check_varlen",
     "check_varlen_grid",
+    "check_writable",
     "declared_dtype",
     "framework",
     "output_shape",
@@ -189,11 +190,11 @@ def resolve_softcap(softcap: Any) -> float:
     return value
 
 
-def framework(arrays: dict[str, Any]) -> str:
-    """The framework of ``arrays["q"]``; every array (by argument name) must be on the same side
-    (NumPy vs device) as q."""
-    q = arrays["q"]
-    kind, cls = interop.framework_of(q, "q"), type(q)
+def framework(arrays: dict[str, Any], lead: str = "q") -> str:
+    """The framework of ``arrays[lead]``; every array (by argument name) must be on the same side
+    (NumPy vs device) as it."""
+    q = arrays[lead]
+    kind, cls = interop.framework_of(q, lead), type(q)
     # Arrays of q's own type are on q's side, except torch tensors, whose type holds CPU and CUDA.
     # A loop, not all() over a generator: no generator object per call.
     if kind != "torch":
@@ -203,13 +204,13 @@ def framework(arrays: dict[str, Any]) -> str:
         else:
             return kind
     found = {name: interop.framework_of(x, name) for name, x in arrays.items()}
-    q_side = found["q"] == "numpy"
+    q_side = found[lead] == "numpy"
     for name, kind in found.items():
         if (kind == "numpy") != q_side:
             sides = ("on the CPU (NumPy)", "on the GPU")
-            raise TypeError(f"{name}: is {sides[kind != 'numpy']}, but q is {sides[not q_side]}; "
-                            f"pass q, k, v (and out) on the same side")
-    return found["q"]
+            raise TypeError(f"{name}: is {sides[kind != 'numpy']}, but {lead} is {sides[not q_side]}; "
+                            f"pass every array on the same side")
+    return found[lead]
 
 
 def _check_like(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool, dtype: str | None = None) -> None:
@@ -230,9 +231,17 @@ def _check_like(name: str, t, expected_shape: tuple[int, ...], like, on_device: 
 def check_out(name: str, t, expected_shape: tuple[int, ...], like, on_device: bool, dtype: str | None = None) -> None:
     """An output the kernels write with 16-byte stores; ``dtype`` as for _check_like."""
     _check_like(name, t, expected_shape, like, on_device, dtype)
+    check_writable(name, t)
     if on_device and not t.aligned_16:
         raise ValueError(f"{name}: data pointer and strides must be 16-byte aligned (the kernel "
                          f"writes 16-byte vectors)")
+
+
+def check_writable(name: str, t) -> None:
+    """A NumPy array cuflash writes into (an output, a cache it appends to) must be writable;
+    CuPy arrays and torch tensors carry no such flag."""
+    if isinstance(t, np.ndarray) and not t.flags.writeable:
+        raise ValueError(f"{name}: is read-only (its NumPy flag writeable is False); pass a writable array")
 
 
 def output_shape(q, v) -> tuple[int, ...]:
@@ -834,6 +843,8 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
                 raise ValueError(f"{name}: on device {x.device}, but q is on device {device}")
         if tuple(v.shape) != tuple(k.shape):
             raise ValueError(f"v: shape {tuple(v.shape)} must equal k's {tuple(k.shape)}")
+        for name in ("k_cache", "v_cache"):  # the append writes both
+            check_writable(name, t[name])
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: required when k, v are appended (where the new tokens go)")
         seqlen_new = None if varlen else k.shape[1]
@@ -983,7 +994,7 @@ class CombineCall(NamedTuple):
 
 
 def check_combine(out_partial: Any, lse_partial: Any, out_dtype: Any, return_lse: Any) -> CombineCall:
-    kind = framework({"q": out_partial, "lse_partial": lse_partial})
+    kind = framework({"out_partial": out_partial, "lse_partial": lse_partial}, "out_partial")
     on_device = kind != "numpy"
     o, l = (interop.describe(x, interop.framework_of(x, name), name) if on_device else x
             for name, x in (("out_partial", out_partial), ("lse_partial", lse_partial)))
@@ -1088,7 +1099,8 @@ def check_mla(arrays: dict, head_dim_v: Any, softmax_scale: Any, causal: Any, nu
     values on the host, and on the GPU with ``validate=True`` (a synchronisation)."""
     if (arrays.get("q_rope") is None) != (arrays.get("kv_rope_cache") is None):
         raise ValueError("q_rope, kv_rope_cache: the split form takes both")
-    arrays = {name: x for name, x in arrays.items() if x is not None}
+    # The required arrays stay when None, so that framework() names the one missing.
+    arrays = {name: x for name, x in arrays.items() if x is not None or name not in ("q_rope", "kv_rope_cache")}
     kind = framework(arrays)
     on_device = kind != "numpy"
     t = {name: interop.describe(x, interop.framework_of(x, name), name) if on_device else x

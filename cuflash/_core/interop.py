@@ -96,8 +96,9 @@ def framework_of(x: Any, name: str) -> str:
     if kind == "torch":
         if not x.is_cuda:
             raise TypeError(
-                f"{name}: a CPU torch tensor; move it to the GPU (.cuda()) or pass a NumPy array "
-                f"for the CPU reference path"
+                f"{name}: a CPU torch tensor, which cuflash's own functions do not take: pass a NumPy "
+                f"array (the CPU path) or a CUDA tensor (.cuda()); cuflash.torch's functions take CPU "
+                f"tensors"
             )
         return kind
     if kind is not None:

@@ -11,11 +11,16 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-__all__ = ["CompileError", "CompiledProgram", "compile_program", "supported_archs", "version", "version_text"]
+__all__ = ["CompileError", "CompiledProgram", "NvrtcNotFound", "compile_program", "supported_archs", "unavailable",
+           "version", "version_text"]
 
 
 class CompileError(RuntimeError):
     """NVRTC rejected a program; the message carries its log."""
+
+
+class NvrtcNotFound(RuntimeError):
+    """NVRTC's library cannot be loaded: cuflash was installed without its cuda12 or cuda13 extra."""
 
 
 @dataclass(frozen=True)
@@ -25,13 +30,32 @@ class CompiledProgram:
     log: str
 
 
+_INSTALL = "install cuflash with its cuda13 (or cuda12) extra: pip install 'cuflash[cuda13]'"
+
+
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL:
-    from cuda.pathfinder import load_nvidia_dynamic_lib  # a dependency of CuPy 14
-
-    lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib  # a dependency of CuPy 14
+    except ImportError as error:
+        raise NvrtcNotFound(f"NVRTC cannot be located, cuda-pathfinder is not importable ({error}); {_INSTALL}") \
+            from error
+    try:
+        path = load_nvidia_dynamic_lib("nvrtc").abs_path
+    except Exception as error:  # cuda.pathfinder's DynamicLibNotFoundError and the like
+        raise NvrtcNotFound(f"NVRTC's library was not found ({type(error).__name__}: {error}); {_INSTALL}") from error
+    lib = ctypes.CDLL(path)
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     return lib
+
+
+def unavailable() -> str | None:
+    """None where NVRTC's library loads; otherwise why not, in words."""
+    try:
+        _library()
+    except NvrtcNotFound as error:
+        return str(error)
+    return None
 
 
 def _check(status: int, what: str) -> None:

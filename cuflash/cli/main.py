@@ -40,8 +40,8 @@ def check_all_kernels(arch: str, jobs: int | None, details: bool) -> int:
             print(f"{o.choice.name_expression:<72} {r['registers']:>3} registers, "
                   f"{r['spill_stores']:>3} B spill stores, {r['spill_loads']:>3} B spill loads "
                   f"(allowed {compile_check.spill_allowance(o.choice):>3} B), {o.compiled.seconds:5.2f} s")
-    problems, line = compile_check.verdict(outcomes, arch)
-    for problem in problems:
+    problems, notes, line = compile_check.verdict(outcomes, arch, nvrtc.version())
+    for problem in problems + notes:
         print(problem)
     print(f"{line} ({time.perf_counter() - start:.0f} s)")
     return 1 if problems else 0
@@ -49,8 +49,8 @@ def check_all_kernels(arch: str, jobs: int | None, details: bool) -> int:
 
 def check_front_end(arch: str, jobs: int | None) -> int:
     """Compile the representative kernels (compile_check.representative_kernels) for ``arch``; 1 if
-    NVRTC rejects one, else 0. Spills are not judged: their allowances are the newest NVRTC's, and
-    an older one's ptxas spills differently, but its front end must take every source."""
+    NVRTC rejects one, else 0. Spills are not judged (check_all_kernels judges them under
+    compile_check.ALLOWANCE_NVRTC only): what an older NVRTC must do is take every source."""
     choices = [c for family in compile_check.families(arch) for c in compile_check.representative_kernels(family)]
     outcomes = compile_check.compile_all(choices, arch, jobs)
     failed = [o for o in outcomes if o.compiled is None]
@@ -155,6 +155,8 @@ def _arch(text: str) -> str:
         return compile_check.check_arch(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    except nvrtc.NvrtcNotFound:
+        return text  # the targets are NVRTC's to list; main() says it is missing before any use
 
 
 def _head_dims(text: str) -> list[int | tuple[int, int]]:
@@ -375,6 +377,10 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "compile-check":
+        missing = nvrtc.unavailable()
+        if missing is not None:
+            print(f"python -m cuflash compile-check: {missing}", file=sys.stderr)
+            return 1
         if args.front_end:
             return check_front_end(args.arch, args.jobs)
         return check_all_kernels(args.arch, args.jobs, args.details)
@@ -390,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CPU path (blockwise online softmax) vs float64 reference: max error {error:.2e}")
         if error > 1e-12:  # both run in float64: anything above rounding is a wrong result
             print("FAILED: the CPU path disagrees with the reference")
+            return 1
+        missing = nvrtc.unavailable()
+        if missing is not None:
+            print(f"No kernel compiler: {missing}.")
             return 1
         if check_one_kernel():
             return 1

@@ -29,27 +29,89 @@ __all__ = ["attention", "attention_varlen", "distributed", "flash_attn_combine",
            "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
+# The torch dtypes NumPy lacks, each with an integer type of its size (in torch and NumPy) and
+# ml_dtypes' type of the same format.
+_THROUGH_BITS = ((torch.bfloat16, torch.int16, np.int16, ml_dtypes.bfloat16),
+                 (torch.float8_e4m3fn, torch.uint8, np.uint8, ml_dtypes.float8_e4m3fn),
+                 (torch.float8_e5m2, torch.uint8, np.uint8, ml_dtypes.float8_e5m2))
+_TO_NUMPY = {dtype: (bits, np.dtype(ml)) for dtype, bits, _, ml in _THROUGH_BITS}
+_TO_TORCH = {np.dtype(ml): (np.dtype(bits), dtype) for dtype, _, bits, ml in _THROUGH_BITS}
+
+
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor; bfloat16, which NumPy lacks, viewed through ml_dtypes."""
+    """A NumPy view of a CPU tensor; bfloat16 and the float8 types, which NumPy lacks, viewed
+    through their bits as ml_dtypes'."""
     t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    viewed = _TO_NUMPY.get(t.dtype)
+    if viewed is not None:
+        return t.view(viewed[0]).numpy().view(viewed[1])
     return t.numpy()
 
 
 def _from_numpy(a: np.ndarray) -> torch.Tensor:
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    viewed = _TO_TORCH.get(a.dtype)
+    if viewed is not None:
+        return torch.from_numpy(a.view(viewed[0])).view(viewed[1])
     return torch.from_numpy(a)
 
 
+def _check_tensors(names: tuple[str, ...], values: tuple, required: int) -> None:
+    """The tensor arguments ``names``, given as ``values``: the first ``required`` must be torch
+    tensors, the others tensors or None. Checked first, because anything else reaches an op's
+    schema (whose error prints a whole NumPy array) or a tensor attribute (an AttributeError).
+    Two plain loops before any naming: a decoding step calls this every time."""
+    for x in values[:required]:
+        if not isinstance(x, torch.Tensor):
+            break
+    else:
+        for x in values[required:]:
+            if x is not None and not isinstance(x, torch.Tensor):
+                break
+        else:
+            return
+    for index, (name, x) in enumerate(zip(names, values)):
+        optional = index >= required
+        if not isinstance(x, torch.Tensor) and not (optional and x is None):
+            hint = ("; cuflash's own functions (cuflash.attention, ...) take NumPy arrays"
+                    if isinstance(x, np.ndarray) else "")
+            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got "
+                            f"{type(x).__name__}{hint}")
+
+
+# The tensor arguments of the entry points below, in _check_tensors's order: required, then optional.
+_QKV = ("q", "k", "v")
+_PACKED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+_KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
+            "page_table", "cu_seqlens_q")
+
+
+def _as_cuflash(t: torch.Tensor):
+    """A CPU tensor as a NumPy view (sharing its memory, so in-place cache updates reach it); any
+    other tensor as it is. ``is_cuda`` first: it answers for CUDA tensors without building a
+    ``device`` object per tensor on every decoding call."""
+    return _numpy_view(t) if not t.is_cuda and t.device.type == "cpu" else t
+
+
+def _as_torch(x):
+    return _from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def _direct(function, *args, **options):
+    """``function`` (a cuflash entry point, called directly rather than as a custom op) on torch
+    tensors: CPU tensors as NumPy views, so that it takes its CPU path, and its NumPy results
+    back as tensors; CUDA tensors as they are. Only tensors are looked at further: a decoding
+    step passes a dozen other options."""
+    args = [_as_cuflash(x) if isinstance(x, torch.Tensor) else x for x in args]
+    options = {name: _as_cuflash(x) if isinstance(x, torch.Tensor) else x for name, x in options.items()}
+    result = function(*args, **options)
+    return tuple(_as_torch(x) for x in result) if isinstance(result, tuple) else _as_torch(result)
+
+
 def _on_host(body):
-    """``body`` for CPU tensors: it runs on NumPy views of them, so cuflash takes its CPU path (the
-    float64 reference, cast to the inputs' dtype), and its NumPy results come back as tensors."""
+    """``body`` for CPU tensors (a custom op's CPU kernel), through _direct."""
 
     def run(*args):
-        arrays = (_numpy_view(a) if isinstance(a, torch.Tensor) else a for a in args)
-        return tuple(_from_numpy(result) for result in body(*arrays))
+        return _direct(body, *args)
 
     return run
 
@@ -199,6 +261,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
     when ``deterministic`` (see there for the cost).
     """
+    _check_tensors(_QKV, (q, k, v), 3)
     out, _ = _forward(q, k, v, *_flags_and_options(q, causal, softmax_scale, window, softcap, deterministic))
     return out
 
@@ -216,6 +279,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ``seqused_q`` / ``seqused_k`` (int32 (batch,)): the used prefix of each sequence, as for
     :func:`cuflash.attention_varlen`; forward only (NotImplementedError where a gradient is wanted).
     """
+    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), 5)
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
     if seqused_q is not None or seqused_k is not None:
@@ -264,10 +328,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     only, as in FlashAttention-3, so not differentiable, and called directly rather than as a
     custom op.
     """
+    _check_tensors(_QKV, (q, k, v), 3)
     _refuse("flash_attn_func", dropout_p, alibi_slopes, return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
-        return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
-                                 softcap=softcap, descale_q=q_descale, descale_k=k_descale, descale_v=v_descale)
+        return _direct(cuflash.attention, q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
+                       softcap=softcap, descale_q=q_descale, descale_k=k_descale, descale_v=v_descale)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                      deterministic=deterministic)
 
@@ -283,26 +348,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     :func:`flash_attn_func` does.
     ``seqused_q`` / ``seqused_k``: FlashAttention-3's used prefix of each sequence (forward only).
     """
+    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), 5)
     _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
-        return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                        softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale,
-                                        seqused_q=seqused_q, seqused_k=seqused_k)
+        return _direct(cuflash.attention_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                       causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
+                       descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, seqused_q=seqused_q,
+                       seqused_k=seqused_k)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                             deterministic=deterministic, seqused_q=seqused_q, seqused_k=seqused_k)
-
-
-def _as_cuflash(x):
-    """A torch CPU tensor as a NumPy view (sharing its memory, so in-place cache updates reach
-    it); anything else as it is. ``is_cuda`` first: it answers for CUDA tensors without building
-    a ``device`` object per tensor on every decoding call."""
-    return _numpy_view(x) if isinstance(x, torch.Tensor) and not x.is_cuda and x.device.type == "cpu" else x
-
-
-def _as_torch(x):
-    return _from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -329,6 +384,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     append (k, v), rotary, cache_batch_idx, cache_leftpad, cu_seqlens_q, window or softcap, and one
     descale for the latent cache (k_descale, v_descale the same tensor or one of them).
     """
+    _check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+                              page_table, cu_seqlens_q), 3)
     unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None,
                    "rotary_seqlens": rotary_seqlens is not None, "q_descale": q_descale is not None,
                    "attention_chunk": attention_chunk != 0, "scheduler_metadata": scheduler_metadata is not None,
@@ -352,19 +409,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                 raise NotImplementedError(f"flash_attn_with_kvcache: cuflash does not take {name} with qv")
         return _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softmax_scale, causal,
                                  num_splits, k_descale if k_descale is not None else v_descale, return_softmax_lse)
-    arrays = [_as_cuflash(x) for x in (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
-                                       cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, k_descale,
-                                       v_descale)]
-    (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, page_table,
-     cu_seqlens_q, k_descale, v_descale) = arrays
-    result = cuflash.attention_with_kvcache(
-        q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, page_table=page_table,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale, window=window_size,
-        softcap=softcap, num_splits=num_splits, descale_k=k_descale, descale_v=v_descale,
-        return_lse=return_softmax_lse)
-    return tuple(_as_torch(x) for x in result) if return_softmax_lse else _as_torch(result)
+    return _direct(cuflash.attention_with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+                   page_table=page_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                   cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                   rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
+                   window=window_size, softcap=softcap, num_splits=num_splits, descale_k=k_descale,
+                   descale_v=v_descale, return_lse=return_softmax_lse)
 
 
 def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softmax_scale, causal, num_splits,
@@ -372,9 +422,6 @@ def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softma
     """flash_attn_with_kvcache's qv form as cuflash.mla_decode's split form. A contiguous cache
     (batch, seqlen_cache, 1, d) is a paged one of one page per sequence; cache_seqlens None (or an
     int) is every sequence at that length."""
-    for name, x in (("qv", qv), ("v_cache", v_cache)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     batch, device = qv.shape[0], qv.device
     if page_table is None:
         page_table = torch.arange(batch, dtype=torch.int32, device=device).view(batch, 1)
@@ -382,12 +429,9 @@ def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softma
         capacity = v_cache.shape[1] * page_table.shape[1]
         cache_seqlens = torch.full((batch,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
                                    device=device)
-    arrays = [_as_cuflash(x) for x in (qv, v_cache, page_table, cache_seqlens, q, k_cache, descale)]
-    qv, v_cache, page_table, cache_seqlens, q, k_cache, descale = arrays
-    result = cuflash.mla_decode(qv, v_cache, page_table, cache_seqlens, head_dim_v=qv.shape[-1],
-                                softmax_scale=softmax_scale, causal=causal, num_splits=num_splits, descale_kv=descale,
-                                return_lse=return_lse, q_rope=q, kv_rope_cache=k_cache)
-    return tuple(_as_torch(x) for x in result) if return_lse else _as_torch(result)
+    return _direct(cuflash.mla_decode, qv, v_cache, page_table, cache_seqlens, head_dim_v=qv.shape[-1],
+                   softmax_scale=softmax_scale, causal=causal, num_splits=num_splits, descale_kv=descale,
+                   return_lse=return_lse, q_rope=q, kv_rope_cache=k_cache)
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
@@ -395,16 +439,18 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     head_dim), lse_partial float32 (splits, batch, seqlen, heads) (or both without batch, packed);
     returns (out, lse), out in ``out_dtype`` (default float32), written into ``out`` when given,
     lse float32 (batch, seqlen, heads). See :func:`cuflash.combine`."""
-    if out is not None and out_dtype is not None and out.dtype != out_dtype:
-        raise TypeError(f"out: dtype {out.dtype} does not match out_dtype {out_dtype}")
-    if out is not None and out_dtype is None:
+    _check_tensors(("out_partial", "lse_partial", "out"), (out_partial, lse_partial, out), 2)
+    if out is not None:  # checked before the combine runs, as every argument is
+        if out_dtype is not None and out.dtype != out_dtype:
+            raise TypeError(f"out: dtype {out.dtype} does not match out_dtype {out_dtype}")
+        if tuple(out.shape) != tuple(out_partial.shape[1:]):
+            raise ValueError(f"out: expected shape {tuple(out_partial.shape[1:])} (out_partial's without splits), "
+                             f"got {tuple(out.shape)}")
+        if out.device != out_partial.device:
+            raise ValueError(f"out: on {out.device}, but out_partial is on {out_partial.device}")
         out_dtype = out.dtype
-    result, lse = cuflash.combine(_as_cuflash(out_partial), _as_cuflash(lse_partial), out_dtype=out_dtype,
-                                  return_lse=True)
-    result, lse = _as_torch(result), _as_torch(lse)
+    result, lse = _direct(cuflash.combine, out_partial, lse_partial, out_dtype=out_dtype, return_lse=True)
     if out is not None:
-        if tuple(out.shape) != tuple(result.shape):
-            raise ValueError(f"out: expected shape {tuple(result.shape)}, got {tuple(out.shape)}")
         out.copy_(result)
         result = out
     return result, lse
