@@ -7,7 +7,7 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 every head-dim bucket (forward_launch still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). So does its backward main
 kernel (backward_kernel_dims); the preprocess and convert kernels that run around either family's
-(common/flash_bwd_helpers.cu) are built for the sm80 target on every device.
+(generic/flash_bwd_helpers.cu) are built for the sm80 target on every device.
 FP8 (e4m3) inputs run each family's forward: sm90's multiplies them in e4m3 (wgmma), sm80's
 stages the bytes and widens them to the 16-bit output type in shared memory (half the bytes of a
 bf16 call read, bf16's tensor-core rate); sm80's also serves sm90 devices where no tensor map can
@@ -196,16 +196,16 @@ SM90_FP8_WIDE_TILES = {
 }
 
 
-# Threads per block of the backward's preprocess and convert kernels (common/flash_bwd_helpers.cu,
+# Threads per block of the backward's preprocess and convert kernels (generic/flash_bwd_helpers.cu,
 # their THREADS), which every family runs around its main kernel.
 HELPER_THREADS = 256
-HELPERS_SOURCE = "common/flash_bwd_helpers.cu"
+HELPERS_SOURCE = "generic/flash_bwd_helpers.cu"
 
 
 def helper_rows_per_block(head_dim: int) -> int:
     """Rows (of one head) that a block of the backward's preprocess and convert kernels covers:
     one thread per 8 columns, rounded up to a power of two and at least 8 per row, as
-    helper_row_threads in common/flash_bwd_helpers.cu."""
+    helper_row_threads in generic/flash_bwd_helpers.cu."""
     row_threads = max(8, 1 << (-(-head_dim // 8) - 1).bit_length())
     return HELPER_THREADS // row_threads
 
@@ -702,7 +702,7 @@ def helper_grid(rows: int, heads: int, batch: int, head_dim: int) -> tuple[int, 
     return -(-rows // helper_rows_per_block(head_dim)), heads, batch
 
 
-# cuflash.quantize_fp8's kernel (common/quantize_fp8.cu): one CTA of QUANTIZE_THREADS per group.
+# cuflash.quantize_fp8's kernel (generic/quantize_fp8.cu): one CTA of QUANTIZE_THREADS per group.
 QUANTIZE_THREADS = 256
 _QUANTIZE_LOADS = {"float16": "cuflash::load_f16", "bfloat16": "cuflash::load_bf16", "float32": "cuflash::load_f32"}
 
@@ -710,21 +710,21 @@ _QUANTIZE_LOADS = {"float16": "cuflash::load_f16", "bfloat16": "cuflash::load_bf
 def quantize_kernel(dtype_name: str) -> KernelChoice:
     """The FP8 quantizing kernel for inputs of ``dtype_name`` (float16, bfloat16 or float32),
     built for the sm80 target on every device (it needs no Hopper instruction)."""
-    return KernelChoice("sm80", "common/quantize_fp8.cu",
+    return KernelChoice("sm80", "generic/quantize_fp8.cu",
                         f"cuflash::quantize_fp8<{QUANTIZE_THREADS}, {HEAD_DIM_BUCKETS[-1]}, {_QUANTIZE_LOADS[dtype_name]}>",
                         QUANTIZE_THREADS, 0)
 
 
-# Attention against a KV cache (cuda_src/common/kvcache.cu), built for the sm80 target on every
+# Attention against a KV cache (cuda_src/common/kv_cache.cuh), built for the sm80 target on every
 # device: kv_append writes the new tokens, kv_decode runs KV_ROWS packed query rows (the query
 # heads of one kv head times the query tokens, one m16 tile of mma.sync) of one kv head over one
 # split of the keys, and kv_combine merges the splits. Head dims run in the bucket above them
 # among KV_BUCKETS (each warp holds 16 rows x bucket columns of O).
-KV_SOURCE = "common/kvcache.cu"
+KV_APPEND_SOURCE, KV_DECODE_SOURCE, COMBINE_SOURCE = "generic/kv_append.cu", "sm80/kv_decode.cu", "generic/combine.cu"
 KV_BUCKETS = (64, 128, 256)
-KV_ROWS, KV_KEYS, KV_THREADS = 16, 64, 128  # kvcache.cu's KV_ROWS, KV_KEYS, KV_THREADS
+KV_ROWS, KV_KEYS, KV_THREADS = 16, 64, 128  # kv_decode.cu's KV_ROWS, KV_KEYS, KV_THREADS
 KV_APPEND_THREADS = 128
-COMBINE_WARPS = 4  # kvcache.cu's COMBINE_WARPS
+COMBINE_WARPS = 4  # combine.cu's COMBINE_WARPS
 COMBINE_TYPES = {"float32": "cuflash::store_f32", "float16": "cuflash::store_16<cuflash::f16>",
                  "bfloat16": "cuflash::store_16<cuflash::bf16>"}
 # Splits chosen for num_splits=0 where the CTAs make less than two waves of the resident slots
@@ -746,7 +746,7 @@ def kv_bucket(head_dim: int) -> int:
 def kv_smem_bytes(bucket: int) -> int:
     """sizeof(KvTiles<C, bucket>), for a 16-bit or an e4m3 cache alike: the 16-bit Q tile, two
     stages of 16-bit K and V tiles (or four stages of e4m3 bytes: as many bytes), and the four
-    warps' row maxima and sums (kvcache.cu static_asserts it)."""
+    warps' row maxima and sums (kv_decode.cu static_asserts it)."""
     return KV_ROWS * bucket * 2 + 2 * 2 * KV_KEYS * bucket * 2 + 2 * (KV_THREADS // 32) * KV_ROWS * 4
 
 
@@ -762,14 +762,14 @@ def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -
     element = ELEMENT_TYPES[dtype]
     cache = element if cache_dtype in (None, dtype) else FP8_TYPES[cache_dtype]
     bucket = kv_bucket(head_dim)
-    append = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_append<{element}, {cache}>", KV_APPEND_THREADS, 0)
-    decode = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_decode<{element}, {cache}, {bucket}>", KV_THREADS,
+    append = KernelChoice("sm80", KV_APPEND_SOURCE, f"cuflash::kv_append<{element}, {cache}>", KV_APPEND_THREADS, 0)
+    decode = KernelChoice("sm80", KV_DECODE_SOURCE, f"cuflash::kv_decode<{element}, {cache}, {bucket}>", KV_THREADS,
                           kv_smem_bytes(bucket), Tile(KV_ROWS, KV_KEYS, KV_THREADS // 32))
     return append, decode
 
 
 def combine_kernel(out_dtype: str) -> KernelChoice:
-    return KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_combine<{COMBINE_TYPES[out_dtype]}>", COMBINE_WARPS * 32, 0)
+    return KernelChoice("sm80", COMBINE_SOURCE, f"cuflash::kv_combine<{COMBINE_TYPES[out_dtype]}>", COMBINE_WARPS * 32, 0)
 
 
 def kvcache_all_kernels() -> list[KernelChoice]:

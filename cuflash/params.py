@@ -329,7 +329,7 @@ class ArgumentBuffer:
         return bytes(buffer)[8:]
 
 
-# cuda_src/common/kvcache.cu: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
+# cuda_src/common/params.cuh: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
 KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_partial", "lse_partial",
                "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_cos",
                "rotary_sin", "q_rot", "descale_k", "descale_v")

@@ -156,4 +156,62 @@ struct ConvertParams {
 };
 static_assert(sizeof(ConvertParams) == 96, "cuflash/params.py packs 96 bytes");
 
+// Attention against a KV cache (kv_append, kv_decode; common/kv_cache.cuh reads it). Mirrored by
+// KV_PARAMS in cuflash/params.py.
+struct KvParams {
+  // Pointers first (params.py KV_POINTERS fills them per call).
+  const void* q;             // (batch, seqlen_q, heads, d), or packed (total_q, heads, d)
+  void* k_cache;             // contiguous (batch_cache, seqlen_cache, heads_kv, d) or paged (pages, page_size, heads_kv, d)
+  void* v_cache;
+  const void* k_new;         // (batch, seqlen_new, heads_kv, d) or packed (total_q, heads_kv, d); null: no append
+  const void* v_new;
+  void* out;                 // like q
+  float* lse;                // (batch, heads, seqlen_q) or (heads, total_q); null: not wanted
+  float* out_partial;        // (splits, heads, rows, d) fp32, rows = batch * seqlen_q or total_q
+  float* lse_partial;        // (splits, heads, rows)
+  const int* cache_seqlens;  // (batch,); null: cache_seqlens_scalar
+  const int* page_table;     // (batch, max_pages); null: a contiguous cache
+  const int* cache_batch_idx;
+  const int* cache_leftpad;
+  const int* cu_seqlens_q;   // (batch + 1,); null: fixed-length q
+  const void* rotary_cos;    // (seqlen_ro, rotary_dim / 2), q's type or fp32 (rotary_fp32)
+  const void* rotary_sin;
+  void* q_rot;               // rotated q, contiguous (rows, heads, d) in q's type; null: no rotary
+  const float* descale_k;    // e4m3 cache: (batch, heads_kv) float32; null: descale_k_scalar
+  const float* descale_v;
+  // Strides in elements: batch (or page), row, head.
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 kc_batch_stride, kc_row_stride, kc_head_stride;
+  i64 vc_batch_stride, vc_row_stride, vc_head_stride;
+  i64 kn_batch_stride, kn_row_stride, kn_head_stride;
+  i64 vn_batch_stride, vn_row_stride, vn_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  int batch, seqlen_q, heads, heads_kv, head_dim;
+  int page_size, max_pages, capacity;
+  int cache_seqlens_scalar, seqlen_new;
+  int rotary_dim, rotary_interleaved, rotary_per_row, rotary_fp32;
+  int num_splits, row_tiles;
+  int window_left, window_right;  // -1 unbounded; causal is right = 0
+  float scale_log2;               // softmax_scale * log2(e), or softcap * log2(e) with a softcap
+  float softcap_scale;            // softmax_scale / softcap; 0: no softcap
+  float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
+};
+static_assert(sizeof(KvParams) == 384, "params.py KV_PARAMS mirrors KvParams");
+
+// kv_combine's: fp32 partial outputs and their LSEs merged. Mirrored by COMBINE_PARAMS in
+// cuflash/params.py.
+struct CombineParams {
+  const float* out_partial;
+  const float* lse_partial;
+  void* out;
+  float* lse;  // null: not wanted
+  // Strides in elements: split, batch, row, head.
+  i64 op_split_stride, op_batch_stride, op_row_stride, op_head_stride;
+  i64 lp_split_stride, lp_batch_stride, lp_row_stride, lp_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  i64 l_batch_stride, l_row_stride, l_head_stride;
+  int splits, batch, seqlen, heads, head_dim;
+};
+static_assert(sizeof(CombineParams) == 168, "params.py COMBINE_PARAMS mirrors CombineParams");
+
 }  // namespace cuflash

@@ -1,4 +1,4 @@
-// The forward kernels' view of a KV cache (FwdParamsPaged): each sequence's lengths, and K/V
+// The sm80 forward's view of a KV cache (FwdParamsPaged): each sequence's lengths, and K/V
 // tiles gathered row by row through the page table with cp.async.
 #pragma once
 #include "common/params.cuh"

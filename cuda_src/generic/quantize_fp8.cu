@@ -7,6 +7,9 @@
 // Every step is float32 with explicit round-to-nearest intrinsics (no contraction into FMAs), and
 // the butterfly runs in the order cuflash/quantize.py's NumPy path runs it, so the GPU's bytes
 // and descales equal the NumPy path's bit for bit; a maximum does not depend on its order.
+//
+// generic/: kernels that use no family's instructions (elementwise work and reductions), built for
+// the sm80 target and run as they are on every GPU, beside either family's kernels.
 #include "common/e4m3.cuh"
 #include "common/types.cuh"
 
