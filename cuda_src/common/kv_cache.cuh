@@ -4,6 +4,7 @@
 // (generic/combine.cu) merges the splits. This header is the first two's view of KvParams: each
 // sequence's lengths, and where position pos of a sequence lives in the cache.
 #pragma once
+#include "common/page_table.cuh"
 #include "common/params.cuh"
 #include "common/types.cuh"
 
@@ -42,7 +43,8 @@ __device__ __forceinline__ int kv_batch_block(const KvParams& p, int b) {
 // the page the page table names, or the cache row kv_batch_block names.
 __device__ __forceinline__ void kv_rows(const KvParams& p, int b, int pos, int kv_head, i64& k_off, i64& v_off) {
   if (p.page_table) {
-    kv_offsets(p, p.page_table[i64(b) * p.max_pages + pos / p.page_size], pos % p.page_size, kv_head, k_off, v_off);
+    const SequencePages pages(p.page_table, p.max_pages, b, p.page_size);
+    kv_offsets(p, pages.page_of(pos), pages.row_of(pos), kv_head, k_off, v_off);
   } else {
     kv_offsets(p, kv_batch_block(p, b), pos, kv_head, k_off, v_off);
   }

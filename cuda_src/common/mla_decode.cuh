@@ -20,6 +20,7 @@
 // MN-major one; ldmatrix reads both with their row addresses.
 #pragma once
 #include "common/e4m3.cuh"
+#include "common/page_table.cuh"
 #include "common/smem.cuh"
 #include "common/types.cuh"
 
@@ -99,7 +100,7 @@ struct MlaCacheLoader {
   // otherwise stall the copies' issue, and the products behind it, every step.
   __device__ __forceinline__ void lookup(const MlaParams& p, int b, int first_key, int kv_len) {
     const int pos = first_key + int(threadIdx.x) / TPR;
-    if (pos < kv_len) page = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
+    if (pos < kv_len) page = SequencePages(p.page_table, p.max_pages, b, p.page_size).page_of(pos);
   }
 
   // Copies the rows of the step at first_key, whose pages lookup found.

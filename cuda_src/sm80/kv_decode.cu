@@ -114,7 +114,8 @@ struct KvStepRows {
       }
       const bool ok = n + i * Chunks::ROWS_PER_PASS < n_end;
       row[i] = in_page;
-      block[i] = !ok ? -1 : p.page_table ? p.page_table[i64(b) * p.max_pages + page] : contiguous_block;
+      block[i] = !ok ? -1 : p.page_table ? SequencePages(p.page_table, p.max_pages, b, p.page_size).entry(page)
+                                         : contiguous_block;
     }
   }
 };

@@ -159,7 +159,7 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
   const auto stage_of = [&](int i) { return smem + L::KV + (i % 2) * L::KV_STAGE; };
   const auto page_of = [&](int i) {
     const int key = first_key(i);
-    return key < w.kv_len ? p.page_table[i64(w.b) * p.max_pages + key / p.page_size] : 0;
+    return key < w.kv_len ? SequencePages(p.page_table, p.max_pages, w.b, p.page_size).page_of(key) : 0;
   };
   const bool issuer = threadIdx.x % 128 == 0;
   int ahead_page = 0;  // an issuer's: the page of the step it issues next, looked up two steps ahead
@@ -347,7 +347,7 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   const auto first_key = [&](int i) { return (w.step_begin + i) * KEYS; };
   const auto page_of = [&](int i) {
     const int key = first_key(i);
-    return key < w.kv_len ? p.page_table[i64(w.b) * p.max_pages + key / p.page_size] : 0;
+    return key < w.kv_len ? SequencePages(p.page_table, p.max_pages, w.b, p.page_size).page_of(key) : 0;
   };
   const bool issuer = threadIdx.x % 128 == 0;
   int ahead_page = 0;  // an issuer's: the page of its warpgroup's next step, looked up a step ahead
