@@ -22,6 +22,7 @@
 #include "common/e4m3.cuh"
 #include "common/page_table.cuh"
 #include "common/smem.cuh"
+#include "common/softmax.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -220,6 +221,26 @@ __device__ __forceinline__ void mla_scale_and_mask(float (&s)[4 * NT], const Mla
   }
 }
 
+// This thread's probabilities of a step: its scores s (NT 8-column tiles of rows my_row and
+// my_row + 8, exp2's units) to exp2(s - base) in place, added to the rows' sums, and written as
+// 16-bit P into p_tile (kMlaRows rows of 64 keys, one swizzled panel) from key column col0.
+template <class T, int NT>
+__device__ __forceinline__ void mla_probabilities(float (&s)[4 * NT], const float (&base)[2], float (&row_sum)[2],
+                                                  unsigned char* p_tile, int my_row, int col0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float& p0 = s[4 * nt + 2 * h];
+      float& p1 = s[4 * nt + 2 * h + 1];
+      p0 = fast_exp2(p0 - base[h]);
+      p1 = fast_exp2(p1 - base[h]);
+      row_sum[h] += p0 + p1;
+      const int r = my_row + 8 * h, col = col0 + 8 * nt + 2 * (lane % 4);
+      *reinterpret_cast<u32*>(p_tile + r * 128 + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2) = T::pack(p0, p1);
+    }
+}
+
 // Q's ROWS packed rows into their swizzled tile (64-column panels of ROWS x 128 bytes) by cp.async,
 // committed as one group: TPR threads a row, thread t copying row t / TPR's chunks t % TPR + TPR j
 // (so which part a chunk is in is known at compile time); rows past the sequence's are zeros.
@@ -271,16 +292,14 @@ __device__ __forceinline__ void mla_write_out(const MlaParams& p, const MlaWork<
   }
   __syncthreads();
 
-  constexpr float kLn2 = 0.6931471805599453f;
   const bool one_split = p.num_splits == 1;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = my_row + 8 * h, row = w.first_row + r;
     if (row >= w.rows) continue;
     const float total = exchange[r] + exchange[kMlaRows + r];
-    const bool empty = total == 0.f;
-    const float lse = empty ? kNegInf : (row_max[h] + fast_log2(total)) * kLn2;
-    const float inv = empty ? 0.f : w.descale / total;
+    const float lse = row_lse(row_max[h], total);
+    const float inv = total == 0.f ? 0.f : w.descale / total;
     const int col0 = wg * (DV / 2) + 2 * (lane % 4);
     if (one_split) {
       u16* out = static_cast<u16*>(p.out) + w.out_offset(p, row);
@@ -355,22 +374,10 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     for (int h = 0; h < 2; ++h) {
       const int r = my_row + 8 * h;
       const float m = fmaxf(row_max[h], fmaxf(exchange[r], exchange[kMlaRows + r]));
-      // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
-      base[h] = m == kNegInf ? 0.f : m;
-      correction[h] = fast_exp2(row_max[h] - base[h]);
-      row_max[h] = m;
-      row_sum[h] *= correction[h];
+      correction[h] = rescale_row(row_max[h], row_sum[h], m, base[h]);
     }
     unsigned char* p_tile = smem + L::P;
-#pragma unroll
-    for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float p0 = fast_exp2(s[4 * nt + 2 * h] - base[h]), p1 = fast_exp2(s[4 * nt + 2 * h + 1] - base[h]);
-        row_sum[h] += p0 + p1;
-        const int r = my_row + 8 * h, col = wg * (KEYS / 2) + 8 * nt + 2 * (lane % 4);
-        *reinterpret_cast<u32*>(p_tile + r * 128 + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2) = T::pack(p0, p1);
-      }
+    mla_probabilities<T, SN>(s, base, row_sum, p_tile, my_row, wg * (KEYS / 2), lane);
 #pragma unroll
     for (int nt = 0; nt < ON; ++nt)
 #pragma unroll

@@ -444,18 +444,15 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     }
   }
   __syncthreads();
+  const auto merged_warps = [&](int r) {
+    return merge_rows<KV_WARPS>([&](int w) { return s.m[w][r]; }, [&](int w) { return s.l[w][r]; });
+  };
   const float descale_v = kv_descale(p.descale_v, p.descale_v_scalar, p, b, kv_head);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = g + 8 * h;
-    float top = kNegInf;
-#pragma unroll
-    for (int w = 0; w < KV_WARPS; ++w) top = fmaxf(top, s.m[w][r]);
-    const float base = top == kNegInf ? 0.f : top;
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < KV_WARPS; ++w) total += s.l[w][r] * fast_exp2(s.m[w][r] - base);
-    const float factor = total > 0.f ? fast_exp2(m_log2[h] - base) * descale_v / total : 0.f;
+    const MergedRow merged = merged_warps(r);
+    const float factor = merged.sum > 0.f ? fast_exp2(m_log2[h] - merged.base) * descale_v / merged.sum : 0.f;
 #pragma unroll
     for (int dt = 0; dt < DT; ++dt) {
       // e4m3 caches' O columns are permuted (kv_values_e4m3): column n of tile dt is head dim
@@ -492,14 +489,8 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   }
   if (threadIdx.x < KV_ROWS && row0 + int(threadIdx.x) < rows && (split_out || p.lse)) {
     const int r = threadIdx.x, m = row0 + r;
-    float top = kNegInf;
-#pragma unroll
-    for (int w = 0; w < KV_WARPS; ++w) top = fmaxf(top, s.m[w][r]);
-    const float base = top == kNegInf ? 0.f : top;
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < KV_WARPS; ++w) total += s.l[w][r] * fast_exp2(s.m[w][r] - base);
-    const float lse = total > 0.f ? (base + log2f(total)) * 0.69314718055994531f : kNegInf;
+    const MergedRow merged = merged_warps(r);
+    const float lse = row_lse(merged.max, merged.sum);
     const int token = m / group, head = kv_head * group + m % group;
     const i64 grow = first_row + token;
     if (split_out) {

@@ -40,6 +40,7 @@
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/softcap.cuh"
+#include "common/softmax.cuh"
 #include "common/types.cuh"
 #include "sm90/bwd_params.cuh"
 #include "sm90/mbarrier.cuh"
@@ -156,7 +157,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   constexpr int kDqWriterThreads = 128 * L::DQ_CONSUMERS + 32;
   constexpr int DK_T = L::DK_DIMS / 8;  // a consumer's 8-column tiles of dK (at most) and dV
   constexpr int DV_T = L::V_DIMS / 8;
-  constexpr float kLog2e = 1.4426950408889634f;
   const BwdParams& a = p.base;
 
   // Per consumer warpgroup, two buffers by step parity: the block's lse, then its delta (both 0 for

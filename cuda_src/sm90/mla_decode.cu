@@ -220,29 +220,14 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
       float base[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
-        base[h] = m[h] == kNegInf ? 0.f : m[h];
-        const float correction = fast_exp2(row_max[h] - base[h]);
-        row_max[h] = m[h];
-        row_sum[h] *= correction;
+        const float correction = rescale_row(row_max[h], row_sum[h], m[h], base[h]);
 #pragma unroll
         for (int nt = 0; nt < ON; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) o[4 * nt + 2 * h + e] *= correction;
         if (lane % 4 == 0) exchange[(i % 2) * kMlaRows + my_row + 8 * h] = m[h];
       }
-#pragma unroll
-      for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& p0 = s[4 * nt + 2 * h];
-          float& p1 = s[4 * nt + 2 * h + 1];
-          p0 = fast_exp2(p0 - base[h]);
-          p1 = fast_exp2(p1 - base[h]);
-          row_sum[h] += p0 + p1;
-          const int r = my_row + 8 * h, col = 8 * nt + 2 * (lane % 4);
-          *reinterpret_cast<u32*>(p_tile + r * 128 + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2) = T::pack(p0, p1);
-        }
+      mla_probabilities<T, SN>(s, base, row_sum, p_tile, my_row, 0, lane);
       pack_a<T, SN>(reinterpret_cast<const float(&)[1][SN][4]>(s), p_regs);
       // P and the maxima to the other warpgroup, whose P V reads P through the async proxy.
       fence_proxy_async_shared();
@@ -265,22 +250,15 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
       mbarrier_wait(&full[i % 2], (i / 2) % 2);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float m = exchange[(i % 2) * kMlaRows + my_row + 8 * h];
-        const float correction = fast_exp2(row_max[h] - (m == kNegInf ? 0.f : m));
-        row_max[h] = m;
-        row_sum[h] *= correction;
+        float base;
+        const float correction =
+            rescale_row(row_max[h], row_sum[h], exchange[(i % 2) * kMlaRows + my_row + 8 * h], base);
 #pragma unroll
         for (int nt = 0; nt < ON; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) o[4 * nt + 2 * h + e] *= correction;
       }
-      wgmma_fence();
-      const u64 p_desc = smem_desc_sw128(p_tile);
-#pragma unroll
-      for (int k = 0; k < KEYS / 16; ++k)
-        wgmma_ss_t<DV / 2, T, false, true>(o, desc_advance(p_desc, 32 * k), desc_advance(v_desc, 16 * 128 * k), true);
-      wgmma_commit();
-      fence_registers(o);
+      MlaWgmma::pv<T, DV, KEYS>(o, p_tile, stage + wg * (DV / 128) * L::KV_PANEL, warp, lane);
     }
   }
   wgmma_wait<0>();
@@ -418,12 +396,8 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
     for (int c = 0; c < CN; ++c) {
       const int col = col_of(c);
       float step_max = fmaxf(fmaxf(maxima[col], maxima[R + col]), fmaxf(maxima[2 * R + col], maxima[3 * R + col]));
-      const float mx = fmaxf(row_max[c], step_max);
-      // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
-      const float base = mx == kNegInf ? 0.f : mx;
-      const float correction = fast_exp2(row_max[c] - base);
-      row_max[c] = mx;
-      row_sum[c] *= correction;
+      float base;
+      const float correction = rescale_row(row_max[c], row_sum[c], fmaxf(row_max[c], step_max), base);
 #pragma unroll
       for (int t = 0; t < VT; ++t)
 #pragma unroll
@@ -477,24 +451,20 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   }
   __syncthreads();
   float* merged = reinterpret_cast<float*>(smem + L::KV);  // R x OUT_STRIDE: the stages are free
-  constexpr float kLn2 = 0.6931471805599453f;
   const bool one_split = p.num_splits == 1;
   float scale[CN];
 #pragma unroll
   for (int c = 0; c < CN; ++c) {
     const int col = col_of(c);
-    const float m0 = final_max[col], m1 = final_max[R + col];
-    const float mx = fmaxf(m0, m1), base = mx == kNegInf ? 0.f : mx;
-    float sums[2];
-#pragma unroll
-    for (int g = 0; g < 2; ++g)
-      sums[g] = totals[(g * 4) * R + col] + totals[(g * 4 + 1) * R + col] + totals[(g * 4 + 2) * R + col] +
-                totals[(g * 4 + 3) * R + col];
-    const float total = sums[0] * fast_exp2(m0 - base) + sums[1] * fast_exp2(m1 - base);
-    const bool empty = total == 0.f;
-    scale[c] = empty ? 0.f : fast_exp2(row_max[c] - base) * w.descale / total;
+    const MergedRow both = merge_rows<2>(
+        [&](int g) { return final_max[g * R + col]; },
+        [&](int g) {
+          return totals[(g * 4) * R + col] + totals[(g * 4 + 1) * R + col] + totals[(g * 4 + 2) * R + col] +
+                 totals[(g * 4 + 3) * R + col];
+        });
+    scale[c] = both.sum == 0.f ? 0.f : fast_exp2(row_max[c] - both.base) * w.descale / both.sum;
     if (wg == 0 && warp == 0 && lane < 4 && col < w.rows) {
-      const float lse = empty ? kNegInf : (mx + fast_log2(total)) * kLn2;
+      const float lse = row_lse(both.max, both.sum);
       if (one_split) {
         if (p.lse) p.lse[w.lse_index(p, col)] = lse;
       } else {
