@@ -722,9 +722,11 @@ def quantize_kernel(dtype_name: str) -> KernelChoice:
 # among KV_BUCKETS (each warp holds 16 rows x bucket columns of O).
 KV_APPEND_SOURCE, KV_DECODE_SOURCE, COMBINE_SOURCE = "generic/kv_append.cu", "sm80/kv_decode.cu", "generic/combine.cu"
 KV_BUCKETS = (64, 128, 256)
-KV_ROWS, KV_KEYS, KV_THREADS = 16, 64, 128  # kv_decode.cu's KV_ROWS, KV_KEYS, KV_THREADS
+# kv_decode's tile: 16 packed rows (one m16 tile), 64 keys a step over 4 warps of 16 keys each; the
+# kernel takes them as template arguments and asserts what its layout needs.
+KV_ROWS, KV_KEYS, KV_WARPS = 16, 64, 4
 KV_APPEND_THREADS = 128
-COMBINE_WARPS = 4  # combine.cu's COMBINE_WARPS
+COMBINE_WARPS = 4
 COMBINE_TYPES = {"float32": "cuflash::store_f32", "float16": "cuflash::store_16<cuflash::f16>",
                  "bfloat16": "cuflash::store_16<cuflash::bf16>"}
 # Splits chosen for num_splits=0 where the CTAs make less than two waves of the resident slots
@@ -743,17 +745,25 @@ def kv_bucket(head_dim: int) -> int:
     raise ValueError(f"head_dim: at most {KV_BUCKETS[-1]}, got {head_dim}")
 
 
+def kv_tile(bucket: int) -> Tile:
+    """kv_decode's tile for head-dim bucket ``bucket``; its ctas_per_sm is the kernel's
+    __launch_bounds__ minimum: 3 up to d128, where shared memory and registers allow exactly that
+    on the A100 / H100 / H200, else 1."""
+    return Tile(KV_ROWS, KV_KEYS, KV_WARPS, ctas_per_sm=3 if bucket <= 128 else 1)
+
+
 def kv_smem_bytes(bucket: int) -> int:
-    """sizeof(KvTiles<C, bucket>), for a 16-bit or an e4m3 cache alike: the 16-bit Q tile, two
-    stages of 16-bit K and V tiles (or four stages of e4m3 bytes: as many bytes), and the four
-    warps' row maxima and sums (kv_decode.cu static_asserts it)."""
-    return KV_ROWS * bucket * 2 + 2 * 2 * KV_KEYS * bucket * 2 + 2 * (KV_THREADS // 32) * KV_ROWS * 4
+    """sizeof(KvTiles<C, bucket, tile>), for a 16-bit or an e4m3 cache alike: the 16-bit Q tile,
+    two stages of 16-bit K and V tiles (or four stages of e4m3 bytes: as many bytes), and the
+    warps' row maxima and sums (kv_decode static_asserts it)."""
+    tile = kv_tile(bucket)
+    return (tile.block_m * bucket * 2 + 2 * 2 * tile.block_n * bucket * 2
+            + 2 * tile.warps * tile.block_m * 4)
 
 
 def kv_ctas_per_sm(bucket: int) -> int:
-    """kv_decode CTAs resident per SM: its __launch_bounds__ minimum (3 up to d128, where shared
-    memory and registers allow exactly that on the A100 / H100 / H200; else 1)."""
-    return 3 if bucket <= 128 else 1
+    """kv_decode CTAs resident per SM (kv_tile)."""
+    return kv_tile(bucket).ctas_per_sm
 
 
 def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -> tuple[KernelChoice, KernelChoice]:
@@ -763,13 +773,16 @@ def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -
     cache = element if cache_dtype in (None, dtype) else FP8_TYPES[cache_dtype]
     bucket = kv_bucket(head_dim)
     append = KernelChoice("sm80", KV_APPEND_SOURCE, f"cuflash::kv_append<{element}, {cache}>", KV_APPEND_THREADS, 0)
-    decode = KernelChoice("sm80", KV_DECODE_SOURCE, f"cuflash::kv_decode<{element}, {cache}, {bucket}>", KV_THREADS,
-                          kv_smem_bytes(bucket), Tile(KV_ROWS, KV_KEYS, KV_THREADS // 32))
+    tile, smem = kv_tile(bucket), kv_smem_bytes(bucket)
+    decode = KernelChoice("sm80", KV_DECODE_SOURCE,
+                          f"cuflash::kv_decode<{element}, {cache}, {bucket}, {tile.block_m}, {tile.block_n}, "
+                          f"{tile.warps}, {tile.ctas_per_sm}, {smem}>", tile.warps * 32, smem, tile)
     return append, decode
 
 
 def combine_kernel(out_dtype: str) -> KernelChoice:
-    return KernelChoice("sm80", COMBINE_SOURCE, f"cuflash::kv_combine<{COMBINE_TYPES[out_dtype]}>", COMBINE_WARPS * 32, 0)
+    return KernelChoice("sm80", COMBINE_SOURCE, f"cuflash::kv_combine<{COMBINE_TYPES[out_dtype]}, {COMBINE_WARPS}>",
+                        COMBINE_WARPS * 32, 0)
 
 
 def kvcache_all_kernels() -> list[KernelChoice]:
@@ -872,8 +885,10 @@ MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_alternating_sm90"
 MLA_NARROW_KERNEL = "cuflash::sm90::mla_decode_narrow_sm90"
 MLA_NARROW_ROWS = (16, 32)
 MLA_NARROW_MIN_KEYS = {16: 1024, 32: 8192}
-MLA_KEYS = {"sm80": 32, "sm90": 64}  # kMlaKeys of each source
-MLA_ROWS, MLA_THREADS = 64, 256  # kMlaRows, kMlaThreads
+# The tile (MLA_ROWS packed rows, MLA_KEYS keys a step, MLA_THREADS) reaches the kernels as template
+# arguments, which assert the rows and threads their body is written for.
+MLA_KEYS = {"sm80": 32, "sm90": 64}
+MLA_ROWS, MLA_THREADS = 64, 256
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
 
 
@@ -913,15 +928,16 @@ def mla_kernel(family: str, dtype: str, cache_dtype: str, tma: bool = False, nar
     sm90's TMA-loaded kernel (mla_tma); ``narrow_rows``: its transposed form (mla_narrow_rows)."""
     element = ELEMENT_TYPES[dtype]
     smem = mla_narrow_smem_bytes(narrow_rows) if narrow_rows else mla_smem_bytes(family, tma)
+    tile = Tile(MLA_ROWS, MLA_KEYS[family], MLA_THREADS // 32)
+    dims = f"{MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}"
     if narrow_rows:
-        name = f"{MLA_NARROW_KERNEL}<{element}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {narrow_rows}, {smem}>"
+        name = f"{MLA_NARROW_KERNEL}<{element}, {dims}, {narrow_rows}, {tile.block_n}, {tile.warps}, {smem}>"
     elif tma:
-        name = f"{MLA_TMA_KERNEL}<{element}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
+        name = f"{MLA_TMA_KERNEL}<{element}, {dims}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}>"
     else:
         cache = element if cache_dtype == dtype else FP8_TYPES[cache_dtype]
-        name = f"{MLA_KERNELS[family]}<{element}, {cache}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
-    return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, smem,
-                        Tile(MLA_ROWS, MLA_KEYS[family], MLA_THREADS // 32))
+        name = f"{MLA_KERNELS[family]}<{element}, {cache}, {dims}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}>"
+    return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, smem, tile)
 
 
 def mla_all_kernels(family: str) -> list[KernelChoice]:

@@ -57,6 +57,9 @@ struct MlaParams {
 };
 static_assert(sizeof(MlaParams) == 232, "params.py MLA_PARAMS mirrors MlaParams");
 
+// The tile the body is written for; the kernels take the host's (dispatch.mla_kernel: ROWS, KEYS,
+// WARPS) as template arguments and assert that its rows and warps are these. KEYS, the keys of a
+// step, is each family's own.
 constexpr int kMlaRows = 64;      // packed query rows per CTA: one wgmma M, four warps of m16
 constexpr int kMlaThreads = 256;  // two warpgroups
 
@@ -81,6 +84,7 @@ struct MlaSmem {
   static constexpr u32 P = KV + 2 * KV_STAGE;                // kMlaRows x KEYS, one panel
   static constexpr u32 EXCHANGE = P + kMlaRows * 128;        // [2 warpgroups][kMlaRows] floats
   static constexpr u32 BYTES = EXCHANGE + 2 * kMlaRows * 4;  // dispatch.mla_smem_bytes, checked by the kernels
+  static_assert(KEYS <= 64, "P's rows are one 128-byte panel of 16-bit keys");
 };
 
 // The cache rows of one step into a shared stage: thread t copies row t / TPR, chunks t % TPR +

@@ -16,12 +16,11 @@ struct store_16 {
   static __device__ __forceinline__ void at(void* p, i64 i, float x) { store_elem<T>(p, i, x); }
 };
 
-// One CTA of COMBINE_WARPS warps per (batch, row, head); grid.x covers batch * seqlen * heads.
-// Every warp reads all the splits' lse (a few floats) and reduces it itself, then takes a
-// contiguous quarter of the splits; each lane owns 4 columns of a 128-column chunk, so a warp
-// reads one 512-byte row of out_partial per split, the loads of several splits in flight at once.
-// The warps' sums meet in shared memory.
-constexpr int COMBINE_WARPS = 4;
+// One CTA of WARPS warps (kv_combine's template argument, dispatch.COMBINE_WARPS) per (batch, row,
+// head); grid.x covers batch * seqlen * heads. Every warp reads all the splits' lse (a few floats)
+// and reduces it itself, then takes a contiguous 1 / WARPS of the splits; each lane owns 4 columns
+// of a 128-column chunk, so a warp reads one 512-byte row of out_partial per split, the loads of
+// several splits in flight at once. The warps' sums meet in shared memory.
 constexpr int COMBINE_COLS = 128;  // columns per chunk: 4 per lane
 
 // Four columns c .. c + 3 of a partial row (zeros past head_dim): one 16-byte load when VEC (the
@@ -66,9 +65,10 @@ __device__ __forceinline__ void combine_splits(float4& acc, const float* first, 
   }
 }
 
-template <class Store>
-__global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_constant__ CombineParams p) {
-  __shared__ float4 partial[COMBINE_WARPS][COMBINE_COLS / 4];
+template <class Store, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32) kv_combine(const __grid_constant__ CombineParams p) {
+  static_assert(WARPS * 32 >= COMBINE_COLS, "a thread per column of a chunk adds up the warps' sums");
+  __shared__ float4 partial[WARPS][COMBINE_COLS / 4];
   const i64 item = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int h = int(item % p.heads);
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_co
   // 16-byte loads need every row start 16-byte aligned: the base, the strides and head_dim.
   const bool vec = p.head_dim % 4 == 0 && reinterpret_cast<size_t>(p.out_partial) % 16 == 0 &&
                    (p.op_split_stride | p.op_batch_stride | p.op_row_stride | p.op_head_stride) % 4 == 0;
-  const int per_warp = (p.splits + COMBINE_WARPS - 1) / COMBINE_WARPS;
+  const int per_warp = (p.splits + WARPS - 1) / WARPS;
   const int s_lo = warp * per_warp, s_hi = min(p.splits, s_lo + per_warp);
   for (int c0 = 0; c0 < p.head_dim; c0 += COMBINE_COLS) {
     const int c = c0 + 4 * lane;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(COMBINE_WARPS * 32) kv_combine(const __grid_co
     if (threadIdx.x < COMBINE_COLS && col < p.head_dim) {
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < COMBINE_WARPS; ++w) sum += reinterpret_cast<const float*>(partial[w])[threadIdx.x];
+      for (int w = 0; w < WARPS; ++w) sum += reinterpret_cast<const float*>(partial[w])[threadIdx.x];
       Store::at(p.out, o_at + col, sum);
     }
     __syncthreads();  // the chunk's sums are read before the next chunk overwrites them

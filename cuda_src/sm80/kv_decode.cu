@@ -18,10 +18,12 @@
 
 namespace cuflash {
 
-constexpr int KV_ROWS = 16;      // packed query rows per CTA: one m16 tile
-constexpr int KV_KEYS = 64;      // keys per main-loop step, 16 per warp
-constexpr int KV_THREADS = 128;  // 4 warps
-constexpr int KV_WARPS = KV_THREADS / 32;
+// kv_decode's tile, its template arguments from dispatch.kv_tile: ROWS packed query rows a CTA,
+// KEYS keys a main-loop step, WARPS warps.
+template <int ROWS_, int KEYS_, int WARPS_>
+struct KvTile {
+  static constexpr int ROWS = ROWS_, KEYS = KEYS_, WARPS = WARPS_, THREADS = 32 * WARPS_;
+};
 
 // e4m3 caches keep KV_FP8_STAGES steps of bytes in shared memory: a step of e4m3 holds half the
 // bytes of a 16-bit one, and decoding is bound by the bytes each SM has in flight, so four stages
@@ -29,27 +31,27 @@ constexpr int KV_WARPS = KV_THREADS / 32;
 // coming.
 constexpr int KV_FP8_STAGES = 4;
 
-// Shared memory of kv_decode for cache element C and head-dim bucket D (a multiple of 64, so rows
+// Shared memory of kv_decode for cache element C, head-dim bucket D (a multiple of 64, so rows
 // are whole 128-byte groups for common/smem.cuh's swizzle): the Q tile; two stages of K and V
 // tiles (16-bit caches), or KV_FP8_STAGES stages of e4m3 bytes, which the warps widen in registers
 // (kv_scores_e4m3, kv_values_e4m3); after the loop the same bytes hold the warps' partial O for
-// the merge; and the warps' row statistics.
-template <class C, int D>
+// the merge; and the warps' row statistics. K: the tile (KvTile).
+template <class C, int D, class K>
 struct KvTiles {
-  u16 q[KV_ROWS * D];
+  u16 q[K::ROWS * D];
   union {
     struct {
-      u16 k[2][KV_KEYS * D];
-      u16 v[2][KV_KEYS * D];
+      u16 k[2][K::KEYS * D];
+      u16 v[2][K::KEYS * D];
     } wide;
     struct {
-      u8 k[KV_FP8_STAGES][KV_KEYS * D];  // 16-byte chunks placed by e4m3_k_chunk
-      u8 v[KV_FP8_STAGES][KV_KEYS * D];  // and by e4m3_v_chunk
+      u8 k[KV_FP8_STAGES][K::KEYS * D];  // 16-byte chunks placed by e4m3_k_chunk
+      u8 v[KV_FP8_STAGES][K::KEYS * D];  // and by e4m3_v_chunk
     } fp8;
-    float o[KV_WARPS][KV_ROWS][D];
+    float o[K::WARPS][K::ROWS][D];
   };
-  float m[KV_WARPS][KV_ROWS];  // each warp's row maxima, log2 units
-  float l[KV_WARPS][KV_ROWS];  // and row sums
+  float m[K::WARPS][K::ROWS];  // each warp's row maxima, log2 units
+  float l[K::WARPS][K::ROWS];  // and row sums
 };
 
 // Where 16-byte chunk c of key row n of an e4m3 K tile sits in its row. A warp reads a K row's
@@ -69,15 +71,15 @@ __device__ __forceinline__ int e4m3_v_chunk(int n, int c) {
   return D == 256 ? c ^ ((tig & 1) | ((tig & 2) << 1)) : c ^ ((2 * tig) & (D / 16 - 2));
 }
 
-// How kv_decode's threads split a step's KV_KEYS x D tile of cache elements C into 16-byte chunks:
+// How kv_decode's threads split a step's K::KEYS x D tile of cache elements C into 16-byte chunks:
 // thread t copies column (t % PER_ROW) * ELEMS of rows t / PER_ROW + i * ROWS_PER_PASS, i < ROWS.
-template <class C, int D>
+template <class C, int D, class K>
 struct KvChunks {
   static constexpr int ELEMS = InputStorage<C>::fp8 ? 16 : 8;  // elements per 16-byte chunk
   static constexpr int PER_ROW = D / ELEMS;
-  static constexpr int ROWS_PER_PASS = KV_THREADS / PER_ROW;
-  static constexpr int ROWS = KV_KEYS / ROWS_PER_PASS;
-  static_assert(KV_THREADS % PER_ROW == 0 && KV_KEYS % ROWS_PER_PASS == 0, "tile must split evenly");
+  static constexpr int ROWS_PER_PASS = K::THREADS / PER_ROW;
+  static constexpr int ROWS = K::KEYS / ROWS_PER_PASS;
+  static_assert(K::THREADS % PER_ROW == 0 && K::KEYS % ROWS_PER_PASS == 0, "tile must split evenly");
 };
 
 // Where this thread's rows of one step live: block and row in the block (kv_offsets'), block -1 for
@@ -85,13 +87,13 @@ struct KvChunks {
 // page-table loads' latency passes under a step's products instead of holding up the cp.async
 // issue. The rows are ROWS_PER_PASS positions apart: one division places the first, the others
 // carry on from it.
-template <class C, int D>
+template <class C, int D, class K>
 struct KvStepRows {
-  typedef KvChunks<C, D> Chunks;
+  typedef KvChunks<C, D, K> Chunks;
   int block[Chunks::ROWS];
   int row[Chunks::ROWS];
 
-  // The rows of keys [n0, n0 + KV_KEYS) of sequence b (cache positions start + n), up to n_end.
+  // The rows of keys [n0, n0 + K::KEYS) of sequence b (cache positions start + n), up to n_end.
   __device__ __forceinline__ void find(const KvParams& p, int b, int start, int n0, int n_end) {
     const int n = n0 + int(threadIdx.x) / Chunks::PER_ROW;
     const int pos = start + n;
@@ -122,10 +124,10 @@ struct KvStepRows {
 
 // Issues the cp.async copies of one step's rows (found by `rows`) into stage `stage`, rows past
 // the split zero-filled.
-template <class C, int D>
-__device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D>& s, int stage, int kv_head,
-                                         const KvStepRows<C, D>& rows) {
-  typedef KvChunks<C, D> Chunks;
+template <class C, int D, class K>
+__device__ __forceinline__ void kv_issue(const KvParams& p, KvTiles<C, D, K>& s, int stage, int kv_head,
+                                         const KvStepRows<C, D, K>& rows) {
+  typedef KvChunks<C, D, K> Chunks;
   typedef typename InputStorage<C>::type S;
   const S* kc = static_cast<const S*>(p.k_cache);
   const S* vc = static_cast<const S*>(p.v_cache);
@@ -265,25 +267,32 @@ __device__ __forceinline__ void kv_values_e4m3(float (&o)[1][D / 8][4], const fl
   }
 }
 
-// grid (num_splits * row_tiles, heads_kv, batch), KV_THREADS threads. Packed row m of a kv head is
+// grid (num_splits * row_tiles, heads_kv, batch), THREADS threads. Packed row m of a kv head is
 // query token m / group of query head kv_head * group + m % group; the CTA's 16 rows are one m16
-// tile of mma.sync m16n8k16. Each step's 64 keys arrive by cp.async, the next steps' copies in
+// tile of mma.sync m16n8k16. Each step's KEYS keys arrive by cp.async, the next steps' copies in
 // flight under this step's products (STAGES - 1 of them). Warp w takes keys 16w .. 16w + 15 of
-// every step with its own online softmax and O; the four warps' (max, sum, O) merge once at the
-// end.
-template <class T, class C, int D>
-__global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const __grid_constant__ KvParams p) {
+// every step with its own online softmax and O; the warps' (max, sum, O) merge once at the end.
+// T: q's type; C: the cache's (T, or e4m3 with descales); D: the head-dim bucket. ROWS, KEYS, WARPS,
+// CTAS_PER_SM: the tile and the CTAs resident per SM that the host plans with (dispatch.kv_tile);
+// SMEM_BYTES: the dynamic shared memory it launches with (dispatch.kv_smem_bytes).
+template <class T, class C, int D, int ROWS, int KEYS, int WARPS, int CTAS_PER_SM, int SMEM_BYTES>
+__global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) kv_decode(const __grid_constant__ KvParams p) {
+  typedef KvTile<ROWS, KEYS, WARPS> K;
+  static_assert(ROWS == 16, "a CTA's rows are one m16 tile: each thread holds rows lane / 4 and lane / 4 + 8");
+  static_assert(KEYS == 16 * WARPS, "warp w takes keys 16 w .. 16 w + 15 of a step (kv_scores_e4m3, kv_values_e4m3)");
+  static_assert(SMEM_BYTES == sizeof(KvTiles<C, D, K>), "the host's shared memory differs from KvTiles");
+  constexpr int THREADS = K::THREADS;
   constexpr bool FP8 = InputStorage<C>::fp8;
   constexpr int STAGES = FP8 ? KV_FP8_STAGES : 2;
   constexpr int DT = D / 8;  // n8 tiles of O per warp
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  KvTiles<C, D>& s = *reinterpret_cast<KvTiles<C, D>*>(smem_raw);
+  KvTiles<C, D, K>& s = *reinterpret_cast<KvTiles<C, D, K>*>(smem_raw);
   const int split = blockIdx.x / p.row_tiles, tile = blockIdx.x % p.row_tiles;
   const int kv_head = blockIdx.y, b = blockIdx.z;
   const int group = p.heads / p.heads_kv;
   const int seqlen_q = kv_seqlen_q(p, b);
   const int rows = seqlen_q * group;
-  const int row0 = tile * KV_ROWS;
+  const int row0 = tile * ROWS;
   if (row0 >= rows) return;
   const int start = kv_leftpad(p, b);
   const int seqlen_k = kv_cached(p, b) - start + kv_seqlen_new(p, b);
@@ -293,33 +302,33 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   // Keys this CTA's rows may see: row i sees [i + shift - left, i + shift + right] with
   // shift = seqlen_k - seqlen_q, within [0, seqlen_k); the union over the tile's tokens.
   const int shift = seqlen_k - seqlen_q;
-  const int tok_lo = row0 / group, tok_hi = min(rows - 1, row0 + KV_ROWS - 1) / group;
+  const int tok_lo = row0 / group, tok_hi = min(rows - 1, row0 + ROWS - 1) / group;
   const int key_lo = p.window_left < 0 ? 0 : max(0, tok_lo + shift - p.window_left);
   const int key_hi = p.window_right < 0 ? seqlen_k : min(seqlen_k, tok_hi + shift + p.window_right + 1);
   // This split's share, in whole steps.
-  const int blocks = (max(key_hi - key_lo, 0) + KV_KEYS - 1) / KV_KEYS;
+  const int blocks = (max(key_hi - key_lo, 0) + KEYS - 1) / KEYS;
   const int per_split = (blocks + p.num_splits - 1) / p.num_splits;
-  const int split_lo = key_lo + split * per_split * KV_KEYS;
-  const int split_hi = min(key_hi, split_lo + per_split * KV_KEYS);
-  const int steps = split_hi > split_lo ? (split_hi - split_lo + KV_KEYS - 1) / KV_KEYS : 0;
-  KvStepRows<C, D> next_rows;  // the rows of the next step to issue
+  const int split_lo = key_lo + split * per_split * KEYS;
+  const int split_hi = min(key_hi, split_lo + per_split * KEYS);
+  const int steps = split_hi > split_lo ? (split_hi - split_lo + KEYS - 1) / KEYS : 0;
+  KvStepRows<C, D, K> next_rows;  // the rows of the next step to issue
   if (steps > 0) {
     next_rows.find(p, b, start, split_lo, split_hi);
-    kv_issue<C, D>(p, s, 0, kv_head, next_rows);
+    kv_issue<C, D, K>(p, s, 0, kv_head, next_rows);
     cp_async_commit();
-    if (steps > 1) next_rows.find(p, b, start, split_lo + KV_KEYS, split_hi);
+    if (steps > 1) next_rows.find(p, b, start, split_lo + KEYS, split_hi);
     // The further stages' steps (e4m3 caches).
 #pragma unroll
     for (int i = 1; i < STAGES - 1 && i < steps; ++i) {
-      kv_issue<C, D>(p, s, i, kv_head, next_rows);
+      kv_issue<C, D, K>(p, s, i, kv_head, next_rows);
       cp_async_commit();
-      if (i + 1 < steps) next_rows.find(p, b, start, split_lo + (i + 1) * KV_KEYS, split_hi);
+      if (i + 1 < steps) next_rows.find(p, b, start, split_lo + (i + 1) * KEYS, split_hi);
     }
   }
 
   // Q rows into the swizzled tile (the rotated copy when rotary), 16 bytes per load, zeros past
   // the rows and head_dim.
-  for (int i = threadIdx.x; i < KV_ROWS * D / 8; i += KV_THREADS) {
+  for (int i = threadIdx.x; i < ROWS * D / 8; i += THREADS) {
     const int r = i / (D / 8), c = (i % (D / 8)) * 8, m = row0 + r;
     uint4 x = make_uint4(0, 0, 0, 0);
     if (m < rows && c < p.head_dim) {
@@ -366,12 +375,12 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   const float tanh_scale = p.softcap_scale * descale_k;
 
   // 16-bit caches' ldmatrix addresses: Q as the A operand, this warp's 16 keys of K (B of
-  // S = Q K^T) and of V (B of O = P V, read k-major), in stage 0; a stage is KV_KEYS * D * 2 bytes
+  // S = Q K^T) and of V (B of O = P V, read k-major), in stage 0; a stage is KEYS * D * 2 bytes
   // further.
   const FragmentAddress<D> q_frag(s.q, lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
   const FragmentAddress<D> k_frag(s.wide.k[0], 16 * warp + lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const FragmentAddress<D> v_frag(s.wide.v[0], 16 * warp + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
-  constexpr u32 STAGE_BYTES = KV_KEYS * D * 2;
+  constexpr u32 STAGE_BYTES = KEYS * D * 2;
   // e4m3 caches: Q's fragments held through the loop (the Q tile written above).
   u32 q_e4m3[KV_HELD_Q_GROUPS<D>][4][4];
   if constexpr (FP8 && KV_HELD_Q_GROUPS<D> == D / 64) {
@@ -385,11 +394,11 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   OnlineSoftmax<1> softmax;
   softmax.init();
   for (int step = 0; step < steps; ++step) {
-    const int n0 = split_lo + step * KV_KEYS;
+    const int n0 = split_lo + step * KEYS;
     if (step + STAGES - 1 < steps) {
-      kv_issue<C, D>(p, s, u32(step + STAGES - 1) % STAGES, kv_head, next_rows);
+      kv_issue<C, D, K>(p, s, u32(step + STAGES - 1) % STAGES, kv_head, next_rows);
       cp_async_commit();
-      if (step + STAGES < steps) next_rows.find(p, b, start, n0 + STAGES * KV_KEYS, split_hi);
+      if (step + STAGES < steps) next_rows.find(p, b, start, n0 + STAGES * KEYS, split_hi);
       cp_async_wait<STAGES - 1>();
     } else {
       cp_async_wait_at_most<STAGES - 2>(steps - 1 - step);  // the steps after this one may stay in flight
@@ -408,7 +417,7 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     }
     if (p.softcap_scale > 0.f) softcap_scores(sc, tanh_scale);
     // Only steps that cross a bound of this thread's live rows need masking.
-    if (n0 < lo_max || n0 + KV_KEYS > hi_min) {
+    if (n0 < lo_max || n0 + KEYS > hi_min) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -445,7 +454,7 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   }
   __syncthreads();
   const auto merged_warps = [&](int r) {
-    return merge_rows<KV_WARPS>([&](int w) { return s.m[w][r]; }, [&](int w) { return s.l[w][r]; });
+    return merge_rows<WARPS>([&](int w) { return s.m[w][r]; }, [&](int w) { return s.l[w][r]; });
   };
   const float descale_v = kv_descale(p.descale_v, p.descale_v_scalar, p, b, kv_head);
 #pragma unroll
@@ -466,12 +475,12 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
   // Epilogue: pairs of columns of the 16 rows, coalesced along each row.
   const bool split_out = p.num_splits > 1;
   const i64 total_rows = p.cu_seqlens_q ? i64(p.cu_seqlens_q[p.batch]) : i64(p.batch) * p.seqlen_q;
-  for (int i = threadIdx.x; i < KV_ROWS * D / 2; i += KV_THREADS) {
+  for (int i = threadIdx.x; i < ROWS * D / 2; i += THREADS) {
     const int r = i / (D / 2), c = 2 * (i % (D / 2)), m = row0 + r;
     if (m >= rows || c >= p.head_dim) continue;
     float x0 = 0.f, x1 = 0.f;
 #pragma unroll
-    for (int w = 0; w < KV_WARPS; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
       x0 += s.o[w][r][c];
       x1 += s.o[w][r][c + 1];
     }
@@ -487,7 +496,7 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
       *reinterpret_cast<u32*>(out + c) = T::pack(x0, x1);
     }
   }
-  if (threadIdx.x < KV_ROWS && row0 + int(threadIdx.x) < rows && (split_out || p.lse)) {
+  if (threadIdx.x < ROWS && row0 + int(threadIdx.x) < rows && (split_out || p.lse)) {
     const int r = threadIdx.x, m = row0 + r;
     const MergedRow merged = merged_warps(r);
     const float lse = row_lse(merged.max, merged.sum);
@@ -500,8 +509,5 @@ __global__ void __launch_bounds__(KV_THREADS, D <= 128 ? 3 : 1) kv_decode(const 
     }
   }
 }
-
-static_assert(sizeof(KvTiles<bf16, 128>) == 544 * 128 + 512 && sizeof(KvTiles<e4m3, 64>) == 544 * 64 + 512,
-              "dispatch.kv_smem_bytes mirrors KvTiles");
 
 }  // namespace cuflash

@@ -51,18 +51,17 @@ struct MlaWgmma {
   }
 };
 
-constexpr int kMlaKeys = 64;  // dispatch.MLA_KEYS["sm90"]
-
-// T: q's type; C: the cache's (T, or e4m3 with descale_kv). SMEM_BYTES: the dynamic shared memory
-// the host launches with (dispatch.mla_smem_bytes), checked against MlaSmem.
-template <class T, class C, int D, int DV, int SMEM_BYTES>
-__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_sm90(const __grid_constant__ MlaParams p) {
-  static_assert(SMEM_BYTES == MlaSmem<D, kMlaKeys>::BYTES + kSmemAlignSlack,
-                "the host's shared memory differs from MlaSmem");
+// T: q's type; C: the cache's (T, or e4m3 with descale_kv). ROWS, KEYS, WARPS: the host's tile
+// (dispatch.mla_kernel); SMEM_BYTES: the dynamic shared memory it launches with
+// (dispatch.mla_smem_bytes), checked against MlaSmem.
+template <class T, class C, int D, int DV, int ROWS, int KEYS, int WARPS, int SMEM_BYTES>
+__global__ void __launch_bounds__(WARPS * 32, 1) mla_decode_sm90(const __grid_constant__ MlaParams p) {
+  static_assert(ROWS == kMlaRows && WARPS * 32 == kMlaThreads, "the body's tile (common/mla_decode.cuh)");
+  static_assert(SMEM_BYTES == MlaSmem<D, KEYS>::BYTES + kSmemAlignSlack, "the host's shared memory differs from MlaSmem");
   extern __shared__ unsigned char smem_raw[];
   // wgmma's descriptors take 1024-byte-aligned tiles (sm90/tiles.cuh).
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
-  mla_decode_body<T, C, MlaWgmma, D, DV, kMlaKeys>(p, smem);
+  mla_decode_body<T, C, MlaWgmma, D, DV, KEYS>(p, smem);
 }
 
 
@@ -135,19 +134,18 @@ __device__ __forceinline__ void mla_land_step(u64* full, u32 parity, unsigned ch
 constexpr int kMlaReady = 1;   // named barrier, 256 threads: the owner's P and maximum are out
 constexpr int kMlaZeroed = 2;  // + warpgroup, 128 threads: the owner's zeroed rows are written
 
-template <int D>
+template <int D, int KEYS>
 struct MlaAlternatingSmem {
-  static constexpr u32 FULL = MlaSmem<D, kMlaKeys>::BYTES;  // [2] a stage's boxes landed
+  static constexpr u32 FULL = MlaSmem<D, KEYS>::BYTES;  // [2] a stage's boxes landed
   static constexpr u32 EMPTY = FULL + 2 * 8;  // [2] all 256 threads' P V of a stage's step done
   static constexpr u32 BYTES = EMPTY + 2 * 8;  // dispatch.mla_smem_bytes
 };
 
-template <class T, int D, int DV>
+template <class T, int D, int DV, int KEYS>
 __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps, unsigned char* smem) {
   const MlaParams& p = maps.base;
-  constexpr int KEYS = kMlaKeys;
   typedef MlaSmem<D, KEYS> L;
-  typedef MlaAlternatingSmem<D> A;
+  typedef MlaAlternatingSmem<D, KEYS> A;
   constexpr int SN = KEYS / 8;  // 8-column tiles of a step's scores
   constexpr int ON = DV / 16;   // 8-column tiles of a warpgroup's O (DV / 2 columns)
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -266,15 +264,16 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
   mla_write_out<T, DV, KEYS>(p, w, o, row_max, row_sum, exchange);
 }
 
-// T: q's and the cache's 16-bit type. SMEM_BYTES: as for mla_decode_sm90, checked against
-// MlaAlternatingSmem.
-template <class T, int D, int DV, int SMEM_BYTES>
-__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_alternating_sm90(const __grid_constant__ MlaParamsTma p) {
-  static_assert(SMEM_BYTES == MlaAlternatingSmem<D>::BYTES + kSmemAlignSlack,
+// T: q's and the cache's 16-bit type. ROWS, KEYS, WARPS, SMEM_BYTES: as for mla_decode_sm90, the
+// shared memory checked against MlaAlternatingSmem.
+template <class T, int D, int DV, int ROWS, int KEYS, int WARPS, int SMEM_BYTES>
+__global__ void __launch_bounds__(WARPS * 32, 1) mla_decode_alternating_sm90(const __grid_constant__ MlaParamsTma p) {
+  static_assert(ROWS == kMlaRows && WARPS * 32 == kMlaThreads, "the body's tile (common/mla_decode.cuh)");
+  static_assert(SMEM_BYTES == MlaAlternatingSmem<D, KEYS>::BYTES + kSmemAlignSlack,
                 "the host's shared memory differs from MlaAlternatingSmem");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
-  mla_decode_alternating<T, D, DV>(p, smem);
+  mla_decode_alternating<T, D, DV, KEYS>(p, smem);
 }
 
 // At <= 32 packed query rows (16 heads, one or two tokens) a 64-row tile is three quarters or half
@@ -292,9 +291,9 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_alternating_sm90(co
 // the step's keys is over the lanes of equal l % 4 and then the four warps (through shared memory).
 constexpr int kMlaNarrowStep = 1;  // + warpgroup, 128 threads: the warps' maxima, P^T written
 
-template <int D, int DV, int R>
+template <int D, int DV, int R, int KEYS>
 struct MlaNarrowSmem {
-  static constexpr u32 Q_PANEL = R * 128, KV_PANEL = kMlaKeys * 128;
+  static constexpr u32 Q_PANEL = R * 128, KV_PANEL = KEYS * 128;
   static constexpr u32 Q = 0;
   static constexpr u32 KV = Q + (D / 64) * Q_PANEL;          // [2] stages, one per warpgroup
   static constexpr u32 KV_STAGE = (D / 64) * KV_PANEL;
@@ -308,13 +307,12 @@ struct MlaNarrowSmem {
   static_assert(R * OUT_STRIDE * 4 <= 2 * KV_STAGE, "the merged O fits in the stages");
 };
 
-template <class T, int D, int DV, int R>
+template <class T, int D, int DV, int R, int KEYS>
 __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsigned char* smem) {
   const MlaParams& p = maps.base;
-  constexpr int KEYS = kMlaKeys;
   constexpr int CN = R / 4;       // query rows (columns) a thread holds: 8 j + 2 (l % 4) + e
   constexpr int VT = DV / 64;     // m64 tiles of O^T
-  typedef MlaNarrowSmem<D, DV, R> L;
+  typedef MlaNarrowSmem<D, DV, R, KEYS> L;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const MlaWork<KEYS> w(p);
   const int blocks = max(w.step_end - w.step_begin, 0);
@@ -506,15 +504,17 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   }
 }
 
-// T: q's and the cache's 16-bit type; R: 16 or 32 query rows. SMEM_BYTES: as for
-// mla_decode_sm90, checked against MlaNarrowSmem.
-template <class T, int D, int DV, int R, int SMEM_BYTES>
-__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_narrow_sm90(const __grid_constant__ MlaParamsTma p) {
-  static_assert(SMEM_BYTES == MlaNarrowSmem<D, DV, R>::BYTES + kSmemAlignSlack,
+// T: q's and the cache's 16-bit type; R: 16 or 32 query rows. KEYS, WARPS, SMEM_BYTES: as for
+// mla_decode_sm90, the shared memory checked against MlaNarrowSmem.
+template <class T, int D, int DV, int R, int KEYS, int WARPS, int SMEM_BYTES>
+__global__ void __launch_bounds__(WARPS * 32, 1) mla_decode_narrow_sm90(const __grid_constant__ MlaParamsTma p) {
+  static_assert(KEYS == 64, "S^T's M, a step's keys, is one m64 wgmma of a warpgroup");
+  static_assert(WARPS * 32 == kMlaThreads, "two warpgroups, each taking every other step");
+  static_assert(SMEM_BYTES == MlaNarrowSmem<D, DV, R, KEYS>::BYTES + kSmemAlignSlack,
                 "the host's shared memory differs from MlaNarrowSmem");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
-  mla_decode_narrow<T, D, DV, R>(p, smem);
+  mla_decode_narrow<T, D, DV, R, KEYS>(p, smem);
 }
 
 }  // namespace sm90
