@@ -31,16 +31,6 @@ _E4M3_MAX = np.float32(448.0)
 _MAX_HEAD_DIM = dispatch.HEAD_DIM_BUCKETS[-1]  # the kernel's shared-memory row
 _HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _DEVICE_DTYPES = ("float16", "bfloat16", "float32")
-# The kernel's QuantizeArgs (static_assert'ed at 104 bytes there), pointers first.
-_POINTERS = ("x", "out", "descale", "signs")
-_ARGS = np.dtype(
-    [(name, np.uint64) for name in _POINTERS]
-    + [(name, np.int64) for name in ("x_batch_stride", "x_row_stride", "x_head_stride")]
-    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "granularity", "group_heads",
-                                     "block_size", "blocks_per_head", "descales_per_group", "rotate_block")]
-    + [("rotate_norm", np.float32)],
-    align=True,
-)
 
 
 def rotation(head_dim: int, seed: int) -> tuple[np.ndarray, int, np.float32]:
@@ -148,11 +138,11 @@ def _quantize_device(kind: str, t: interop.DeviceTensor, granularity: str, group
                           GRANULARITIES.index(granularity), group_heads, block_size,
                           descale_shape[2] if granularity == "block" else 1,
                           math.prod(descale_shape) if granularity == "tensor" else 1,
-                          block if rotate else 0, norm)], _ARGS)
+                          block if rotate else 0, norm)], params.QUANTIZE_ARGS)
         choice = dispatch.quantize_kernel(t.dtype)
         arch = dispatch.compile_arch("sm80", dispatch.device_target(t.device)[1])
         launch = kernels.prepare(choice, arch, t.device, (groups, 1, 1))
-        argument = params.ArgumentBuffer(args, _POINTERS).fill(t.ptr, out_ptr, descale_ptr, signs_ptr)
+        argument = params.ArgumentBuffer(args, params.QUANTIZE_POINTERS).fill(t.ptr, out_ptr, descale_ptr, signs_ptr)
         kernels.launch(launch, interop.stream_handle(kind, t.device), argument)
         del signs_native  # held until the launch is queued; the pool reuses it in stream order
     return out, descale

@@ -192,7 +192,6 @@ def test_paged_forward_is_sm80_and_16bit_only():
         dispatch.forward_kernel("sm90", 128, "none", "bfloat16", paged=True)
     with pytest.raises(ValueError, match="paged"):
         dispatch.forward_kernel("sm80", 128, "none", "float8_e4m3fn", out_dtype="bfloat16", paged=True)
-    assert FWD_PARAMS_PAGED.itemsize == FWD_PARAMS_PAGED_SIZE
 
 
 def test_explicit_splits_honoured():

@@ -21,41 +21,12 @@
 #pragma once
 #include "common/e4m3.cuh"
 #include "common/page_table.cuh"
+#include "common/params.cuh"
 #include "common/smem.cuh"
 #include "common/softmax.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
-
-struct MlaParams {
-  // Pointers first (params.py MLA_POINTERS fills them per call).
-  const void* q;             // (batch, seqlen_q, heads, D)
-  const void* kv_cache;      // (pages, page_size, 1, D): the keys; their first DV dims the values
-  void* out;                 // (batch, seqlen_q, heads, DV), written with one split
-  float* lse;                // (batch, heads, seqlen_q); null: not wanted
-  float* out_partial;        // (splits, heads, batch * seqlen_q, DV) fp32, with several splits
-  float* lse_partial;        // (splits, heads, batch * seqlen_q)
-  const int* cache_seqlens;  // (batch,)
-  const int* page_table;     // (batch, max_pages)
-  const float* descale_kv;   // e4m3 cache: (batch, 1) float32; null: descale_kv_scalar
-  // The split form (FA3's qv): q and kv_cache hold the first DV dims, these the other D - DV
-  // (rows laid out like theirs); null: q and kv_cache hold all D.
-  const void* q_rope;
-  const void* kv_rope;
-  // Strides in elements.
-  i64 q_batch_stride, q_row_stride, q_head_stride;
-  i64 kv_page_stride, kv_row_stride;
-  i64 q_rope_batch_stride, q_rope_row_stride, q_rope_head_stride;
-  i64 kv_rope_page_stride, kv_rope_row_stride;
-  i64 o_batch_stride, o_row_stride, o_head_stride;
-  int batch, seqlen_q, heads;
-  int page_size, max_pages;
-  int num_splits, row_tiles;
-  int causal;
-  float scale_log2;  // softmax_scale * log2(e)
-  float descale_kv_scalar;
-};
-static_assert(sizeof(MlaParams) == 232, "params.py MLA_PARAMS mirrors MlaParams");
 
 // The tile the body is written for; the kernels take the host's (dispatch.mla_kernel: ROWS, KEYS,
 // WARPS) as template arguments and assert that its rows and warps are these. KEYS, the keys of a

@@ -1,5 +1,7 @@
-// Run-time arguments of the forward kernels, passed by value as one struct. The host mirrors
-// this layout with an aligned NumPy structured dtype (cuflash/params.py); keep the two in step.
+// Run-time arguments of the kernels, each passed by value as one struct (sm90's, which hold tensor
+// maps, are in sm90/). The host mirrors each layout with an aligned NumPy structured dtype
+// (cuflash/params.py); tests/test_param_structs.py checks the mirrors' sizes against the
+// static_asserts here.
 #pragma once
 #include "common/types.cuh"
 
@@ -213,5 +215,54 @@ struct CombineParams {
   int splits, batch, seqlen, heads, head_dim;
 };
 static_assert(sizeof(CombineParams) == 168, "params.py COMBINE_PARAMS mirrors CombineParams");
+
+// MLA decoding (common/mla_decode.cuh). Mirrored by MLA_PARAMS in cuflash/params.py.
+struct MlaParams {
+  // Pointers first (params.py MLA_POINTERS fills them per call).
+  const void* q;             // (batch, seqlen_q, heads, D)
+  const void* kv_cache;      // (pages, page_size, 1, D): the keys; their first DV dims the values
+  void* out;                 // (batch, seqlen_q, heads, DV), written with one split
+  float* lse;                // (batch, heads, seqlen_q); null: not wanted
+  float* out_partial;        // (splits, heads, batch * seqlen_q, DV) fp32, with several splits
+  float* lse_partial;        // (splits, heads, batch * seqlen_q)
+  const int* cache_seqlens;  // (batch,)
+  const int* page_table;     // (batch, max_pages)
+  const float* descale_kv;   // e4m3 cache: (batch, 1) float32; null: descale_kv_scalar
+  // The split form (FA3's qv): q and kv_cache hold the first DV dims, these the other D - DV
+  // (rows laid out like theirs); null: q and kv_cache hold all D.
+  const void* q_rope;
+  const void* kv_rope;
+  // Strides in elements.
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 kv_page_stride, kv_row_stride;
+  i64 q_rope_batch_stride, q_rope_row_stride, q_rope_head_stride;
+  i64 kv_rope_page_stride, kv_rope_row_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  int batch, seqlen_q, heads;
+  int page_size, max_pages;
+  int num_splits, row_tiles;
+  int causal;
+  float scale_log2;  // softmax_scale * log2(e)
+  float descale_kv_scalar;
+};
+static_assert(sizeof(MlaParams) == 232, "params.py MLA_PARAMS mirrors MlaParams");
+
+// cuflash.quantize_fp8's kernel (generic/quantize_fp8.cu). Mirrored by QUANTIZE_ARGS in
+// cuflash/params.py.
+struct QuantizeArgs {
+  const void* x;
+  unsigned char* out;   // contiguous (batch, seqlen, heads, head_dim)
+  float* descale;       // descales_per_group entries per group, group-major
+  const float* signs;   // head_dim random signs; read only when rotate_block > 0
+  i64 x_batch_stride, x_row_stride, x_head_stride;  // in elements; head_dim is contiguous
+  int batch, seqlen, heads, head_dim;
+  int granularity;      // 0: tensor, 1: (batch, head group), 2: (batch, head group, block of block_size rows)
+  int group_heads;      // heads per head group: the query heads that share a kv head, or 1
+  int block_size, blocks_per_head;
+  int descales_per_group;
+  int rotate_block;     // Hadamard block size (a power of two dividing head_dim), 0: no rotation
+  float rotate_norm;    // 1 / sqrt(rotate_block) in float32
+};
+static_assert(sizeof(QuantizeArgs) == 104, "params.py QUANTIZE_ARGS mirrors QuantizeArgs");
 
 }  // namespace cuflash
