@@ -932,11 +932,10 @@ def mla_kernel(family: str, dtype: str, cache_dtype: str, tma: bool = False, nar
     dims = f"{MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}"
     if narrow_rows:
         name = f"{MLA_NARROW_KERNEL}<{element}, {dims}, {narrow_rows}, {tile.block_n}, {tile.warps}, {smem}>"
-    elif tma:
-        name = f"{MLA_TMA_KERNEL}<{element}, {dims}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}>"
     else:
+        tiled = f"{dims}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}"
         cache = element if cache_dtype == dtype else FP8_TYPES[cache_dtype]
-        name = f"{MLA_KERNELS[family]}<{element}, {cache}, {dims}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}>"
+        name = f"{MLA_TMA_KERNEL}<{element}, {tiled}>" if tma else f"{MLA_KERNELS[family]}<{element}, {cache}, {tiled}>"
     return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, smem, tile)
 
 

@@ -68,8 +68,8 @@ def test_paged_split_decode_launches_append_decode_combine(recorder):
     # 8 query heads over 2 kv heads, 2 tokens: 8 packed rows, one tile; 4 CTAs would take 73 splits
     # to fill 90% of 108 x 3 slots, but each split keeps 128 of the 4096 positions.
     splits = dispatch.kvcache_splits(0, 2, 2, 1, 4096, 108, 3)
-    assert splits == 32 and decode == ("cuflash::kv_decode<cuflash::f16, cuflash::f16, 128, 16, 64, 4, 3, 70144>", (splits, 2, 2),
-                                       dispatch.kv_smem_bytes(128))
+    assert splits == 32 and decode == ("cuflash::kv_decode<cuflash::f16, cuflash::f16, 128, 16, 64, 4, 3, 70144>",
+                                       (splits, 2, 2), dispatch.kv_smem_bytes(128))
     p = np.frombuffer(d_arg, KV_PARAMS)[0]
     assert p["num_splits"] == splits and p["page_size"] == 16 and p["max_pages"] == 256 and p["window_right"] == 0
     assert p["rotary_dim"] == 128 and p["rotary_interleaved"] == 0 and p["rotary_per_row"] == 1

@@ -13,7 +13,7 @@
 //     running maximum, and write P (16-bit) for their keys into one shared tile;
 //   - warpgroup w accumulates O's columns w DV/2 .. (w + 1) DV/2 - 1 over every key of the step.
 // Each warpgroup's row sums cover its own keys; they are added at the end. One split writes out
-// (and lse); several write fp32 partials that kv_combine merges (common/kvcache.cu).
+// (and lse); several write fp32 partials that kv_combine merges (generic/combine.cu).
 //
 // Shared-memory tiles use the 128-byte swizzle of 64-column panels (sm90/wgmma.cuh): 16-byte chunk
 // c of row r at chunk c ^ (r % 8). wgmma reads K as a K-major operand and V, the same bytes, as an

@@ -1,5 +1,5 @@
 // FlashAttention-2 backward for compute capability 8.0 and newer, the main kernel between the
-// preprocess (delta = rowsum(dO * O)) and convert kernels of common/flash_bwd_helpers.cu:
+// preprocess (delta = rowsum(dO * O)) and convert kernels of generic/flash_bwd_helpers.cu:
 //   flash_bwd_sm80: a CTA keeps one key block's K and V in shared memory, walks the query blocks
 //     that can see them, recomputes P = exp(S - lse) from the forward's log-sum-exp (no stored P,
 //     nothing that grows with seqlen_q x seqlen_k), accumulates dK and dV in registers and adds

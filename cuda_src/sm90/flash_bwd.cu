@@ -1,5 +1,5 @@
 // FlashAttention-3-style backward for Hopper (sm_90a), the main kernel between the preprocess
-// (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels of common/flash_bwd_helpers.cu.
+// (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels of generic/flash_bwd_helpers.cu.
 // One CTA per (key block, head, batch) of three warpgroups. Warpgroup 0 is the producer: one
 // thread loads K and V once and streams the Q and dO blocks of 64 query rows by TMA through a ring
 // of STAGES stages. Warpgroups 1 and 2 are consumers, with dK and dV in registers for the whole

@@ -57,7 +57,8 @@ struct MlaWgmma {
 template <class T, class C, int D, int DV, int ROWS, int KEYS, int WARPS, int SMEM_BYTES>
 __global__ void __launch_bounds__(WARPS * 32, 1) mla_decode_sm90(const __grid_constant__ MlaParams p) {
   static_assert(ROWS == kMlaRows && WARPS * 32 == kMlaThreads, "the body's tile (common/mla_decode.cuh)");
-  static_assert(SMEM_BYTES == MlaSmem<D, KEYS>::BYTES + kSmemAlignSlack, "the host's shared memory differs from MlaSmem");
+  static_assert(SMEM_BYTES == MlaSmem<D, KEYS>::BYTES + kSmemAlignSlack,
+                "the host's shared memory differs from MlaSmem");
   extern __shared__ unsigned char smem_raw[];
   // wgmma's descriptors take 1024-byte-aligned tiles (sm90/tiles.cuh).
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
