@@ -4,7 +4,7 @@ place, and the combine step of split-KV attention.
 NumPy inputs run the float64 reference on the CPU (numpy_path.py) and update the NumPy caches in place
 exactly where the GPU does: the appended positions, nothing else. GPU inputs run the append
 kernel (rotary embedding and the cache writes), the decode kernel over key splits, and the
-combine kernel (cuda_src/common/kvcache.cu), planned through plan.py and dispatch.py.
+combine kernel (cuda_src/common/kv_cache.cuh), planned through plan.py and dispatch.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Per group (the whole tensor, each head group of each batch entry, or each block of rows of one),
 in float32: ``amax = max |x|``, ``scale = 448 / amax``, ``e4m3 = round(clip(x * scale, ±448))``
 (round to nearest even) and ``descale = amax / 448``; a group of zeros gets scale and descale 1.
-NumPy arrays are quantized by NumPy, GPU arrays by one kernel launch (common/quantize_fp8.cu)
+NumPy arrays are quantized by NumPy, GPU arrays by one kernel launch (generic/quantize_fp8.cu)
 that computes the same float32 steps in the same order, so both give the same bits.
 
 ``rotate=True`` first multiplies each row of head_dim values by ``R = diag(signs) · H``: random

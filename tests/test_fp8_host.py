@@ -224,7 +224,7 @@ def test_fp8_backward_is_refused():
 # quantize_fp8 (NumPy path).
 
 def e4m3_round_like_the_kernel(values: np.ndarray) -> np.ndarray:
-    """common/quantize_fp8.cu's to_e4m3 in NumPy integer arithmetic (for |v| <= 448)."""
+    """common/e4m3.cuh's to_e4m3 in NumPy integer arithmetic (for |v| <= 448)."""
     bits = values.astype(np.float32).view(np.uint32).astype(np.int64)
     sign = (bits >> 24) & 0x80
     magnitude = np.abs(values.astype(np.float32))

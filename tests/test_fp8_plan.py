@@ -1,7 +1,8 @@
 """The FP8 forward's launch policy and argument struct, without a GPU: each family's kernel (sm80's
-where no tensor map fits), their shared memory, FwdParamsFp8's layout and sm90's struct around it,
-the descales folded into it or filled per call, and the plan key's FP8 part. An FP8 launch's
-struct: tests/test_forward_plan.py; the sm90 kernels' compile check: tests/test_sm90_forward.py."""
+where no tensor map fits), their shared memory, the descales folded into the struct or filled per
+call, and the plan key's FP8 part. FwdParamsFp8's layout: tests/test_param_structs.py; an FP8
+launch's struct: tests/test_forward_plan.py; the sm90 kernels' compile check:
+tests/test_sm90_forward.py."""
 
 from __future__ import annotations
 
@@ -119,25 +120,6 @@ def test_every_fp8_instantiation_is_listed_after_the_16bit_kernels():
     # two-consumer causal (with and without softcap) and d128's unmasked short calls.
     assert len(fp8) == 4 * 2 * 3 * 2 + 2 * 2 + 2
     assert names[-len(fp8):] == fp8
-
-
-def test_sm90_fp8_param_struct_layout():
-    """FwdParamsSm90Of<FwdParamsFp8>: the three maps, FwdParamsFp8 at 384, the tile counts after it
-    (fwd_params.cuh static_asserts 704 bytes)."""
-    fields = params.FWD_PARAMS_SM90_FP8.fields
-    assert params.FWD_PARAMS_SM90_FP8.itemsize == params.FWD_PARAMS_SM90_FP8_SIZE == 704
-    assert [fields[name][1] for name in ("q", "k", "v", "base")] == [0, 128, 256, 384]
-    assert fields["base"][0] == params.FWD_PARAMS_FP8
-    assert [fields[name][1] for name in ("m_blocks", "heads", "batches", "tiles")] == [688, 692, 696, 700]
-
-
-def test_fwd_params_fp8_layout():
-    fields = params.FWD_PARAMS_FP8.fields
-    assert params.FWD_PARAMS_FP8.itemsize == params.FWD_PARAMS_FP8_SIZE == 304
-    # FwdParams' fields at their own offsets, then the descales (params.cuh: FwdParamsFp8 derives from it).
-    assert all(fields[name][1] == offset for name, (_, offset) in params.FWD_PARAMS.fields.items())
-    assert [fields[name][1] for name in params.FWD_DESCALES] == [224, 232, 240]
-    assert fields["v_scale"][1] == 296
 
 
 def _fp8_struct(descales, softcap=0.0):

@@ -153,13 +153,6 @@ def test_which_calls_take_the_transposed_kernel(tma, rows, keys_per_split, expec
         assert choice.smem_bytes == dispatch.mla_narrow_smem_bytes(expected) <= 227 * 1024
 
 
-def test_tma_argument_layout():
-    from cuflash._core.params import MLA_PARAMS, MLA_PARAMS_TMA, MLA_PARAMS_TMA_SIZE
-
-    assert MLA_PARAMS_TMA.itemsize == MLA_PARAMS_TMA_SIZE
-    assert MLA_PARAMS_TMA.fields["base"][1] == 256 and MLA_PARAMS_TMA.fields["base"][0] == MLA_PARAMS
-
-
 @pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
 def test_tma_argument_maps_the_cache_and_the_rope(split):
     """The rope map describes the split form's own array, or the cache again; boxes of a step's rows."""

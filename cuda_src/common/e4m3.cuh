@@ -1,5 +1,6 @@
-// e4m3 (float8_e4m3fn) conversions shared by the FP8 forward (fp8.cuh), quantize_fp8.cu and the
-// KV cache (kvcache.cu): float32 -> e4m3 bits, and packed e4m3 pairs widened exactly to fp16/bf16.
+// e4m3 (float8_e4m3fn) conversions shared by the FP8 forward (fp8.cuh), generic/quantize_fp8.cu and
+// the KV cache (generic/kv_append.cu, sm80/kv_decode.cu) and MLA decoding: float32 -> e4m3 bits, and
+// packed e4m3 pairs widened exactly to fp16/bf16.
 #pragma once
 #include "common/types.cuh"
 

@@ -1,5 +1,5 @@
 // Which (query, key) pairs take part, per row and per tile, for every kernel. The one rule
-// (cuflash/reference.py key_bounds, flash-attn's semantics): with offset = seqlen_k - seqlen_q,
+// (cuflash/_cpu/reference.py key_bounds, flash-attn's semantics): with offset = seqlen_k - seqlen_q,
 // query i sees key j iff 0 <= j < seqlen_k, j <= i + offset + right (right >= 0) and
 // j >= i + offset - left (left >= 0). Aligned bottom-right, so the last query's window ends at
 // the last key. Causal attention is right = 0 with no left bound.

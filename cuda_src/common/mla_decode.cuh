@@ -13,48 +13,24 @@
 //     running maximum, and write P (16-bit) for their keys into one shared tile;
 //   - warpgroup w accumulates O's columns w DV/2 .. (w + 1) DV/2 - 1 over every key of the step.
 // Each warpgroup's row sums cover its own keys; they are added at the end. One split writes out
-// (and lse); several write fp32 partials that kv_combine merges (common/kvcache.cu).
+// (and lse); several write fp32 partials that kv_combine merges (generic/combine.cu).
 //
 // Shared-memory tiles use the 128-byte swizzle of 64-column panels (sm90/wgmma.cuh): 16-byte chunk
 // c of row r at chunk c ^ (r % 8). wgmma reads K as a K-major operand and V, the same bytes, as an
 // MN-major one; ldmatrix reads both with their row addresses.
 #pragma once
 #include "common/e4m3.cuh"
+#include "common/page_table.cuh"
+#include "common/params.cuh"
 #include "common/smem.cuh"
+#include "common/softmax.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
 
-struct MlaParams {
-  // Pointers first (params.py MLA_POINTERS fills them per call).
-  const void* q;             // (batch, seqlen_q, heads, D)
-  const void* kv_cache;      // (pages, page_size, 1, D): the keys; their first DV dims the values
-  void* out;                 // (batch, seqlen_q, heads, DV), written with one split
-  float* lse;                // (batch, heads, seqlen_q); null: not wanted
-  float* out_partial;        // (splits, heads, batch * seqlen_q, DV) fp32, with several splits
-  float* lse_partial;        // (splits, heads, batch * seqlen_q)
-  const int* cache_seqlens;  // (batch,)
-  const int* page_table;     // (batch, max_pages)
-  const float* descale_kv;   // e4m3 cache: (batch, 1) float32; null: descale_kv_scalar
-  // The split form (FA3's qv): q and kv_cache hold the first DV dims, these the other D - DV
-  // (rows laid out like theirs); null: q and kv_cache hold all D.
-  const void* q_rope;
-  const void* kv_rope;
-  // Strides in elements.
-  i64 q_batch_stride, q_row_stride, q_head_stride;
-  i64 kv_page_stride, kv_row_stride;
-  i64 q_rope_batch_stride, q_rope_row_stride, q_rope_head_stride;
-  i64 kv_rope_page_stride, kv_rope_row_stride;
-  i64 o_batch_stride, o_row_stride, o_head_stride;
-  int batch, seqlen_q, heads;
-  int page_size, max_pages;
-  int num_splits, row_tiles;
-  int causal;
-  float scale_log2;  // softmax_scale * log2(e)
-  float descale_kv_scalar;
-};
-static_assert(sizeof(MlaParams) == 232, "params.py MLA_PARAMS mirrors MlaParams");
-
+// The tile the body is written for; the kernels take the host's (dispatch.mla_kernel: ROWS, KEYS,
+// WARPS) as template arguments and assert that its rows and warps are these. KEYS, the keys of a
+// step, is each family's own.
 constexpr int kMlaRows = 64;      // packed query rows per CTA: one wgmma M, four warps of m16
 constexpr int kMlaThreads = 256;  // two warpgroups
 
@@ -79,6 +55,7 @@ struct MlaSmem {
   static constexpr u32 P = KV + 2 * KV_STAGE;                // kMlaRows x KEYS, one panel
   static constexpr u32 EXCHANGE = P + kMlaRows * 128;        // [2 warpgroups][kMlaRows] floats
   static constexpr u32 BYTES = EXCHANGE + 2 * kMlaRows * 4;  // dispatch.mla_smem_bytes, checked by the kernels
+  static_assert(KEYS <= 64, "P's rows are one 128-byte panel of 16-bit keys");
 };
 
 // The cache rows of one step into a shared stage: thread t copies row t / TPR, chunks t % TPR +
@@ -99,7 +76,7 @@ struct MlaCacheLoader {
   // otherwise stall the copies' issue, and the products behind it, every step.
   __device__ __forceinline__ void lookup(const MlaParams& p, int b, int first_key, int kv_len) {
     const int pos = first_key + int(threadIdx.x) / TPR;
-    if (pos < kv_len) page = p.page_table[i64(b) * p.max_pages + pos / p.page_size];
+    if (pos < kv_len) page = SequencePages(p.page_table, p.max_pages, b, p.page_size).page_of(pos);
   }
 
   // Copies the rows of the step at first_key, whose pages lookup found.
@@ -219,6 +196,26 @@ __device__ __forceinline__ void mla_scale_and_mask(float (&s)[4 * NT], const Mla
   }
 }
 
+// This thread's probabilities of a step: its scores s (NT 8-column tiles of rows my_row and
+// my_row + 8, exp2's units) to exp2(s - base) in place, added to the rows' sums, and written as
+// 16-bit P into p_tile (kMlaRows rows of 64 keys, one swizzled panel) from key column col0.
+template <class T, int NT>
+__device__ __forceinline__ void mla_probabilities(float (&s)[4 * NT], const float (&base)[2], float (&row_sum)[2],
+                                                  unsigned char* p_tile, int my_row, int col0, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float& p0 = s[4 * nt + 2 * h];
+      float& p1 = s[4 * nt + 2 * h + 1];
+      p0 = fast_exp2(p0 - base[h]);
+      p1 = fast_exp2(p1 - base[h]);
+      row_sum[h] += p0 + p1;
+      const int r = my_row + 8 * h, col = col0 + 8 * nt + 2 * (lane % 4);
+      *reinterpret_cast<u32*>(p_tile + r * 128 + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2) = T::pack(p0, p1);
+    }
+}
+
 // Q's ROWS packed rows into their swizzled tile (64-column panels of ROWS x 128 bytes) by cp.async,
 // committed as one group: TPR threads a row, thread t copying row t / TPR's chunks t % TPR + TPR j
 // (so which part a chunk is in is known at compile time); rows past the sequence's are zeros.
@@ -270,16 +267,14 @@ __device__ __forceinline__ void mla_write_out(const MlaParams& p, const MlaWork<
   }
   __syncthreads();
 
-  constexpr float kLn2 = 0.6931471805599453f;
   const bool one_split = p.num_splits == 1;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = my_row + 8 * h, row = w.first_row + r;
     if (row >= w.rows) continue;
     const float total = exchange[r] + exchange[kMlaRows + r];
-    const bool empty = total == 0.f;
-    const float lse = empty ? kNegInf : (row_max[h] + fast_log2(total)) * kLn2;
-    const float inv = empty ? 0.f : w.descale / total;
+    const float lse = row_lse(row_max[h], total);
+    const float inv = total == 0.f ? 0.f : w.descale / total;
     const int col0 = wg * (DV / 2) + 2 * (lane % 4);
     if (one_split) {
       u16* out = static_cast<u16*>(p.out) + w.out_offset(p, row);
@@ -354,22 +349,10 @@ __device__ __forceinline__ void mla_decode_body(const MlaParams& p, unsigned cha
     for (int h = 0; h < 2; ++h) {
       const int r = my_row + 8 * h;
       const float m = fmaxf(row_max[h], fmaxf(exchange[r], exchange[kMlaRows + r]));
-      // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
-      base[h] = m == kNegInf ? 0.f : m;
-      correction[h] = fast_exp2(row_max[h] - base[h]);
-      row_max[h] = m;
-      row_sum[h] *= correction[h];
+      correction[h] = rescale_row(row_max[h], row_sum[h], m, base[h]);
     }
     unsigned char* p_tile = smem + L::P;
-#pragma unroll
-    for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float p0 = fast_exp2(s[4 * nt + 2 * h] - base[h]), p1 = fast_exp2(s[4 * nt + 2 * h + 1] - base[h]);
-        row_sum[h] += p0 + p1;
-        const int r = my_row + 8 * h, col = wg * (KEYS / 2) + 8 * nt + 2 * (lane % 4);
-        *reinterpret_cast<u32*>(p_tile + r * 128 + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2) = T::pack(p0, p1);
-      }
+    mla_probabilities<T, SN>(s, base, row_sum, p_tile, my_row, wg * (KEYS / 2), lane);
 #pragma unroll
     for (int nt = 0; nt < ON; ++nt)
 #pragma unroll

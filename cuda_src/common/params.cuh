@@ -1,5 +1,7 @@
-// Run-time arguments of the forward kernels, passed by value as one struct. The host mirrors
-// this layout with an aligned NumPy structured dtype (cuflash/params.py); keep the two in step.
+// Run-time arguments of the kernels, each passed by value as one struct (sm90's, which hold tensor
+// maps, are in sm90/). The host mirrors each layout with an aligned NumPy structured dtype
+// (cuflash/_core/params.py); tests/test_param_structs.py checks the mirrors' sizes against the
+// static_asserts here.
 #pragma once
 #include "common/types.cuh"
 
@@ -38,11 +40,11 @@ struct FwdParams {
   float softcap_tanh_scale;  // softmax_scale / softcap, read by SOFTCAP kernels only
   int head_dim_v;  // of v and o, at most the bucket (last: the other fields keep their offsets)
 };
-static_assert(sizeof(FwdParams) == 224, "cuflash/params.py packs 224 bytes");
+static_assert(sizeof(FwdParams) == 224, "cuflash/_core/params.py packs 224 bytes");
 
 // The forward of e4m3 inputs: FwdParams, whose scale_log2 (or softcap_tanh_scale) holds scalar q
 // and k descales, then per-(batch, head_kv) descales. A separate struct so that the 16-bit kernels'
-// argument keeps its layout. Mirrored by FWD_PARAMS_FP8 in cuflash/params.py.
+// argument keeps its layout. Mirrored by FWD_PARAMS_FP8 in cuflash/_core/params.py.
 struct FwdParamsFp8 : FwdParams {
   // float32 (batch, heads_kv), a packed batch's (sequences, heads_kv), at the strides below; null
   // for a scalar descale (1 or folded in). Every CTA reads its own (batch, head_kv) entries once.
@@ -54,15 +56,15 @@ struct FwdParamsFp8 : FwdParams {
   i64 descale_v_batch_stride, descale_v_head_stride;
   float v_scale;  // a scalar descale_v (1 when it is an array), applied with the final normalisation
 };
-static_assert(sizeof(FwdParamsFp8) == 304, "cuflash/params.py packs 304 bytes");
+static_assert(sizeof(FwdParamsFp8) == 304, "cuflash/_core/params.py packs 304 bytes");
 
-// The forward of 16-bit queries against a KV cache (chunked prefill, cuflash/plan.py
+// The forward of 16-bit queries against a KV cache (chunked prefill, cuflash/_core/plan.py
 // build_kvcache): FwdParams whose k and v are the cache after the append. The keys of sequence b
 // are its cache_seqlens[b] positions, then its new_keys, aligned bottom-right against its queries;
 // position `pos` lives in dimension-0 entry page_table[b][pos / page_size] (k_batch_stride apart),
 // row pos % page_size, or with no page table in entry b, row pos (a contiguous cache with
 // cache_batch_idx passes the indices as a table of one page per sequence). Mirrored by
-// FWD_PARAMS_PAGED in cuflash/params.py; a separate struct so that the other kernels' argument
+// FWD_PARAMS_PAGED in cuflash/_core/params.py; a separate struct so that the other kernels' argument
 // keeps its layout.
 struct FwdParamsPaged : FwdParams {
   const int* page_table;     // (batch, page_table_stride); null: a contiguous cache
@@ -72,7 +74,7 @@ struct FwdParamsPaged : FwdParams {
   int cache_seqlen;
   int new_keys;  // keys appended per sequence; -1: as many as its query rows (a packed q)
 };
-static_assert(sizeof(FwdParamsPaged) == 256, "cuflash/params.py packs 256 bytes");
+static_assert(sizeof(FwdParamsPaged) == 256, "cuflash/_core/params.py packs 256 bytes");
 
 // The kernel argument of a forward whose inputs are Input, reading K and V from a KV cache if PAGED.
 template <class Input, bool PAGED = false>
@@ -90,7 +92,7 @@ struct FwdArgs<Input, true> {
 
 // Backward pass: inputs of the forward, its output and LSE, the upstream gradient, fp32
 // accumulators and the gradients. Packed batches, windows and softcap as in FwdParams. Mirrored
-// by BWD_PARAMS in cuflash/params.py.
+// by BWD_PARAMS in cuflash/_core/params.py.
 struct BwdParams {
   const void* q;
   const void* k;
@@ -137,7 +139,7 @@ struct BwdParams {
   float softcap_tanh_scale;
   int head_dim_v;  // of v, o, dout, dv (last: the other fields keep their offsets)
 };
-static_assert(sizeof(BwdParams) == 392, "cuflash/params.py packs 392 bytes");
+static_assert(sizeof(BwdParams) == 392, "cuflash/_core/params.py packs 392 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
 // `scale` times the in-order sum of `group` source values (flash_bwd_convert).
@@ -154,6 +156,113 @@ struct ConvertParams {
   int group;
   float scale;
 };
-static_assert(sizeof(ConvertParams) == 96, "cuflash/params.py packs 96 bytes");
+static_assert(sizeof(ConvertParams) == 96, "cuflash/_core/params.py packs 96 bytes");
+
+// Attention against a KV cache (kv_append, kv_decode; common/kv_cache.cuh reads it). Mirrored by
+// KV_PARAMS in cuflash/_core/params.py.
+struct KvParams {
+  // Pointers first (params.py KV_POINTERS fills them per call).
+  const void* q;             // (batch, seqlen_q, heads, d), or packed (total_q, heads, d)
+  void* k_cache;             // contiguous (batch_cache, seqlen_cache, heads_kv, d) or paged (pages, page_size, heads_kv, d)
+  void* v_cache;
+  const void* k_new;         // (batch, seqlen_new, heads_kv, d) or packed (total_q, heads_kv, d); null: no append
+  const void* v_new;
+  void* out;                 // like q
+  float* lse;                // (batch, heads, seqlen_q) or (heads, total_q); null: not wanted
+  float* out_partial;        // (splits, heads, rows, d) fp32, rows = batch * seqlen_q or total_q
+  float* lse_partial;        // (splits, heads, rows)
+  const int* cache_seqlens;  // (batch,); null: cache_seqlens_scalar
+  const int* page_table;     // (batch, max_pages); null: a contiguous cache
+  const int* cache_batch_idx;
+  const int* cache_leftpad;
+  const int* cu_seqlens_q;   // (batch + 1,); null: fixed-length q
+  const void* rotary_cos;    // (seqlen_ro, rotary_dim / 2), q's type or fp32 (rotary_fp32)
+  const void* rotary_sin;
+  void* q_rot;               // rotated q, contiguous (rows, heads, d) in q's type; null: no rotary
+  const float* descale_k;    // e4m3 cache: (batch, heads_kv) float32; null: descale_k_scalar
+  const float* descale_v;
+  // Strides in elements: batch (or page), row, head.
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 kc_batch_stride, kc_row_stride, kc_head_stride;
+  i64 vc_batch_stride, vc_row_stride, vc_head_stride;
+  i64 kn_batch_stride, kn_row_stride, kn_head_stride;
+  i64 vn_batch_stride, vn_row_stride, vn_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  int batch, seqlen_q, heads, heads_kv, head_dim;
+  int page_size, max_pages, capacity;
+  int cache_seqlens_scalar, seqlen_new;
+  int rotary_dim, rotary_interleaved, rotary_per_row, rotary_fp32;
+  int num_splits, row_tiles;
+  int window_left, window_right;  // -1 unbounded; causal is right = 0
+  float scale_log2;               // softmax_scale * log2(e), or softcap * log2(e) with a softcap
+  float softcap_scale;            // softmax_scale / softcap; 0: no softcap
+  float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
+};
+static_assert(sizeof(KvParams) == 384, "params.py KV_PARAMS mirrors KvParams");
+
+// kv_combine's: fp32 partial outputs and their LSEs merged. Mirrored by COMBINE_PARAMS in
+// cuflash/_core/params.py.
+struct CombineParams {
+  const float* out_partial;
+  const float* lse_partial;
+  void* out;
+  float* lse;  // null: not wanted
+  // Strides in elements: split, batch, row, head.
+  i64 op_split_stride, op_batch_stride, op_row_stride, op_head_stride;
+  i64 lp_split_stride, lp_batch_stride, lp_row_stride, lp_head_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  i64 l_batch_stride, l_row_stride, l_head_stride;
+  int splits, batch, seqlen, heads, head_dim;
+};
+static_assert(sizeof(CombineParams) == 168, "params.py COMBINE_PARAMS mirrors CombineParams");
+
+// MLA decoding (common/mla_decode.cuh). Mirrored by MLA_PARAMS in cuflash/_core/params.py.
+struct MlaParams {
+  // Pointers first (params.py MLA_POINTERS fills them per call).
+  const void* q;             // (batch, seqlen_q, heads, D)
+  const void* kv_cache;      // (pages, page_size, 1, D): the keys; their first DV dims the values
+  void* out;                 // (batch, seqlen_q, heads, DV), written with one split
+  float* lse;                // (batch, heads, seqlen_q); null: not wanted
+  float* out_partial;        // (splits, heads, batch * seqlen_q, DV) fp32, with several splits
+  float* lse_partial;        // (splits, heads, batch * seqlen_q)
+  const int* cache_seqlens;  // (batch,)
+  const int* page_table;     // (batch, max_pages)
+  const float* descale_kv;   // e4m3 cache: (batch, 1) float32; null: descale_kv_scalar
+  // The split form (FA3's qv): q and kv_cache hold the first DV dims, these the other D - DV
+  // (rows laid out like theirs); null: q and kv_cache hold all D.
+  const void* q_rope;
+  const void* kv_rope;
+  // Strides in elements.
+  i64 q_batch_stride, q_row_stride, q_head_stride;
+  i64 kv_page_stride, kv_row_stride;
+  i64 q_rope_batch_stride, q_rope_row_stride, q_rope_head_stride;
+  i64 kv_rope_page_stride, kv_rope_row_stride;
+  i64 o_batch_stride, o_row_stride, o_head_stride;
+  int batch, seqlen_q, heads;
+  int page_size, max_pages;
+  int num_splits, row_tiles;
+  int causal;
+  float scale_log2;  // softmax_scale * log2(e)
+  float descale_kv_scalar;
+};
+static_assert(sizeof(MlaParams) == 232, "params.py MLA_PARAMS mirrors MlaParams");
+
+// cuflash.quantize_fp8's kernel (generic/quantize_fp8.cu). Mirrored by QUANTIZE_ARGS in
+// cuflash/_core/params.py.
+struct QuantizeArgs {
+  const void* x;
+  unsigned char* out;   // contiguous (batch, seqlen, heads, head_dim)
+  float* descale;       // descales_per_group entries per group, group-major
+  const float* signs;   // head_dim random signs; read only when rotate_block > 0
+  i64 x_batch_stride, x_row_stride, x_head_stride;  // in elements; head_dim is contiguous
+  int batch, seqlen, heads, head_dim;
+  int granularity;      // 0: tensor, 1: (batch, head group), 2: (batch, head group, block of block_size rows)
+  int group_heads;      // heads per head group: the query heads that share a kv head, or 1
+  int block_size, blocks_per_head;
+  int descales_per_group;
+  int rotate_block;     // Hadamard block size (a power of two dividing head_dim), 0: no rotation
+  float rotate_norm;    // 1 / sqrt(rotate_block) in float32
+};
+static_assert(sizeof(QuantizeArgs) == 104, "params.py QUANTIZE_ARGS mirrors QuantizeArgs");
 
 }  // namespace cuflash

@@ -1,10 +1,58 @@
 // Online softmax over the score tiles a thread holds (FlashAttention-2): a running row maximum and
 // a running row sum in registers, the output accumulator rescaled when the maximum grows, and
-// the division by the sum deferred to the very end.
+// the division by the sum deferred to the very end. Its pieces stand alone too, for kernels whose
+// rows are spread differently (decoding): a row's rescale, partial rows merged, the LSE.
 #pragma once
 #include "common/types.cuh"
 
 namespace cuflash {
+
+// The softmax runs in exp2's units (scores times scale_log2 = softmax_scale * log2 e, set on the
+// host: one FFMA and one MUFU.EX2 per score) and reports its LSE in natural log.
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The natural-log LSE of a row from its maximum (times scale_log2: in exp2's units) and its sum of
+// 2^(x - maximum) over its scores x in exp2's units; a sum held 2^LOG2_OFFSET times too large
+// (OnlineSoftmax's) is taken back out here. A row that saw no key has sum 0 and LSE -inf.
+template <int LOG2_OFFSET = 0>
+__device__ __forceinline__ float row_lse(float max, float sum, float scale_log2 = 1.f) {
+  return sum == 0.f ? kNegInf : (max * scale_log2 + fast_log2(sum) - LOG2_OFFSET) * kLn2;
+}
+
+// The online-softmax step of one row whose running maximum row_max and sum row_sum are in exp2's
+// units (scores already times scale_log2), for kernels that find a step's row maximum m across the
+// threads sharing the row themselves (MLA decoding): moves the row to m (at least row_max),
+// rescaling the sum, and returns the factor the row's output accumulator takes. `base` is what the
+// step's probabilities are exp2(x - base) of: m, or 0 while the row has seen no key (m = -inf),
+// whose -inf scores then give 0 rather than exp2(-inf + inf) = NaN.
+__device__ __forceinline__ float rescale_row(float& row_max, float& row_sum, float m, float& base) {
+  base = m == kNegInf ? 0.f : m;
+  const float correction = fast_exp2(row_max - base);
+  row_max = m;
+  row_sum *= correction;
+  return correction;
+}
+
+// Partial softmax rows merged: N parts of one row kept apart (by warps or warpgroups), part i with
+// maximum max(i) and sum sum(i) of 2^(x - max(i)), in exp2's units.
+struct MergedRow {
+  float max;   // the parts' largest maximum
+  float base;  // max, or 0 where no part saw a key
+  float sum;   // of 2^(x - base) over every part: part i's output takes exp2(max(i) - base) / sum
+};
+template <int N, class Max, class Sum>
+__device__ __forceinline__ MergedRow merge_rows(const Max& max, const Sum& sum) {
+  MergedRow row;
+  row.max = max(0);
+#pragma unroll
+  for (int i = 1; i < N; ++i) row.max = fmaxf(row.max, max(i));
+  row.base = row.max == kNegInf ? 0.f : row.max;
+  row.sum = sum(0) * fast_exp2(max(0) - row.base);
+#pragma unroll
+  for (int i = 1; i < N; ++i) row.sum += sum(i) * fast_exp2(max(i) - row.base);
+  return row;
+}
 
 // MT 16-row tiles per warp; each thread owns two rows of each (lane/4 and lane/4 + 8).
 // LOG2_OFFSET: the probabilities are 2^LOG2_OFFSET times exp(s - row max), in [0, 2^LOG2_OFFSET]
@@ -113,7 +161,6 @@ struct OnlineSoftmax {
   template <int DT>
   __device__ __forceinline__ void finalize(float (&o)[MT][DT][4], float scale_log2,
                                            float (&lse)[MT][2]) {
-    constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -121,9 +168,8 @@ struct OnlineSoftmax {
         float sum = row_sum[mt][h];
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        const bool empty = sum == 0.f;
-        const float inv = empty ? 0.f : 1.f / sum;
-        lse[mt][h] = empty ? kNegInf : (row_max[mt][h] * scale_log2 + fast_log2(sum) - LOG2_OFFSET) * kLn2;
+        const float inv = sum == 0.f ? 0.f : 1.f / sum;
+        lse[mt][h] = row_lse<LOG2_OFFSET>(row_max[mt][h], sum, scale_log2);
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
           o[mt][dt][2 * h] *= inv;

@@ -83,6 +83,16 @@ struct InputStorage<e4m3> {
   static constexpr bool fp8 = true;
 };
 
+// One 16-bit element of T, at element index i, as a float and back (rounded to nearest even).
+template <class T>
+__device__ __forceinline__ float load_elem(const void* p, i64 i) {
+  return T::unpack(u32(static_cast<const u16*>(p)[i])).x;
+}
+template <class T>
+__device__ __forceinline__ void store_elem(void* p, i64 i, float x) {
+  static_cast<u16*>(p)[i] = u16(T::pack(x, 0.f) & 0xffffu);
+}
+
 // Zeroes an fp32 accumulator of MT x NT m16n8 tiles (four values per thread each).
 template <int MT, int NT>
 __device__ __forceinline__ void clear(float (&acc)[MT][NT][4]) {

@@ -1,5 +1,5 @@
 // FlashAttention-2 backward for compute capability 8.0 and newer, the main kernel between the
-// preprocess (delta = rowsum(dO * O)) and convert kernels of common/flash_bwd_helpers.cu:
+// preprocess (delta = rowsum(dO * O)) and convert kernels of generic/flash_bwd_helpers.cu:
 //   flash_bwd_sm80: a CTA keeps one key block's K and V in shared memory, walks the query blocks
 //     that can see them, recomputes P = exp(S - lse) from the forward's log-sum-exp (no stored P,
 //     nothing that grows with seqlen_q x seqlen_k), accumulates dK and dV in registers and adds
@@ -12,6 +12,7 @@
 #include "common/seqlen.cuh"
 #include "common/smem.cuh"
 #include "common/softcap.cuh"
+#include "common/softmax.cuh"
 #include "common/types.cuh"
 #include "sm80/warp_gemm.cuh"
 
@@ -30,7 +31,6 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
                                                 const StoreAddress<BLOCK_N>& stores, const float* lse,
                                                 const float* delta, int first_local_row, int first_local_key, int m,
                                                 int first_key, const Mask<CAUSAL, WINDOW>& mask, const BwdParams& p) {
-  constexpr float kLog2e = 1.4426950408889634f;
   constexpr u32 kDsOffset = BLOCK_M * BLOCK_N * 2;
   const int lane = threadIdx.x % 32;
 #pragma unroll

@@ -4,9 +4,9 @@
 // global memory. e4m3 inputs (Input = e4m3) are staged as bytes and widened to Elem in shared
 // memory (common/fp8.cuh), with their descales folded into the softmax scale and the final
 // normalisation. PAGED kernels read K and V from a KV cache, through its page table
-// (common/kv_pages.cuh).
+// (sm80/kv_pages.cuh).
 #include "common/fp8.cuh"
-#include "common/kv_pages.cuh"
+#include "sm80/kv_pages.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
 #include "common/seqlen.cuh"

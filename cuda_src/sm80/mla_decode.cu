@@ -1,7 +1,7 @@
 // MLA decoding with mma.sync (common/mla_decode.cuh), the sm80 family's on every GPU: warp w of a
 // warpgroup multiplies rows 16 w .. 16 w + 15, its A fragments (Q, P) and B fragments (K; V
-// transposed) read by ldmatrix from the swizzled tiles. Steps of 32 keys keep two stages, Q and P
-// within an A100's 163 KB of shared memory.
+// transposed) read by ldmatrix from the swizzled tiles. Steps of 32 keys (dispatch.MLA_KEYS) keep
+// two stages, Q and P within an A100's 163 KB of shared memory.
 #include "common/mla_decode.cuh"
 
 namespace cuflash {
@@ -60,15 +60,15 @@ struct MlaMmaSync {
   }
 };
 
-constexpr int kMlaKeys = 32;  // dispatch.MLA_KEYS["sm80"]
-
-// T: q's type; C: the cache's (T, or e4m3 with descale_kv). SMEM_BYTES: the dynamic shared memory
-// the host launches with (dispatch.mla_smem_bytes), checked against MlaSmem.
-template <class T, class C, int D, int DV, int SMEM_BYTES>
-__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_sm80(const __grid_constant__ MlaParams p) {
-  static_assert(SMEM_BYTES == MlaSmem<D, kMlaKeys>::BYTES, "the host's shared memory differs from MlaSmem");
+// T: q's type; C: the cache's (T, or e4m3 with descale_kv). ROWS, KEYS, WARPS: the host's tile
+// (dispatch.mla_kernel); SMEM_BYTES: the dynamic shared memory it launches with
+// (dispatch.mla_smem_bytes), checked against MlaSmem.
+template <class T, class C, int D, int DV, int ROWS, int KEYS, int WARPS, int SMEM_BYTES>
+__global__ void __launch_bounds__(WARPS * 32, 1) mla_decode_sm80(const __grid_constant__ MlaParams p) {
+  static_assert(ROWS == kMlaRows && WARPS * 32 == kMlaThreads, "the body's tile (common/mla_decode.cuh)");
+  static_assert(SMEM_BYTES == MlaSmem<D, KEYS>::BYTES, "the host's shared memory differs from MlaSmem");
   extern __shared__ __align__(128) unsigned char smem[];
-  mla_decode_body<T, C, MlaMmaSync, D, DV, kMlaKeys>(p, smem);
+  mla_decode_body<T, C, MlaMmaSync, D, DV, KEYS>(p, smem);
 }
 
 }  // namespace cuflash

@@ -1,6 +1,6 @@
 // Run-time arguments of the sm90 backward kernel: tensor maps of Q and dO (boxes of 64 query rows)
 // and of K and V (boxes of 128 key rows), then the sm80 BwdParams for everything else, so both
-// families read one set of fields. Mirrored by BWD_PARAMS_SM90 in cuflash/params.py.
+// families read one set of fields. Mirrored by BWD_PARAMS_SM90 in cuflash/_core/params.py.
 #pragma once
 #include "common/params.cuh"
 #include "sm90/tma.cuh"
@@ -17,7 +17,7 @@ struct BwdParamsSm90 {
   TensorMap dout;
   BwdParams base;
 };
-static_assert(sizeof(BwdParamsSm90) == 960 && alignof(BwdParamsSm90) == 64, "cuflash/params.py packs 960 bytes");
+static_assert(sizeof(BwdParamsSm90) == 960 && alignof(BwdParamsSm90) == 64, "cuflash/_core/params.py packs 960 bytes");
 
 }  // namespace sm90
 }  // namespace cuflash

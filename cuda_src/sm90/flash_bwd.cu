@@ -1,5 +1,5 @@
 // FlashAttention-3-style backward for Hopper (sm_90a), the main kernel between the preprocess
-// (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels of common/flash_bwd_helpers.cu.
+// (delta = rowsum(dO * O)) and convert (fp32 dQ to 16 bits) kernels of generic/flash_bwd_helpers.cu.
 // One CTA per (key block, head, batch) of three warpgroups. Warpgroup 0 is the producer: one
 // thread loads K and V once and streams the Q and dO blocks of 64 query rows by TMA through a ring
 // of STAGES stages. Warpgroups 1 and 2 are consumers, with dK and dV in registers for the whole
@@ -40,6 +40,7 @@
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/softcap.cuh"
+#include "common/softmax.cuh"
 #include "common/types.cuh"
 #include "sm90/bwd_params.cuh"
 #include "sm90/mbarrier.cuh"
@@ -156,7 +157,6 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   constexpr int kDqWriterThreads = 128 * L::DQ_CONSUMERS + 32;
   constexpr int DK_T = L::DK_DIMS / 8;  // a consumer's 8-column tiles of dK (at most) and dV
   constexpr int DV_T = L::V_DIMS / 8;
-  constexpr float kLog2e = 1.4426950408889634f;
   const BwdParams& a = p.base;
 
   // Per consumer warpgroup, two buffers by step parity: the block's lse, then its delta (both 0 for

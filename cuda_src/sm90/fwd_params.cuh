@@ -3,7 +3,7 @@
 // pointers and strides, packed-batch offsets, lengths, mask and softmax constants; FwdParamsFp8
 // for e4m3 inputs, with the descales), so both families read one set of fields, then the tile
 // counts of the persistent grid. Mirrored by FWD_PARAMS_SM90 and FWD_PARAMS_SM90_FP8 in
-// cuflash/params.py (cuflash.tma.param_dtype lays the 64-byte-aligned maps out).
+// cuflash/_core/params.py (cuflash.tma.param_dtype lays the 64-byte-aligned maps out).
 #pragma once
 #include "common/params.cuh"
 #include "sm90/tma.cuh"
@@ -28,8 +28,8 @@ struct FwdParamsSm90Of {
   int tiles;
 };
 typedef FwdParamsSm90Of<FwdParams> FwdParamsSm90;
-static_assert(sizeof(FwdParamsSm90) == 640 && alignof(FwdParamsSm90) == 64, "cuflash/params.py packs 640 bytes");
-static_assert(sizeof(FwdParamsSm90Of<FwdParamsFp8>) == 704, "cuflash/params.py packs 704 bytes");
+static_assert(sizeof(FwdParamsSm90) == 640 && alignof(FwdParamsSm90) == 64, "cuflash/_core/params.py packs 640 bytes");
+static_assert(sizeof(FwdParamsSm90Of<FwdParamsFp8>) == 704, "cuflash/_core/params.py packs 704 bytes");
 
 // The kernel argument of a forward whose inputs are Input (common/params.cuh, FwdArgs).
 template <class Input>

@@ -51,18 +51,18 @@ struct MlaWgmma {
   }
 };
 
-constexpr int kMlaKeys = 64;  // dispatch.MLA_KEYS["sm90"]
-
-// T: q's type; C: the cache's (T, or e4m3 with descale_kv). SMEM_BYTES: the dynamic shared memory
-// the host launches with (dispatch.mla_smem_bytes), checked against MlaSmem.
-template <class T, class C, int D, int DV, int SMEM_BYTES>
-__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_sm90(const __grid_constant__ MlaParams p) {
-  static_assert(SMEM_BYTES == MlaSmem<D, kMlaKeys>::BYTES + kSmemAlignSlack,
+// T: q's type; C: the cache's (T, or e4m3 with descale_kv). ROWS, KEYS, WARPS: the host's tile
+// (dispatch.mla_kernel); SMEM_BYTES: the dynamic shared memory it launches with
+// (dispatch.mla_smem_bytes), checked against MlaSmem.
+template <class T, class C, int D, int DV, int ROWS, int KEYS, int WARPS, int SMEM_BYTES>
+__global__ void __launch_bounds__(WARPS * 32, 1) mla_decode_sm90(const __grid_constant__ MlaParams p) {
+  static_assert(ROWS == kMlaRows && WARPS * 32 == kMlaThreads, "the body's tile (common/mla_decode.cuh)");
+  static_assert(SMEM_BYTES == MlaSmem<D, KEYS>::BYTES + kSmemAlignSlack,
                 "the host's shared memory differs from MlaSmem");
   extern __shared__ unsigned char smem_raw[];
   // wgmma's descriptors take 1024-byte-aligned tiles (sm90/tiles.cuh).
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
-  mla_decode_body<T, C, MlaWgmma, D, DV, kMlaKeys>(p, smem);
+  mla_decode_body<T, C, MlaWgmma, D, DV, KEYS>(p, smem);
 }
 
 
@@ -135,19 +135,18 @@ __device__ __forceinline__ void mla_land_step(u64* full, u32 parity, unsigned ch
 constexpr int kMlaReady = 1;   // named barrier, 256 threads: the owner's P and maximum are out
 constexpr int kMlaZeroed = 2;  // + warpgroup, 128 threads: the owner's zeroed rows are written
 
-template <int D>
+template <int D, int KEYS>
 struct MlaAlternatingSmem {
-  static constexpr u32 FULL = MlaSmem<D, kMlaKeys>::BYTES;  // [2] a stage's boxes landed
+  static constexpr u32 FULL = MlaSmem<D, KEYS>::BYTES;  // [2] a stage's boxes landed
   static constexpr u32 EMPTY = FULL + 2 * 8;  // [2] all 256 threads' P V of a stage's step done
   static constexpr u32 BYTES = EMPTY + 2 * 8;  // dispatch.mla_smem_bytes
 };
 
-template <class T, int D, int DV>
+template <class T, int D, int DV, int KEYS>
 __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps, unsigned char* smem) {
   const MlaParams& p = maps.base;
-  constexpr int KEYS = kMlaKeys;
   typedef MlaSmem<D, KEYS> L;
-  typedef MlaAlternatingSmem<D> A;
+  typedef MlaAlternatingSmem<D, KEYS> A;
   constexpr int SN = KEYS / 8;  // 8-column tiles of a step's scores
   constexpr int ON = DV / 16;   // 8-column tiles of a warpgroup's O (DV / 2 columns)
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
@@ -159,7 +158,7 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
   const auto stage_of = [&](int i) { return smem + L::KV + (i % 2) * L::KV_STAGE; };
   const auto page_of = [&](int i) {
     const int key = first_key(i);
-    return key < w.kv_len ? p.page_table[i64(w.b) * p.max_pages + key / p.page_size] : 0;
+    return key < w.kv_len ? SequencePages(p.page_table, p.max_pages, w.b, p.page_size).page_of(key) : 0;
   };
   const bool issuer = threadIdx.x % 128 == 0;
   int ahead_page = 0;  // an issuer's: the page of the step it issues next, looked up two steps ahead
@@ -220,29 +219,14 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
       float base[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
-        base[h] = m[h] == kNegInf ? 0.f : m[h];
-        const float correction = fast_exp2(row_max[h] - base[h]);
-        row_max[h] = m[h];
-        row_sum[h] *= correction;
+        const float correction = rescale_row(row_max[h], row_sum[h], m[h], base[h]);
 #pragma unroll
         for (int nt = 0; nt < ON; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) o[4 * nt + 2 * h + e] *= correction;
         if (lane % 4 == 0) exchange[(i % 2) * kMlaRows + my_row + 8 * h] = m[h];
       }
-#pragma unroll
-      for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          float& p0 = s[4 * nt + 2 * h];
-          float& p1 = s[4 * nt + 2 * h + 1];
-          p0 = fast_exp2(p0 - base[h]);
-          p1 = fast_exp2(p1 - base[h]);
-          row_sum[h] += p0 + p1;
-          const int r = my_row + 8 * h, col = 8 * nt + 2 * (lane % 4);
-          *reinterpret_cast<u32*>(p_tile + r * 128 + (((col / 8) ^ (r % 8)) * 16) + (col % 8) * 2) = T::pack(p0, p1);
-        }
+      mla_probabilities<T, SN>(s, base, row_sum, p_tile, my_row, 0, lane);
       pack_a<T, SN>(reinterpret_cast<const float(&)[1][SN][4]>(s), p_regs);
       // P and the maxima to the other warpgroup, whose P V reads P through the async proxy.
       fence_proxy_async_shared();
@@ -265,22 +249,15 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
       mbarrier_wait(&full[i % 2], (i / 2) % 2);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float m = exchange[(i % 2) * kMlaRows + my_row + 8 * h];
-        const float correction = fast_exp2(row_max[h] - (m == kNegInf ? 0.f : m));
-        row_max[h] = m;
-        row_sum[h] *= correction;
+        float base;
+        const float correction =
+            rescale_row(row_max[h], row_sum[h], exchange[(i % 2) * kMlaRows + my_row + 8 * h], base);
 #pragma unroll
         for (int nt = 0; nt < ON; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) o[4 * nt + 2 * h + e] *= correction;
       }
-      wgmma_fence();
-      const u64 p_desc = smem_desc_sw128(p_tile);
-#pragma unroll
-      for (int k = 0; k < KEYS / 16; ++k)
-        wgmma_ss_t<DV / 2, T, false, true>(o, desc_advance(p_desc, 32 * k), desc_advance(v_desc, 16 * 128 * k), true);
-      wgmma_commit();
-      fence_registers(o);
+      MlaWgmma::pv<T, DV, KEYS>(o, p_tile, stage + wg * (DV / 128) * L::KV_PANEL, warp, lane);
     }
   }
   wgmma_wait<0>();
@@ -288,15 +265,16 @@ __device__ __forceinline__ void mla_decode_alternating(const MlaParamsTma& maps,
   mla_write_out<T, DV, KEYS>(p, w, o, row_max, row_sum, exchange);
 }
 
-// T: q's and the cache's 16-bit type. SMEM_BYTES: as for mla_decode_sm90, checked against
-// MlaAlternatingSmem.
-template <class T, int D, int DV, int SMEM_BYTES>
-__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_alternating_sm90(const __grid_constant__ MlaParamsTma p) {
-  static_assert(SMEM_BYTES == MlaAlternatingSmem<D>::BYTES + kSmemAlignSlack,
+// T: q's and the cache's 16-bit type. ROWS, KEYS, WARPS, SMEM_BYTES: as for mla_decode_sm90, the
+// shared memory checked against MlaAlternatingSmem.
+template <class T, int D, int DV, int ROWS, int KEYS, int WARPS, int SMEM_BYTES>
+__global__ void __launch_bounds__(WARPS * 32, 1) mla_decode_alternating_sm90(const __grid_constant__ MlaParamsTma p) {
+  static_assert(ROWS == kMlaRows && WARPS * 32 == kMlaThreads, "the body's tile (common/mla_decode.cuh)");
+  static_assert(SMEM_BYTES == MlaAlternatingSmem<D, KEYS>::BYTES + kSmemAlignSlack,
                 "the host's shared memory differs from MlaAlternatingSmem");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
-  mla_decode_alternating<T, D, DV>(p, smem);
+  mla_decode_alternating<T, D, DV, KEYS>(p, smem);
 }
 
 // At <= 32 packed query rows (16 heads, one or two tokens) a 64-row tile is three quarters or half
@@ -314,9 +292,9 @@ __global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_alternating_sm90(co
 // the step's keys is over the lanes of equal l % 4 and then the four warps (through shared memory).
 constexpr int kMlaNarrowStep = 1;  // + warpgroup, 128 threads: the warps' maxima, P^T written
 
-template <int D, int DV, int R>
+template <int D, int DV, int R, int KEYS>
 struct MlaNarrowSmem {
-  static constexpr u32 Q_PANEL = R * 128, KV_PANEL = kMlaKeys * 128;
+  static constexpr u32 Q_PANEL = R * 128, KV_PANEL = KEYS * 128;
   static constexpr u32 Q = 0;
   static constexpr u32 KV = Q + (D / 64) * Q_PANEL;          // [2] stages, one per warpgroup
   static constexpr u32 KV_STAGE = (D / 64) * KV_PANEL;
@@ -330,13 +308,12 @@ struct MlaNarrowSmem {
   static_assert(R * OUT_STRIDE * 4 <= 2 * KV_STAGE, "the merged O fits in the stages");
 };
 
-template <class T, int D, int DV, int R>
+template <class T, int D, int DV, int R, int KEYS>
 __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsigned char* smem) {
   const MlaParams& p = maps.base;
-  constexpr int KEYS = kMlaKeys;
   constexpr int CN = R / 4;       // query rows (columns) a thread holds: 8 j + 2 (l % 4) + e
   constexpr int VT = DV / 64;     // m64 tiles of O^T
-  typedef MlaNarrowSmem<D, DV, R> L;
+  typedef MlaNarrowSmem<D, DV, R, KEYS> L;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const MlaWork<KEYS> w(p);
   const int blocks = max(w.step_end - w.step_begin, 0);
@@ -347,7 +324,7 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   const auto first_key = [&](int i) { return (w.step_begin + i) * KEYS; };
   const auto page_of = [&](int i) {
     const int key = first_key(i);
-    return key < w.kv_len ? p.page_table[i64(w.b) * p.max_pages + key / p.page_size] : 0;
+    return key < w.kv_len ? SequencePages(p.page_table, p.max_pages, w.b, p.page_size).page_of(key) : 0;
   };
   const bool issuer = threadIdx.x % 128 == 0;
   int ahead_page = 0;  // an issuer's: the page of its warpgroup's next step, looked up a step ahead
@@ -418,12 +395,8 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
     for (int c = 0; c < CN; ++c) {
       const int col = col_of(c);
       float step_max = fmaxf(fmaxf(maxima[col], maxima[R + col]), fmaxf(maxima[2 * R + col], maxima[3 * R + col]));
-      const float mx = fmaxf(row_max[c], step_max);
-      // A row that has seen no key yet keeps -inf; exp2 from 0 then maps its -inf scores to 0.
-      const float base = mx == kNegInf ? 0.f : mx;
-      const float correction = fast_exp2(row_max[c] - base);
-      row_max[c] = mx;
-      row_sum[c] *= correction;
+      float base;
+      const float correction = rescale_row(row_max[c], row_sum[c], fmaxf(row_max[c], step_max), base);
 #pragma unroll
       for (int t = 0; t < VT; ++t)
 #pragma unroll
@@ -477,24 +450,20 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   }
   __syncthreads();
   float* merged = reinterpret_cast<float*>(smem + L::KV);  // R x OUT_STRIDE: the stages are free
-  constexpr float kLn2 = 0.6931471805599453f;
   const bool one_split = p.num_splits == 1;
   float scale[CN];
 #pragma unroll
   for (int c = 0; c < CN; ++c) {
     const int col = col_of(c);
-    const float m0 = final_max[col], m1 = final_max[R + col];
-    const float mx = fmaxf(m0, m1), base = mx == kNegInf ? 0.f : mx;
-    float sums[2];
-#pragma unroll
-    for (int g = 0; g < 2; ++g)
-      sums[g] = totals[(g * 4) * R + col] + totals[(g * 4 + 1) * R + col] + totals[(g * 4 + 2) * R + col] +
-                totals[(g * 4 + 3) * R + col];
-    const float total = sums[0] * fast_exp2(m0 - base) + sums[1] * fast_exp2(m1 - base);
-    const bool empty = total == 0.f;
-    scale[c] = empty ? 0.f : fast_exp2(row_max[c] - base) * w.descale / total;
+    const MergedRow both = merge_rows<2>(
+        [&](int g) { return final_max[g * R + col]; },
+        [&](int g) {
+          return totals[(g * 4) * R + col] + totals[(g * 4 + 1) * R + col] + totals[(g * 4 + 2) * R + col] +
+                 totals[(g * 4 + 3) * R + col];
+        });
+    scale[c] = both.sum == 0.f ? 0.f : fast_exp2(row_max[c] - both.base) * w.descale / both.sum;
     if (wg == 0 && warp == 0 && lane < 4 && col < w.rows) {
-      const float lse = empty ? kNegInf : (mx + fast_log2(total)) * kLn2;
+      const float lse = row_lse(both.max, both.sum);
       if (one_split) {
         if (p.lse) p.lse[w.lse_index(p, col)] = lse;
       } else {
@@ -536,15 +505,17 @@ __device__ __forceinline__ void mla_decode_narrow(const MlaParamsTma& maps, unsi
   }
 }
 
-// T: q's and the cache's 16-bit type; R: 16 or 32 query rows. SMEM_BYTES: as for
-// mla_decode_sm90, checked against MlaNarrowSmem.
-template <class T, int D, int DV, int R, int SMEM_BYTES>
-__global__ void __launch_bounds__(kMlaThreads, 1) mla_decode_narrow_sm90(const __grid_constant__ MlaParamsTma p) {
-  static_assert(SMEM_BYTES == MlaNarrowSmem<D, DV, R>::BYTES + kSmemAlignSlack,
+// T: q's and the cache's 16-bit type; R: 16 or 32 query rows. KEYS, WARPS, SMEM_BYTES: as for
+// mla_decode_sm90, the shared memory checked against MlaNarrowSmem.
+template <class T, int D, int DV, int R, int KEYS, int WARPS, int SMEM_BYTES>
+__global__ void __launch_bounds__(WARPS * 32, 1) mla_decode_narrow_sm90(const __grid_constant__ MlaParamsTma p) {
+  static_assert(KEYS == 64, "S^T's M, a step's keys, is one m64 wgmma of a warpgroup");
+  static_assert(WARPS * 32 == kMlaThreads, "two warpgroups, each taking every other step");
+  static_assert(SMEM_BYTES == MlaNarrowSmem<D, DV, R, KEYS>::BYTES + kSmemAlignSlack,
                 "the host's shared memory differs from MlaNarrowSmem");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((kSmemAlignSlack - smem_addr(smem_raw) % kSmemAlignSlack) % kSmemAlignSlack);
-  mla_decode_narrow<T, D, DV, R>(p, smem);
+  mla_decode_narrow<T, D, DV, R, KEYS>(p, smem);
 }
 
 }  // namespace sm90

@@ -1,5 +1,5 @@
 // Tensor Memory Accelerator (sm_90): bulk tensor copies between global and shared memory,
-// described by a tensor map that the host encodes (cuflash/tma.py, cuTensorMapEncodeTiled).
+// described by a tensor map that the host encodes (cuflash/_core/tma.py, cuTensorMapEncodeTiled).
 //
 // Coordinates are element indices, innermost dimension first (the tensor map's order, the
 // reverse of a NumPy shape). A load copies one box of the map into shared memory, swizzled as

@@ -7,7 +7,7 @@ Like vLLM's choice between FlashAttention versions, the family follows the compu
 every head-dim bucket (forward_launch still runs sm80's for tensors that no tensor map can
 describe, and the ``KernelChoice`` names the family that runs). So does its backward main
 kernel (backward_kernel_dims); the preprocess and convert kernels that run around either family's
-(common/flash_bwd_helpers.cu) are built for the sm80 target on every device.
+(generic/flash_bwd_helpers.cu) are built for the sm80 target on every device.
 FP8 (e4m3) inputs run each family's forward: sm90's multiplies them in e4m3 (wgmma), sm80's
 stages the bytes and widens them to the 16-bit output type in shared memory (half the bytes of a
 bf16 call read, bf16's tensor-core rate); sm80's also serves sm90 devices where no tensor map can
@@ -195,16 +195,16 @@ SM90_FP8_WIDE_TILES = {
 }
 
 
-# Threads per block of the backward's preprocess and convert kernels (common/flash_bwd_helpers.cu,
+# Threads per block of the backward's preprocess and convert kernels (generic/flash_bwd_helpers.cu,
 # their THREADS), which every family runs around its main kernel.
 HELPER_THREADS = 256
-HELPERS_SOURCE = "common/flash_bwd_helpers.cu"
+HELPERS_SOURCE = "generic/flash_bwd_helpers.cu"
 
 
 def helper_rows_per_block(head_dim: int) -> int:
     """Rows (of one head) that a block of the backward's preprocess and convert kernels covers:
     one thread per 8 columns, rounded up to a power of two and at least 8 per row, as
-    helper_row_threads in common/flash_bwd_helpers.cu."""
+    helper_row_threads in generic/flash_bwd_helpers.cu."""
     row_threads = max(8, 1 << (-(-head_dim // 8) - 1).bit_length())
     return HELPER_THREADS // row_threads
 
@@ -702,7 +702,7 @@ def helper_grid(rows: int, heads: int, batch: int, head_dim: int) -> tuple[int, 
     return -(-rows // helper_rows_per_block(head_dim)), heads, batch
 
 
-# cuflash.quantize_fp8's kernel (common/quantize_fp8.cu): one CTA of QUANTIZE_THREADS per group.
+# cuflash.quantize_fp8's kernel (generic/quantize_fp8.cu): one CTA of QUANTIZE_THREADS per group.
 QUANTIZE_THREADS = 256
 _QUANTIZE_LOADS = {"float16": "cuflash::load_f16", "bfloat16": "cuflash::load_bf16", "float32": "cuflash::load_f32"}
 
@@ -710,21 +710,23 @@ _QUANTIZE_LOADS = {"float16": "cuflash::load_f16", "bfloat16": "cuflash::load_bf
 def quantize_kernel(dtype_name: str) -> KernelChoice:
     """The FP8 quantizing kernel for inputs of ``dtype_name`` (float16, bfloat16 or float32),
     built for the sm80 target on every device (it needs no Hopper instruction)."""
-    return KernelChoice("sm80", "common/quantize_fp8.cu",
+    return KernelChoice("sm80", "generic/quantize_fp8.cu",
                         f"cuflash::quantize_fp8<{QUANTIZE_THREADS}, {HEAD_DIM_BUCKETS[-1]}, {_QUANTIZE_LOADS[dtype_name]}>",
                         QUANTIZE_THREADS, 0)
 
 
-# Attention against a KV cache (cuda_src/common/kvcache.cu), built for the sm80 target on every
+# Attention against a KV cache (cuda_src/common/kv_cache.cuh), built for the sm80 target on every
 # device: kv_append writes the new tokens, kv_decode runs KV_ROWS packed query rows (the query
 # heads of one kv head times the query tokens, one m16 tile of mma.sync) of one kv head over one
 # split of the keys, and kv_combine merges the splits. Head dims run in the bucket above them
 # among KV_BUCKETS (each warp holds 16 rows x bucket columns of O).
-KV_SOURCE = "common/kvcache.cu"
+KV_APPEND_SOURCE, KV_DECODE_SOURCE, COMBINE_SOURCE = "generic/kv_append.cu", "sm80/kv_decode.cu", "generic/combine.cu"
 KV_BUCKETS = (64, 128, 256)
-KV_ROWS, KV_KEYS, KV_THREADS = 16, 64, 128  # kvcache.cu's KV_ROWS, KV_KEYS, KV_THREADS
+# kv_decode's tile: 16 packed rows (one m16 tile), 64 keys a step over 4 warps of 16 keys each; the
+# kernel takes them as template arguments and asserts what its layout needs.
+KV_ROWS, KV_KEYS, KV_WARPS = 16, 64, 4
 KV_APPEND_THREADS = 128
-COMBINE_WARPS = 4  # kvcache.cu's COMBINE_WARPS
+COMBINE_WARPS = 4
 COMBINE_TYPES = {"float32": "cuflash::store_f32", "float16": "cuflash::store_16<cuflash::f16>",
                  "bfloat16": "cuflash::store_16<cuflash::bf16>"}
 # Splits chosen for num_splits=0 where the CTAs make less than two waves of the resident slots
@@ -743,17 +745,25 @@ def kv_bucket(head_dim: int) -> int:
     raise ValueError(f"head_dim: at most {KV_BUCKETS[-1]}, got {head_dim}")
 
 
+def kv_tile(bucket: int) -> Tile:
+    """kv_decode's tile for head-dim bucket ``bucket``; its ctas_per_sm is the kernel's
+    __launch_bounds__ minimum: 3 up to d128, where shared memory and registers allow exactly that
+    on the A100 / H100 / H200, else 1."""
+    return Tile(KV_ROWS, KV_KEYS, KV_WARPS, ctas_per_sm=3 if bucket <= 128 else 1)
+
+
 def kv_smem_bytes(bucket: int) -> int:
-    """sizeof(KvTiles<C, bucket>), for a 16-bit or an e4m3 cache alike: the 16-bit Q tile, two
-    stages of 16-bit K and V tiles (or four stages of e4m3 bytes: as many bytes), and the four
-    warps' row maxima and sums (kvcache.cu static_asserts it)."""
-    return KV_ROWS * bucket * 2 + 2 * 2 * KV_KEYS * bucket * 2 + 2 * (KV_THREADS // 32) * KV_ROWS * 4
+    """sizeof(KvTiles<C, bucket, tile>), for a 16-bit or an e4m3 cache alike: the 16-bit Q tile,
+    two stages of 16-bit K and V tiles (or four stages of e4m3 bytes: as many bytes), and the
+    warps' row maxima and sums (kv_decode static_asserts it)."""
+    tile = kv_tile(bucket)
+    return (tile.block_m * bucket * 2 + 2 * 2 * tile.block_n * bucket * 2
+            + 2 * tile.warps * tile.block_m * 4)
 
 
 def kv_ctas_per_sm(bucket: int) -> int:
-    """kv_decode CTAs resident per SM: its __launch_bounds__ minimum (3 up to d128, where shared
-    memory and registers allow exactly that on the A100 / H100 / H200; else 1)."""
-    return 3 if bucket <= 128 else 1
+    """kv_decode CTAs resident per SM (kv_tile)."""
+    return kv_tile(bucket).ctas_per_sm
 
 
 def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -> tuple[KernelChoice, KernelChoice]:
@@ -762,14 +772,17 @@ def kvcache_kernels(dtype: str, head_dim: int, cache_dtype: str | None = None) -
     element = ELEMENT_TYPES[dtype]
     cache = element if cache_dtype in (None, dtype) else FP8_TYPES[cache_dtype]
     bucket = kv_bucket(head_dim)
-    append = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_append<{element}, {cache}>", KV_APPEND_THREADS, 0)
-    decode = KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_decode<{element}, {cache}, {bucket}>", KV_THREADS,
-                          kv_smem_bytes(bucket), Tile(KV_ROWS, KV_KEYS, KV_THREADS // 32))
+    append = KernelChoice("sm80", KV_APPEND_SOURCE, f"cuflash::kv_append<{element}, {cache}>", KV_APPEND_THREADS, 0)
+    tile, smem = kv_tile(bucket), kv_smem_bytes(bucket)
+    decode = KernelChoice("sm80", KV_DECODE_SOURCE,
+                          f"cuflash::kv_decode<{element}, {cache}, {bucket}, {tile.block_m}, {tile.block_n}, "
+                          f"{tile.warps}, {tile.ctas_per_sm}, {smem}>", tile.warps * 32, smem, tile)
     return append, decode
 
 
 def combine_kernel(out_dtype: str) -> KernelChoice:
-    return KernelChoice("sm80", KV_SOURCE, f"cuflash::kv_combine<{COMBINE_TYPES[out_dtype]}>", COMBINE_WARPS * 32, 0)
+    return KernelChoice("sm80", COMBINE_SOURCE, f"cuflash::kv_combine<{COMBINE_TYPES[out_dtype]}, {COMBINE_WARPS}>",
+                        COMBINE_WARPS * 32, 0)
 
 
 def kvcache_all_kernels() -> list[KernelChoice]:
@@ -871,8 +884,10 @@ MLA_TMA_KERNEL = "cuflash::sm90::mla_decode_alternating_sm90"
 MLA_NARROW_KERNEL = "cuflash::sm90::mla_decode_narrow_sm90"
 MLA_NARROW_ROWS = (16, 32)
 MLA_NARROW_MIN_KEYS = {16: 1024, 32: 8192}
-MLA_KEYS = {"sm80": 32, "sm90": 64}  # kMlaKeys of each source
-MLA_ROWS, MLA_THREADS = 64, 256  # kMlaRows, kMlaThreads
+# The tile (MLA_ROWS packed rows, MLA_KEYS keys a step, MLA_THREADS) reaches the kernels as template
+# arguments, which assert the rows and threads their body is written for.
+MLA_KEYS = {"sm80": 32, "sm90": 64}
+MLA_ROWS, MLA_THREADS = 64, 256
 MLA_HEAD_DIM, MLA_HEAD_DIM_V = 576, 512
 
 
@@ -912,15 +927,15 @@ def mla_kernel(family: str, dtype: str, cache_dtype: str, tma: bool = False, nar
     sm90's TMA-loaded kernel (mla_tma); ``narrow_rows``: its transposed form (mla_narrow_rows)."""
     element = ELEMENT_TYPES[dtype]
     smem = mla_narrow_smem_bytes(narrow_rows) if narrow_rows else mla_smem_bytes(family, tma)
+    tile = Tile(MLA_ROWS, MLA_KEYS[family], MLA_THREADS // 32)
+    dims = f"{MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}"
     if narrow_rows:
-        name = f"{MLA_NARROW_KERNEL}<{element}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {narrow_rows}, {smem}>"
-    elif tma:
-        name = f"{MLA_TMA_KERNEL}<{element}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
+        name = f"{MLA_NARROW_KERNEL}<{element}, {dims}, {narrow_rows}, {tile.block_n}, {tile.warps}, {smem}>"
     else:
+        tiled = f"{dims}, {tile.block_m}, {tile.block_n}, {tile.warps}, {smem}"
         cache = element if cache_dtype == dtype else FP8_TYPES[cache_dtype]
-        name = f"{MLA_KERNELS[family]}<{element}, {cache}, {MLA_HEAD_DIM}, {MLA_HEAD_DIM_V}, {smem}>"
-    return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, smem,
-                        Tile(MLA_ROWS, MLA_KEYS[family], MLA_THREADS // 32))
+        name = f"{MLA_TMA_KERNEL}<{element}, {tiled}>" if tma else f"{MLA_KERNELS[family]}<{element}, {cache}, {tiled}>"
+    return KernelChoice(family, MLA_SOURCES[family], name, MLA_THREADS, smem, tile)
 
 
 def mla_all_kernels(family: str) -> list[KernelChoice]:

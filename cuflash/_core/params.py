@@ -329,7 +329,7 @@ class ArgumentBuffer:
         return bytes(buffer)[8:]
 
 
-# cuda_src/common/kvcache.cu: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
+# cuda_src/common/params.cuh: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
 KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_partial", "lse_partial",
                "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_cos",
                "rotary_sin", "q_rot", "descale_k", "descale_v")
@@ -374,7 +374,7 @@ def pack_combine_params(op: tuple, lp: tuple, o: tuple, lse: tuple, splits: int,
     return np.array([(0, 0, 0, 0, *op, *lp, *o, *lse, splits, batch, seqlen, heads, head_dim)], dtype=COMBINE_PARAMS)
 
 
-# cuda_src/common/mla_decode.cuh: MlaParams.
+# cuda_src/common/params.cuh: MlaParams (MLA decoding).
 MLA_POINTERS = ("q", "kv_cache", "out", "lse", "out_partial", "lse_partial", "cache_seqlens", "page_table", "descale_kv",
                 "q_rope", "kv_rope")
 MLA_STRIDES = ("q_batch", "q_row", "q_head", "kv_page", "kv_row", "q_rope_batch", "q_rope_row", "q_rope_head",
@@ -392,6 +392,18 @@ MLA_PARAMS_SIZE = 232  # sizeof(MlaParams)
 # else the cache's again), then MlaParams.
 MLA_PARAMS_TMA = tma.param_dtype([("kv_cache", tma.TENSOR_MAP), ("kv_rope", tma.TENSOR_MAP), ("base", MLA_PARAMS)])
 MLA_PARAMS_TMA_SIZE = 512  # sizeof(MlaParamsTma)
+
+# cuda_src/common/params.cuh: QuantizeArgs (cuflash.quantize_fp8's kernel).
+QUANTIZE_POINTERS = ("x", "out", "descale", "signs")
+QUANTIZE_ARGS = np.dtype(
+    [(name, np.uint64) for name in QUANTIZE_POINTERS]
+    + [(name, np.int64) for name in ("x_batch_stride", "x_row_stride", "x_head_stride")]
+    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "granularity", "group_heads",
+                                     "block_size", "blocks_per_head", "descales_per_group", "rotate_block")]
+    + [("rotate_norm", np.float32)],
+    align=True,
+)
+QUANTIZE_ARGS_SIZE = 104  # sizeof(QuantizeArgs)
 
 
 def pack_mla_params(strides: tuple, ints: dict, softmax_scale: float, descale_kv: float = 1.0) -> np.ndarray:
@@ -412,18 +424,8 @@ def mla_tma_argument(packed: np.ndarray, kv_cache, kv_rope, rows: int) -> Argume
     return ArgumentBuffer(struct, MLA_POINTERS, within="base", tensor_maps=maps)
 
 
-# cuda_src/common/quantize_fp8.cu: QuantizeArgs (104 bytes, static_assert'ed there);
-# QUANTIZE_GRANULARITIES in the order of its granularity codes.
+# quantize_fp8's granularity codes, in order.
 QUANTIZE_GRANULARITIES = ("tensor", "head", "block")
-QUANTIZE_POINTERS = ("x", "out", "descale", "signs")
-QUANTIZE_PARAMS = np.dtype(
-    [(name, np.uint64) for name in QUANTIZE_POINTERS]
-    + [(name, np.int64) for name in ("x_batch_stride", "x_row_stride", "x_head_stride")]
-    + [(name, np.int32) for name in ("batch", "seqlen", "heads", "head_dim", "granularity", "group_heads",
-                                     "block_size", "blocks_per_head", "descales_per_group", "rotate_block")]
-    + [("rotate_norm", np.float32)],
-    align=True,
-)
 
 
 def pack_quantize_params(x, granularity: str, group_heads: int, block_size: int, blocks_per_head: int,
@@ -431,4 +433,4 @@ def pack_quantize_params(x, granularity: str, group_heads: int, block_size: int,
     """One QuantizeArgs with null pointers for the DeviceTensor ``x`` (BSHD)."""
     return np.array([(*(0,) * len(QUANTIZE_POINTERS), *x.strides[:3], *x.shape,
                       QUANTIZE_GRANULARITIES.index(granularity), group_heads, block_size, blocks_per_head,
-                      descales_per_group, rotate_block, rotate_norm)], dtype=QUANTIZE_PARAMS)
+                      descales_per_group, rotate_block, rotate_norm)], dtype=QUANTIZE_ARGS)

@@ -1,6 +1,7 @@
-// The forward kernels' view of a KV cache (FwdParamsPaged): each sequence's lengths, and K/V
+// The sm80 forward's view of a KV cache (FwdParamsPaged): each sequence's lengths, and K/V
 // tiles gathered row by row through the page table with cp.async.
 #pragma once
+#include "common/page_table.cuh"
 #include "common/params.cuh"
 #include "common/seqlen.cuh"
 #include "common/smem.cuh"
@@ -23,19 +24,18 @@ __device__ __forceinline__ Sequence cached_sequence_of(const FwdParamsPaged& p, 
 
 // Where the key positions of one sequence live: dimension-0 entry (page) and row within it.
 struct CachedRows {
-  const int* pages;  // the sequence's page-table row; null: a contiguous cache
-  int page_size;
+  SequencePages pages;  // pages.pages null: a contiguous cache
   int batch;
 
   __device__ __forceinline__ CachedRows(const FwdParamsPaged& p, int b)
-      : pages(p.page_table != nullptr ? p.page_table + i64(b) * p.page_table_stride : nullptr),
-        page_size(p.page_size),
+      : pages(p.page_table != nullptr ? SequencePages(p.page_table, p.page_table_stride, b, p.page_size)
+                                      : SequencePages(nullptr, 0, 0, p.page_size)),
         batch(b) {}
 
   // Element offset of position `pos` in a cache of these (dimension 0, row) strides.
   __device__ __forceinline__ i64 offset(int pos, i64 page_stride, i64 row_stride) const {
-    if (pages == nullptr) return i64(batch) * page_stride + i64(pos) * row_stride;
-    return i64(pages[pos / page_size]) * page_stride + i64(pos % page_size) * row_stride;
+    if (pages.pages == nullptr) return i64(batch) * page_stride + i64(pos) * row_stride;
+    return i64(pages.page_of(pos)) * page_stride + i64(pages.row_of(pos)) * row_stride;
   }
 };
 

@@ -3,6 +3,9 @@
 //   flash_bwd_preprocess: delta = rowsum(dO * O), a few lanes per query row;
 //   flash_bwd_convert: fp32 accumulators -> the gradients' dtype (dQ, summing the deterministic
 //     splits; dK and dV when several query heads share a K/V head).
+//
+// generic/: kernels that use no family's instructions (elementwise work and reductions), built for
+// the sm80 target and run as they are on every GPU, beside either family's kernels.
 #include "common/params.cuh"
 #include "common/seqlen.cuh"
 #include "common/types.cuh"

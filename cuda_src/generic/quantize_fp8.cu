@@ -7,7 +7,11 @@
 // Every step is float32 with explicit round-to-nearest intrinsics (no contraction into FMAs), and
 // the butterfly runs in the order cuflash/quantize.py's NumPy path runs it, so the GPU's bytes
 // and descales equal the NumPy path's bit for bit; a maximum does not depend on its order.
+//
+// generic/: kernels that use no family's instructions (elementwise work and reductions), built for
+// the sm80 target and run as they are on every GPU, beside either family's kernels.
 #include "common/e4m3.cuh"
+#include "common/params.cuh"
 #include "common/types.cuh"
 
 namespace cuflash {
@@ -27,22 +31,6 @@ struct load_bf16 {
 struct load_f32 {
   static __device__ __forceinline__ float at(const void* x, i64 i) { return static_cast<const float*>(x)[i]; }
 };
-
-struct QuantizeArgs {
-  const void* x;
-  unsigned char* out;   // contiguous (batch, seqlen, heads, head_dim)
-  float* descale;       // descales_per_group entries per group, group-major
-  const float* signs;   // head_dim random signs; read only when rotate_block > 0
-  i64 x_batch_stride, x_row_stride, x_head_stride;  // in elements; head_dim is contiguous
-  int batch, seqlen, heads, head_dim;
-  int granularity;      // 0: tensor, 1: (batch, head group), 2: (batch, head group, block of block_size rows)
-  int group_heads;      // heads per head group: the query heads that share a kv head, or 1
-  int block_size, blocks_per_head;
-  int descales_per_group;
-  int rotate_block;     // Hadamard block size (a power of two dividing head_dim), 0: no rotation
-  float rotate_norm;    // 1 / sqrt(rotate_block) in float32
-};
-static_assert(sizeof(QuantizeArgs) == 104, "cuflash/_core/params.py packs QuantizeArgs in 104 bytes");
 
 // Row `row` of the group (batch_count x row_count x head_count rows from batch0, row0, head0) into
 // `values` (this warp's head_dim floats in shared memory), rotated when asked; returns its
