@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash._cpu.reference_kvcache import kvcache_reference
 from cuflash._cpu.reference import (
     attention_backward_reference,
     attention_reference,
@@ -17,6 +18,7 @@ from cuflash._cpu.reference import (
     max_error_bound,
 )
 from tests.finite_differences import finite_difference_gradients
+from kvcache_cases import make_case, reference_args, same_bytes
 from tests.test_launch_plans import FakeCupyArray
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -213,3 +215,59 @@ def test_gpu_sinks_of_a_bad_dtype_or_shape_are_named_first():
         cuflash.attention(*_fake_qkv(), alibi_slopes=FakeCupyArray((3,), "float32", ptr=9 << 30))
     with pytest.raises(ValueError, match="sinks: on device 1"):
         cuflash.attention(*_fake_qkv(), sinks=FakeCupyArray((4,), "float32", ptr=9 << 30, device=1))
+
+
+# attention_with_kvcache: the sink enters each sequence's softmax once.
+
+def test_kvcache_matches_attention_on_gathered_keys():
+    """Independently of the KV-cache reference: a contiguous cache with an append is attention over
+    the cached prefix and the new tokens, sinks and ALiBi included."""
+    r = np.random.default_rng(17)
+    args = make_case(r, batch=2, seqlen_q=3, new=3, lens=[5, 9], heads=4, heads_kv=2)
+    q, kc, vc, k, v = (np.copy(args[n]) for n in ("q", "k_cache", "v_cache", "k", "v"))
+    sinks = np.array([-1.0, 0.5, 2.0, -np.inf])
+    slopes = r.uniform(0.01, 0.5, (2, 4)).astype(np.float32)
+    out, lse = cuflash.attention_with_kvcache(**args, causal=True, sinks=sinks, alibi_slopes=slopes, return_lse=True)
+    for b, n in enumerate([5, 9]):
+        keys = np.concatenate([kc[b, :n], k[b]])[None]
+        values = np.concatenate([vc[b, :n], v[b]])[None]
+        want, want_lse = cuflash.attention(q[b:b + 1], keys, values, causal=True, sinks=sinks,
+                                           alibi_slopes=slopes[b:b + 1], return_lse=True)
+        np.testing.assert_allclose(out[b:b + 1], want, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(lse[b:b + 1], want_lse, rtol=1e-6)
+
+
+@pytest.mark.parametrize("page_size, varlen", [(None, False), (16, False), (8, True)])
+def test_kvcache_against_the_reference_with_an_empty_sequence(page_size, varlen):
+    r = np.random.default_rng(19)
+    args = make_case(r, batch=3, seqlen_q=4, new=0, lens=[0, 11, 30], page_size=page_size, varlen=varlen,
+                     counts=[2, 4, 3] if varlen else None, heads=8, heads_kv=2, dtype=np.float16)
+    sinks = (r.standard_normal(8) * 2).astype(np.float16)
+    slopes = r.uniform(0.01, 0.5, 8).astype(np.float32)
+    before = {name: np.copy(x) if isinstance(x, np.ndarray) else x for name, x in args.items()}
+    out, lse = cuflash.attention_with_kvcache(**args, causal=True, sinks=sinks, alibi_slopes=slopes, return_lse=True)
+    ref, ref_lse, ref_k, ref_v = kvcache_reference(**reference_args(before), causal=True, sinks=sinks,
+                                                   alibi_slopes=slopes)
+    lowp, _, _, _ = kvcache_reference(**reference_args(before), causal=True, sinks=sinks, alibi_slopes=slopes,
+                                      dtype=np.float16)
+    _within_rule(out, ref, lowp)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert same_bytes(args["k_cache"], ref_k) and same_bytes(args["v_cache"], ref_v)
+    # Sequence 0 caches no key: out 0, lse = sink.
+    first = out[:2] if varlen else out[0]
+    first_lse = lse[:, :2] if varlen else lse[0]
+    assert not first.any()
+    np.testing.assert_allclose(first_lse, np.broadcast_to(sinks.astype(np.float32)[:, None], first_lse.shape))
+
+
+def test_kvcache_bad_sinks_and_gpu_refusal():
+    args = make_case(np.random.default_rng(23), new=0, heads=4, dtype=np.float16)
+    with pytest.raises(ValueError, match=r"sinks: expected shape \(4,\)"):
+        cuflash.attention_with_kvcache(**args, sinks=np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match=r"alibi_slopes: expected shape \(4,\) or \(batch, heads\) = \(3, 4\)"):
+        cuflash.attention_with_kvcache(**args, alibi_slopes=np.zeros((2, 4), np.float32))
+    q = FakeCupyArray((3, 1, 4, 64), ptr=1 << 30)
+    cache = FakeCupyArray((3, 40, 2, 64), ptr=2 << 30)
+    with pytest.raises(NotImplementedError, match="sinks: not yet supported on the GPU kernels"):
+        cuflash.attention_with_kvcache(q, cache, FakeCupyArray((3, 40, 2, 64), ptr=3 << 30), cache_seqlens=7,
+                                       sinks=FakeCupyArray((4,), "float32", ptr=4 << 30))

@@ -165,3 +165,22 @@ def test_compiled_fullgraph_matches_eager():
     assert torch.equal(compiled, eager)
     for got, want in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got, want)
+
+
+def test_flash_attn_with_kvcache_takes_sinks():
+    from cuflash._cpu.reference_kvcache import kvcache_reference
+    from kvcache_cases import make_case, reference_args
+
+    r = np.random.default_rng(13)
+    args = make_case(r, seqlen_q=2, new=2, page_size=16, lens=[0, 9, 20])
+    sinks = r.standard_normal(4)
+    ref_out, ref_lse, _, _ = kvcache_reference(**reference_args(args), causal=True, sinks=sinks)
+    t = {name: torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+         for name, x in args.items()}
+    out, lse = ct.flash_attn_with_kvcache(t.pop("q"), t.pop("k_cache"), t.pop("v_cache"), t.pop("k"), t.pop("v"),
+                                          causal=True, return_softmax_lse=True, sinks=torch.from_numpy(sinks), **t)
+    np.testing.assert_allclose(out.numpy(), ref_out, atol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), ref_lse.astype(np.float32), rtol=1e-6)
+    with pytest.raises(NotImplementedError, match="sinks with qv"):
+        ct.flash_attn_with_kvcache(torch.zeros(1, 1, 1, 64), torch.zeros(1, 8, 1, 64), torch.zeros(1, 8, 1, 512),
+                                   qv=torch.zeros(1, 1, 1, 512), sinks=torch.zeros(1))

@@ -102,9 +102,10 @@ def attention_varlen_backward(arrays: dict, cu_seqlens_q, cu_seqlens_k, causal: 
     return grads if sinks is None else (*grads, result[3].astype(np.float32))
 
 
-def attention_with_kvcache(call: checks.KvCall):
-    """A checked NumPy call (checks.KvCall): the reference's attention, and its appended cache
-    rows copied into the caller's caches (only those positions are written)."""
+def attention_with_kvcache(call: checks.KvCall, sinks=None, alibi_slopes=None):
+    """A checked NumPy call (checks.KvCall) with its checked sinks and ALiBi slopes: the
+    reference's attention, and its appended cache rows copied into the caller's caches (only
+    those positions are written)."""
     from cuflash._cpu import reference_kvcache
 
     t, h = call.tensors, call.host
@@ -116,7 +117,7 @@ def attention_with_kvcache(call: checks.KvCall):
         cache_leftpad=h.get("cache_leftpad"), cu_seqlens_q=h.get("cu_seqlens_q"), rotary_cos=t.get("rotary_cos"),
         rotary_sin=t.get("rotary_sin"), rotary_interleaved=call.rotary_interleaved, causal=call.causal,
         softmax_scale=call.scale, window=call.window, softcap=call.softcap, descale_k=call.descale_k,
-        descale_v=call.descale_v)
+        descale_v=call.descale_v, sinks=sinks, alibi_slopes=alibi_slopes)
     if "k" in t:
         cu = h.get("cu_seqlens_q")
         for b in range(call.batch):

@@ -82,7 +82,7 @@ def _check_tensors(names: tuple[str, ...], values: tuple, required: int) -> None
 _QKV = ("q", "k", "v", "sinks", "alibi_slopes")
 _PACKED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "sinks", "alibi_slopes")
 _KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
-            "page_table", "cu_seqlens_q")
+            "page_table", "cu_seqlens_q", "sinks")
 
 
 def _as_cuflash(t: torch.Tensor):
@@ -499,7 +499,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, sinks=None):
     """FlashAttention-3's ``flash_attn_with_kvcache``: attention of q against k_cache/v_cache after
     writing k/v into them in place at cache_seqlens (through page_table when paged), with
     optional rotary embedding; see :func:`cuflash.attention_with_kvcache` for every argument.
@@ -508,8 +508,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
 
     With ``cu_seqlens_q``, k and v are packed like q: each sequence appends as many tokens as it
     has queries. ``pack_gqa`` is accepted and changes nothing (the decode kernel always packs the
-    query heads of a KV head). Raises NotImplementedError, naming it, for cu_seqlens_k_new,
-    rotary_seqlens, q_descale, attention_chunk, scheduler_metadata and sm_margin.
+    query heads of a KV head). ``sinks`` (SGLang's name; (heads,)) as for
+    :func:`cuflash.attention_with_kvcache`, CPU tensors only so far. Raises NotImplementedError,
+    naming it, for cu_seqlens_k_new, rotary_seqlens, q_descale, attention_chunk,
+    scheduler_metadata and sm_margin.
 
     With ``qv`` (MLA decoding's split form): q and k_cache hold the 64 rotary dims, qv and v_cache
     the 512 latent ones, one kv head; this is :func:`cuflash.mla_decode` with q_rope=q and
@@ -518,7 +520,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     descale for the latent cache (k_descale, v_descale the same tensor or one of them).
     """
     _check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-                              page_table, cu_seqlens_q), 3)
+                              page_table, cu_seqlens_q, sinks), 3)
     unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None,
                    "rotary_seqlens": rotary_seqlens is not None, "q_descale": q_descale is not None,
                    "attention_chunk": attention_chunk != 0, "scheduler_metadata": scheduler_metadata is not None,
@@ -534,6 +536,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         refused = {"k": k is not None, "v": v is not None, "rotary_cos": rotary_cos is not None,
                    "rotary_sin": rotary_sin is not None, "cache_batch_idx": cache_batch_idx is not None,
                    "cache_leftpad": cache_leftpad is not None, "cu_seqlens_q": cu_seqlens_q is not None,
+                   "sinks": sinks is not None,
                    "window_size": tuple(window_size) != (-1, -1), "softcap": softcap != 0,
                    "k_descale and v_descale that differ": (k_descale is not None and v_descale is not None
                                                            and k_descale is not v_descale)}
@@ -547,7 +550,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                    rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
                    window=window_size, softcap=softcap, num_splits=num_splits, descale_k=k_descale,
-                   descale_v=v_descale, return_lse=return_softmax_lse)
+                   descale_v=v_descale, return_lse=return_softmax_lse, sinks=sinks)
 
 
 def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softmax_scale, causal, num_splits,
