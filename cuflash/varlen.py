@@ -209,8 +209,8 @@ def attention_varlen_backward(
         sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[1], lengths.batch,
                                                        "num_sequences")
     if not on_device:
-        return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window, softcap,
-                                                    sinks, alibi_slopes)
+        return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window,
+                                                    softcap, sinks, alibi_slopes)
     checks.check_varlen_grid(lengths)
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                  for t in (tensors[name] for name in ("q", "k", "v", "dout", "out")))

@@ -148,6 +148,8 @@ def test_fake_outputs_match_the_cpu_ops():
                               (torch.randn(out.shape), *packed, out, lse, cu, cu, s, a, 5, 5, *options))
 
 
+# torch.compile's first use imports torch's own modules that call the deprecated torch.jit.script_method.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiled_fullgraph_matches_eager():
     rng = np.random.default_rng(9)
     q = random_tensor(rng, (1, 9, 2, 16), torch.float32)
