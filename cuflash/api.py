@@ -52,6 +52,8 @@ def attention(
     descale_v: Any = None,
     out_dtype: Any = None,
     dtype: str | None = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile.
 
@@ -81,7 +83,9 @@ def attention(
         Grok); 0 disables it.
     return_lse : bool
         Also return the log-sum-exp of the scaled scores, float32 (batch, heads, seqlen_q),
-        natural log; ``-inf`` for a row that sees no key (its output row is 0).
+        natural log; ``-inf`` for a row that sees no key (its output row is 0). With ``sinks``
+        the LSE includes the sink (so split-KV, ring and cascade merges stay exact, the sink
+        entering once; FlashMLA's LSE excludes it), and a row that sees no key has lse = sink.
     out : array, optional
         Where to write the output: (batch, seqlen_q, heads, head_dim_v), dtype of q
         (``out_dtype`` for FP8 inputs), same framework and device.
@@ -94,6 +98,15 @@ def attention(
         FP8 inputs only: the output's dtype, bfloat16 (default) or float16.
     dtype : str, optional
         ``"e4m3"``: q, k, v are uint8 arrays holding e4m3 bytes. None: their own dtype.
+    sinks : array, optional
+        Attention sinks (gpt-oss): a logit per query head, float32, bfloat16 or float16 (float64
+        too on NumPy), shape (heads,), q's framework and device, that joins each row's softmax
+        denominator, ``out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sinks[h]))``, not
+        multiplied by softmax_scale. ``-inf`` is no sink. NumPy inputs only so far.
+    alibi_slopes : array, optional
+        float32 (heads,) or (batch, heads): flash-attn's ALiBi bias
+        ``-slope * |i + seqlen_k - seqlen_q - j|`` added to the (softcapped) score of query i and
+        key j. NumPy inputs only so far.
 
     Returns
     -------
@@ -114,7 +127,10 @@ def attention(
         multiple of 8 or above 256, a non-contiguous last dimension, arrays on different devices, a bad
         ``out``, a non-finite or non-positive softmax_scale or descale, a descale array of the
         wrong shape or device, a descale or out_dtype given with inputs that are not FP8, FP8
-        GPU inputs whose head_dim or head_dim_v is not a multiple of 16.
+        GPU inputs whose head_dim or head_dim_v is not a multiple of 16; sinks or alibi_slopes of
+        the wrong shape, dtype, side or device, a NaN or +inf sink, a non-finite slope.
+    NotImplementedError
+        sinks or alibi_slopes with GPU inputs (checked first, then refused before any launch).
 
     Notes
     -----
@@ -135,7 +151,9 @@ def attention(
     if framework == "numpy":
         q, k, v = (checks.declared_dtype(name, x, dtype) for name, x in (("q", q), ("k", k), ("v", v)))
         scale, fp8 = checks.check_forward(q, k, v, out, softmax_scale, False, descales, out_dtype)
-        return numpy_path.attention(q, k, v, causal, scale, window, softcap, return_lse, out, fp8)
+        sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, q, q.shape[2], q.shape[0])
+        return numpy_path.attention(q, k, v, causal, scale, window, softcap, return_lse, out, fp8, sinks,
+                                    alibi_slopes)
 
     # One call each, not a generator over the three: no generator object per call.
     qt, kt = interop.describe(q, framework, "q"), interop.describe(k, framework, "k")
@@ -145,6 +163,9 @@ def attention(
                 or descale_k is not None or descale_v is not None)
     if fp8_call:
         qt, kt, vt = (checks.declared_dtype(name, t, dtype) for name, t in (("q", qt), ("k", kt), ("v", vt)))
+    if sinks is not None or alibi_slopes is not None:  # refused on the GPU, after every other check
+        checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
+        checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
     # FP8 calls run their checks every time (a signature would have to hold the descales).
     signature = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
                   softcap)
@@ -193,7 +214,9 @@ def attention_backward(
     dq: Any = None,
     dk: Any = None,
     dv: Any = None,
-) -> tuple[Any, Any, Any]:
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+) -> tuple[Any, ...]:
     """Gradients of ``out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale)``.
 
     P is recomputed from ``lse`` block by block (FlashAttention-2): nothing of size
@@ -208,8 +231,8 @@ def attention_backward(
         The forward's inputs and output, as for :func:`attention`.
     lse : array, float32 (batch, heads, seqlen_q), contiguous
         The forward's log-sum-exp (``attention(..., return_lse=True)``).
-    causal, softmax_scale, window, softcap
-        As in the forward call.
+    causal, softmax_scale, window, softcap, sinks, alibi_slopes
+        As in the forward call (whose lse, with sinks, includes the sink).
     deterministic : bool
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds (on
         sm90, bulk reductions of whole dq blocks) whose order varies between runs, so results can
@@ -230,9 +253,10 @@ def attention_backward(
 
     Returns
     -------
-    (dq, dk, dv)
+    (dq, dk, dv), or (dq, dk, dv, dsinks) with ``sinks``
         In the caller's framework, as for :func:`attention`; dk and dv summed over each group of
-        query heads for GQA/MQA.
+        query heads for GQA/MQA. dsinks is float32 (heads,):
+        ``dsinks_h = -sum_{b,i} exp(sinks_h - lse_bhi) * rowsum(dout * out)_bhi``.
 
     Raises
     ------
@@ -240,6 +264,8 @@ def attention_backward(
         As for :func:`attention`, and for a deterministic that is not a bool (or 0 / 1), dout/out
         not of out's shape and q's dtype, an lse that is not float32 or not (batch, heads, seqlen_q), or gradients
         passed in dq/dk/dv of the wrong shape or dtype.
+    NotImplementedError
+        sinks or alibi_slopes with GPU inputs, as for :func:`attention`.
     """
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
@@ -249,8 +275,13 @@ def attention_backward(
     causal, deterministic = checks.resolve_flag("causal", causal), checks.resolve_flag("deterministic", deterministic)
     if framework == "numpy":
         scale, window, softcap = checks.check_backward(arrays, softmax_scale, window, softcap, on_device=False)
-        return numpy_path.attention_backward(arrays, causal, scale, window, softcap)
+        sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, q, q.shape[2], q.shape[0])
+        return numpy_path.attention_backward(arrays, causal, scale, window, softcap, sinks, alibi_slopes)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
+    if sinks is not None or alibi_slopes is not None:  # refused on the GPU, after every other check
+        checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
+        qt = tensors["q"]
+        checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
     # Item getters, not generators over the names: no generator object per call.
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
     given_t = dq_t, dk_t, dv_t = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")

@@ -43,6 +43,8 @@ def attention_with_kvcache(
     return_lse: bool = False,
     validate: bool = False,
     dtype: str | None = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """Attention of ``q`` against a KV cache, after appending new keys and values to it in place
     (FlashAttention-3's ``flash_attn_with_kvcache``).
@@ -107,6 +109,11 @@ def attention_with_kvcache(
         synchronisation. NumPy arrays are always checked.
     dtype : str, optional
         ``"e4m3"``: k_cache and v_cache are uint8 arrays of e4m3 bytes. None: their own dtype.
+    sinks, alibi_slopes : arrays, optional
+        As for :func:`cuflash.attention`: the sink enters each sequence's softmax once, whatever
+        the split of its keys (the lse includes it; a row that sees no key has out 0 and lse =
+        sink); alibi_slopes is (heads,) or (batch, heads), the bias aligned against the
+        sequence's key count. NumPy inputs only so far (GPU arrays raise NotImplementedError).
 
     Returns
     -------
@@ -123,6 +130,11 @@ def attention_with_kvcache(
               "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     options = checks.KvOptions(cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap,
                                num_splits, descale_k, descale_v, return_lse, validate, dtype)
+    if sinks is not None or alibi_slopes is not None:  # on the GPU: refused after every other check
+        call = checks.check_kvcache(arrays, *options)
+        checked = checks.check_sinks_alibi(sinks, alibi_slopes, call.framework, call.tensors["q"], call.heads,
+                                           call.batch)
+        return numpy_path.attention_with_kvcache(call, *checked)
     if interop.framework_of(q, "q") == "numpy":
         return numpy_path.attention_with_kvcache(checks.check_kvcache(arrays, *options))
     return kvcache_gpu.attention_with_kvcache(arrays, options)

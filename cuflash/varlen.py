@@ -42,6 +42,8 @@ def attention_varlen(
     dtype: str | None = None,
     seqused_q: Any = None,
     seqused_k: Any = None,
+    sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """Attention over a packed batch of sequences of different lengths.
 
@@ -80,6 +82,9 @@ def attention_varlen(
         windows aligned against those lengths; its rows past seqused_q[i] are 0 with lse -inf.
         Values within 0..the sequence's length, checked with ``validate`` (GPU) or always (NumPy);
         on the GPU a larger value counts as the whole sequence.
+    sinks, alibi_slopes : arrays, optional
+        As for :func:`cuflash.attention` (the lse includes the sink; a row of no key has out 0 and
+        lse = sink); alibi_slopes is (heads,) or (num_sequences, heads). NumPy inputs only so far.
 
     Returns
     -------
@@ -91,6 +96,8 @@ def attention_varlen(
     ------
     TypeError, ValueError
         Bad arguments, each naming the argument.
+    NotImplementedError
+        sinks or alibi_slopes with GPU inputs.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
@@ -111,9 +118,13 @@ def attention_varlen(
     if out is not None:
         checks.check_out("out", tensors["out"], checks.output_shape(tensors["q"], tensors["v"]), tensors["q"],
                          on_device, fp8 and fp8.out_dtype)
+    if sinks is not None or alibi_slopes is not None:  # on the GPU: refused after every other check
+        sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, tensors["q"],
+                                                       tensors["q"].shape[1], lengths.batch, "num_sequences")
     if not on_device:
         return numpy_path.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
-                                     scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k)
+                                     scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k,
+                                     sinks, alibi_slopes)
     checks.check_varlen_grid(lengths)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
@@ -172,11 +183,14 @@ def attention_varlen_backward(
     dk: Any = None,
     dv: Any = None,
     validate: bool = True,
-) -> tuple[Any, Any, Any]:
+    sinks: Any = None,
+    alibi_slopes: Any = None,
+) -> tuple[Any, ...]:
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, arguments as there and as for
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
     reference path is deterministic whatever ``deterministic`` says. Where one side's sequences
-    are all empty, the gradients are zero (or empty).
+    are all empty, the gradients are zero (or empty). With ``sinks`` (NumPy inputs only so far),
+    also dsinks, float32 (heads,), summed over the sequences.
     """
     given = dq, dk, dv
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
@@ -191,8 +205,12 @@ def attention_varlen_backward(
     scale = checks.resolve_scale(softmax_scale, qt.shape[2])
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
     checks.check_backward_inputs(tensors, (qt.shape[1], qt.shape[0]), on_device)
+    if sinks is not None or alibi_slopes is not None:  # on the GPU: refused after every other check
+        sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[1], lengths.batch,
+                                                       "num_sequences")
     if not on_device:
-        return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window, softcap)
+        return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window,
+                                                    softcap, sinks, alibi_slopes)
     checks.check_varlen_grid(lengths)
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                  for t in (tensors[name] for name in ("q", "k", "v", "dout", "out")))

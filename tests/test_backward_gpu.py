@@ -217,7 +217,10 @@ def test_flash_attn_func_signature_and_refusals():
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
     out = flash_attn_func(q, q, q, causal=True)
     assert out.shape == q.shape and out.dtype == q.dtype
-    for kwargs, name in (({"dropout_p": 0.1}, "dropout_p"), ({"alibi_slopes": torch.ones(2)}, "alibi_slopes"),
+    # alibi_slopes and sinks are taken, and refused by the checks until the kernels compute them.
+    for kwargs, name in (({"dropout_p": 0.1}, "dropout_p"),
+                         ({"alibi_slopes": torch.ones(2, device="cuda")}, "alibi_slopes"),
+                         ({"learnable_sink": torch.ones(2, device="cuda")}, "sinks"),
                          ({"return_attn_probs": True}, "return_attn_probs")):
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_func(q, q, q, **kwargs)

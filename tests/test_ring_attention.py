@@ -170,6 +170,48 @@ def check_varlen_case(case, rank, world_size, device, seed):
     check_lse(got_lse, want["lse"].T, case, world_size)
 
 
+# Sinks: (dtype, causal, window, layout, (heads, heads_kv), seqlen_local, sinks' scale), a scale
+# of 8 making some sinks dominate their rows.
+SINK_CASES = [
+    ("float32", True, (-1, -1), "zigzag", (4, 2), 6, 2.0),
+    ("bfloat16", False, (3, 1), "contiguous", (4, 4), 5, 8.0),
+]
+
+
+def check_sinks_case(case, rank, world_size, device, seed, attention):
+    """The lse includes each sink once; out, dq, dk, dv against the float64 reference with the
+    sinks; the ranks' dsinks summed against the whole sequence's."""
+    dtype_name, causal, window, layout, (heads, heads_kv), local, sink_scale = case
+    dtype = getattr(torch, dtype_name)
+    rng = np.random.default_rng(seed)
+    length = local * world_size
+    whole = {name: torch.from_numpy(rng.standard_normal((2, length, h, 16))).to(dtype)
+             for name, h in (("q", heads), ("k", heads_kv), ("v", heads_kv), ("dout", heads))}
+    sinks = torch.from_numpy(rng.standard_normal(heads) * sink_scale).to(dtype)
+    sinks[0] = -math.inf  # no sink on head 0
+    positions_of = [ring.sequence_positions(r, world_size, local, layout=layout) for r in range(world_size)]
+    mine = positions_of[rank]
+    q, k, v = (whole[name][:, mine].to(device).requires_grad_() for name in ("q", "k", "v"))
+    my_sinks = sinks.to(device, copy=True).requires_grad_()
+    out, lse = attention(q, k, v, causal=causal, window=window, layout=layout, return_lse=True, sinks=my_sinks)
+    out.backward(whole["dout"][:, mine].to(device))
+    assert my_sinks.grad.dtype == dtype
+    dsinks = my_sinks.grad.double()
+    dist.all_reduce(dsinks)
+
+    exact = [whole[name].double().numpy() for name in ("q", "k", "v", "dout")]
+    options = dict(causal=causal, window=window, sinks=sinks.double().numpy())
+    ref_out, ref_lse = reference.attention_reference(*exact[:3], **options)
+    ref_grads = reference.attention_backward_reference(exact[3], *exact[:3], **options)
+    got_lse = gathered(lse.transpose(1, 2), positions_of, world_size).transpose(0, 2, 1)
+    np.testing.assert_allclose(got_lse, ref_lse, rtol=1e-3, atol=1e-3)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), (ref_out, *ref_grads)):
+        np.testing.assert_allclose(gathered(got, positions_of, world_size), want, rtol=tol, atol=tol,
+                                   err_msg=f"{case}, {world_size} ranks: {name}")
+    np.testing.assert_allclose(dsinks.cpu().numpy(), ref_grads[3], rtol=tol, atol=tol * 10)
+
+
 def check_bad_input(rank, world_size, device):
     x = torch.randn(1, 4 + 2 * rank, 2, 64, device=device)
     with pytest.raises(ValueError, match="q: the ranks of the group disagree"):
@@ -209,6 +251,12 @@ def worker(rank, world_size, port, backend, seed):
             if (device.type == "cpu" or case[0] != "float32") and heads % world_size == 0 and (
                     heads_kv % world_size == 0 or world_size % heads_kv == 0):
                 check_case(case, rank, world_size, device, seed + 2 * len(CASES) + index, ring.ulysses_attention)
+        for index, case in enumerate(SINK_CASES):
+            if device.type == "cpu" or case[0] != "float32":
+                seed_of = seed + 3 * len(CASES) + index
+                check_sinks_case(case, rank, world_size, device, seed_of, ring.ring_attention)
+                if case[4][0] % world_size == 0 and (case[4][1] % world_size == 0 or world_size % case[4][1] == 0):
+                    check_sinks_case(case, rank, world_size, device, seed_of, ring.ulysses_attention)
         check_bad_input(rank, world_size, device)
         # A rank's last send is complete when its bytes are handed over, not when the next rank has
         # read them: tearing the group down before every rank is done can close a connection under
@@ -310,6 +358,9 @@ def test_zigzag_positions_balance_a_causal_mask():
     (lambda x: ring.ring_attention(x, x, x), ValueError, "group: torch.distributed is not initialized"),
     (lambda x: ring.sequence_positions(4, 4, 6), ValueError, "rank"),
     (lambda x: ring.ring_attention(x, x, x, return_lse="yes"), TypeError, "return_lse"),
+    (lambda x: ring.ring_attention(x, x, x, sinks=torch.zeros(3)), ValueError, r"sinks: expected shape \(2,\)"),
+    (lambda x: ring.ring_attention(x, x, x, sinks=torch.zeros(2, dtype=torch.int32)), TypeError, "sinks: expected a f"),
+    (lambda x: ring.ulysses_attention(x, x, x, sinks=[0.0, 0.0]), TypeError, "sinks: expected a torch.Tensor"),
     (lambda x: ring.ulysses_attention(x, x, x, layout="striped"), ValueError, "layout"),
     (lambda x: ring.ulysses_attention(x, x, x), ValueError, "group: torch.distributed is not initialized"),
     (lambda x: ring.ring_attention_varlen(x, x, x, [0, 6]), ValueError, r"q: expected \(total_local"),

@@ -41,6 +41,7 @@ __all__ = [
     "check_mla",
     "check_out",
     "check_qkv",
+    "check_sinks_alibi",
     "check_varlen",
     "check_varlen_grid",
     "check_writable",
@@ -292,6 +293,48 @@ def check_backward(arrays: dict, softmax_scale: Any, window: Any, softcap: Any,
     batch, seqlen_q, heads = q.shape[:3]
     check_backward_inputs(arrays, (batch, heads, seqlen_q), on_device)
     return scale, resolve_window(window), resolve_softcap(softcap)
+
+
+# Attention sinks and ALiBi: checked on both paths, computed on the CPU path only so far.
+SINK_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, heads: int, batch: int,
+                      batch_name: str = "batch") -> tuple[Any, Any]:
+    """``sinks`` (heads,) and ``alibi_slopes`` (heads,) or (batch, heads), each None or an array on
+    q's side: (sinks, alibi_slopes) as NumPy arrays for the CPU path. GPU arrays are checked alike
+    (shape, dtype, device), then refused with NotImplementedError naming the argument: the kernels
+    do not take them yet, and a fallback would compute elsewhere than the caller asked."""
+    on_device = framework_name != "numpy"
+    checked = []
+    for name, x, allowed, shapes, shape_text in (
+            ("sinks", sinks, SINK_DTYPES if on_device else (*SINK_DTYPES, "float64"), ((heads,),), f"({heads},)"),
+            ("alibi_slopes", alibi_slopes, ("float32",), ((heads,), (batch, heads)),
+             f"({heads},) or ({batch_name}, heads) = ({batch}, {heads})")):
+        if x is None:
+            checked.append(None)
+            continue
+        kind = interop.framework_of(x, name)
+        if (kind == "numpy") == on_device:
+            raise TypeError(f"{name}: must be on the same side as q ({'GPU' if on_device else 'NumPy'})")
+        t = interop.describe(x, kind, name) if on_device else x
+        if dtype_name(t) not in allowed:
+            raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {dtype_name(t)}")
+        if tuple(t.shape) not in shapes:
+            raise ValueError(f"{name}: expected shape {shape_text}, got {tuple(t.shape)}")
+        if on_device:
+            if t.device != q.device:
+                raise ValueError(f"{name}: on device {t.device}, but q is on device {q.device}")
+            raise NotImplementedError(f"{name}: not yet supported on the GPU kernels; NumPy inputs and CPU torch "
+                                      f"tensors run it")
+        values = np.asarray(t, np.float64)
+        # A sink of -inf is no sink; +inf or NaN would make every row's output NaN.
+        if name == "sinks" and (np.isnan(values).any() or np.isposinf(values).any()):
+            raise ValueError("sinks: every entry must be finite or -inf")
+        if name == "alibi_slopes" and not np.isfinite(values).all():
+            raise ValueError("alibi_slopes: every entry must be finite")
+        checked.append(t)
+    return tuple(checked)
 
 
 # Checked GPU forward and backward calls, fixed-length (api.py) or packed (varlen.py).

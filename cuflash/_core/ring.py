@@ -149,6 +149,26 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(merged)
 
 
+def _add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """out and lse of the keys alone become those with each head's sink, in place: the sink enters
+    once, after every block has merged (a block's partial lse never holds it), as one more term of
+    the denominator with a zero value row."""
+    merged = torch.logaddexp(lse, sinks.float().view(1, -1, 1))
+    # A row of no key and a sink of -inf stays at -inf with out 0, not NaN.
+    reference = torch.where(torch.isneginf(merged), 0.0, merged)
+    out.mul_(torch.exp(lse - reference).transpose(1, 2).unsqueeze(-1))
+    lse.copy_(merged)
+
+
+def _sinks_gradient(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``dsinks_h = -sum_{b,i} exp(sinks_h - lse_bhi) * rowsum(dout * out)_bhi`` over this rank's
+    rows, float32: its share of the gradient, as autograd gives any parameter a process uses."""
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    finite = torch.isfinite(lse)  # a row of lse -inf has out 0: it adds nothing
+    weight = torch.where(finite, torch.exp(sinks.float().view(1, -1, 1) - torch.where(finite, lse, 0.0)), 0.0)
+    return -(weight * delta).sum(dim=(0, 2))
+
+
 def _partial_precision(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the blocks take it. A CPU tensor of 16 bits becomes float32 (exactly), so that the
     CPU path returns float32 partial results, each block's 16-bit rounding avoided; the kernels
@@ -156,7 +176,7 @@ def _partial_precision(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.device.type == "cpu" and x.element_size() < 4 else x
 
 
-def _forward(q, k, v, ring: Ring, options: Options):
+def _forward(q, k, v, sinks, ring: Ring, options: Options):
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), -math.inf, dtype=torch.float32, device=q.device)
     dtype, q = q.dtype, _partial_precision(q)
@@ -170,6 +190,8 @@ def _forward(q, k, v, ring: Ring, options: Options):
             _merge(out[:, rows], lse[:, :, rows], block_out, block_lse)
         if transfer is not None:
             kv = transfer.wait()
+    if sinks is not None:
+        _add_sinks(out, lse, sinks)
     return out.to(dtype), lse
 
 
@@ -202,12 +224,13 @@ def _backward(dout, q, k, v, out, lse, ring: Ring, options: Options):
 
 class RingAttention(torch.autograd.Function):
     """out and lse (float32, (batch, heads, rows); not differentiable) of the whole attention for
-    this rank's rows."""
+    this rank's rows; with ``sinks`` (heads,) the lse includes them. The blocks' backward takes
+    that lse as it is: P = exp(S - lse) is then the probability with the sinks."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, options: Options):
-        out, lse = _forward(q, k, v, ring, options)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks: Optional[torch.Tensor], ring: Ring, options: Options):
+        out, lse = _forward(q, k, v, sinks, ring, options)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring, ctx.options = ring, options
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -216,4 +239,7 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        return (*_backward(dout, *ctx.saved_tensors, ctx.ring, ctx.options), None, None)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        grads = _backward(dout, q, k, v, out, lse, ctx.ring, ctx.options)
+        dsinks = None if sinks is None else _sinks_gradient(dout, out, lse, sinks).to(sinks.dtype)
+        return (*grads, dsinks, None, None)

@@ -51,46 +51,61 @@ def _forward_inputs(q, k, v, fp8: checks.Fp8 | None, cu_seqlens: tuple = (None, 
 
 
 def attention(q, k, v, causal: bool, scale: float, window, softcap: float, return_lse: bool, out,
-              fp8: checks.Fp8 | None = None):
+              fp8: checks.Fp8 | None = None, sinks=None, alibi_slopes=None):
     """The blockwise online-softmax algorithm in float64."""
     q, k, v, dtype = _forward_inputs(q, k, v, fp8)
     result, lse = reference.attention_blockwise(q, k, v, causal=causal, softmax_scale=scale, window=window,
-                                                softcap=softcap)
+                                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return _output(result, lse, dtype, out, return_lse)
 
 
-def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap: float) -> tuple:
+def _with_dsinks(grads: tuple, arrays: dict, sinks) -> tuple:
+    """(dq, dk, dv), and dsinks (float32) when there are sinks: from the given out and lse (which
+    includes the sink), as the kernels will compute it."""
+    if sinks is None:
+        return grads
+    dsinks = reference.sinks_gradient(arrays["dout"], arrays["out"], arrays["lse"], sinks)
+    return (*grads, dsinks.astype(np.float32))
+
+
+def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap: float, sinks=None,
+                       alibi_slopes=None) -> tuple:
     """The gradients of arrays q, k, v, dout, out, lse (by name), into dq, dk, dv where given: P
     recomputed from the given lse and rowsum(dP * P) from the given out, as the kernels do, so
-    that a block of a longer attention (a ring's) gets its share of the whole one's gradients."""
+    that a block of a longer attention (a ring's) gets its share of the whole one's gradients.
+    With sinks, also dsinks."""
     q = arrays["q"]
     result = reference.attention_backward_from_lse(arrays["dout"], q, arrays["k"], arrays["v"], arrays["out"],
                                                    arrays["lse"], causal=causal, softmax_scale=scale, window=window,
-                                                   softcap=softcap)
-    return _gradients(result, arrays, q.dtype)
+                                                   softcap=softcap, alibi_slopes=alibi_slopes)
+    return _with_dsinks(_gradients(result, arrays, q.dtype), arrays, sinks)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window, softcap: float,
-                     return_lse: bool, out, fp8: checks.Fp8 | None = None, seqused_q=None, seqused_k=None):
+                     return_lse: bool, out, fp8: checks.Fp8 | None = None, seqused_q=None, seqused_k=None,
+                     sinks=None, alibi_slopes=None):
     q, k, v, dtype = _forward_inputs(q, k, v, fp8, (cu_seqlens_q, cu_seqlens_k))
     result, lse = reference.attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                                        causal=causal, softmax_scale=scale, window=window,
-                                                       softcap=softcap)
+                                                       softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
     return _output(result, lse, dtype, out, return_lse)
 
 
 def attention_varlen_backward(arrays: dict, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window,
-                              softcap: float) -> tuple:
+                              softcap: float, sinks=None, alibi_slopes=None) -> tuple:
     q = arrays["q"]
     result = reference.attention_varlen_backward_reference(arrays["dout"], q, arrays["k"], arrays["v"], cu_seqlens_q,
                                                            cu_seqlens_k, causal=causal, softmax_scale=scale,
-                                                           window=window, softcap=softcap)
-    return _gradients(result, arrays, q.dtype)
+                                                           window=window, softcap=softcap, sinks=sinks,
+                                                           alibi_slopes=alibi_slopes)
+    grads = _gradients(result[:3], arrays, q.dtype)
+    return grads if sinks is None else (*grads, result[3].astype(np.float32))
 
 
-def attention_with_kvcache(call: checks.KvCall):
-    """A checked NumPy call (checks.KvCall): the reference's attention, and its appended cache
-    rows copied into the caller's caches (only those positions are written)."""
+def attention_with_kvcache(call: checks.KvCall, sinks=None, alibi_slopes=None):
+    """A checked NumPy call (checks.KvCall) with its checked sinks and ALiBi slopes: the
+    reference's attention, and its appended cache rows copied into the caller's caches (only
+    those positions are written)."""
     from cuflash._cpu import reference_kvcache
 
     t, h = call.tensors, call.host
@@ -102,7 +117,7 @@ def attention_with_kvcache(call: checks.KvCall):
         cache_leftpad=h.get("cache_leftpad"), cu_seqlens_q=h.get("cu_seqlens_q"), rotary_cos=t.get("rotary_cos"),
         rotary_sin=t.get("rotary_sin"), rotary_interleaved=call.rotary_interleaved, causal=call.causal,
         softmax_scale=call.scale, window=call.window, softcap=call.softcap, descale_k=call.descale_k,
-        descale_v=call.descale_v)
+        descale_v=call.descale_v, sinks=sinks, alibi_slopes=alibi_slopes)
     if "k" in t:
         cu = h.get("cu_seqlens_q")
         for b in range(call.batch):

@@ -114,6 +114,8 @@ def kvcache_reference(
     descale_k=None,
     descale_v=None,
     dtype: npt.DTypeLike = np.float64,
+    sinks=None,
+    alibi_slopes=None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Attention of ``q`` over the KV cache after appending ``k``/``v`` (see the module docstring).
 
@@ -135,11 +137,15 @@ def kvcache_reference(
         nearest even (``quantize_e4m3``).
     dtype : the attention's dtype: float64 is the reference, a 16-bit dtype flash-attn's
         same-dtype baseline (reference.attention_reference), with rotated q rounded to it.
+    sinks : (heads,), optional: one sink per query head, entering each sequence's softmax once
+        (the lse includes it; a row that sees no key has out 0 and lse = sink).
+    alibi_slopes : (heads,) or (batch, heads), optional: flash-attn's ALiBi bias, aligned against
+        each sequence's key count as its causal mask is.
 
     Returns
     -------
     out : q's shape but for v_cache's head_dim (``dtype``); lse : (batch, heads, seqlen_q) or
-    (heads, total_q), ``-inf`` for rows that see no key; k_cache, v_cache : updated copies, in
+    (heads, total_q), ``-inf`` for rows that see no key (the sink with sinks); k_cache, v_cache : updated copies, in
     the caches' dtype.
     """
     q = np.asarray(q)
@@ -202,10 +208,11 @@ def kvcache_reference(
         values = v_cache[pages, offsets].astype(np.float64)
         if fp8_cache:
             keys, values = keys * dk[:, None], values * dv[:, None]
-        if key_positions.size == 0 or q_b.shape[0] == 0:
+        if q_b.shape[0] == 0 or (key_positions.size == 0 and sinks is None):
             continue  # out 0, lse -inf
+        slopes = alibi_slopes if alibi_slopes is None or np.ndim(alibi_slopes) == 1 else alibi_slopes[b:b + 1]
         o, l = attention_reference(q_b[None], keys[None], values[None], causal=causal, softmax_scale=scale,
-                                   dtype=dtype, window=window, softcap=softcap)
+                                   dtype=dtype, window=window, softcap=softcap, sinks=sinks, alibi_slopes=slopes)
         if varlen:
             out[rows[b]], lse[:, rows[b]] = o[0], l[0]
         else:

@@ -79,10 +79,10 @@ def _check_tensors(names: tuple[str, ...], values: tuple, required: int) -> None
 
 
 # The tensor arguments of the entry points below, in _check_tensors's order: required, then optional.
-_QKV = ("q", "k", "v")
-_PACKED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+_QKV = ("q", "k", "v", "sinks", "alibi_slopes")
+_PACKED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "sinks", "alibi_slopes")
 _KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
-            "page_table", "cu_seqlens_q")
+            "page_table", "cu_seqlens_q", "sinks")
 
 
 def _as_cuflash(t: torch.Tensor):
@@ -219,10 +219,105 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _register_autograd(forward, backward, tensor_inputs: int) -> None:
+# Attention sinks and ALiBi: ops of their own, so that the ops above keep their schemas and their
+# backward its three outputs. The backward's fourth output is dsinks, float32 (heads,), or (0,)
+# without sinks (an op returns tensors, never None).
+def _dsinks_or_empty(grads: tuple, q) -> tuple:
+    """cuflash's (dq, dk, dv[, dsinks]) with an empty float32 dsinks where there are no sinks, in
+    q's framework (NumPy on the CPU path, torch otherwise)."""
+    if len(grads) == 4:
+        return grads
+    empty = np.zeros(0, np.float32) if isinstance(q, np.ndarray) else q.new_zeros(0, dtype=torch.float32)
+    return (*grads, empty)
+
+
+def _dsinks_like(q: torch.Tensor, sinks: Optional[torch.Tensor], heads: int) -> torch.Tensor:
+    return q.new_empty((heads if sinks is not None else 0,), dtype=torch.float32)
+
+
+def _attention_biased_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                              alibi_slopes: Optional[torch.Tensor], causal: bool, softmax_scale: float,
+                              window_left: int, window_right: int, softcap: float,
+                              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right),
+                             softcap=softcap, return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes)
+
+
+_biased_forward = _op("cuflash::attention_biased_forward", _attention_biased_forward)
+
+
+@_biased_forward.register_fake
+def _(q, k, v, sinks, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap, deterministic):
+    return _output_like(q, v), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def _attention_biased_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
+                               alibi_slopes: Optional[torch.Tensor], causal: bool, softmax_scale: float,
+                               window_left: int, window_right: int, softcap: float,
+                               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _dsinks_or_empty(cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                       softmax_scale=softmax_scale, window=(window_left, window_right),
+                                                       softcap=softcap, deterministic=deterministic, sinks=sinks,
+                                                       alibi_slopes=alibi_slopes), q)
+
+
+_biased_backward = _op("cuflash::attention_biased_backward", _attention_biased_backward)
+
+
+@_biased_backward.register_fake
+def _(dout, q, k, v, out, lse, sinks, alibi_slopes, causal, softmax_scale, window_left, window_right, softcap,
+      deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _dsinks_like(q, sinks, q.shape[2])
+
+
+def _attention_varlen_biased_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                     cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor],
+                                     alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                                     causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                                     softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
+                                    return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes)
+
+
+_varlen_biased_forward = _op("cuflash::attention_varlen_biased_forward", _attention_varlen_biased_forward)
+
+
+@_varlen_biased_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+      window_left, window_right, softcap, deterministic):
+    return _output_like(q, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _attention_varlen_biased_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                      cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor],
+                                      alibi_slopes: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                                      causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                                      softcap: float, deterministic: bool
+                                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _dsinks_or_empty(cuflash.attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap, deterministic=deterministic,
+        sinks=sinks, alibi_slopes=alibi_slopes), q)
+
+
+_varlen_biased_backward = _op("cuflash::attention_varlen_biased_backward", _attention_varlen_biased_backward)
+
+
+@_varlen_biased_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, window_left, window_right, softcap, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _dsinks_like(q, sinks, q.shape[1])
+
+
+def _register_autograd(forward, backward, tensor_inputs: int, sinks_input: int | None = None) -> None:
     """Autograd for a forward op whose first three inputs are q, k, v and whose first
-    ``tensor_inputs`` inputs are tensors: the backward op takes (dout, q, k, v, out, lse), the
-    other tensor inputs, then the forward's non-tensor inputs."""
+    ``tensor_inputs`` inputs are tensors (or None): the backward op takes (dout, q, k, v, out, lse),
+    the other tensor inputs, then the forward's non-tensor inputs. With ``sinks_input`` (the
+    index of the sinks input) the backward op also returns dsinks, its gradient where sinks were
+    given."""
 
     def setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:tensor_inputs], *output)
@@ -232,14 +327,20 @@ def _register_autograd(forward, backward, tensor_inputs: int) -> None:
         q, k, v, *extra, out, lse = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = backward(dout, q, k, v, out, lse, *extra, *ctx.options)
-        return (dq, dk, dv) + (None,) * (tensor_inputs - 3 + len(ctx.options))
+        dq, dk, dv, *dsinks = backward(dout, q, k, v, out, lse, *extra, *ctx.options)
+        grads = [dq, dk, dv] + [None] * (tensor_inputs - 3 + len(ctx.options))
+        sinks = extra[sinks_input - 3] if sinks_input is not None else None
+        if sinks is not None:
+            grads[sinks_input] = dsinks[0].to(sinks.dtype)  # accumulated in float32, returned in the sinks' dtype
+        return tuple(grads)
 
     forward.register_autograd(autograd_backward, setup_context=setup_context)
 
 
 _register_autograd(_forward, _backward, tensor_inputs=3)
 _register_autograd(_varlen_forward, _varlen_backward, tensor_inputs=5)
+_register_autograd(_biased_forward, _biased_backward, tensor_inputs=5, sinks_input=3)
+_register_autograd(_varlen_biased_forward, _varlen_biased_backward, tensor_inputs=7, sinks_input=5)
 
 
 def _flags_and_options(q: torch.Tensor, causal, softmax_scale, window, softcap,
@@ -254,15 +355,23 @@ def _flags_and_options(q: torch.Tensor, causal, softmax_scale, window, softcap,
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-              deterministic: bool = False) -> torch.Tensor:
+              deterministic: bool = False, sinks: torch.Tensor | None = None,
+              alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable :func:`cuflash.attention` on torch tensors (batch, seqlen, heads, head_dim), CUDA
     or CPU.
 
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
-    when ``deterministic`` (see there for the cost).
+    when ``deterministic`` (see there for the cost). ``sinks`` (heads,) (gpt-oss's attention
+    sinks, differentiable: their gradient comes back in their dtype) and ``alibi_slopes``
+    ((heads,) or (batch, heads), float32) as for :func:`cuflash.attention`; CPU tensors only so
+    far (CUDA tensors raise NotImplementedError naming the argument).
     """
-    _check_tensors(_QKV, (q, k, v), 3)
-    out, _ = _forward(q, k, v, *_flags_and_options(q, causal, softmax_scale, window, softcap, deterministic))
+    _check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
+    options = _flags_and_options(q, causal, softmax_scale, window, softcap, deterministic)
+    if sinks is not None or alibi_slopes is not None:
+        out, _ = _biased_forward(q, k, v, sinks, alibi_slopes, *options)
+    else:
+        out, _ = _forward(q, k, v, *options)
     return out
 
 
@@ -270,7 +379,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      cu_seqlens_k: torch.Tensor, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, *,
                      causal: bool = False, softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1),
                      softcap: float = 0.0, deterministic: bool = False, seqused_q: torch.Tensor | None = None,
-                     seqused_k: torch.Tensor | None = None) -> torch.Tensor:
+                     seqused_k: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable :func:`cuflash.attention_varlen` on packed torch tensors, CUDA or CPU,
     (total_tokens, heads, head_dim) with int32 ``cu_seqlens_*`` (batch + 1,).
 
@@ -278,11 +388,17 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     under torch.compile). Gradients through :func:`cuflash.attention_varlen_backward`.
     ``seqused_q`` / ``seqused_k`` (int32 (batch,)): the used prefix of each sequence, as for
     :func:`cuflash.attention_varlen`; forward only (NotImplementedError where a gradient is wanted).
+    ``sinks`` and ``alibi_slopes`` ((heads,) or (num_sequences, heads)) as for :func:`attention`,
+    not with seqused_q / seqused_k.
     """
-    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), 5)
+    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, alibi_slopes), 5)
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
+    biased = sinks is not None or alibi_slopes is not None
     if seqused_q is not None or seqused_k is not None:
+        if biased:
+            raise NotImplementedError("attention_varlen: sinks and alibi_slopes are not taken with seqused_q / "
+                                      "seqused_k yet")
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise NotImplementedError("attention_varlen: no backward with seqused_q / seqused_k yet; run it under "
                                       "torch.no_grad() or on tensors that do not require grad")
@@ -291,21 +407,31 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         out, _ = _varlen_used_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                                       max_seqlen_k, causal, scale, left, right, softcap)
         return out
-    out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                             *_flags_and_options(q, causal, softmax_scale, window, softcap, deterministic))
+    options = _flags_and_options(q, causal, softmax_scale, window, softcap, deterministic)
+    if biased:
+        out, _ = _varlen_biased_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes, max_seqlen_q,
+                                        max_seqlen_k, *options)
+    else:
+        out, _ = _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *options)
     return out
 
 
-def _refuse(function: str, dropout_p, alibi_slopes, return_attn_probs) -> None:
+def _refuse(function: str, dropout_p, return_attn_probs) -> None:
     """flash-attn arguments cuflash does not support raise, never silently ignored."""
     unsupported = {
         "dropout_p": dropout_p != 0.0,
-        "alibi_slopes": alibi_slopes is not None,
         "return_attn_probs": bool(return_attn_probs),
     }
     for name, used in unsupported.items():
         if used:
             raise NotImplementedError(f"{function}: cuflash does not support {name} yet")
+
+
+def _sinks(sinks, learnable_sink):
+    """The sinks given as cuflash's ``sinks`` or FlashAttention-4's ``learnable_sink``, one of them."""
+    if sinks is not None and learnable_sink is not None:
+        raise TypeError("sinks, learnable_sink: the same argument under two names; pass one of them")
+    return learnable_sink if sinks is None else sinks
 
 
 def _fp8_call(q, descales) -> bool:
@@ -316,48 +442,55 @@ def _fp8_call(q, descales) -> bool:
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                     softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, q_descale=None,
-                    k_descale=None, v_descale=None):
+                    k_descale=None, v_descale=None, sinks=None, learnable_sink=None):
     """flash-attn's ``flash_attn_func``: q (batch, seqlen_q, heads, head_dim), k (batch,
     seqlen_k, heads_kv, head_dim) and v (batch, seqlen_k, heads_kv, head_dim_v); returns out
     (batch, seqlen_q, heads, head_dim_v).
 
-    ``deterministic=True`` makes the backward bitwise reproducible. Raises NotImplementedError,
-    naming the argument, for dropout_p != 0, alibi_slopes and return_attn_probs=True.
+    ``deterministic=True`` makes the backward bitwise reproducible. ``alibi_slopes`` (float32
+    (heads,) or (batch, heads)) and ``sinks`` (FlashAttention-4's ``learnable_sink``; pass one
+    of the two) as for :func:`attention`, CPU tensors only so far. Raises
+    NotImplementedError, naming the argument, for dropout_p != 0 and return_attn_probs=True.
     float8_e4m3fn CUDA tensors take FlashAttention-3's ``q_descale``, ``k_descale`` and
     ``v_descale`` (None, a number, or float32 (batch, heads_kv)) and return bfloat16: a forward
     only, as in FlashAttention-3, so not differentiable, and called directly rather than as a
     custom op.
     """
-    _check_tensors(_QKV, (q, k, v), 3)
-    _refuse("flash_attn_func", dropout_p, alibi_slopes, return_attn_probs)
+    sinks = _sinks(sinks, learnable_sink)
+    _check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
+    _refuse("flash_attn_func", dropout_p, return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
         return _direct(cuflash.attention, q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
-                       softcap=softcap, descale_q=q_descale, descale_k=k_descale, descale_v=v_descale)
+                       softcap=softcap, descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, sinks=sinks,
+                       alibi_slopes=alibi_slopes)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                     deterministic=deterministic)
+                     deterministic=deterministic, sinks=sinks, alibi_slopes=alibi_slopes)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, q_descale=None, k_descale=None,
-                           v_descale=None, seqused_q=None, seqused_k=None):
+                           v_descale=None, seqused_q=None, seqused_k=None, sinks=None, learnable_sink=None):
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k (total_k,
     heads_kv, head_dim) and v (total_k, heads_kv, head_dim_v), int32 cu_seqlens (batch + 1,);
     returns out (total_q, heads, head_dim_v). Raises NotImplementedError, and takes FP8 inputs
     with their descales (of shape (batch, heads_kv), batch the number of sequences), as
-    :func:`flash_attn_func` does.
+    :func:`flash_attn_func` does; alibi_slopes is (heads,) or (num_sequences, heads), sinks
+    (or learnable_sink) as there.
     ``seqused_q`` / ``seqused_k``: FlashAttention-3's used prefix of each sequence (forward only).
     """
-    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k), 5)
-    _refuse("flash_attn_varlen_func", dropout_p, alibi_slopes, return_attn_probs)
+    sinks = _sinks(sinks, learnable_sink)
+    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, alibi_slopes), 5)
+    _refuse("flash_attn_varlen_func", dropout_p, return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
         return _direct(cuflash.attention_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, seqused_q=seqused_q,
-                       seqused_k=seqused_k)
+                       seqused_k=seqused_k, sinks=sinks, alibi_slopes=alibi_slopes)
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                            deterministic=deterministic, seqused_q=seqused_q, seqused_k=seqused_k)
+                            deterministic=deterministic, seqused_q=seqused_q, seqused_k=seqused_k, sinks=sinks,
+                            alibi_slopes=alibi_slopes)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -366,7 +499,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                             q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                             scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
-                            return_softmax_lse=False):
+                            return_softmax_lse=False, sinks=None):
     """FlashAttention-3's ``flash_attn_with_kvcache``: attention of q against k_cache/v_cache after
     writing k/v into them in place at cache_seqlens (through page_table when paged), with
     optional rotary embedding; see :func:`cuflash.attention_with_kvcache` for every argument.
@@ -375,8 +508,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
 
     With ``cu_seqlens_q``, k and v are packed like q: each sequence appends as many tokens as it
     has queries. ``pack_gqa`` is accepted and changes nothing (the decode kernel always packs the
-    query heads of a KV head). Raises NotImplementedError, naming it, for cu_seqlens_k_new,
-    rotary_seqlens, q_descale, attention_chunk, scheduler_metadata and sm_margin.
+    query heads of a KV head). ``sinks`` (SGLang's name; (heads,)) as for
+    :func:`cuflash.attention_with_kvcache`, CPU tensors only so far. Raises NotImplementedError,
+    naming it, for cu_seqlens_k_new, rotary_seqlens, q_descale, attention_chunk,
+    scheduler_metadata and sm_margin.
 
     With ``qv`` (MLA decoding's split form): q and k_cache hold the 64 rotary dims, qv and v_cache
     the 512 latent ones, one kv head; this is :func:`cuflash.mla_decode` with q_rope=q and
@@ -385,7 +520,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     descale for the latent cache (k_descale, v_descale the same tensor or one of them).
     """
     _check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-                              page_table, cu_seqlens_q), 3)
+                              page_table, cu_seqlens_q, sinks), 3)
     unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None,
                    "rotary_seqlens": rotary_seqlens is not None, "q_descale": q_descale is not None,
                    "attention_chunk": attention_chunk != 0, "scheduler_metadata": scheduler_metadata is not None,
@@ -401,6 +536,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         refused = {"k": k is not None, "v": v is not None, "rotary_cos": rotary_cos is not None,
                    "rotary_sin": rotary_sin is not None, "cache_batch_idx": cache_batch_idx is not None,
                    "cache_leftpad": cache_leftpad is not None, "cu_seqlens_q": cu_seqlens_q is not None,
+                   "sinks": sinks is not None,
                    "window_size": tuple(window_size) != (-1, -1), "softcap": softcap != 0,
                    "k_descale and v_descale that differ": (k_descale is not None and v_descale is not None
                                                            and k_descale is not v_descale)}
@@ -414,7 +550,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                    rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
                    window=window_size, softcap=softcap, num_splits=num_splits, descale_k=k_descale,
-                   descale_v=v_descale, return_lse=return_softmax_lse)
+                   descale_v=v_descale, return_lse=return_softmax_lse, sinks=sinks)
 
 
 def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softmax_scale, causal, num_splits,

@@ -77,6 +77,19 @@ def _check_tensors(q, k, v, packed: bool = False) -> None:
         raise ValueError(f"k: heads_kv = {k.shape[-2]} must divide the query heads {q.shape[-2]}")
 
 
+def _check_sinks(sinks, q) -> None:
+    """None, or a floating tensor (heads,) on q's device."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks: expected a torch.Tensor or None, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (q.shape[-2],):
+        raise ValueError(f"sinks: expected shape ({q.shape[-2]},) (one per query head), got {tuple(sinks.shape)}")
+    if not sinks.is_floating_point() or sinks.device != q.device:
+        raise TypeError(f"sinks: expected a floating tensor on q's device {q.device}, got {sinks.dtype} on "
+                        f"{sinks.device}")
+
+
 def _local_lengths(cu_seqlens, total: int, layout: str) -> tuple[tuple[int, int], ...]:
     """(first row, local length) of each sequence of a packed shard from ``cu_seqlens`` (read to
     the host: one synchronisation where it is a CUDA tensor)."""
@@ -137,12 +150,13 @@ def _check_agreement(ring: Ring, q, k, causal: bool, options: Options) -> None:
 
 
 def _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap, deterministic, return_lse,
-              cu_seqlens=None) -> tuple[Ring, bool, Options, bool]:
+              cu_seqlens=None, sinks=None) -> tuple[Ring, bool, Options, bool]:
     """Every entry point's arguments checked on this rank alone, before any communication: the
     ring of ``group`` over the shard's sequences (one, or ``cu_seqlens``'s of a packed shard),
     causal, the options and return_lse."""
     packed = cu_seqlens is not None
     _check_tensors(q, k, v, packed)
+    _check_sinks(sinks, q)
     _check_layout(layout, 0 if packed else q.shape[1])
     segments = _local_lengths(cu_seqlens, q.shape[0], layout) if packed else ((0, q.shape[1]),)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -157,7 +171,7 @@ def _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap, de
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
                    causal: bool = False, softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
                    softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
-                   return_lse: bool = False):
+                   return_lse: bool = False, sinks: Optional[torch.Tensor] = None):
     """Attention over a sequence split across the ranks of ``group`` (default: the whole world),
     differentiable: this rank's shard of the output, and with ``return_lse`` its log-sum-exp
     (float32, (batch, heads, seqlen_local), not differentiable).
@@ -171,11 +185,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Opt
     whole sequence, restricted to this rank's rows, within the correctness rule; so do the
     gradients. One all_gather of the shapes precedes the ring: shards that differ across the ranks
     raise ValueError on every rank.
+
+    ``sinks`` (heads,), the same on every rank (gpt-oss's attention sinks, as for
+    :func:`cuflash.torch.attention`): the blocks merge without them and each head's sink enters
+    once at the end, so the lse includes it. Their gradient on a rank is its rows' share, as
+    autograd gives any parameter a process uses: summing the ranks' gradients (DDP, or an
+    all_reduce) gives the whole sequence's.
     """
     ring, causal, options, return_lse = _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap,
-                                                  deterministic, return_lse)
+                                                  deterministic, return_lse, sinks=sinks)
     _check_agreement(ring, q, k, causal, options)
-    out, lse = RingAttention.apply(q, k, v, ring, options)
+    out, lse = RingAttention.apply(q, k, v, sinks, ring, options)
     return (out, lse) if return_lse else out
 
 
@@ -198,7 +218,7 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
                           group: Optional[dist.ProcessGroup] = None, *, causal: bool = False,
                           softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
                           softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
-                          return_lse: bool = False):
+                          return_lse: bool = False, sinks: Optional[torch.Tensor] = None):
     """:func:`ring_attention` over a packed batch of sequences, each split across the ranks.
 
     q (total_local, heads, head_dim) and k, v (total_local, heads_kv, head_dim) hold this rank's
@@ -209,13 +229,13 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     length 0 are allowed). :func:`varlen_positions` shards a whole packed batch. Returns this
     rank's rows of out (total_local, heads, head_dim), and with ``return_lse`` the float32 lse
     (heads, total_local), each sequence attending only to itself. A CUDA ``cu_seqlens`` is read
-    once to the host (the block plans are host arithmetic).
+    once to the host (the block plans are host arithmetic). ``sinks`` as for :func:`ring_attention`.
     """
     ring, causal, options, return_lse = _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap,
-                                                  deterministic, return_lse, cu_seqlens)
+                                                  deterministic, return_lse, cu_seqlens, sinks)
     _check_agreement(ring, q, k, causal, options)
     # The ring moves (batch, rows, heads, head_dim) tensors: a packed batch is a batch of one.
-    out, lse = RingAttention.apply(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), ring, options)
+    out, lse = RingAttention.apply(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), sinks, ring, options)
     return (out.squeeze(0), lse.squeeze(0)) if return_lse else out.squeeze(0)
 
 
@@ -258,7 +278,7 @@ def _heads_to_sequence(x, ring: Ring, positions: torch.Tensor):
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Optional[dist.ProcessGroup] = None, *,
                       causal: bool = False, softmax_scale: Optional[float] = None, window: tuple[int, int] = (-1, -1),
                       softcap: float = 0.0, layout: str = "zigzag", deterministic: bool = False,
-                      return_lse: bool = False):
+                      return_lse: bool = False, sinks: Optional[torch.Tensor] = None):
     """:func:`ring_attention`'s attention, shards and result by trading sequence for heads
     (DeepSpeed-Ulysses): an all-to-all gives each rank the whole sequence for ``heads /
     world_size`` of the query heads (and their K/V heads), it runs cuflash's attention on it, and
@@ -266,10 +286,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     exchanges of the gradients. ``world_size`` must divide the query heads, and divide or be a
     multiple of the K/V heads (K/V heads fewer than the ranks are repeated). Communication is
     all-to-all (each rank sends 3/4 of its q, k, v and out shards with 4 ranks) rather than a
-    ring's K/V passes, and no step waits on a causal mask's imbalance, in any layout.
+    ring's K/V passes, and no step waits on a causal mask's imbalance, in any layout. ``sinks`` as
+    for :func:`ring_attention`: a rank's gradient holds its heads' whole share, zero for the others.
     """
     ring, causal, options, return_lse = _prepared(q, k, v, group, layout, causal, softmax_scale, window, softcap,
-                                                  deterministic, return_lse)
+                                                  deterministic, return_lse, sinks=sinks)
     heads, heads_kv = q.shape[2], k.shape[2]
     if heads % ring.size:
         raise ValueError(f"q: ulysses_attention needs the world size {ring.size} to divide the query heads, "
@@ -286,8 +307,13 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     q, k, v = (_sequence_to_heads(x, ring, order) for x in (q, k, v))
     # The whole sequence: the window and causal mask as the single-process attention has them.
     left, right = options.window
-    out, lse = torch.ops.cuflash.attention_forward(q, k, v, causal, options.scale, left, -1 if causal else right,
-                                                   options.softcap, options.deterministic)
+    flags = causal, options.scale, left, -1 if causal else right, options.softcap, options.deterministic
+    if sinks is None:
+        out, lse = torch.ops.cuflash.attention_forward(q, k, v, *flags)
+    else:  # this rank's group of query heads, as _sequence_to_heads deals them
+        group_heads = q.shape[2]
+        mine = sinks[ring.rank * group_heads:(ring.rank + 1) * group_heads]
+        out, lse = torch.ops.cuflash.attention_biased_forward(q, k, v, mine, None, *flags)
     out = _heads_to_sequence(out, ring, positions)
     if not return_lse:
         return out
