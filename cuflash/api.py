@@ -102,11 +102,14 @@ def attention(
         Attention sinks (gpt-oss): a logit per query head, float32, bfloat16 or float16 (float64
         too on NumPy), shape (heads,), q's framework and device, that joins each row's softmax
         denominator, ``out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sinks[h]))``, not
-        multiplied by softmax_scale. ``-inf`` is no sink. NumPy inputs only so far.
+        multiplied by softmax_scale. ``-inf`` is no sink. It costs each row's epilogue only. On
+        the GPU its values are not checked (that would wait for the device): a NaN or +inf sink
+        gives its head NaN rows.
     alibi_slopes : array, optional
         float32 (heads,) or (batch, heads): flash-attn's ALiBi bias
         ``-slope * |i + seqlen_k - seqlen_q - j|`` added to the (softcapped) score of query i and
-        key j. NumPy inputs only so far.
+        key j (a row per batch entry for (batch, heads)). It runs the kernels of a window mask
+        (any mask is one), where it costs an add and a multiply-add per score.
 
     Returns
     -------
@@ -128,9 +131,7 @@ def attention(
         ``out``, a non-finite or non-positive softmax_scale or descale, a descale array of the
         wrong shape or device, a descale or out_dtype given with inputs that are not FP8, FP8
         GPU inputs whose head_dim or head_dim_v is not a multiple of 16; sinks or alibi_slopes of
-        the wrong shape, dtype, side or device, a NaN or +inf sink, a non-finite slope.
-    NotImplementedError
-        sinks or alibi_slopes with GPU inputs (checked first, then refused before any launch).
+        the wrong shape, dtype, side or device; on NumPy, a NaN or +inf sink, a non-finite slope.
 
     Notes
     -----
@@ -163,39 +164,42 @@ def attention(
                 or descale_k is not None or descale_v is not None)
     if fp8_call:
         qt, kt, vt = (checks.declared_dtype(name, t, dtype) for name, t in (("q", qt), ("k", kt), ("v", vt)))
-    if sinks is not None or alibi_slopes is not None:  # refused on the GPU, after every other check
+    bias = checks.NO_BIAS
+    if sinks is not None or alibi_slopes is not None:  # q's checks first: they read its shape
         checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
-        checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
-    # FP8 calls run their checks every time (a signature would have to hold the descales).
+        bias = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
+    # FP8 calls run their checks every time (a signature would have to hold the descales), and so
+    # do calls with sinks or ALiBi (it would have to hold theirs).
     signature = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
                   softcap)
-                 if (not fp8_call and type(softmax_scale) in plan.SIGNATURE_SCALARS
+                 if (not fp8_call and bias is checks.NO_BIAS and type(softmax_scale) in plan.SIGNATURE_SCALARS
                      and plan.aligned_pointers(qt, kt, vt, out_t)) else None)
     result, lse = plan.run(signature, qt.device, _checked_forward,
-                           (framework, qt, kt, vt, out_t, causal, softmax_scale, window, softcap, descales, out_dtype),
-                           _build_forward, framework, (qt, kt, vt), (out,), (out_t,), return_lse)
+                           (framework, qt, kt, vt, out_t, causal, softmax_scale, window, softcap, descales, out_dtype,
+                            bias.alibi_stride),
+                           _build_forward, framework, (qt, kt, vt), (out,), (out_t,), return_lse, plan.NO_LENGTHS, bias)
     return (result, lse) if return_lse else result
 
 
 def _checked_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_scale, window, softcap: float,
-                     descales: tuple, out_dtype):
+                     descales: tuple, out_dtype, alibi: int | None):
     """attention's checks, for plan.run: (checks.ForwardCall, the tensors to launch on, whether they
     are the given ones). A tensor whose pointer or strides are not 16-byte aligned is copied."""
     scale, fp8 = checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
     as_given = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
     if not as_given:
         qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
-    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8)
+    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8, alibi=alibi)
     return call, (qt, kt, vt, *fp8.descales) if fp8 else (qt, kt, vt), as_given
 
 
 def _build_forward(call: checks.ForwardCall) -> plan.ForwardPlan:
     q, k, v, fp8 = call.q, call.k, call.v, call.fp8
     batch, seqlen_q, heads = q.shape[:3]
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1])
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1], call.alibi is not None)
     out = call.out or interop.contiguous(checks.output_shape(q, v), q, fp8 and fp8.out_dtype)
     return plan.build_forward(q, k, v, out, interop.contiguous((batch, heads, seqlen_q), q, "float32"), call.scale,
-                              mask, batch, seqlen_q, descales=fp8 and fp8.descales)
+                              mask, batch, seqlen_q, descales=fp8 and fp8.descales, alibi=call.alibi)
 
 
 def attention_backward(
@@ -256,7 +260,8 @@ def attention_backward(
     (dq, dk, dv), or (dq, dk, dv, dsinks) with ``sinks``
         In the caller's framework, as for :func:`attention`; dk and dv summed over each group of
         query heads for GQA/MQA. dsinks is float32 (heads,):
-        ``dsinks_h = -sum_{b,i} exp(sinks_h - lse_bhi) * rowsum(dout * out)_bhi``.
+        ``dsinks_h = -sum_{b,i} exp(sinks_h - lse_bhi) * rowsum(dout * out)_bhi``, summed in a
+        fixed order (bitwise repeatable in either mode).
 
     Raises
     ------
@@ -264,8 +269,6 @@ def attention_backward(
         As for :func:`attention`, and for a deterministic that is not a bool (or 0 / 1), dout/out
         not of out's shape and q's dtype, an lse that is not float32 or not (batch, heads, seqlen_q), or gradients
         passed in dq/dk/dv of the wrong shape or dtype.
-    NotImplementedError
-        sinks or alibi_slopes with GPU inputs, as for :func:`attention`.
     """
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
@@ -278,26 +281,30 @@ def attention_backward(
         sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, q, q.shape[2], q.shape[0])
         return numpy_path.attention_backward(arrays, causal, scale, window, softcap, sinks, alibi_slopes)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
-    if sinks is not None or alibi_slopes is not None:  # refused on the GPU, after every other check
+    bias = checks.NO_BIAS
+    if sinks is not None or alibi_slopes is not None:  # q's checks first: they read its shape
         checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
         qt = tensors["q"]
-        checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
+        bias = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
     # Item getters, not generators over the names: no generator object per call.
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
     given_t = dq_t, dk_t, dv_t = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")
     signature = (("attention_backward", qt.layout, kt.layout, vt.layout, dout_t.layout, out_t.layout, lse_t.layout,
                   dq_t and dq_t.layout, dk_t and dk_t.layout, dv_t and dv_t.layout, causal, softmax_scale, window,
                   softcap, deterministic)
-                 if (type(softmax_scale) in plan.SIGNATURE_SCALARS and checks.plain_window(window)
-                     and type(softcap) in plan.SIGNATURE_SCALARS
+                 if (bias is checks.NO_BIAS and type(softmax_scale) in plan.SIGNATURE_SCALARS
+                     and checks.plain_window(window) and type(softcap) in plan.SIGNATURE_SCALARS
                      and plan.aligned_pointers(qt, kt, vt, dout_t, out_t, dq_t, dk_t, dv_t)) else None)
-    return plan.run(signature, qt.device, _checked_backward,
-                    (framework, tensors, given_t, causal, softmax_scale, window, softcap, deterministic),
-                    _build_backward, framework, (qt, kt, vt, out_t, dout_t, lse_t), (dq, dk, dv), given_t)
+    *grads, dsinks = plan.run(signature, qt.device, _checked_backward,
+                              (framework, tensors, given_t, causal, softmax_scale, window, softcap, deterministic,
+                               bias.alibi_stride),
+                              _build_backward, framework, (qt, kt, vt, out_t, dout_t, lse_t), (dq, dk, dv), given_t,
+                              plan.NO_LENGTHS, bias)
+    return (*grads, dsinks) if sinks is not None else tuple(grads)
 
 
 def _checked_backward(framework: str, tensors: dict, given_t: tuple, causal: bool, softmax_scale, window, softcap,
-                      deterministic: bool):
+                      deterministic: bool, alibi: int | None):
     """attention_backward's checks, as _checked_forward's."""
     scale, window, softcap = checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
@@ -306,7 +313,7 @@ def _checked_backward(framework: str, tensors: dict, given_t: tuple, causal: boo
         qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                      for t in (qt, kt, vt, dout_t, out_t))
     call = checks.BackwardCall(qt, kt, vt, out_t, dout_t, lse_t, *given_t, scale, causal, window, softcap,
-                               deterministic)
+                               deterministic, alibi=alibi)
     return call, (qt, kt, vt, out_t, dout_t, lse_t), as_given
 
 
@@ -314,6 +321,6 @@ def _build_backward(call: checks.BackwardCall) -> plan.BackwardPlan:
     q, k = call.q, call.k
     batch, seqlen_q = q.shape[:2]
     grads = tuple(t or interop.contiguous(like.shape, q) for t, like in ((call.dq, q), (call.dk, k), (call.dv, call.v)))
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1])
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1], call.alibi is not None)
     return plan.build_backward(q, k, call.v, call.out, call.dout, call.lse, grads, call.scale, mask,
-                               call.deterministic, batch, seqlen_q, k.shape[1])
+                               call.deterministic, batch, seqlen_q, k.shape[1], alibi=call.alibi)

@@ -113,7 +113,7 @@ def attention_with_kvcache(
         As for :func:`cuflash.attention`: the sink enters each sequence's softmax once, whatever
         the split of its keys (the lse includes it; a row that sees no key has out 0 and lse =
         sink); alibi_slopes is (heads,) or (batch, heads), the bias aligned against the
-        sequence's key count. NumPy inputs only so far (GPU arrays raise NotImplementedError).
+        sequence's key count.
 
     Returns
     -------
@@ -130,11 +130,13 @@ def attention_with_kvcache(
               "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
     options = checks.KvOptions(cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap,
                                num_splits, descale_k, descale_v, return_lse, validate, dtype)
-    if sinks is not None or alibi_slopes is not None:  # on the GPU: refused after every other check
+    if sinks is not None or alibi_slopes is not None:  # checked every call, as NumPy ones are
         call = checks.check_kvcache(arrays, *options)
         checked = checks.check_sinks_alibi(sinks, alibi_slopes, call.framework, call.tensors["q"], call.heads,
                                            call.batch)
-        return numpy_path.attention_with_kvcache(call, *checked)
+        if call.framework == "numpy":
+            return numpy_path.attention_with_kvcache(call, *checked)
+        return kvcache_gpu.attention_with_kvcache_checked(call._replace(alibi=checked.alibi_stride), checked)
     if interop.framework_of(q, "q") == "numpy":
         return numpy_path.attention_with_kvcache(checks.check_kvcache(arrays, *options))
     return kvcache_gpu.attention_with_kvcache(arrays, options)

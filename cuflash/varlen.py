@@ -84,7 +84,7 @@ def attention_varlen(
         on the GPU a larger value counts as the whole sequence.
     sinks, alibi_slopes : arrays, optional
         As for :func:`cuflash.attention` (the lse includes the sink; a row of no key has out 0 and
-        lse = sink); alibi_slopes is (heads,) or (num_sequences, heads). NumPy inputs only so far.
+        lse = sink); alibi_slopes is (heads,) or (num_sequences, heads).
 
     Returns
     -------
@@ -96,8 +96,6 @@ def attention_varlen(
     ------
     TypeError, ValueError
         Bad arguments, each naming the argument.
-    NotImplementedError
-        sinks or alibi_slopes with GPU inputs.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
@@ -118,9 +116,14 @@ def attention_varlen(
     if out is not None:
         checks.check_out("out", tensors["out"], checks.output_shape(tensors["q"], tensors["v"]), tensors["q"],
                          on_device, fp8 and fp8.out_dtype)
-    if sinks is not None or alibi_slopes is not None:  # on the GPU: refused after every other check
-        sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, tensors["q"],
-                                                       tensors["q"].shape[1], lengths.batch, "num_sequences")
+    bias = checks.NO_BIAS
+    if sinks is not None or alibi_slopes is not None:
+        checked = checks.check_sinks_alibi(sinks, alibi_slopes, framework, tensors["q"], tensors["q"].shape[1],
+                                           lengths.batch, "num_sequences")
+        if on_device:
+            bias = checked
+        else:
+            sinks, alibi_slopes = checked
     if not on_device:
         return numpy_path.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
                                      scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k,
@@ -130,19 +133,19 @@ def attention_varlen(
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
     out_t = tensors.get("out")
     total_q, heads, _ = qt.shape
-    if total_q == 0 or kt.shape[0] == 0:  # no work: out is empty, or zero with lse -inf
+    if total_q == 0 or kt.shape[0] == 0:  # no work: out is empty, or zero with lse -inf (or the sinks)
         filled = plan.fill_empty(framework, qt, (out,), (out_t,), (checks.output_shape(qt, vt),),
-                                 (heads, total_q) if return_lse else None, fp8 and fp8.out_dtype)
+                                 (heads, total_q) if return_lse else None, fp8 and fp8.out_dtype, bias.sinks)
         return filled if return_lse else filled[0]
     # The checks above run on every call (they read the lengths' values); the plan is cached.
-    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8, lengths)
+    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8, lengths, bias.alibi_stride)
     tensors = (qt, kt, vt, *fp8.descales) if fp8 else (qt, kt, vt)
     # The used prefixes travel with the lengths to the launch, which fills them in per call.
     cu_seqlens = lengths.device_q, lengths.device_k
     launch_lengths = (cu_seqlens if lengths.device_used_q is None and lengths.device_used_k is None
                       else (*cu_seqlens, lengths.device_used_q, lengths.device_used_k))
     out, lse = plan.run(None, qt.device, _checked, (call, tensors), _build_forward, framework, tensors, (out,),
-                        (out_t,), return_lse, launch_lengths)
+                        (out_t,), return_lse, launch_lengths, bias)
     return (out, lse) if return_lse else out
 
 
@@ -155,11 +158,12 @@ def _build_forward(call: checks.ForwardCall) -> plan.ForwardPlan:
     q, k, v, fp8, lengths = call.q, call.k, call.v, call.fp8, call.lengths
     heads, total_q = q.shape[1], q.shape[0]
     # Windows normalised against the packed lengths, which bound every sequence's.
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, total_q, k.shape[0])
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, total_q, k.shape[0], call.alibi is not None)
     out = call.out or interop.contiguous(checks.output_shape(q, v), q, fp8 and fp8.out_dtype)
     return plan.build_forward(*(checks.as_batch_of_one(t) for t in (q, k, v, out)),
                               interop.contiguous((heads, total_q), q, "float32"), call.scale, mask, lengths.batch,
-                              int(lengths.max_seqlen_q), (lengths.device_q, lengths.device_k), fp8 and fp8.descales)
+                              int(lengths.max_seqlen_q), (lengths.device_q, lengths.device_k), fp8 and fp8.descales,
+                              call.alibi)
 
 
 def attention_varlen_backward(
@@ -189,8 +193,8 @@ def attention_varlen_backward(
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, arguments as there and as for
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
     reference path is deterministic whatever ``deterministic`` says. Where one side's sequences
-    are all empty, the gradients are zero (or empty). With ``sinks`` (NumPy inputs only so far),
-    also dsinks, float32 (heads,), summed over the sequences.
+    are all empty, the gradients are zero (or empty). With ``sinks``, also dsinks, float32
+    (heads,), summed over the sequences.
     """
     given = dq, dk, dv
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
@@ -205,9 +209,14 @@ def attention_varlen_backward(
     scale = checks.resolve_scale(softmax_scale, qt.shape[2])
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
     checks.check_backward_inputs(tensors, (qt.shape[1], qt.shape[0]), on_device)
-    if sinks is not None or alibi_slopes is not None:  # on the GPU: refused after every other check
-        sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[1], lengths.batch,
-                                                       "num_sequences")
+    bias = checks.NO_BIAS
+    if sinks is not None or alibi_slopes is not None:
+        checked = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[1], lengths.batch,
+                                           "num_sequences")
+        if on_device:
+            bias = checked
+        else:
+            sinks, alibi_slopes = checked
     if not on_device:
         return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window,
                                                     softcap, sinks, alibi_slopes)
@@ -217,19 +226,22 @@ def attention_varlen_backward(
     lse_t = tensors["lse"]
     given_t = tuple(tensors.get(name) for name in ("dq", "dk", "dv"))
     if qt.shape[0] == 0 or kt.shape[0] == 0:  # no work: the gradients are empty or zero
-        return plan.fill_empty(framework, qt, given, given_t, (qt.shape, kt.shape, vt.shape))
+        grads = plan.fill_empty(framework, qt, given, given_t, (qt.shape, kt.shape, vt.shape))
+        # Every output row is 0, so each row's rowsum(dout * out), and with it dsinks, is 0.
+        return grads if sinks is None else (*grads, plan.zeros(framework, bias.sinks))
     call = checks.BackwardCall(qt, kt, vt, out_t, dout_t, lse_t, *given_t, scale, causal, window, softcap,
-                               deterministic, lengths)
+                               deterministic, lengths, bias.alibi_stride)
     tensors = qt, kt, vt, out_t, dout_t, lse_t
-    return plan.run(None, qt.device, _checked, (call, tensors), _build_backward, framework, tensors, given, given_t,
-                    (lengths.device_q, lengths.device_k))
+    *grads, dsinks = plan.run(None, qt.device, _checked, (call, tensors), _build_backward, framework, tensors, given,
+                              given_t, (lengths.device_q, lengths.device_k), bias)
+    return (*grads, dsinks) if sinks is not None else tuple(grads)
 
 
 def _build_backward(call: checks.BackwardCall) -> plan.BackwardPlan:
     q, k, v, lengths = call.q, call.k, call.v, call.lengths
     grads = tuple(checks.as_batch_of_one(t or interop.contiguous(like.shape, q))
                   for t, like in ((call.dq, q), (call.dk, k), (call.dv, v)))
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, q.shape[0], k.shape[0])
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, q.shape[0], k.shape[0], call.alibi is not None)
     return plan.build_backward(*(checks.as_batch_of_one(t) for t in (q, k, v, call.out, call.dout)), call.lse, grads,
                                call.scale, mask, call.deterministic, lengths.batch, int(lengths.max_seqlen_q),
-                               int(lengths.max_seqlen_k), (lengths.device_q, lengths.device_k))
+                               int(lengths.max_seqlen_k), (lengths.device_q, lengths.device_k), call.alibi)

@@ -38,37 +38,67 @@ def as_float64(x):
     return x.astype(cp.float64)
 
 
-def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None, window=(-1, -1),
-              softcap: float = 0.0, p_lowp: str | None = None):
-    """Returns (out, lse) in float64: out (b, sq, h, d), lse (b, h, sq). ``p_lowp``: the dtype P
-    is rounded to before P V, default ``lowp`` (float8_e4m3fn: FlashAttention-3's FP8 baseline)."""
-    from cuflash._cpu.reference import allowed_keys
+def alibi_bias(slopes, batch: int, heads: int, seqlen_q: int, seqlen_k: int):
+    """ALiBi's float64 bias (batch or 1, heads, seqlen_q, seqlen_k): -slope * |i + seqlen_k -
+    seqlen_q - j|, for slopes (heads,) or (batch, heads) (any array module's, float32)."""
+    slopes = cp.asarray(slopes, dtype=cp.float64).reshape(-1, heads)[:, :, None, None]
+    i = cp.arange(seqlen_q)[:, None]
+    j = cp.arange(seqlen_k)[None, :]
+    return -slopes * cp.abs(i + seqlen_k - seqlen_q - j).astype(cp.float64)
 
-    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, s, d)
-    group = q.shape[1] // k.shape[1]
-    k, v = (cp.repeat(x, group, axis=1) for x in (k, v))
-    s = cp.matmul(q, k.transpose(0, 1, 3, 2)) * scale
-    if lowp:
-        s = round_to(s, lowp)
-    if softcap:
-        s = softcap * cp.tanh(s / softcap)
-        if lowp:
-            s = round_to(s, lowp)
-    sq, sk = q.shape[2], k.shape[2]
-    if causal or window != (-1, -1):
-        s = cp.where(cp.asarray(allowed_keys(sq, sk, causal=causal, window=window)), s, -cp.inf)
+
+def _softmax(s, sinks):
+    """(P, lse, rows without weight) of scores s (b, h, sq, sk), each head's sink (h,) joining its
+    rows' denominators as one more column (None: none); a row of no key and no sink gets P 0 and
+    lse -inf."""
     m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = cp.asarray(sinks, dtype=cp.float64).reshape(1, -1, 1, 1)
+        m = cp.maximum(m, sink)
     m = cp.where(cp.isneginf(m), 0.0, m)
     p = cp.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + cp.exp(sink - m)
     empty = l == 0
     p = p / cp.where(empty, 1.0, l)
+    lse = cp.where(empty[..., 0], -cp.inf, m[..., 0] + cp.log(cp.where(empty, 1.0, l)[..., 0]))
+    return p, lse
+
+
+def _scores(q, k, scale, lowp, softcap, alibi, causal, window):
+    """The masked scores (b, h, sq, sk) of (b, h, s, d) q and k, and softcap's t (or None)."""
+    from cuflash._cpu.reference import allowed_keys
+
+    rnd = (lambda x: round_to(x, lowp)) if lowp else (lambda x: x)
+    s = rnd(cp.matmul(q, k.transpose(0, 1, 3, 2)) * scale)
+    t = None
+    if softcap:
+        t = cp.tanh(s / softcap)
+        s = rnd(softcap * t)
+    sq, sk = q.shape[2], k.shape[2]
+    if alibi is not None:
+        s = s + alibi_bias(alibi, q.shape[0], q.shape[1], sq, sk)
+    if causal or window != (-1, -1):
+        s = cp.where(cp.asarray(allowed_keys(sq, sk, causal=causal, window=window)), s, -cp.inf)
+    return s, t
+
+
+def attention(q, k, v, *, causal: bool, scale: float, lowp: str | None = None, window=(-1, -1),
+              softcap: float = 0.0, p_lowp: str | None = None, sinks=None, alibi=None):
+    """Returns (out, lse) in float64: out (b, sq, h, d), lse (b, h, sq). ``p_lowp``: the dtype P
+    is rounded to before P V, default ``lowp`` (float8_e4m3fn: FlashAttention-3's FP8 baseline).
+    ``sinks`` (h,) and ``alibi`` slopes ((h,) or (b, h)) as cuflash.attention takes them."""
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))  # (b, h, s, d)
+    group = q.shape[1] // k.shape[1]
+    k, v = (cp.repeat(x, group, axis=1) for x in (k, v))
+    s, _ = _scores(q, k, scale, lowp, softcap, alibi, causal, window)
+    p, lse = _softmax(s, sinks)
     if p_lowp or lowp:
         p = round_to(p, p_lowp or lowp)
     out = cp.matmul(p, v)
     if lowp:
         out = round_to(out, lowp)
-    lse = cp.where(empty[..., 0], -cp.inf, m[..., 0] + cp.log(cp.where(empty, 1.0, l)[..., 0]))
     return out.transpose(0, 2, 1, 3), lse
 
 
@@ -87,30 +117,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **options):
 
 
 def attention_backward(q, k, v, dout, *, causal: bool, scale: float, lowp: str | None = None, window=(-1, -1),
-                       softcap: float = 0.0):
-    """(dq, dk, dv) in float64; ``lowp`` rounds S, P, dP, dS and the gradients to float16/bfloat16,
-    as autograd through attention computed in that dtype would. Window and softcap as in
-    :func:`attention`; rows without keys get zero gradients."""
-    from cuflash._cpu.reference import allowed_keys
-
+                       softcap: float = 0.0, sinks=None, alibi=None):
+    """(dq, dk, dv) in float64, and dsinks (h,) after them with ``sinks``; ``lowp`` rounds S, P,
+    dP, dS and the gradients to float16/bfloat16, as autograd through attention computed in that
+    dtype would. Window, softcap, sinks and ALiBi as in :func:`attention`; rows without keys get
+    zero gradients."""
     group = q.shape[2] // k.shape[2]
     qh, kh, vh, doh = (x.transpose(0, 2, 1, 3) for x in (q, k, v, dout))
     kh, vh = (cp.repeat(x, group, axis=1) for x in (kh, vh))
     rnd = (lambda x: round_to(x, lowp)) if lowp else (lambda x: x)
-    s = rnd(cp.matmul(qh, kh.transpose(0, 1, 3, 2)) * scale)
-    if softcap:
-        t = cp.tanh(s / softcap)
-        s = rnd(softcap * t)
-    sq, sk = q.shape[1], k.shape[1]
-    if causal or window != (-1, -1):
-        s = cp.where(cp.asarray(allowed_keys(sq, sk, causal=causal, window=window)), s, -cp.inf)
-    m = s.max(axis=-1, keepdims=True)
-    p = cp.exp(s - cp.where(cp.isneginf(m), 0.0, m))
-    l = p.sum(axis=-1, keepdims=True)
-    p = rnd(p / cp.where(l == 0, 1.0, l))
+    s, t = _scores(qh, kh, scale, lowp, softcap, alibi, causal, window)
+    p, lse = _softmax(s, sinks)
+    p = rnd(p)
     dv = cp.matmul(p.transpose(0, 1, 3, 2), doh)
     dp = rnd(cp.matmul(doh, vh.transpose(0, 1, 3, 2)))
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
+    delta = (p * dp).sum(axis=-1, keepdims=True)  # rowsum(dout * out), the sink's column adding 0
+    ds = p * (dp - delta)
     if softcap:  # d(softcap * tanh(x / softcap)) / dx
         ds = ds * (1 - t * t)
     ds = rnd(ds)
@@ -122,7 +144,12 @@ def attention_backward(q, k, v, dout, *, causal: bool, scale: float, lowp: str |
         return x.reshape(b, h // group, group, s_, d).sum(axis=2)
 
     dq, dk, dv = dq, per_kv_head(dk), per_kv_head(dv)
-    return tuple(rnd(x).transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    grads = tuple(rnd(x).transpose(0, 2, 1, 3) for x in (dq, dk, dv))
+    if sinks is None:
+        return grads
+    sink = cp.asarray(sinks, dtype=cp.float64).reshape(1, -1, 1)
+    weight = cp.where(cp.isneginf(lse), 0.0, cp.exp(sink - lse))
+    return (*grads, -(weight * delta[..., 0]).sum(axis=(0, 2)))
 
 
 def attention_varlen_backward(q, k, v, dout, cu_seqlens_q, cu_seqlens_k, **options):

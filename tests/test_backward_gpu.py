@@ -217,10 +217,13 @@ def test_flash_attn_func_signature_and_refusals():
     q = torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
     out = flash_attn_func(q, q, q, causal=True)
     assert out.shape == q.shape and out.dtype == q.dtype
-    # alibi_slopes and sinks are taken, and refused by the checks until the kernels compute them.
-    for kwargs, name in (({"dropout_p": 0.1}, "dropout_p"),
-                         ({"alibi_slopes": torch.ones(2, device="cuda")}, "alibi_slopes"),
-                         ({"learnable_sink": torch.ones(2, device="cuda")}, "sinks"),
-                         ({"return_attn_probs": True}, "return_attn_probs")):
+    for kwargs, name in (({"dropout_p": 0.1}, "dropout_p"), ({"return_attn_probs": True}, "return_attn_probs")):
         with pytest.raises(NotImplementedError, match=name):
             flash_attn_func(q, q, q, **kwargs)
+    # alibi_slopes and sinks (FlashAttention-4's learnable_sink) reach the kernels: each changes
+    # the output, and the two names of the sinks give the same one.
+    slopes, sinks = torch.full((2,), 0.5, device="cuda"), torch.full((2,), 2.0, device="cuda")
+    biased = flash_attn_func(q, q, q, causal=True, alibi_slopes=slopes)
+    sunk = flash_attn_func(q, q, q, causal=True, learnable_sink=sinks)
+    assert not torch.equal(biased, out) and not torch.equal(sunk, out)
+    assert torch.equal(sunk, flash_attn_func(q, q, q, causal=True, sinks=sinks))

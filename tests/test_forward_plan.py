@@ -94,7 +94,7 @@ def test_fixed_length_launch(launches):
     q, k = _tensor((2, 300, 8, 128)), _tensor((2, 1000, 2, 128), ptr=3 << 20)
     lse = _tensor((2, 8, 300), "float32", ptr=4 << 20)
     built = plan.build_forward(q, k, k, q, lse, 0.1, dispatch.make_mask(True, (256, -1), 30.0, 300, 1000), 2, 300)
-    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, k.ptr, q.ptr, lse.ptr, 0, 0, 0, 0))
+    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, k.ptr, q.ptr, lse.ptr, 0, 0, 0, 0, 0, 0))
     (kernel, params), = launches
     choice = dispatch.forward_kernel("sm80", 128, "window", "bfloat16", True)
     assert kernel.function == hash(choice.name_expression) and kernel.grid == (3, 8, 2)

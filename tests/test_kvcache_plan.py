@@ -220,13 +220,16 @@ def test_kv_and_mla_kernels_listed_last_for_the_compile_check():
     assert names[-len(kv) - len(mla):] == kv + mla and len(kv) == 4 + 4 * 3 + 3 + 5 * 2 * 4 and len(mla) == 4
     # sm90's MLA kernels come before its (192, 128) backward (both dtypes x the 9 (mask, softcap,
     # dQ order) of the equal dims' list), its TMA-loaded MLA kernels (one per dtype) after it, then
-    # their transposed forms for 16 and 32 query rows.
+    # their transposed forms for 16 and 32 query rows, then the d64 ALiBi forwards of two consumers
+    # (16-bit and e4m3 into either dtype; with softcap they are the narrow kernels listed before).
     sm90 = [c.name_expression for c in dispatch.all_kernels("sm90")]
     tma = [c.name_expression for c in dispatch.mla_tma_kernels()]
     narrow = [c.name_expression for c in dispatch.mla_narrow_kernels()]
     pair = [n for n in sm90 if n.startswith("cuflash::sm90::flash_bwd_sm90<192, 128, ")]
-    late = pair + tma + narrow
-    assert len(pair) == 2 * 9 and len(tma) == 2 and len(narrow) == 4 and sm90[-len(late):] == late
+    alibi = [n for n in sm90[-4:] if n.startswith("cuflash::sm90::flash_fwd_sm90<64, 2, ")]
+    late = pair + tma + narrow + alibi
+    assert len(pair) == 2 * 9 and len(tma) == 2 and len(narrow) == 4 and len(alibi) == 4
+    assert sm90[-len(late):] == late
     assert sm90[-len(late) - 4:-len(late)] == [c.name_expression for c in dispatch.mla_all_kernels("sm90")]
 
 

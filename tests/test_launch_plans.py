@@ -340,8 +340,8 @@ def test_argument_buffer_matches_numpy_packing():
     lse = record((2, 8, 30), 3 << 20, "float32")
     packed = pack_fwd_params(q, k, k, q, lse, 0.1, (5, 0), 3.0)
     buffer = ArgumentBuffer(packed, FWD_POINTERS)
-    first = buffer.fill(11 << 20, 12 << 20, 13 << 20, 14 << 20, 15 << 20, 0, 0, 0, 0)
-    second = buffer.fill(q.ptr, k.ptr, k.ptr, q.ptr, lse.ptr, 0, 0, 0, 0)
+    first = buffer.fill(11 << 20, 12 << 20, 13 << 20, 14 << 20, 15 << 20, 0, 0, 0, 0, 0, 0)
+    second = buffer.fill(q.ptr, k.ptr, k.ptr, q.ptr, lse.ptr, 0, 0, 0, 0, 0, 0)
     assert ArgumentBuffer.struct_bytes(second) == packed.tobytes()
     repacked = pack_fwd_params(q._replace(ptr=11 << 20), k._replace(ptr=12 << 20), k._replace(ptr=13 << 20),
                                q._replace(ptr=14 << 20), lse._replace(ptr=15 << 20), 0.1, (5, 0), 3.0)

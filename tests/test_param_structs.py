@@ -57,9 +57,11 @@ def test_fwd_params_offsets():
     fields = params.FWD_PARAMS.fields
     assert fields["lse"][1] == 32 and fields["cu_seqlens_k"][1] == 48
     assert fields["seq_end_q"][1] == 56 and fields["seq_end_k"][1] == 64
-    assert fields["q_batch_stride"][1] == 72 and fields["lse_head_stride"][1] == 176
-    assert fields["kv_group"][1] == 184 and fields["window_right"][1] == 204
-    assert fields["softcap_tanh_scale"][1] == 212
+    assert fields["sinks"][1] == 72 and fields["alibi_slopes"][1] == 80
+    assert fields["q_batch_stride"][1] == 88 and fields["lse_head_stride"][1] == 192
+    assert fields["alibi_batch_stride"][1] == 200
+    assert fields["kv_group"][1] == 208 and fields["window_right"][1] == 228
+    assert fields["softcap_tanh_scale"][1] == 236
 
 
 def test_derived_fwd_params_keep_the_base_offsets():
@@ -67,17 +69,19 @@ def test_derived_fwd_params_keep_the_base_offsets():
     for derived in (params.FWD_PARAMS_FP8, params.FWD_PARAMS_PAGED):
         assert all(derived.fields[name][1] == offset for name, (_, offset) in params.FWD_PARAMS.fields.items())
     fields = params.FWD_PARAMS_FP8.fields
-    assert [fields[name][1] for name in params.FWD_DESCALES] == [224, 232, 240]
-    assert fields["v_scale"][1] == 296
-    assert [params.FWD_PARAMS_PAGED.fields[name][1] for name in params.FWD_CACHE_POINTERS] == [224, 232]
+    assert [fields[name][1] for name in params.FWD_DESCALES] == [248, 256, 264]
+    assert fields["v_scale"][1] == 320
+    assert [params.FWD_PARAMS_PAGED.fields[name][1] for name in params.FWD_CACHE_POINTERS] == [248, 256]
 
 
 def test_bwd_and_convert_params_offsets():
     fields = params.BWD_PARAMS.fields
-    assert fields["cu_seqlens_k"][1] == 112 and fields["q_batch_stride"][1] == 120
-    assert fields["accum_batch_rows"][1] == 328 and fields["heads"][1] == 336
-    assert fields["dq_splits"][1] == 356 and fields["window_right"][1] == 372
-    assert fields["scale"][1] == 380 and fields["softcap_tanh_scale"][1] == 384
+    assert fields["cu_seqlens_k"][1] == 112 and fields["alibi_slopes"][1] == 120
+    assert fields["q_batch_stride"][1] == 128
+    assert fields["accum_batch_rows"][1] == 336 and fields["alibi_batch_stride"][1] == 344
+    assert fields["heads"][1] == 352
+    assert fields["dq_splits"][1] == 372 and fields["window_right"][1] == 388
+    assert fields["scale"][1] == 396 and fields["softcap_tanh_scale"][1] == 400
     fields = params.CONVERT_PARAMS.fields
     assert fields["batch"][1] == 72 and fields["group"][1] == 88 and fields["scale"][1] == 92
 
@@ -85,8 +89,8 @@ def test_bwd_and_convert_params_offsets():
 def test_sm90_forward_params_offsets():
     # Three 128-byte maps, then the base struct, then the persistent grid's four int32 tile counts
     # in the padding up to the next 64 bytes.
-    for dtype, base, counts in ((params.FWD_PARAMS_SM90, params.FWD_PARAMS, [608, 612, 616, 620]),
-                                (params.FWD_PARAMS_SM90_FP8, params.FWD_PARAMS_FP8, [688, 692, 696, 700])):
+    for dtype, base, counts in ((params.FWD_PARAMS_SM90, params.FWD_PARAMS, [632, 636, 640, 644]),
+                                (params.FWD_PARAMS_SM90_FP8, params.FWD_PARAMS_FP8, [712, 716, 720, 724])):
         fields = dtype.fields
         assert [fields[name][1] for name in ("q", "k", "v", "base")] == [0, 128, 256, 384]
         assert fields["base"][0] == base

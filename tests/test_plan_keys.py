@@ -70,8 +70,10 @@ FP8_VARIANTS = [FP8._replace(out_dtype="float16"), FP8._replace(descale_q=0.25),
 
 
 def options(base) -> dict[str, list]:
-    """Other values of the options every attention record holds."""
-    return {"scale": [base.scale * 2], "causal": [not base.causal], "window": [(4, 0), (-1, 4)], "softcap": [30.0]}
+    """Other values of the options every attention record holds: ALiBi slopes' presence and batch
+    stride among them (the sinks are a pointer only, the launch's)."""
+    return {"scale": [base.scale * 2], "causal": [not base.causal], "window": [(4, 0), (-1, 4)], "softcap": [30.0],
+            "alibi": [0, 8] if base.alibi is None else [None, base.alibi + 8]}
 
 
 def test_fp8_options():

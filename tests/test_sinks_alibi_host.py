@@ -185,27 +185,47 @@ def _fake_qkv(packed=False):
             FakeCupyArray((*lead, 2, 64), ptr=3 << 30))
 
 
-@pytest.mark.parametrize("name, value", [("sinks", ((4,), "bfloat16")), ("alibi_slopes", ((2, 4), "float32"))])
-def test_gpu_arrays_are_refused_before_any_launch(name, value, monkeypatch):
+class _Launched(Exception):
+    """Raised by the stand-in for plan.run: the call got as far as its launch pipeline."""
+
+
+def _capture_runs(monkeypatch) -> list:
+    """plan.run replaced by a recorder of (signature, options) that stops the call there."""
     from cuflash._core import plan
 
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a plan ran")
+    seen = []
 
-    monkeypatch.setattr(plan, "run", no_launch)
+    def record(signature, device, prepare, args, build, framework, tensors, given, given_t, *options):
+        seen.append((signature, options))
+        raise _Launched
+
+    monkeypatch.setattr(plan, "run", record)
+    return seen
+
+
+@pytest.mark.parametrize("name, value, pointers, stride", [
+    ("sinks", ((4,), "float32"), (9 << 30, 0), None),
+    ("alibi_slopes", ((2, 4), "float32"), (0, 9 << 30), 4),
+    ("alibi_slopes", ((4,), "float32"), (0, 9 << 30), 0)])
+def test_gpu_sinks_and_slopes_reach_the_launch(name, value, pointers, stride, monkeypatch):
+    # No signature (its layouts would have to hold the bias's), the pointers at the launch, and the
+    # slopes' batch stride in the checked call the plan is built from.
+    seen = _capture_runs(monkeypatch)
     option = {name: FakeCupyArray(*value, ptr=9 << 30)}
-    words = f"{name}: not yet supported on the GPU kernels"
-    with pytest.raises(NotImplementedError, match=words):
-        cuflash.attention(*_fake_qkv(), **option)
+    batch = 2
     q, k, v = _fake_qkv()
     out, dout = FakeCupyArray((2, 12, 4, 64), ptr=4 << 30), FakeCupyArray((2, 12, 4, 64), ptr=5 << 30)
     lse = FakeCupyArray((2, 4, 12), "float32", ptr=6 << 30)
-    with pytest.raises(NotImplementedError, match=words):
-        cuflash.attention_backward(dout, q, k, v, out, lse, **option)
-    q, k, v = _fake_qkv(packed=True)
-    with pytest.raises(NotImplementedError, match=words):
-        cuflash.attention_varlen(q, k, v, FakeCupyArray((3,), "int32", ptr=7 << 30),
-                                 FakeCupyArray((3,), "int32", ptr=8 << 30), 12, 12, validate=False, **option)
+    packed = _fake_qkv(packed=True)
+    cu = FakeCupyArray((batch + 1,), "int32", ptr=7 << 30), FakeCupyArray((batch + 1,), "int32", ptr=8 << 30)
+    for call in (lambda: cuflash.attention(q, k, v, **option),
+                 lambda: cuflash.attention_backward(dout, q, k, v, out, lse, **option),
+                 lambda: cuflash.attention_varlen(*packed, *cu, 12, 12, validate=False, **option)):
+        with pytest.raises(_Launched):
+            call()
+        signature, options = seen[-1]
+        bias = options[-1]
+        assert signature is None and bias.pointers == pointers and bias.alibi_stride == stride
 
 
 def test_gpu_sinks_of_a_bad_dtype_or_shape_are_named_first():
@@ -260,7 +280,7 @@ def test_kvcache_against_the_reference_with_an_empty_sequence(page_size, varlen)
     np.testing.assert_allclose(first_lse, np.broadcast_to(sinks.astype(np.float32)[:, None], first_lse.shape))
 
 
-def test_kvcache_bad_sinks_and_gpu_refusal():
+def test_kvcache_bad_sinks_and_gpu_bias_at_the_launch(monkeypatch):
     args = make_case(np.random.default_rng(23), new=0, heads=4, dtype=np.float16)
     with pytest.raises(ValueError, match=r"sinks: expected shape \(4,\)"):
         cuflash.attention_with_kvcache(**args, sinks=np.zeros(2, np.float32))
@@ -268,6 +288,9 @@ def test_kvcache_bad_sinks_and_gpu_refusal():
         cuflash.attention_with_kvcache(**args, alibi_slopes=np.zeros((2, 4), np.float32))
     q = FakeCupyArray((3, 1, 4, 64), ptr=1 << 30)
     cache = FakeCupyArray((3, 40, 2, 64), ptr=2 << 30)
-    with pytest.raises(NotImplementedError, match="sinks: not yet supported on the GPU kernels"):
+    seen = _capture_runs(monkeypatch)
+    with pytest.raises(_Launched):
         cuflash.attention_with_kvcache(q, cache, FakeCupyArray((3, 40, 2, 64), ptr=3 << 30), cache_seqlens=7,
                                        sinks=FakeCupyArray((4,), "float32", ptr=4 << 30))
+    signature, options = seen[-1]
+    assert signature is None and options[-1].pointers == (4 << 30, 0)

@@ -233,7 +233,7 @@ def _mask(window, softcap):
 
 
 def _launch(built, q, k, v, out_ptr, lse_ptr):
-    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, v.ptr, out_ptr, lse_ptr, 0, 0, 0, 0))
+    kernels.launch(built.kernel, 0, built.argument.fill(q.ptr, k.ptr, v.ptr, out_ptr, lse_ptr, 0, 0, 0, 0, 0, 0))
 
 
 def _forward(q, k, v, out, lse, scale, window, softcap, batch, max_seqlen_q):
@@ -395,7 +395,7 @@ def test_sm90_backward_plan(monkeypatch):
     assert loaded[walked.main.function - 1][0].name_expression.endswith("true, false, false, 1, cuflash::bf16>")
     taking_turns = plan.build_backward(q, k, k, q, q, lse, (q, k, k), 0.1, _mask((-1, 0), 0.0), True, 2, 300, 300)
     assert loaded[taking_turns.main.function - 1][0].name_expression.endswith("true, false, false, 2, cuflash::bf16>")
-    pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 13, 0, 0)
+    pointers = (1 << 20, 3 << 20, 3 << 20, 1 << 20, 1 << 20, 6 << 20, 7, 8, 9, 10, 11, 12, 13, 0, 0, 0)
     main = np.frombuffer(ArgumentBuffer.struct_bytes(built.main_argument.fill(*pointers)), BWD_PARAMS_SM90)[0]
     shared = ArgumentBuffer.struct_bytes(built.argument.fill(*pointers))
     base = np.frombuffer(shared, BWD_PARAMS)[0]
@@ -468,7 +468,7 @@ def test_sm90_argument_fill_cost_is_small(monkeypatch):
     packed = params.pack_fwd_params(q, q, q, q, lse, 0.1)
     sm80 = ArgumentBuffer(packed, FWD_POINTERS)
     sm90 = params.sm90_forward_argument(packed, q, q, q, 128, 128, (32, 16, 2))
-    pointers = (q.ptr, q.ptr, q.ptr, q.ptr, lse.ptr, 0, 0, 0, 0)
+    pointers = (q.ptr, q.ptr, q.ptr, q.ptr, lse.ptr, 0, 0, 0, 0, 0, 0)
 
     def per_call_us(argument, calls=2000):
         argument.fill(*pointers)
@@ -480,5 +480,5 @@ def test_sm90_argument_fill_cost_is_small(monkeypatch):
     sm80_us, sm90_us = per_call_us(sm80), per_call_us(sm90)
     print(f"fill: FwdParams {sm80_us:.1f} us, FwdParamsSm90 {sm90_us:.1f} us per call")
     assert sm90_us < sm80_us + 50
-    assert len(ArgumentBuffer.struct_bytes(sm90.fill(*pointers))) == 640
+    assert len(ArgumentBuffer.struct_bytes(sm90.fill(*pointers))) == 704
     params._tensor_map.cache_clear()

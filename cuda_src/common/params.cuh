@@ -23,12 +23,19 @@ struct FwdParams {
   // or cu_seqlens[b] + seqused[b] (common/seqlen.cuh).
   const int* seq_end_q;
   const int* seq_end_k;
+  // Attention sinks: float32 (heads,) logits in natural log, each joining its head's softmax
+  // denominators once (common/softmax.cuh, with_sink). Null: none.
+  const float* sinks;
+  // ALiBi: float32 slopes (common/alibi.cuh), (heads,) or (batch, heads) at alibi_batch_stride;
+  // read by WINDOW kernels only. Null: none.
+  const float* alibi_slopes;
   // Strides in elements; the head_dim stride is 1.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;
   i64 v_batch_stride, v_row_stride, v_head_stride;
   i64 o_batch_stride, o_row_stride, o_head_stride;
   i64 lse_batch_stride, lse_head_stride;  // the row stride is 1
+  i64 alibi_batch_stride;                 // 0: one slope per head for every batch entry
   int kv_group;  // heads / heads_kv: query heads that share one K/V head
   int seqlen_q;  // fixed-length batches only
   int seqlen_k;
@@ -40,7 +47,7 @@ struct FwdParams {
   float softcap_tanh_scale;  // softmax_scale / softcap, read by SOFTCAP kernels only
   int head_dim_v;  // of v and o, at most the bucket (last: the other fields keep their offsets)
 };
-static_assert(sizeof(FwdParams) == 224, "cuflash/_core/params.py packs 224 bytes");
+static_assert(sizeof(FwdParams) == 248, "cuflash/_core/params.py packs 248 bytes");
 
 // The forward of e4m3 inputs: FwdParams, whose scale_log2 (or softcap_tanh_scale) holds scalar q
 // and k descales, then per-(batch, head_kv) descales. A separate struct so that the 16-bit kernels'
@@ -56,7 +63,7 @@ struct FwdParamsFp8 : FwdParams {
   i64 descale_v_batch_stride, descale_v_head_stride;
   float v_scale;  // a scalar descale_v (1 when it is an array), applied with the final normalisation
 };
-static_assert(sizeof(FwdParamsFp8) == 304, "cuflash/_core/params.py packs 304 bytes");
+static_assert(sizeof(FwdParamsFp8) == 328, "cuflash/_core/params.py packs 328 bytes");
 
 // The forward of 16-bit queries against a KV cache (chunked prefill, cuflash/_core/plan.py
 // build_kvcache): FwdParams whose k and v are the cache after the append. The keys of sequence b
@@ -74,7 +81,7 @@ struct FwdParamsPaged : FwdParams {
   int cache_seqlen;
   int new_keys;  // keys appended per sequence; -1: as many as its query rows (a packed q)
 };
-static_assert(sizeof(FwdParamsPaged) == 256, "cuflash/_core/params.py packs 256 bytes");
+static_assert(sizeof(FwdParamsPaged) == 280, "cuflash/_core/params.py packs 280 bytes");
 
 // The kernel argument of a forward whose inputs are Input, reading K and V from a KV cache if PAGED.
 template <class Input, bool PAGED = false>
@@ -114,6 +121,7 @@ struct BwdParams {
                      // per query block, of the key blocks that have added their dQ terms
   const int* cu_seqlens_q;  // null for a fixed-length batch (common/seqlen.cuh)
   const int* cu_seqlens_k;
+  const float* alibi_slopes;  // as FwdParams (a sink needs nothing here: the lse includes it)
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 k_batch_stride, k_row_stride, k_head_stride;
   i64 v_batch_stride, v_row_stride, v_head_stride;
@@ -124,6 +132,7 @@ struct BwdParams {
   i64 lse_batch_stride, lse_head_stride;
   i64 dq_split_stride, dq_batch_stride, dq_head_stride;
   i64 accum_batch_rows;  // seqlen_k, or 0 for a packed batch
+  i64 alibi_batch_stride;
   int heads;
   int kv_group;
   int seqlen_q;  // fixed-length batches only
@@ -139,7 +148,7 @@ struct BwdParams {
   float softcap_tanh_scale;
   int head_dim_v;  // of v, o, dout, dv (last: the other fields keep their offsets)
 };
-static_assert(sizeof(BwdParams) == 392, "cuflash/_core/params.py packs 392 bytes");
+static_assert(sizeof(BwdParams) == 408, "cuflash/_core/params.py packs 408 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
 // `scale` times the in-order sum of `group` source values (flash_bwd_convert).
@@ -181,6 +190,8 @@ struct KvParams {
   void* q_rot;               // rotated q, contiguous (rows, heads, d) in q's type; null: no rotary
   const float* descale_k;    // e4m3 cache: (batch, heads_kv) float32; null: descale_k_scalar
   const float* descale_v;
+  const float* sinks;         // as FwdParams; with several splits kv_combine adds them
+  const float* alibi_slopes;  // as FwdParams, at alibi_batch_stride
   // Strides in elements: batch (or page), row, head.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 kc_batch_stride, kc_row_stride, kc_head_stride;
@@ -188,6 +199,7 @@ struct KvParams {
   i64 kn_batch_stride, kn_row_stride, kn_head_stride;
   i64 vn_batch_stride, vn_row_stride, vn_head_stride;
   i64 o_batch_stride, o_row_stride, o_head_stride;
+  i64 alibi_batch_stride;
   int batch, seqlen_q, heads, heads_kv, head_dim;
   int page_size, max_pages, capacity;
   int cache_seqlens_scalar, seqlen_new;
@@ -198,7 +210,7 @@ struct KvParams {
   float softcap_scale;            // softmax_scale / softcap; 0: no softcap
   float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
 };
-static_assert(sizeof(KvParams) == 384, "params.py KV_PARAMS mirrors KvParams");
+static_assert(sizeof(KvParams) == 408, "params.py KV_PARAMS mirrors KvParams");
 
 // kv_combine's: fp32 partial outputs and their LSEs merged. Mirrored by COMBINE_PARAMS in
 // cuflash/_core/params.py.
@@ -207,6 +219,7 @@ struct CombineParams {
   const float* lse_partial;
   void* out;
   float* lse;  // null: not wanted
+  const float* sinks;  // (heads,) as FwdParams, joining each row once where the splits merge; null: none
   // Strides in elements: split, batch, row, head.
   i64 op_split_stride, op_batch_stride, op_row_stride, op_head_stride;
   i64 lp_split_stride, lp_batch_stride, lp_row_stride, lp_head_stride;
@@ -214,7 +227,7 @@ struct CombineParams {
   i64 l_batch_stride, l_row_stride, l_head_stride;
   int splits, batch, seqlen, heads, head_dim;
 };
-static_assert(sizeof(CombineParams) == 168, "params.py COMBINE_PARAMS mirrors CombineParams");
+static_assert(sizeof(CombineParams) == 176, "params.py COMBINE_PARAMS mirrors CombineParams");
 
 // MLA decoding (common/mla_decode.cuh). Mirrored by MLA_PARAMS in cuflash/_core/params.py.
 struct MlaParams {

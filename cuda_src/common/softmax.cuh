@@ -54,6 +54,18 @@ __device__ __forceinline__ MergedRow merge_rows(const Max& max, const Sum& sum) 
   return row;
 }
 
+// A row with its sink (common/bias.cuh): the sink, in exp2's units, joins the row's sum once as
+// one more term 2^sink, the maximum moving to it if larger. A sink of -inf is no sink. A row that
+// saw no key (sum 0) ends with sum 1 at maximum = sink: its LSE is the sink, and its output, which
+// takes 2^(max(i) - base) / sum of nothing, stays 0.
+__device__ __forceinline__ MergedRow with_sink(MergedRow row, float sink) {
+  if (sink == kNegInf) return row;
+  const float top = fmaxf(row.max, sink);
+  // row.sum == 0 guards 0 * 2^(row.base - top) = 0 * inf for a far smaller sink.
+  const float sum = (row.sum == 0.f ? 0.f : row.sum * fast_exp2(row.base - top)) + fast_exp2(sink - top);
+  return {top, top, sum};
+}
+
 // MT 16-row tiles per warp; each thread owns two rows of each (lane/4 and lane/4 + 8).
 // LOG2_OFFSET: the probabilities are 2^LOG2_OFFSET times exp(s - row max), in [0, 2^LOG2_OFFSET]
 // (the running sum in the same units, taken back out of the LSE): an e4m3 P (sm90's FP8 forward)
@@ -157,10 +169,12 @@ struct OnlineSoftmax {
   }
 
   // Normalises o by the row sums and returns the natural-log LSE of row h of tile mt in lse.
-  // A row that saw no key has sum 0: its output stays 0 and its LSE is -inf.
+  // A row that saw no key has sum 0: its output stays 0 and its LSE is -inf. `sink`: the head's
+  // attention sink in exp2's units (with_sink; common/bias.cuh), -inf for none, which leaves the
+  // rows as they were.
   template <int DT>
   __device__ __forceinline__ void finalize(float (&o)[MT][DT][4], float scale_log2,
-                                           float (&lse)[MT][2]) {
+                                           float (&lse)[MT][2], float sink = kNegInf) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -168,8 +182,18 @@ struct OnlineSoftmax {
         float sum = row_sum[mt][h];
         sum += __shfl_xor_sync(0xffffffff, sum, 1);
         sum += __shfl_xor_sync(0xffffffff, sum, 2);
-        const float inv = sum == 0.f ? 0.f : 1.f / sum;
-        lse[mt][h] = row_lse<LOG2_OFFSET>(row_max[mt][h], sum, scale_log2);
+        float inv;
+        if (sink == kNegInf) {
+          inv = sum == 0.f ? 0.f : 1.f / sum;
+          lse[mt][h] = row_lse<LOG2_OFFSET>(row_max[mt][h], sum, scale_log2);
+        } else {
+          // The row's sum counts 2^(x - base) with base = max * scale_log2 - LOG2_OFFSET.
+          const bool seen = row_max[mt][h] != kNegInf;
+          const float base = seen ? row_max[mt][h] * scale_log2 - LOG2_OFFSET : 0.f;
+          const MergedRow row = with_sink({seen ? base : kNegInf, base, sum}, sink);
+          inv = sum == 0.f ? 0.f : fast_exp2(base - row.base) / row.sum;
+          lse[mt][h] = row_lse(row.max, row.sum);
+        }
 #pragma unroll
         for (int dt = 0; dt < DT; ++dt) {
           o[mt][dt][2 * h] *= inv;

@@ -75,11 +75,14 @@ __global__ void __launch_bounds__(WARPS * 32) kv_combine(const __grid_constant__
   const i64 bi = item / p.heads;
   const int i = int(bi % p.seqlen), b = int(bi / p.seqlen);
   const float* lp = p.lse_partial + i64(b) * p.lp_batch_stride + i64(i) * p.lp_row_stride + i64(h) * p.lp_head_stride;
-  float mx = kNegInf;
+  // The head's sink (common/bias.cuh) joins as one more part whose output is 0: it enters the
+  // LSE, and so every split's weight, once.
+  const float sink = p.sinks != nullptr ? p.sinks[h] : kNegInf;
+  float mx = lane == 0 ? sink : kNegInf;
   for (int s = lane; s < p.splits; s += 32) mx = fmaxf(mx, lp[s * p.lp_split_stride]);
   for (int off = 16; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(~0u, mx, off));
   const float base = mx == kNegInf ? 0.f : mx;
-  float total = 0.f;
+  float total = lane == 0 ? expf(sink - base) : 0.f;
   for (int s = lane; s < p.splits; s += 32) total += expf(lp[s * p.lp_split_stride] - base);
   for (int off = 16; off > 0; off /= 2) total += __shfl_xor_sync(~0u, total, off);
   const bool empty = total == 0.f;

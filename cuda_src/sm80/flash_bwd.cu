@@ -6,6 +6,7 @@
 //     its share of dQ into an fp32 buffer with reductions (deterministic mode: several key blocks
 //     per CTA, in order, into the CTA's own buffer).
 #include "common/atomics.cuh"
+#include "common/bias.cuh"
 #include "common/bwd_schedule.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
@@ -25,12 +26,15 @@ namespace cuflash {
 // With a softcap, s holds y = score * scale / softcap (softcap.cuh), the softmax saw softcap * t
 // with t = tanh(y), and the chain rule through it multiplies dS by 1 - t^2 (softcap_slope; the
 // factor scale of d(softcap * t) / d(score) is applied with dK's and dQ's).
-// `stores` holds this thread's P addresses (StoreAddress); dS sits one P tile further on.
+// ALiBi's bias joins the score as in the forward (after the tanh); it is constant in the score,
+// so dS needs nothing more. `stores` holds this thread's P addresses (StoreAddress); dS sits one
+// P tile further on.
 template <bool EDGE, bool SOFTCAP, int BLOCK_M, int BLOCK_N, class Elem, int S_MT, bool CAUSAL, bool WINDOW>
 __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], const float (&dp)[S_MT][4][4],
                                                 const StoreAddress<BLOCK_N>& stores, const float* lse,
                                                 const float* delta, int first_local_row, int first_local_key, int m,
-                                                int first_key, const Mask<CAUSAL, WINDOW>& mask, const BwdParams& p) {
+                                                int first_key, const Mask<CAUSAL, WINDOW>& mask, const Alibi& alibi,
+                                                const BwdParams& p) {
   constexpr u32 kDsOffset = BLOCK_M * BLOCK_N * 2;
   const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -44,13 +48,15 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
       // Rows past the sequence end are zero-filled with lse = delta = 0: harmless unmasked.
       const int key_begin = EDGE && WINDOW ? mask.key_begin(row) - first_key : 0;
       const int key_end = EDGE ? mask.key_end(row) - first_key : 0;
+      const float distance0 = float(row + alibi.diagonal_offset - first_key - first_local_key - (lane % 4) * 2);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int key = first_local_key + nt * 8 + (lane % 4) * 2;
         float pv[2], dsv[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float score = SOFTCAP ? fast_tanh(s[mt][nt][2 * h + e]) : s[mt][nt][2 * h + e];
+          float score = SOFTCAP ? fast_tanh(s[mt][nt][2 * h + e]) : s[mt][nt][2 * h + e];
+          if (alibi.on()) score = fmaf(-alibi.slope, fabsf(distance0 - float(nt * 8 + e)), score);
           pv[e] = fast_exp2(fmaf(score, p.scale_log2, -lse_log2));
           // Masked: 0, not exp2(-inf - lse), which is NaN for a row without keys (lse = -inf).
           if (EDGE && Mask<CAUSAL, WINDOW>::outside(key + e, key_begin, key_end)) pv[e] = 0.f;
@@ -138,6 +144,7 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
   const int qd = warp % Q_D_WARPS;  // head_dim slice of dQ
   const int qr = warp / Q_D_WARPS;  // row slice of dQ
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
+  const Alibi alibi{WINDOW ? alibi_slope(p, batch, head, p.scale_log2) : 0.f, mask.diagonal_offset};
 
   const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
                  seq.q_begin * p.q_row_stride;
@@ -236,10 +243,10 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
       const float* delta = sDelta + (step % 2) * BLOCK_M;
       if (edge)
         softmax_to_smem<true, SOFTCAP, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32,
-                                                               m, first_key, mask, p);
+                                                               m, first_key, mask, alibi, p);
       else
         softmax_to_smem<false, SOFTCAP, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32,
-                                                                m, first_key, mask, p);
+                                                                m, first_key, mask, alibi, p);
       __syncthreads();
 
       // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.

@@ -5,6 +5,7 @@
 // memory (common/fp8.cuh), with their descales folded into the softmax scale and the final
 // normalisation. PAGED kernels read K and V from a KV cache, through its page table
 // (sm80/kv_pages.cuh).
+#include "common/bias.cuh"
 #include "common/fp8.cuh"
 #include "sm80/kv_pages.cuh"
 #include "common/mask.cuh"
@@ -38,6 +39,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int NT = BLOCK_N / 8;                       // 8-key tiles of S
   constexpr int DT = HEAD_DIM / 8;                      // 8-column tiles of O
   constexpr int KSTEPS = HEAD_DIM / 16;
+  // ALiBi (common/bias.cuh) in the window kernels, but for the KV cache's with softcap, where it
+  // spilled past the allowance: dispatch.kvcache_prefill sends those calls to kv_decode.
+  constexpr bool ALIBI = WINDOW && !(PAGED && SOFTCAP);
   static_assert(MT >= 1 && BLOCK_M % (16 * WARPS) == 0, "whole 16-row tiles per warp");
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "mma k-steps of 16");
 
@@ -145,6 +149,10 @@ __global__ void __launch_bounds__(WARPS * 32)
       warp_gemm<KSTEPS, Elem>(s, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag));
 
       if (SOFTCAP) softcap_scores(s, scales.tanh_scale());
+      // ALiBi's slope is read again each step (an L1 hit) rather than held across the loop, where
+      // its register pushed the widest kernels into spills.
+      if (ALIBI && p.alibi_slopes != nullptr)
+        Alibi{alibi_slope(p, batch, head, scales.log2()), mask.diagonal_offset}.apply(s, first_row + warp_row, n * BLOCK_N);
       if (needs_mask<BLOCK_M, BLOCK_N>(mask, m_block, n)) mask.apply(s, first_row + warp_row, n * BLOCK_N);
 
       // V[n] has landed and every warp is done reading K[n]: prefetch K[n-1] under the softmax
@@ -166,7 +174,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 
   float lse[MT][2];
-  softmax.finalize(o, scales.log2(), lse);
+  softmax.finalize(o, scales.log2(), lse, sink_log2(p, head));
   if constexpr (FP8) {
     // Read here rather than held across the main loop.
     scale(o, v_descale(p, batch, kv_head));

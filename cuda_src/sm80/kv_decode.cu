@@ -8,6 +8,7 @@
 // The cache's element type C is q's 16-bit T, or e4m3 (an FP8 cache, values stored / descale):
 // kv_decode widens its e4m3 bytes exactly to T in registers right before each mma.sync, and
 // scales the scores by descale_k and the output by descale_v.
+#include "common/bias.cuh"
 #include "common/e4m3.cuh"
 #include "common/kv_cache.cuh"
 #include "common/smem.cuh"
@@ -373,6 +374,15 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) kv_decode(const __gri
   const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head);
   const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
   const float tanh_scale = p.softcap_scale * descale_k;
+  // ALiBi (common/bias.cuh): each of this thread's rows has its own head's slope, in raw score
+  // units, and its distance to the first key of a step's column of this thread.
+  float alibi_slope_raw[2], alibi_distance0[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = row0 + g + 8 * h;
+    alibi_slope_raw[h] = alibi_slope(p, b, kv_head * group + m % group, score_log2);
+    alibi_distance0[h] = float(m / group + shift - 16 * warp);
+  }
 
   // 16-bit caches' ldmatrix addresses: Q as the A operand, this warp's 16 keys of K (B of
   // S = Q K^T) and of V (B of O = P V, read k-major), in stage 0; a stage is KEYS * D * 2 bytes
@@ -416,6 +426,15 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) kv_decode(const __gri
       warp_gemm<D / 16, T>(sc, q_tiles, k_tiles, smem_operand<false>(q_frag), smem_operand<false>(k_frag, stage));
     }
     if (p.softcap_scale > 0.f) softcap_scores(sc, tanh_scale);
+    if (p.alibi_slopes != nullptr) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int column = (FP8 ? 4 * tig + 2 * nt : 8 * nt + 2 * tig) + (e & 1), h = e / 2;
+          sc[0][nt][e] = fmaf(-alibi_slope_raw[h], fabsf(alibi_distance0[h] - float(n0 + column)), sc[0][nt][e]);
+        }
+    }
     // Only steps that cross a bound of this thread's live rows need masking.
     if (n0 < lo_max || n0 + KEYS > hi_min) {
 #pragma unroll
@@ -453,8 +472,11 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) kv_decode(const __gri
     }
   }
   __syncthreads();
+  // With one split the rows take their head's sink here; several splits leave it to kv_combine.
+  const bool split_out = p.num_splits > 1;
   const auto merged_warps = [&](int r) {
-    return merge_rows<WARPS>([&](int w) { return s.m[w][r]; }, [&](int w) { return s.l[w][r]; });
+    const MergedRow row = merge_rows<WARPS>([&](int w) { return s.m[w][r]; }, [&](int w) { return s.l[w][r]; });
+    return split_out ? row : with_sink(row, sink_log2(p, kv_head * group + (row0 + r) % group));
   };
   const float descale_v = kv_descale(p.descale_v, p.descale_v_scalar, p, b, kv_head);
 #pragma unroll
@@ -473,7 +495,6 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) kv_decode(const __gri
   __syncthreads();
 
   // Epilogue: pairs of columns of the 16 rows, coalesced along each row.
-  const bool split_out = p.num_splits > 1;
   const i64 total_rows = p.cu_seqlens_q ? i64(p.cu_seqlens_q[p.batch]) : i64(p.batch) * p.seqlen_q;
   for (int i = threadIdx.x; i < ROWS * D / 2; i += THREADS) {
     const int r = i / (D / 2), c = 2 * (i % (D / 2)), m = row0 + r;

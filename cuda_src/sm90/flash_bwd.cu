@@ -37,6 +37,7 @@
 //    rather than by the query blocks only that one sees. GQA's dK and dV are stored per query
 //    head and summed in order by the convert kernel.
 // The walk and turns repeat bitwise (dispatch.dq_order picks between them).
+#include "common/bias.cuh"
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
 #include "common/softcap.cuh"
@@ -204,6 +205,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   // The i-th query block of a key block's range (the last first: above).
   const auto query_block = [](const BlockRange& range, int i) { return LAST_FIRST ? range.end - 1 - i : range.begin + i; };
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
+  // ALiBi (window kernels): the forward's bias on each score after the tanh; dS needs nothing more.
+  const Alibi alibi{WINDOW ? alibi_slope(a, batch, head, a.scale_log2) : 0.f, mask.diagonal_offset};
   const int kv_head = head / a.kv_group;
 
   if (threadIdx.x == 0) {
@@ -418,6 +421,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           // P^T: columns are queries query_col0 + 8 nt + 2 (lane % 4) + e of the block.
           const int stat_base = query_col0 + 2 * (lane % 4);
           const int query_base = m * kBwdBlockM + stat_base;
+          float distance0[2];  // ALiBi's query - key (+ offset) of this thread's first column, per key
+#pragma unroll
+          for (int h = 0; h < 2; ++h) distance0[h] = float(query_base + alibi.diagonal_offset - key0 - 8 * h);
           // dP^T - delta, times a factor per score, in place of dP^T: with a softcap the tanh's
           // slope (s holds y), without one P (s holds P).
           const auto weigh_dp = [&] {
@@ -453,7 +459,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
                 // With a softcap, s holds y = score * scale / softcap and the softmax saw softcap t,
                 // t = tanh(y).
                 const float y = s[0][nt][2 * h + e];
-                const float score = SOFTCAP ? fast_tanh(y) : y;
+                float score = SOFTCAP ? fast_tanh(y) : y;
+                if (alibi.on()) score = fmaf(-alibi.slope, fabsf(distance0[h] + float(8 * nt + e)), score);
                 const float prob = seen ? fast_exp2(fmaf(score, a.scale_log2, -lse_log2)) : 0.f;
                 s[0][nt][2 * h + e] = prob;
                 // d(softcap t) / d(score) = scale (1 - t^2), the slope taken above; scale is

@@ -11,6 +11,7 @@
 // producer warpgroup's otherwise idle warps (VTranspose), because 8-bit wgmma reads its B operand
 // K-major only and V arrives keys x head_dim. The descales scale the scores (common/fp8.cuh,
 // ScoreScales) and the final O; the output is Elem.
+#include "common/bias.cuh"
 #include "common/fp8.cuh"
 #include "common/mask.cuh"
 #include "common/seqlen.cuh"
@@ -200,14 +201,16 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[KSLI
     pack_a<Elem>(s, p);
 }
 
-// Scores of key block n to unnormalised probabilities: softcap, the mask if `masked` (this warp's
-// 16 rows start at warp_row), and the online softmax's running max and sum; `correction` is what
-// o must be multiplied by once no P V product writes it any more.
+// Scores of key block n to unnormalised probabilities: softcap, ALiBi (its slope 0 where the kernel
+// has none), the mask if `masked` (this warp's 16 rows start at warp_row), and the online
+// softmax's running max and sum; `correction` is what o must be multiplied by once no P V product
+// writes it any more.
 template <int BLOCK_N, bool SOFTCAP, bool CAUSAL, bool WINDOW, int NT, class Softmax, class Scales>
 __device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<CAUSAL, WINDOW>& mask, bool masked,
-                                              Softmax& softmax, const Scales& scales, int n, int warp_row,
-                                              float (&correction)[1][2]) {
+                                              const Alibi& alibi, Softmax& softmax, const Scales& scales, int n,
+                                              int warp_row, float (&correction)[1][2]) {
   if (SOFTCAP) softcap_scores(s, scales.tanh_scale());
+  if (alibi.on()) alibi.apply(s, warp_row, n * BLOCK_N);
   if (masked) mask.apply(s, warp_row, n * BLOCK_N);
   softmax.probabilities(s, scales.log2(), correction);
 }
@@ -260,6 +263,10 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
   constexpr int KSLICES = FP8 ? NT / 4 : NT / 2;  // k-slices of P V: 32 keys for e4m3, else 16
   typedef typename FwdArgs<Input>::type Base;  // FwdParams, or FwdParamsFp8 with the descales
   const Base& a = p.base;
+  // ALiBi (common/bias.cuh) in the window kernels of two consumers: with three (d64, 160 registers
+  // each) its distances cost 92 to 132 bytes of spills, so d64 ALiBi calls take the two-consumer
+  // tile (dispatch.forward_kernel) and the three-consumer kernels compile no trace of it.
+  constexpr bool ALIBI = WINDOW && CONSUMERS == 2;
 
   // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
   // one arrival per consumer warp once its warpgroup is done with the buffer (for K and V: its
@@ -414,6 +421,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
       unsigned char* const q_tile = smem + q_buffer * Smem::Q_BYTES;
 
       const ScoreScales<Base, SOFTCAP> scales(a, c.batch, c.head / a.kv_group);
+      const Alibi alibi{ALIBI ? alibi_slope(a, c.batch, c.head, scales.log2()) : 0.f, mask.diagonal_offset};
       float o[1][DT][4];
       clear(o);
       OnlineSoftmax<1, FP8 ? 8 : 0, FP8> softmax;  // e4m3 P in [0, 256]; the max as a tree (common/softmax.cuh)
@@ -445,8 +453,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
         fence_registers(flat(s));
         // The tensor cores are done with this K stage: one arrival per warp hands it back.
         if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-        probabilities<BLOCK_N, SOFTCAP>(s, mask, needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n), softmax, scales,
-                                        n, warp_row, correction);
+        probabilities<BLOCK_N, SOFTCAP>(s, mask, needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n), alibi, softmax,
+                                        scales, n, warp_row, correction);
         pack_p<Input, Elem>(s, pv_a);
         k_pos.advance();
 
@@ -472,7 +480,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
           wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
           fence_registers(flat(s));
           if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, softmax, scales, n, warp_row, correction);
+          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, alibi, softmax, scales, n, warp_row, correction);
           wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
           fence_registers(flat(o));
           fence_registers(pv_a);
@@ -515,7 +523,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
       }
 
       float lse[1][2];
-      softmax.finalize(o, scales.log2(), lse);
+      softmax.finalize(o, scales.log2(), lse, sink_log2(a, c.head));
       if constexpr (FP8) {
         // Read here rather than held across the main loop.
         scale(o, v_descale(a, c.batch, c.head / a.kv_group));

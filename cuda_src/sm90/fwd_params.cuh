@@ -28,8 +28,8 @@ struct FwdParamsSm90Of {
   int tiles;
 };
 typedef FwdParamsSm90Of<FwdParams> FwdParamsSm90;
-static_assert(sizeof(FwdParamsSm90) == 640 && alignof(FwdParamsSm90) == 64, "cuflash/_core/params.py packs 640 bytes");
-static_assert(sizeof(FwdParamsSm90Of<FwdParamsFp8>) == 704, "cuflash/_core/params.py packs 704 bytes");
+static_assert(sizeof(FwdParamsSm90) == 704 && alignof(FwdParamsSm90) == 64, "cuflash/_core/params.py packs 704 bytes");
+static_assert(sizeof(FwdParamsSm90Of<FwdParamsFp8>) == 768, "cuflash/_core/params.py packs 768 bytes");
 
 // The kernel argument of a forward whose inputs are Input (common/params.cuh, FwdArgs).
 template <class Input>

@@ -22,6 +22,7 @@ from cuflash._core import dispatch, interop
 
 __all__ = [
     "BackwardCall",
+    "Bias",
     "CombineCall",
     "FP8_DTYPE",
     "ForwardCall",
@@ -31,6 +32,7 @@ __all__ = [
     "MLA_ARRAYS",
     "MlaCall",
     "Lengths",
+    "NO_BIAS",
     "QuantizeCall",
     "as_batch_of_one",
     "check_backward",
@@ -295,16 +297,41 @@ def check_backward(arrays: dict, softmax_scale: Any, window: Any, softcap: Any,
     return scale, resolve_window(window), resolve_softcap(softcap)
 
 
-# Attention sinks and ALiBi: checked on both paths, computed on the CPU path only so far.
+# Attention sinks and ALiBi, checked alike on both paths.
 SINK_DTYPES = ("float32", "bfloat16", "float16")
 
 
+class Bias(NamedTuple):
+    """The checked sinks and ALiBi slopes of a GPU call as the kernels read them (cuda_src/common/
+    bias.cuh): float32 DeviceTensors, None where not given; the sinks contiguous, the slopes'
+    heads contiguous."""
+
+    sinks: Any = None
+    alibi: Any = None
+
+    @property
+    def pointers(self) -> tuple[int, int]:
+        """(sinks, alibi_slopes) pointers, 0 where not given, in the params' order."""
+        return (self.sinks.ptr if self.sinks is not None else 0, self.alibi.ptr if self.alibi is not None else 0)
+
+    @property
+    def alibi_stride(self) -> int | None:
+        """What a plan reads of the slopes: None without them, else their batch stride (0 for one
+        slope per head)."""
+        if self.alibi is None:
+            return None
+        return self.alibi.strides[0] if self.alibi.ndim == 2 else 0
+
+
+NO_BIAS = Bias()
+
+
 def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, heads: int, batch: int,
-                      batch_name: str = "batch") -> tuple[Any, Any]:
+                      batch_name: str = "batch") -> Any:
     """``sinks`` (heads,) and ``alibi_slopes`` (heads,) or (batch, heads), each None or an array on
-    q's side: (sinks, alibi_slopes) as NumPy arrays for the CPU path. GPU arrays are checked alike
-    (shape, dtype, device), then refused with NotImplementedError naming the argument: the kernels
-    do not take them yet, and a fallback would compute elsewhere than the caller asked."""
+    q's side. For NumPy q: (sinks, alibi_slopes) as NumPy arrays, their values checked (a sink
+    finite or -inf, slopes finite). For GPU q: a Bias (shape, dtype and device checked; values are
+    not, which would wait for the device: a NaN or +inf sink makes its head's rows NaN)."""
     on_device = framework_name != "numpy"
     checked = []
     for name, x, allowed, shapes, shape_text in (
@@ -325,8 +352,8 @@ def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, hea
         if on_device:
             if t.device != q.device:
                 raise ValueError(f"{name}: on device {t.device}, but q is on device {q.device}")
-            raise NotImplementedError(f"{name}: not yet supported on the GPU kernels; NumPy inputs and CPU torch "
-                                      f"tensors run it")
+            checked.append(interop.float32_contiguous(t, kind))
+            continue
         values = np.asarray(t, np.float64)
         # A sink of -inf is no sink; +inf or NaN would make every row's output NaN.
         if name == "sinks" and (np.isnan(values).any() or np.isposinf(values).any()):
@@ -334,6 +361,8 @@ def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, hea
         if name == "alibi_slopes" and not np.isfinite(values).all():
             raise ValueError("alibi_slopes: every entry must be finite")
         checked.append(t)
+    if on_device:
+        return Bias(*checked) if checked != [None, None] else NO_BIAS
     return tuple(checked)
 
 
@@ -354,6 +383,7 @@ class ForwardCall(NamedTuple):
     softcap: float
     fp8: Fp8 | None
     lengths: Lengths | None = None
+    alibi: int | None = None  # Bias.alibi_stride: None without ALiBi slopes
 
     def plan_key(self) -> tuple:
         """Everything plan.build_forward reads but pointers; of a packed batch's lengths, the number
@@ -361,7 +391,7 @@ class ForwardCall(NamedTuple):
         lengths = self.lengths
         return ("forward", self.q.layout, self.k.layout, self.v.layout, _layout(self.out), self.scale, self.causal,
                 self.window, self.softcap, self.fp8 and self.fp8.plan_key(),
-                lengths and (lengths.batch, lengths.max_seqlen_q))
+                lengths and (lengths.batch, lengths.max_seqlen_q), self.alibi)
 
 
 class BackwardCall(NamedTuple):
@@ -383,6 +413,7 @@ class BackwardCall(NamedTuple):
     softcap: float
     deterministic: bool
     lengths: Lengths | None = None
+    alibi: int | None = None  # Bias.alibi_stride: None without ALiBi slopes
 
     def plan_key(self) -> tuple:
         """Everything plan.build_backward reads but pointers; of a packed batch's lengths, the
@@ -391,7 +422,7 @@ class BackwardCall(NamedTuple):
         return ("backward", self.q.layout, self.k.layout, self.v.layout, self.out.layout, self.dout.layout,
                 self.lse.layout, _layout(self.dq), _layout(self.dk), _layout(self.dv), self.scale, self.causal,
                 self.window, self.softcap, self.deterministic,
-                lengths and (lengths.batch, lengths.max_seqlen_q, lengths.max_seqlen_k))
+                lengths and (lengths.batch, lengths.max_seqlen_q, lengths.max_seqlen_k), self.alibi)
 
 
 # Packed batches (varlen.py).
@@ -693,6 +724,7 @@ class KvCall(NamedTuple):
     descale_k: Any  # FP8 cache: float or (batch, heads_kv) float32 array; else None
     descale_v: Any
     return_lse: bool
+    alibi: int | None = None  # Bias.alibi_stride: None without ALiBi slopes
 
     def plan_key(self) -> tuple:
         """Everything plan.build_kvcache reads but pointers: each array's layout by name, every
@@ -704,7 +736,7 @@ class KvCall(NamedTuple):
                 self.batch, self.max_seqlen_q, self.heads, self.heads_kv, self.head_dim, self.page_size,
                 self.capacity, self.seqlen_new, self.varlen, _layout(self.cache_seqlens), self.scale, self.causal,
                 self.window, self.softcap, self.rotary_dim, self.rotary_interleaved, self.rotary_per_row,
-                self.num_splits, _layout(self.descale_k), _layout(self.descale_v))
+                self.num_splits, _layout(self.descale_k), _layout(self.descale_v), self.alibi)
 
 
 # KvCall.tensors' names, in the order KvCachePlan.launch takes their pointers.

@@ -289,7 +289,7 @@ def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int, fp8: bool = Fals
 @functools.lru_cache(maxsize=None)
 def forward_kernel(
     family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None,
-    short: bool = False, out_dtype: str | None = None, paged: bool = False,
+    short: bool = False, out_dtype: str | None = None, paged: bool = False, alibi: bool = False,
 ) -> KernelChoice:
     """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
     MASKS, ``softcap`` whether scores are capped (``tile`` overrides the tables, for tuning),
@@ -298,9 +298,14 @@ def forward_kernel(
     is the inputs' dtype; an FP8_TYPES one takes ``out_dtype``, float16 or bfloat16, for the
     output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES). ``paged``: the
     sm80 kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only.
+    ``alibi``: the call has ALiBi slopes, which only window kernels read (make_mask gives such calls
+    the window mask), and of sm90's only those of two consumers (flash_fwd.cu): d64 takes its
+    narrow tile.
 
     Which kernel serves a softcap: _mask_flags.
     """
+    if alibi and mask != "window":
+        raise ValueError(f"alibi: ALiBi runs the window kernel, not the {mask!r} one")
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -320,14 +325,14 @@ def forward_kernel(
         flags += f", {types}, true"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
-        narrow = (softcap and window) or (causal and short)
+        narrow = (softcap and window) or (causal and short) or alibi
         wide = mask == "none" and not softcap and not (short and kernel_dim in SM90_WIDE_LONG_ONLY)
         tables = ((SM90_FP8_NARROW_TILES, SM90_FP8_WIDE_TILES, SM90_FP8_FWD_TILES) if fp8
                   else (SM90_NARROW_TILES, SM90_WIDE_TILES, SM90_FWD_TILES))
         special = tables[0] if narrow else tables[1] if wide else {}
         tile = tile or special.get(kernel_dim) or tables[2][kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
-        assert tile.warps == 4 * (consumers + 1)
+        assert tile.warps == 4 * (consumers + 1) and not (alibi and consumers != 2)
         # Two Q buffers where they fit, so that a persistent CTA loads the next tile's Q during
         # this one's main loop (flash_fwd.cu).
         fits = _sm90_fwd_smem(tile, kernel_dim, 2, fp8) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN
@@ -449,8 +454,8 @@ def all_kernels(family: str) -> list[KernelChoice]:
     the sm80 target, and sm80's main backward kernel where no tensor map describes the tensors:
     those are sm80's instantiations). Kernels added later come after the earlier ones, so that the
     lists of older trees pair by position: sm80's backward kernels for a v head dim of its own,
-    sm80's KV cache kernels, each family's MLA kernels, then sm90's backward for q/k 192 with v 128
-    and its TMA-loaded MLA kernels."""
+    sm80's KV cache kernels, each family's MLA kernels, then sm90's backward for q/k 192 with v 128,
+    its TMA-loaded MLA kernels and its d64 ALiBi forwards."""
     found: dict[str, KernelChoice] = {}
     buckets = SM90_FWD_TILES if family == "sm90" else HEAD_DIM_BUCKETS
     for bucket in buckets:
@@ -488,6 +493,11 @@ def all_kernels(family: str) -> list[KernelChoice]:
         later += backward_mains(192, 128)
         later += mla_tma_kernels()
         later += mla_narrow_kernels()
+        # ALiBi's d64 forward: two consumers (forward_kernel); other head dims' window kernels have it.
+        later += [forward_kernel(family, 64, "window", dtype, softcap, alibi=True, out_dtype=out_dtype)
+                  for dtype, out_dtype in [(dtype, None) for dtype in ELEMENT_TYPES]
+                  + [(fp8, out) for fp8 in FP8_TYPES for out in ELEMENT_TYPES]
+                  for softcap in (False, True)]
     for choice in later:
         found.setdefault(choice.name_expression, choice)
     return list(found.values())
@@ -502,14 +512,16 @@ MAX_GRID_YZ = 65535
 class Mask(NamedTuple):
     """Which keys each query row sees, the one form every launch decision reads: ``kind`` one of
     MASKS, the kernels' run-time bounds ``left`` and ``right`` (cuda_src/common/mask.cuh; -1
-    unbounded, causal is right = 0), and ``softcap`` (0: none). A tuple, not a frozen dataclass
-    (whose constructor sets each field through object.__setattr__): one is built per packed-batch
-    call."""
+    unbounded, causal is right = 0), ``softcap`` (0: none) and whether the scores take ALiBi's
+    bias (``alibi``, which runs the window kernel: common/bias.cuh). A tuple, not a frozen
+    dataclass (whose constructor sets each field through object.__setattr__): one is built per
+    packed-batch call."""
 
     kind: str
     left: int
     right: int
     softcap: float
+    alibi: bool = False
 
     @property
     def window(self) -> tuple[int, int]:
@@ -520,17 +532,20 @@ _MASK_KINDS = {(-1, -1): "none", (-1, 0): "causal"}  # other bounds: "window"
 _new_tuple = tuple.__new__
 
 
-def make_mask(causal: bool, window: tuple[int, int], softcap: float, seqlen_q: int, seqlen_k: int) -> Mask:
+def make_mask(causal: bool, window: tuple[int, int], softcap: float, seqlen_q: int, seqlen_k: int,
+              alibi: bool = False) -> Mask:
     """The Mask of resolved options over sequences of at most ``seqlen_q`` queries and ``seqlen_k``
     keys: causal folded in as right = 0, and a side that bounds no row made -1 (left >=
     seqlen_k - 1, right >= seqlen_q - 1), so that such windows run the plain or causal kernel and
-    every bound fits an int32."""
+    every bound fits an int32. With ``alibi`` every mask is the window kernel's (the others carry
+    no bias: common/bias.cuh)."""
     left, right = window
     if causal:
         right = 0
     left, right = (-1 if left >= seqlen_k - 1 else left), (-1 if right >= seqlen_q - 1 else right)
+    kind = "window" if alibi else _MASK_KINDS.get((left, right), "window")
     # tuple.__new__ skips the NamedTuple's Python-level constructor, on every packed-batch call.
-    return _new_tuple(Mask, (_MASK_KINDS.get((left, right), "window"), left, right, softcap))
+    return _new_tuple(Mask, (kind, left, right, softcap, alibi))
 
 
 @functools.lru_cache(maxsize=None)
@@ -570,7 +585,7 @@ def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtyp
     short = max_seqlen_q <= SM90_SHORT_ROWS
     head_dim = kernel_head_dim(q, v)
     choice = forward_kernel(family, head_dim, mask.kind, q.dtype, bool(mask.softcap), short=short,
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, alibi=mask.alibi)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
         choice = forward_kernel("sm80", head_dim, mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
     return choice
@@ -603,7 +618,7 @@ def sm90_tiles_unequal(mask: Mask, packed: bool) -> bool:
     (1024, 1024) the two grids are even (docs/kernels.md, windows).
     Softcap kernels keep one CTA per tile: the band's grid was chosen on kernels without softcap."""
     narrow_band = 0 <= mask.left and 0 <= mask.right and mask.left + mask.right <= PERSISTENT_BAND_KEYS
-    return (mask.kind != "none" and not narrow_band) or bool(mask.softcap) or packed
+    return (mask.window != (-1, -1) and not narrow_band) or bool(mask.softcap) or packed
 
 
 class ForwardLaunch(NamedTuple):
@@ -843,9 +858,11 @@ def kvcache_prefill(call, q, cache) -> bool:
     its DeviceTensors) runs the forward kernel over the cache rather than kv_decode: long query
     chunks (KV_PREFILL_ROWS) of a 16-bit cache of q's dtype, no cache_leftpad (the forward kernel
     counts a sequence's keys from position 0), no explicit key split (num_splits > 1 asks for
-    kv_decode's), and a q of 16-byte rows (the forward's cp.async; a rotated q is read from the
-    aligned scratch copy)."""
+    kv_decode's), not ALiBi with a softcap (that kernel has no ALiBi: sm80/flash_fwd.cu), and a q
+    of 16-byte rows (the forward's cp.async; a rotated q is read from the aligned scratch copy)."""
     if call.max_seqlen_q < KV_PREFILL_ROWS or cache.dtype != q.dtype or call.num_splits > 1:
+        return False
+    if call.alibi is not None and call.softcap:
         return False
     if "cache_leftpad" in call.tensors:
         return False

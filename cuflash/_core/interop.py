@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["DeviceTensor", "allocate", "contiguous", "describe", "framework_of", "layouts_and_pointers", "on_device",
-           "realign", "scratch", "stream_handle", "upload", "zero"]
+__all__ = ["DeviceTensor", "allocate", "contiguous", "describe", "float32_contiguous", "framework_of",
+           "layouts_and_pointers", "on_device", "realign", "scratch", "stream_handle", "upload", "zero"]
 
 
 class DeviceTensor(NamedTuple):
@@ -184,6 +184,16 @@ def realign(t: DeviceTensor, framework: str) -> DeviceTensor:
     else:
         copy = describe(t.native.copy(), "cupy", "")
     return copy if copy.dtype == t.dtype else copy._replace(dtype=t.dtype)
+
+
+def float32_contiguous(t: DeviceTensor, framework: str) -> DeviceTensor:
+    """``t`` itself if it is float32 with a contiguous last dimension (its other strides any), else
+    a contiguous float32 copy (same framework): how the kernels read small per-head arrays."""
+    if t.dtype == "float32" and t.strides[-1] == 1:
+        return t
+    if framework == "torch":
+        return describe(t.native.to(_torch().float32).contiguous(), "torch", "")
+    return describe(_cupy().ascontiguousarray(t.native, dtype=np.float32), "cupy", "")
 
 
 def contiguous(shape: tuple[int, ...], like: DeviceTensor, dtype: str | None = None) -> DeviceTensor:

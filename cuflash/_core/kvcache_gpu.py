@@ -16,7 +16,7 @@ from typing import Any
 
 from cuflash._core import checks, interop, plan
 
-__all__ = ["attention_with_kvcache", "combine"]
+__all__ = ["attention_with_kvcache", "attention_with_kvcache_checked", "combine"]
 
 # The pointers of KvCachePlan.launch by argument name: the arrays, then the descales'.
 _POINTERS = (*checks.KV_ARRAYS, "descale_k", "descale_v")
@@ -40,6 +40,14 @@ def attention_with_kvcache(arrays: dict, options: checks.KvOptions) -> Any:
     out, lse = plan.run(signature, operands[0].device, _checked, (arrays, options), _build, framework, operands,
                         (None,), (None,), options.return_lse)
     return (out, lse) if options.return_lse else out
+
+
+def attention_with_kvcache_checked(call: checks.KvCall, bias: checks.Bias) -> Any:
+    """attention_with_kvcache of a call checked already, with sinks or ALiBi slopes (``bias``;
+    the call's alibi their stride): no signature, whose layouts would have to hold theirs."""
+    out, lse = plan.run(None, call.tensors["q"].device, _prepared, (call,), _build, call.framework, (), (None,),
+                        (None,), call.return_lse, plan.NO_LENGTHS, bias)
+    return (out, lse) if call.return_lse else out
 
 
 def _signature(arrays: dict, options: checks.KvOptions) -> tuple | None:

@@ -20,15 +20,16 @@ from cuflash._core import tma
 
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 
-FWD_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seq_end_q", "seq_end_k")
+FWD_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seq_end_q", "seq_end_k", "sinks",
+                "alibi_slopes")
 _FWD_FIELDS = (
     [(name, np.uint64) for name in FWD_POINTERS]
-    + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride"]]
+    + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride", "alibi_batch_stride"]]
     + [(name, np.int32) for name in ("kv_group", "seqlen_q", "seqlen_k", "head_dim", "window_left", "window_right")]
     + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32), ("head_dim_v", np.int32)]
 )
 FWD_PARAMS = np.dtype(_FWD_FIELDS, align=True)
-FWD_PARAMS_SIZE = 224  # sizeof(FwdParams) in params.cuh
+FWD_PARAMS_SIZE = 248  # sizeof(FwdParams) in params.cuh
 # FwdParamsFp8: FwdParams' fields, then the descale arrays' pointers (filled per call after
 # FWD_POINTERS), their (batch, head_kv) strides in elements, and a scalar v descale.
 FWD_DESCALES = ("descale_q", "descale_k", "descale_v")
@@ -39,7 +40,7 @@ FWD_PARAMS_FP8 = np.dtype(
     + [("v_scale", np.float32)],
     align=True,
 )
-FWD_PARAMS_FP8_SIZE = 304  # sizeof(FwdParamsFp8) in params.cuh
+FWD_PARAMS_FP8_SIZE = 328  # sizeof(FwdParamsFp8) in params.cuh
 _LOG2E = math.log2(math.e)
 
 
@@ -59,14 +60,17 @@ def _softmax_constants(softmax_scale: float, softcap: float) -> tuple[float, flo
 
 
 def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int] = (-1, -1),
-                    softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None) -> np.ndarray:
+                    softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
+                    alibi_batch_stride: int = 0) -> np.ndarray:
     """One FwdParams struct for DeviceTensors q, k, v, out (BSHD) and lse.
 
     Fixed length: lse is (batch, heads, seqlen_q). Packed batches: q, k, v, out are
     (1, total, heads, head_dim) views with batch stride 0, lse is (heads, total_q), and
     ``cu_seqlens_q`` / ``cu_seqlens_k`` the int32 DeviceTensors. ``window`` is (left, right) with
-    causal folded in (right = 0), ``softcap`` 0 for none. Built from one tuple in a single NumPy
-    call: per-field assignment costs microseconds each, which a launch path cannot afford.
+    causal folded in (right = 0), ``softcap`` 0 for none; ``alibi_batch_stride`` the slopes' (0:
+    one per head), whose pointer, like the sinks', each launch fills. Built from one tuple in a
+    single NumPy call: per-field assignment costs microseconds each, which a launch path cannot
+    afford.
     """
     strides = [s for t in (q, k, v, out) for s in t.strides[:3]]
     if cu_seqlens_q is None:
@@ -75,13 +79,14 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
         cu_pointers, lse_strides = (cu_seqlens_q.ptr, cu_seqlens_k.ptr), (0, lse.strides[0])
     scale_log2, softcap_tanh_scale = _softmax_constants(softmax_scale, softcap)
     return _struct(FWD_PARAMS, (q.ptr, k.ptr, v.ptr, out.ptr, lse.ptr, *cu_pointers,
-                                *(c + 4 if c else 0 for c in cu_pointers), *strides, *lse_strides,
+                                *(c + 4 if c else 0 for c in cu_pointers), 0, 0, *strides, *lse_strides,
+                                alibi_batch_stride,
                                 q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2,
                                 softcap_tanh_scale, v.shape[3]))
 
 
 def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int], softcap: float,
-                        cu_seqlens_q, cu_seqlens_k, descales: tuple) -> np.ndarray:
+                        cu_seqlens_q, cu_seqlens_k, descales: tuple, alibi_batch_stride: int = 0) -> np.ndarray:
     """One FwdParamsFp8 struct for e4m3 q, k, v; arguments as pack_fwd_params, and ``descales``
     (q's, k's, v's), each a float or a float32 (batch, heads_kv) DeviceTensor (sequences for a
     packed batch). Scalar q and k descales are folded into the softmax scale here, a scalar v
@@ -89,7 +94,7 @@ def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[i
     scalar = [d if isinstance(d, (int, float)) else None for d in descales]
     score_descale = (scalar[0] if scalar[0] is not None else 1.0) * (scalar[1] if scalar[1] is not None else 1.0)
     base = pack_fwd_params(q, k, v, out, lse, softmax_scale * score_descale, window, softcap, cu_seqlens_q,
-                           cu_seqlens_k)
+                           cu_seqlens_k, alibi_batch_stride)
     strides = [s for d, value in zip(descales, scalar) for s in ((0, 0) if value is not None else d.strides[:2])]
     v_scale = scalar[2] if scalar[2] is not None else 1.0
     return _struct(FWD_PARAMS_FP8, (*base.item(), 0, 0, 0, *strides, v_scale))
@@ -104,18 +109,20 @@ FWD_PARAMS_PAGED = np.dtype(
     + [(name, np.int32) for name in ("page_table_stride", "page_size", "cache_seqlen", "new_keys")],
     align=True,
 )
-FWD_PARAMS_PAGED_SIZE = 256  # sizeof(FwdParamsPaged) in params.cuh
+FWD_PARAMS_PAGED_SIZE = 280  # sizeof(FwdParamsPaged) in params.cuh
 
 
 def pack_fwd_params_paged(q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int],
-                          softcap: float, packed: bool, cache: tuple[int, int, int, int]) -> np.ndarray:
+                          softcap: float, packed: bool, cache: tuple[int, int, int, int],
+                          alibi_batch_stride: int = 0) -> np.ndarray:
     """One FwdParamsPaged struct with null pointers, for a forward of q against a KV cache: q and
     out (batch, seqlen_q, heads, head_dim) records, a packed q's as (1, total_q, ...) views with
     batch stride 0; the caches (entries, rows, heads_kv, head_dim), whose dimension 0 is a page
     (or a contiguous cache's sequence); lse (batch, heads, seqlen_q), or (heads, total_q) if
     ``packed``. ``cache``: the page table's row stride, page_size, the scalar cached length and
     the new keys per sequence (-1: as many as its query rows), params.cuh's order."""
-    base = pack_fwd_params(q, k_cache, v_cache, out, lse, softmax_scale, window, softcap)
+    base = pack_fwd_params(q, k_cache, v_cache, out, lse, softmax_scale, window, softcap,
+                           alibi_batch_stride=alibi_batch_stride)
     if packed:
         base["lse_batch_stride"], base["lse_head_stride"] = 0, lse.strides[0]
     return np.array([(*base.item(), 0, 0, *cache)], dtype=FWD_PARAMS_PAGED)
@@ -129,9 +136,9 @@ def _sm90_forward_dtype(base: np.dtype) -> np.dtype:
 
 
 FWD_PARAMS_SM90 = _sm90_forward_dtype(FWD_PARAMS)
-FWD_PARAMS_SM90_SIZE = 640  # sizeof(FwdParamsSm90)
+FWD_PARAMS_SM90_SIZE = 704  # sizeof(FwdParamsSm90)
 FWD_PARAMS_SM90_FP8 = _sm90_forward_dtype(FWD_PARAMS_FP8)
-FWD_PARAMS_SM90_FP8_SIZE = 704  # sizeof(FwdParamsSm90Of<FwdParamsFp8>)
+FWD_PARAMS_SM90_FP8_SIZE = 768  # sizeof(FwdParamsSm90Of<FwdParamsFp8>)
 
 
 def tma_view(t) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -204,18 +211,19 @@ def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, stage_rows: int, b
 _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv") for s in ("batch", "row", "head")]
 
 BWD_POINTERS = ("q", "k", "v", "o", "dout", "lse", "delta", "dq_accum", "dk", "dv", "dk_accum", "dv_accum",
-                "dq_turns", "cu_seqlens_q", "cu_seqlens_k")
+                "dq_turns", "cu_seqlens_q", "cu_seqlens_k", "alibi_slopes")
 BWD_PARAMS = np.dtype(
     [(name, np.uint64) for name in BWD_POINTERS]
     + [(name, np.int64) for name in _BWD_STRIDES + ["lse_batch_stride", "lse_head_stride", "dq_split_stride",
-                                                   "dq_batch_stride", "dq_head_stride", "accum_batch_rows"]]
+                                                   "dq_batch_stride", "dq_head_stride", "accum_batch_rows",
+                                                   "alibi_batch_stride"]]
     + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits",
                                      "dq_turn_blocks", "turn_heads", "window_left", "window_right")]
     + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_tanh_scale")]
     + [("head_dim_v", np.int32)],
     align=True,
 )
-BWD_PARAMS_SIZE = 392  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 408  # sizeof(BwdParams) in params.cuh
 # cuda_src/sm90/bwd_params.cuh: the tensor maps of q, k, v and dout, then BwdParams.
 BWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
                                    ("dout", tma.TENSOR_MAP), ("base", BWD_PARAMS)])
@@ -235,7 +243,8 @@ CONVERT_PARAMS_SIZE = 96  # sizeof(ConvertParams) in params.cuh
 
 def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, dq_turns,
                     softmax_scale: float, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                    cu_seqlens_q=None, cu_seqlens_k=None, turn_heads: int = 1) -> np.ndarray:
+                    cu_seqlens_q=None, cu_seqlens_k=None, turn_heads: int = 1,
+                    alibi_batch_stride: int = 0) -> np.ndarray:
     """One BwdParams struct; every argument a DeviceTensor (dk_accum, dv_accum and dq_turns may be
     None; dq_turns int32 (batch, heads, query blocks)); turn_heads as in params.cuh.
     q, k, v, out, dout, dk, dv, lse, window, softcap and cu_seqlens as for pack_fwd_params; delta
@@ -245,6 +254,7 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
     packed = cu_seqlens_q is not None
     pointers = [t.ptr if t is not None else 0 for t in (q, k, v, out, dout, lse, delta, dq_accum, dk, dv,
                                                           dk_accum, dv_accum, dq_turns, cu_seqlens_q, cu_seqlens_k)]
+    pointers.append(0)  # alibi_slopes: filled per launch
     lse_strides = (0, lse.strides[0]) if packed else lse.strides[:2]
     splits, dq_batch, dq_heads, dq_rows, row_width = dq_accum.shape
     # A packed batch's sequences share the one (heads, total_q) block, offset by their first row.
@@ -252,7 +262,7 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
                   dq_rows * row_width)
     scale_log2, softcap_tanh_scale = _softmax_constants(softmax_scale, softcap)
     return np.array(
-        [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], q.shape[2],
+        [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], alibi_batch_stride, q.shape[2],
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], splits,
           dq_turns.shape[-1] if dq_turns is not None else 0, turn_heads, *window, scale_log2, softmax_scale,
           softcap_tanh_scale, v.shape[3])],
@@ -332,7 +342,7 @@ class ArgumentBuffer:
 # cuda_src/common/params.cuh: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
 KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_partial", "lse_partial",
                "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_cos",
-               "rotary_sin", "q_rot", "descale_k", "descale_v")
+               "rotary_sin", "q_rot", "descale_k", "descale_v", "sinks", "alibi_slopes")
 KV_STRIDED = ("q", "kc", "vc", "kn", "vn", "o")
 KV_INTS = ("batch", "seqlen_q", "heads", "heads_kv", "head_dim", "page_size", "max_pages", "capacity",
            "cache_seqlens_scalar", "seqlen_new", "rotary_dim", "rotary_interleaved", "rotary_per_row", "rotary_fp32",
@@ -340,12 +350,13 @@ KV_INTS = ("batch", "seqlen_q", "heads", "heads_kv", "head_dim", "page_size", "m
 KV_PARAMS = np.dtype(
     [(name, np.uint64) for name in KV_POINTERS]
     + [(f"{t}_{s}_stride", np.int64) for t in KV_STRIDED for s in ("batch", "row", "head")]
+    + [("alibi_batch_stride", np.int64)]
     + [(name, np.int32) for name in KV_INTS]
     + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "descale_k_scalar", "descale_v_scalar")],
     align=True,
 )
-KV_PARAMS_SIZE = 384  # sizeof(KvParams)
-COMBINE_POINTERS = ("out_partial", "lse_partial", "out", "lse")
+KV_PARAMS_SIZE = 408  # sizeof(KvParams)
+COMBINE_POINTERS = ("out_partial", "lse_partial", "out", "lse", "sinks")
 COMBINE_PARAMS = np.dtype(
     [(name, np.uint64) for name in COMBINE_POINTERS]
     + [(f"{t}_{s}_stride", np.int64) for t, dims in (("op", "sbrh"), ("lp", "sbrh"), ("o", "brh"), ("l", "brh"))
@@ -353,16 +364,16 @@ COMBINE_PARAMS = np.dtype(
     + [(name, np.int32) for name in ("splits", "batch", "seqlen", "heads", "head_dim")],
     align=True,
 )
-COMBINE_PARAMS_SIZE = 168  # sizeof(CombineParams)
+COMBINE_PARAMS_SIZE = 176  # sizeof(CombineParams)
 
 
 def pack_kv_params(strides: dict, ints: dict, softmax_scale: float, softcap: float, descale_k: float = 1.0,
-                   descale_v: float = 1.0) -> np.ndarray:
+                   descale_v: float = 1.0, alibi_batch_stride: int = 0) -> np.ndarray:
     """One KvParams with null pointers: ``strides`` maps each of KV_STRIDED to its (batch, row,
     head) element strides, ``ints`` each of KV_INTS to its value; ``descale_k``/``descale_v`` the
     scalar descales of an e4m3 cache (used where the descale pointers are null)."""
     scale_log2, softcap_scale = _softmax_constants(softmax_scale, softcap)
-    return np.array([(*(0,) * len(KV_POINTERS), *(s for t in KV_STRIDED for s in strides[t]),
+    return np.array([(*(0,) * len(KV_POINTERS), *(s for t in KV_STRIDED for s in strides[t]), alibi_batch_stride,
                       *(ints[name] for name in KV_INTS), scale_log2, softcap_scale, descale_k, descale_v)],
                     dtype=KV_PARAMS)
 
@@ -371,7 +382,8 @@ def pack_combine_params(op: tuple, lp: tuple, o: tuple, lse: tuple, splits: int,
                         heads: int, head_dim: int) -> np.ndarray:
     """One CombineParams with null pointers: element strides (split, batch, row, head) of the
     partial out and lse, (batch, row, head) of out and lse."""
-    return np.array([(0, 0, 0, 0, *op, *lp, *o, *lse, splits, batch, seqlen, heads, head_dim)], dtype=COMBINE_PARAMS)
+    return np.array([(*(0,) * len(COMBINE_POINTERS), *op, *lp, *o, *lse, splits, batch, seqlen, heads, head_dim)],
+                    dtype=COMBINE_PARAMS)
 
 
 # cuda_src/common/params.cuh: MlaParams (MLA decoding).

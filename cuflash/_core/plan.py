@@ -23,7 +23,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from cuflash._core import dispatch, interop, kernels
+from cuflash._core import checks, dispatch, interop, kernels
 from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
                                   FWD_POINTERS, KV_POINTERS, MLA_POINTERS, QUANTIZE_POINTERS, ArgumentBuffer,
                                   pack_bwd_params, pack_combine_params, pack_convert_params, pack_fwd_params,
@@ -33,7 +33,7 @@ from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTE
 
 __all__ = ["PLANS", "SIGNATURE_SCALARS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan",
            "PlanCache", "QuantizePlan", "aligned_pointers", "build_backward", "build_combine", "build_forward",
-           "build_kvcache", "build_mla", "build_quantize", "fill_empty", "run"]
+           "build_kvcache", "build_mla", "build_quantize", "fill_empty", "NO_LENGTHS", "run", "sinks_gradient", "zeros"]
 
 # cu_seqlens of a fixed-length batch: none.
 NO_LENGTHS = (None, None)
@@ -57,12 +57,13 @@ class ForwardPlan:
     out_dtype: str | None = None  # of an FP8 call's output; None: q's dtype
 
     def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
-               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
+               cu_seqlens=NO_LENGTHS, bias: checks.Bias = checks.NO_BIAS) -> tuple[Any, Any]:
         """(out, lse) of one launch on ``tensors`` (q, k, v, and for FP8 inputs the three descales:
         DeviceTensors, or floats that the plan holds), into ``given`` (out, or None) whose
         DeviceTensor is ``given_t``; lse is None unless ``return_lse``: the kernels skip the lse
-        stores for a null pointer, so nothing is allocated for it. ``cu_seqlens``: a packed
-        batch's (cu_seqlens_q, cu_seqlens_k[, seqused_q, seqused_k]). Each sequence ends where
+        stores for a null pointer, so nothing is allocated for it. ``bias``: the call's sinks and
+        ALiBi slopes (the plan was built for slopes of their stride, or none). ``cu_seqlens``: a
+        packed batch's (cu_seqlens_q, cu_seqlens_k[, seqused_q, seqused_k]). Each sequence ends where
         the kernel reads seq_end_q / seq_end_k: cu_seqlens + 1, or with seqused the rows
         cu_seqlens[b] + seqused[b] (seq_ends, framework arithmetic on the same stream); with
         seqused_q the kernel skips the rows past it, so out is zero-filled and lse set to -inf
@@ -78,7 +79,7 @@ class ForwardPlan:
             end_q, end_q_ptr = seq_ends(framework, cu_q, used_q)
             end_k, end_k_ptr = seq_ends(framework, cu_k, used_k)
             pointers = (qt.ptr, kt.ptr, vt.ptr, out_ptr, lse_ptr, cu_q.ptr if cu_q is not None else 0,
-                        cu_k.ptr if cu_k is not None else 0, end_q_ptr, end_k_ptr)
+                        cu_k.ptr if cu_k is not None else 0, end_q_ptr, end_k_ptr, *bias.pointers)
             if used_q is not None:
                 _fill(framework, out_t.native if out_t is not None else out, 0.0)
                 if lse is not None:
@@ -133,10 +134,12 @@ class BackwardPlan:
     converts: tuple[tuple[kernels.Launch, ArgumentBuffer, int, int], ...]
 
     def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple,
-               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any, Any]:
-        """(dq, dk, dv) of one run on ``tensors`` (q, k, v, out, dout, lse), into ``given`` (dq,
-        dk, dv, each or None) whose DeviceTensors are ``given_t``: the scratch allocated and
-        zeroed, then the preprocess, main and convert kernels."""
+               cu_seqlens=NO_LENGTHS, bias: checks.Bias = checks.NO_BIAS) -> tuple[Any, Any, Any, Any]:
+        """(dq, dk, dv, dsinks) of one run on ``tensors`` (q, k, v, out, dout, lse), into ``given``
+        (dq, dk, dv, each or None) whose DeviceTensors are ``given_t``: the scratch allocated and
+        zeroed, then the preprocess, main and convert kernels. ``bias``: the forward's sinks and
+        ALiBi slopes; dsinks (float32, from the preprocess's delta: sinks_gradient) is None
+        without sinks."""
         qt, kt, vt, out_t, dout_t, lse_t = tensors
         dq, dk, dv = given
         dq_t, dk_t, dv_t = given_t
@@ -152,7 +155,7 @@ class BackwardPlan:
             cu_q, cu_k = cu_seqlens
             pointers = (qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum, dk_ptr, dv_ptr,
                         dk_accum, dv_accum, dq_turns, cu_q.ptr if cu_q is not None else 0,
-                        cu_k.ptr if cu_k is not None else 0)
+                        cu_k.ptr if cu_k is not None else 0, bias.pointers[1])
             argument = self.argument.fill(*pointers)
             kernels.launch(self.preprocess, stream, argument)
             kernels.launch(self.main, stream,
@@ -160,8 +163,46 @@ class BackwardPlan:
             grad_ptrs = (dq_ptr, dk_ptr, dv_ptr)
             for kernel, convert, src_offset, index in self.converts:
                 kernels.launch(kernel, stream, convert.fill(base + src_offset, grad_ptrs[index]))
+            dsinks = (None if bias.sinks is None
+                      else sinks_gradient(framework, bias.sinks.native, lse_t.native,
+                                          _scratch_view(framework, owner, self.offsets[0], lse_t.shape)))
             del owner
-        return dq, dk, dv
+        return dq, dk, dv, dsinks
+
+
+def sinks_gradient(framework: str, sinks, lse, delta):
+    """``dsinks_h = -sum_{b,i} exp(sinks_h - lse_bhi) * delta_bhi`` in float32, from the forward's
+    lse (which includes the sink) and the backward's delta = rowsum(dout * out), both (batch,
+    heads, rows) or a packed batch's (heads, total_q): framework reductions on the launch's stream,
+    whose order is fixed, so the result repeats bitwise. A row of lse -inf (no key and a sink of
+    -inf) adds 0, not exp(-inf + inf)."""
+    if framework == "torch":
+        import torch
+
+        where, exp = torch.where, torch.exp
+    else:
+        import cupy
+
+        where, exp = cupy.where, cupy.exp
+    head_axis = lse.ndim - 2  # heads precede the rows in both layouts
+    shape = [1] * lse.ndim
+    shape[head_axis] = -1
+    weight = where(lse == -math.inf, 0.0, exp(sinks.reshape(shape) - lse))
+    axes = tuple(axis for axis in range(lse.ndim) if axis != head_axis)
+    return -(weight * delta).sum(axes)
+
+
+def _scratch_view(framework: str, owner, offset: int, shape: tuple[int, ...]):
+    """A contiguous float32 array of ``shape`` at byte ``offset`` of the scratch ``owner``
+    (interop.scratch's), in its framework."""
+    count = math.prod(shape)
+    if framework == "torch":
+        import torch
+
+        return owner[offset:offset + 4 * count].view(torch.float32).view(shape)
+    import cupy
+
+    return cupy.ndarray(shape, cupy.float32, memptr=owner + offset)
 
 
 class PlanCache:
@@ -250,11 +291,12 @@ def run(signature: tuple | None, device: int, prepare: Callable, args: tuple, bu
 
 
 def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, batch: int, max_seqlen_q: int,
-                  cu_seqlens=NO_LENGTHS, descales: tuple | None = None) -> ForwardPlan:
+                  cu_seqlens=NO_LENGTHS, descales: tuple | None = None, alibi: int | None = None) -> ForwardPlan:
     """The forward launch over a fixed-length batch (q, k, v, out BSHD) or a packed one
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), for validated tensors. out
     and lse may be interop.contiguous records. FP8 inputs take ``descales`` (q's, k's, v's: floats
-    or float32 (batch, heads_kv) DeviceTensors, checks.Fp8) and write out's dtype."""
+    or float32 (batch, heads_kv) DeviceTensors, checks.Fp8) and write out's dtype. ``alibi``: the
+    slopes' batch stride (checks.Bias.alibi_stride; ``mask`` made with alibi), None for none."""
     family, capability = target = dispatch.device_target(qt.device)
     out_dtype = out_t.dtype if descales is not None else None
     launch = dispatch.forward_launch(family, qt, kt, vt, mask, batch, max_seqlen_q, cu_seqlens[0] is not None,
@@ -262,9 +304,9 @@ def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, b
     choice = launch.kernel
     if descales is not None:
         packed = pack_fwd_params_fp8(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens,
-                                     descales)
+                                     descales, alibi or 0)
     else:
-        packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens)
+        packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens, alibi or 0)
     if choice.family == "sm90":
         argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n,
                                          (launch.m_blocks, qt.shape[2], batch))
@@ -277,7 +319,7 @@ def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, b
 
 def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, mask: dispatch.Mask,
                    deterministic: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                   cu_seqlens=NO_LENGTHS) -> BackwardPlan:
+                   cu_seqlens=NO_LENGTHS, alibi: int | None = None) -> BackwardPlan:
     """The backward's three kernels over a fixed-length batch (BSHD tensors) or a packed one
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), writing the 16-bit
     gradients ``grads`` (dq, dk, dv: DeviceTensors or interop.contiguous records)."""
@@ -319,7 +361,7 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
 
     packed = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2], dk_accum,
                              dv_accum, dq_turns, scale, mask.window, mask.softcap, *cu_seqlens,
-                             turn_heads=launch.turn_heads)
+                             turn_heads=launch.turn_heads, alibi_batch_stride=alibi or 0)
     argument = ArgumentBuffer(packed, BWD_POINTERS)
     main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.stage_rows, main.tile.block_n)
                      if main.family == "sm90" else None)
@@ -354,11 +396,13 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
 
 
 def fill_empty(framework: str, like, given: tuple, given_t: tuple, shapes: tuple, lse_shape: tuple | None = None,
-               dtype: str | None = None) -> tuple:
+               dtype: str | None = None, sinks=None) -> tuple:
     """Outputs of a call with no work (a packed batch of total length 0 on one side): each of
     ``given`` (or a new array of its entry in ``shapes``, of ``dtype``, default ``like``'s) filled
-    with zeros, and, unless ``lse_shape`` is None, a float32 lse of it filled with -inf. No kernel
-    of ours is launched; the framework's own fill writes the values, on its current stream."""
+    with zeros, and, unless ``lse_shape`` is None, a float32 (heads, rows) lse of it filled with
+    -inf, or with each head's sink (``sinks``, a float32 DeviceTensor): the LSE of a row that sees
+    no key. No kernel of ours is launched; the framework's own fill writes the values, on its
+    current stream."""
     results = []
     with interop.on_device(like.device):
         for out, out_t, shape in zip(given, given_t, shapes):
@@ -368,9 +412,20 @@ def fill_empty(framework: str, like, given: tuple, given_t: tuple, shapes: tuple
             results.append(out)
         if lse_shape is not None:
             lse = interop.allocate(framework, like, lse_shape, "float32")[0]
-            _fill(framework, lse, -math.inf)
+            if sinks is None:
+                _fill(framework, lse, -math.inf)
+            else:
+                lse[...] = sinks.native.reshape(-1, 1)
             results.append(lse)
     return tuple(results)
+
+
+def zeros(framework: str, like) -> Any:
+    """A zero-filled array of DeviceTensor ``like``'s shape and dtype, in ``framework``."""
+    with interop.on_device(like.device):
+        array = interop.allocate(framework, like, like.shape)[0]
+        _fill(framework, array, 0.0)
+    return array
 
 
 def _fill(framework: str, native: Any, value: float) -> None:
@@ -401,12 +456,13 @@ class KvCachePlan:
     scratch_bytes: int
 
     def launch(self, framework: str, operands: tuple, given: tuple, given_t: tuple, return_lse: bool,
-               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
+               cu_seqlens=NO_LENGTHS, bias: checks.Bias = checks.NO_BIAS) -> tuple[Any, Any]:
         """(out, lse or None) of one call on ``operands``: q's DeviceTensor (the outputs are
         allocated like it) and the pointers (0 where not given) of q, k_cache, v_cache, k, v,
         cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos,
         rotary_sin, descale_k, descale_v (0 where scalar). Pointers alone, because a repeated
-        decoding call reads nothing else of its arrays (kvcache_gpu._signature)."""
+        decoding call reads nothing else of its arrays (kvcache_gpu._signature). ``bias``: the
+        call's sinks and ALiBi slopes (the plan was built for slopes of their stride, or none)."""
         q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, dk, dv) = operands
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
@@ -415,8 +471,9 @@ class KvCachePlan:
             owner, base = interop.scratch(framework, q, self.scratch_bytes) if self.scratch_bytes else (None, 0)
             q_rot, o_part, l_part = (base + offset if offset is not None else 0 for offset in self.scratch_offsets)
             split = self.combine is not None
+            sinks, alibi = bias.pointers
             argument = self.argument.fill(q_ptr, kc, vc, k, v, out_ptr, 0 if split else lse_ptr, o_part, l_part,
-                                          seqlens, table, idx, pad, cu, cos, sin, q_rot, dk, dv)
+                                          seqlens, table, idx, pad, cu, cos, sin, q_rot, dk, dv, sinks, alibi)
             if self.append is not None:
                 kernels.launch(self.append, stream, argument)
             if self.decode is not None:
@@ -424,10 +481,10 @@ class KvCachePlan:
             if self.forward is not None:
                 kernel, forward_argument = self.forward
                 kernels.launch(kernel, stream, forward_argument.fill(
-                    q_rot or q_ptr, kc, vc, out_ptr, lse_ptr, cu, 0, cu + 4 if cu else 0, 0,
+                    q_rot or q_ptr, kc, vc, out_ptr, lse_ptr, cu, 0, cu + 4 if cu else 0, 0, sinks, alibi,
                     table or idx, seqlens))  # cache_batch_idx: one page per sequence
             if split and self.decode is not None:
-                kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr))
+                kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr, sinks))
             del owner
         return out, lse
 
@@ -465,7 +522,8 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
                 rotary_per_row=int(call.rotary_per_row), rotary_fp32=int(cos is not None and cos.dtype == "float32"),
                 num_splits=splits, row_tiles=row_tiles, window_left=window[0], window_right=window[1])
     scalar_descales = (d if isinstance(d, float) else 1.0 for d in (call.descale_k, call.descale_v))
-    argument = ArgumentBuffer(pack_kv_params(strides, ints, call.scale, call.softcap, *scalar_descales), KV_POINTERS)
+    argument = ArgumentBuffer(pack_kv_params(strides, ints, call.scale, call.softcap, *scalar_descales,
+                                             alibi_batch_stride=call.alibi or 0), KV_POINTERS)
 
     # Scratch: rotated q (rows, heads, head_dim) in q's type, then fp32 partial out and lse.
     sizes = [rows * call.heads * call.head_dim * q.itemsize if call.rotary_dim else 0]
@@ -495,7 +553,8 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
     dispatch.kvcache_prefill sends to the forward kernel over the updated cache: q (or its rotated
     copy in the scratch, contiguous) against every cached and appended key of each sequence."""
     q, kc, vc, k, table, idx = tensors[0], tensors[1], tensors[2], tensors[3], tensors[6], tensors[7]
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, call.max_seqlen_q, call.capacity)
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, call.max_seqlen_q, call.capacity,
+                              call.alibi is not None)
     choice = dispatch.kvcache_prefill_kernel(q.dtype, call.head_dim, mask)
     batch = call.batch
     # A packed q is one sequence of all rows (batch stride 0), each found by cu_seqlens_q.
@@ -511,7 +570,8 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
     # sequence, the indices its page table.
     pages = (table.strides[0], call.page_size) if table is not None else (1 if idx is not None else 0, call.capacity)
     cache = (*pages, ints["cache_seqlens_scalar"], new_keys)
-    packed = pack_fwd_params_paged(q4, kc, vc, out4, lse, call.scale, mask.window, call.softcap, call.varlen, cache)
+    packed = pack_fwd_params_paged(q4, kc, vc, out4, lse, call.scale, mask.window, call.softcap, call.varlen, cache,
+                                   call.alibi or 0)
     argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_CACHE_POINTERS)
     grid = dispatch.kvcache_prefill_grid(choice, call.heads, batch, call.max_seqlen_q)
     return choice, (kernels.prepare(choice, arch, q.device, grid), argument)
@@ -553,7 +613,7 @@ class CombinePlan:
             out, out_ptr = interop.allocate(framework, o, self.out_shape, self.out_dtype)
             lse, lse_ptr = (interop.allocate(framework, o, self.lse_shape, "float32") if return_lse else (None, 0))
             if self.kernel is not None:
-                kernels.launch(self.kernel, stream, self.argument.fill(o.ptr, l.ptr, out_ptr, lse_ptr))
+                kernels.launch(self.kernel, stream, self.argument.fill(o.ptr, l.ptr, out_ptr, lse_ptr, 0))
         return out, lse
 
 
@@ -612,7 +672,7 @@ class MlaPlan:
             kernels.launch(self.decode, stream, self.argument.fill(q_ptr, kv, out_ptr, 0 if o_part else lse_ptr, o_part,
                                                                    l_part, seqlens, table, descale, q_rope, kv_rope))
             if self.combine is not None:
-                kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr))
+                kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr, 0))
             del owner
         return out, lse
 

@@ -363,8 +363,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
     when ``deterministic`` (see there for the cost). ``sinks`` (heads,) (gpt-oss's attention
     sinks, differentiable: their gradient comes back in their dtype) and ``alibi_slopes``
-    ((heads,) or (batch, heads), float32) as for :func:`cuflash.attention`; CPU tensors only so
-    far (CUDA tensors raise NotImplementedError naming the argument).
+    ((heads,) or (batch, heads), float32) as for :func:`cuflash.attention`.
     """
     _check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
     options = _flags_and_options(q, causal, softmax_scale, window, softcap, deterministic)
@@ -449,7 +448,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     ``deterministic=True`` makes the backward bitwise reproducible. ``alibi_slopes`` (float32
     (heads,) or (batch, heads)) and ``sinks`` (FlashAttention-4's ``learnable_sink``; pass one
-    of the two) as for :func:`attention`, CPU tensors only so far. Raises
+    of the two) as for :func:`attention`. Raises
     NotImplementedError, naming the argument, for dropout_p != 0 and return_attn_probs=True.
     float8_e4m3fn CUDA tensors take FlashAttention-3's ``q_descale``, ``k_descale`` and
     ``v_descale`` (None, a number, or float32 (batch, heads_kv)) and return bfloat16: a forward
@@ -509,7 +508,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     With ``cu_seqlens_q``, k and v are packed like q: each sequence appends as many tokens as it
     has queries. ``pack_gqa`` is accepted and changes nothing (the decode kernel always packs the
     query heads of a KV head). ``sinks`` (SGLang's name; (heads,)) as for
-    :func:`cuflash.attention_with_kvcache`, CPU tensors only so far. Raises NotImplementedError,
+    :func:`cuflash.attention_with_kvcache`. Raises NotImplementedError,
     naming it, for cu_seqlens_k_new, rotary_seqlens, q_descale, attention_chunk,
     scheduler_metadata and sm_margin.
 
