@@ -23,6 +23,7 @@ from cuflash._core import dispatch, interop
 __all__ = [
     "BackwardCall",
     "CombineCall",
+    "Dropout",
     "FP8_DTYPE",
     "ForwardCall",
     "Fp8",
@@ -36,6 +37,7 @@ __all__ = [
     "check_backward",
     "check_backward_inputs",
     "check_combine",
+    "check_dropout",
     "check_forward",
     "check_kvcache",
     "check_mla",
@@ -335,6 +337,53 @@ def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, hea
             raise ValueError("alibi_slopes: every entry must be finite")
         checked.append(t)
     return tuple(checked)
+
+
+# Dropout: checked on both paths, computed on the CPU path only so far.
+_U64_END = 1 << 64
+
+
+class Dropout(NamedTuple):
+    """A checked dropout: P's elements dropped with probability ``p``, the keep mask drawn from the
+    counter-based stream at (``seed``, ``offset``) (cuflash/_cpu/philox.py, common/philox.cuh)."""
+
+    p: float
+    seed: int
+    offset: int
+
+
+def _counter(name: str, value: Any) -> int:
+    """``seed`` or ``offset``: an integer in [0, 2**64)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}")
+    if not 0 <= int(value) < _U64_END:
+        raise ValueError(f"{name}: expected an integer in [0, 2**64), got {value}")
+    return int(value)
+
+
+def check_dropout(dropout_p: Any, seed: Any, offset: Any, framework_name: str) -> Dropout | None:
+    """``dropout_p`` a real number in [0, 1); with it above 0, ``seed`` an integer in [0, 2**64)
+    (there is no global generator outside torch, so none is made up) and ``offset`` one too
+    (default 0): a Dropout, or None for dropout_p 0. A seed or offset given with dropout_p 0 is
+    checked and changes nothing. GPU arrays are checked alike, then refused with
+    NotImplementedError naming dropout_p: the kernels do not take it yet."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a real number, got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    if seed is not None:
+        seed = _counter("seed", seed)
+    offset = _counter("offset", offset)
+    if p == 0.0:
+        return None
+    if seed is None:
+        raise ValueError("seed: dropout_p > 0 needs a seed (an integer in [0, 2**64)); the torch wrappers draw "
+                         "one from torch's generator")
+    if framework_name != "numpy":
+        raise NotImplementedError("dropout_p: not yet supported on the GPU kernels; NumPy inputs and CPU torch "
+                                  "tensors run it")
+    return Dropout(p, seed, offset)
 
 
 # Checked GPU forward and backward calls, fixed-length (api.py) or packed (varlen.py).
