@@ -52,6 +52,7 @@ __all__ = [
     "output_shape",
     "plain_window",
     "resolve_fp8",
+    "resolve_dropout_p",
     "resolve_flag",
     "resolve_scale",
     "resolve_softcap",
@@ -361,17 +362,25 @@ def _counter(name: str, value: Any) -> int:
     return int(value)
 
 
+def resolve_dropout_p(dropout_p: Any) -> float:
+    """``dropout_p``: a real number in [0, 1)."""
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the common case, without ABC checks
+        return dropout_p
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a real number, got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    return p
+
+
 def check_dropout(dropout_p: Any, seed: Any, offset: Any, framework_name: str) -> Dropout | None:
     """``dropout_p`` a real number in [0, 1); with it above 0, ``seed`` an integer in [0, 2**64)
     (there is no global generator outside torch, so none is made up) and ``offset`` one too
     (default 0): a Dropout, or None for dropout_p 0. A seed or offset given with dropout_p 0 is
     checked and changes nothing. GPU arrays are checked alike, then refused with
     NotImplementedError naming dropout_p: the kernels do not take it yet."""
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a real number, got {type(dropout_p).__name__}")
-    p = float(dropout_p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    p = resolve_dropout_p(dropout_p)
     if seed is not None:
         seed = _counter("seed", seed)
     offset = _counter("offset", offset)
