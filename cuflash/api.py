@@ -119,7 +119,10 @@ def attention(
         [0, 2**64): element (b, h, i, j) depends on (seed, offset, b, h, i, j) alone, so the
         backward with the same seed and offset regenerates it. A seed is required with
         dropout_p > 0; a later call that needs a fresh mask takes a new seed, or the offset
-        ``offset + batch * heads``. ``cuflash.torch`` draws both from torch's generator.
+        ``offset + batch * heads``. ``cuflash.torch`` draws both from torch's generator. GPU
+        inputs may give seed as an int64 array (seed, offset) of shape (2,) on q's device (offset
+        then 0), read by the kernels at run time: no wait for the device, and a captured CUDA
+        graph draws each replay's values.
 
     Returns
     -------
@@ -185,7 +188,7 @@ def attention(
         checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
     if dropout_p != 0.0 or seed is not None or offset != 0:  # refused on the GPU, after every other check
         checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
-        checks.check_dropout(dropout_p, seed, offset, framework)
+        checks.check_dropout(dropout_p, seed, offset, framework, qt)
     # FP8 calls run their checks every time (a signature would have to hold the descales).
     signature = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
                   softcap)
@@ -309,7 +312,7 @@ def attention_backward(
         checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
     if dropout_p != 0.0 or seed is not None or offset != 0:  # refused on the GPU, after every other check
         checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
-        checks.check_dropout(dropout_p, seed, offset, framework)
+        checks.check_dropout(dropout_p, seed, offset, framework, tensors["q"])
     # Item getters, not generators over the names: no generator object per call.
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
     given_t = dq_t, dk_t, dv_t = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")

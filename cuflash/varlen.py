@@ -128,7 +128,7 @@ def attention_varlen(
     if sinks is not None or alibi_slopes is not None:  # on the GPU: refused after every other check
         sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, tensors["q"],
                                                        tensors["q"].shape[1], lengths.batch, "num_sequences")
-    dropout = (checks.check_dropout(dropout_p, seed, offset, framework)
+    dropout = (checks.check_dropout(dropout_p, seed, offset, framework, tensors["q"])
                if dropout_p != 0.0 or seed is not None or offset != 0 else None)
     if not on_device:
         return numpy_path.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
@@ -221,7 +221,7 @@ def attention_varlen_backward(
     if sinks is not None or alibi_slopes is not None:  # on the GPU: refused after every other check
         sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[1], lengths.batch,
                                                        "num_sequences")
-    dropout = (checks.check_dropout(dropout_p, seed, offset, framework)
+    dropout = (checks.check_dropout(dropout_p, seed, offset, framework, qt)
                if dropout_p != 0.0 or seed is not None or offset != 0 else None)
     if not on_device:
         return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window,

@@ -250,3 +250,32 @@ def test_gpu_dropout_arguments_are_checked_before_the_refusal():
     with pytest.raises(ValueError, match=r"k: heads_kv \(3\) must divide"):  # the call's other checks come first
         cuflash.attention(FakeCupyArray((2, 12, 4, 64), ptr=1 << 30), FakeCupyArray((2, 12, 3, 64), ptr=2 << 30),
                           FakeCupyArray((2, 12, 3, 64), ptr=3 << 30), dropout_p=0.5, seed=1)
+
+
+def _fake_int64(shape, device=0):
+    """A CuPy-like int64 array (FakeCupyArray knows no int64)."""
+    x = FakeCupyArray(shape, "int32", ptr=9 << 30, device=device)
+    x.dtype, x.itemsize = np.dtype(np.int64), 8
+    x.strides = tuple(2 * s for s in x.strides)
+    return x
+
+
+def test_a_gpu_seed_may_be_a_device_array_of_seed_and_offset(monkeypatch):
+    from cuflash._core import plan
+
+    monkeypatch.setattr(plan, "run", lambda *args, **kwargs: pytest.fail("a plan ran"))
+    seed = _fake_int64((2,))
+    with pytest.raises(NotImplementedError, match="dropout_p: not yet supported on the GPU kernels"):
+        cuflash.attention(*_fake_qkv(), dropout_p=0.1, seed=seed)
+    for bad, error, words in ((FakeCupyArray((2,), "int32", ptr=9 << 30), ValueError, "seed: a device array holds"),
+                              (_fake_int64((3,)), ValueError, "seed: a device array holds"),
+                              (_fake_int64((2,), device=1), ValueError, "seed: on device 1"),
+                              (np.zeros(2, np.int64), TypeError, "seed: expected an integer, or an int64 array")):
+        with pytest.raises(error, match=words):
+            cuflash.attention(*_fake_qkv(), dropout_p=0.1, seed=bad)
+    with pytest.raises(ValueError, match="offset: a device seed array holds the offset"):
+        cuflash.attention(*_fake_qkv(), dropout_p=0.1, seed=seed, offset=3)
+    # NumPy inputs take integers only.
+    q, k, v, _ = _inputs(29, (1, 9, 2, 16), (1, 9, 2, 16), np.float32)
+    with pytest.raises(TypeError, match="seed: expected an integer"):
+        cuflash.attention(q, k, v, dropout_p=0.1, seed=np.zeros(2, np.int64))
