@@ -356,11 +356,12 @@ def _dropout_rng(q: torch.Tensor) -> torch.Tensor:
     return torch.randint(_I64.min, _I64.max, (2,), dtype=torch.int64, device=q.device)
 
 
-def _seed_offset(rng: torch.Tensor) -> tuple:
-    """cuflash's seed and offset: on the CPU the rng tensor's two int64 as unsigned 64-bit
-    integers; on a GPU the tensor itself (with offset 0), which the kernels read at run time, so
-    that no call waits for the device and a captured CUDA graph draws afresh on every replay."""
-    if rng.is_cuda:
+def _seed_offset(rng) -> tuple:
+    """cuflash's seed and offset: on the CPU (where the op's body sees the rng tensor as a NumPy
+    view) its two int64 as unsigned 64-bit integers; on a GPU the tensor itself (with offset 0),
+    which the kernels read at run time, so that no call waits for the device and a captured CUDA
+    graph draws afresh on every replay."""
+    if isinstance(rng, torch.Tensor) and rng.is_cuda:
         return rng, 0
     seed, offset = rng.tolist()
     return seed % 2**64, offset % 2**64
