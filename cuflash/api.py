@@ -54,6 +54,9 @@ def attention(
     dtype: str | None = None,
     sinks: Any = None,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    offset: int = 0,
 ) -> Any:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile.
 
@@ -110,6 +113,19 @@ def attention(
         ``-slope * |i + seqlen_k - seqlen_q - j|`` added to the (softcapped) score of query i and
         key j (a row per batch entry for (batch, heads)). It runs the kernels of a window mask
         (any mask is one), where it costs an add and a multiply-add per score.
+    dropout_p : float
+        Dropout of the attention probabilities, in [0, 1): ``out = (P * M / (1 - dropout_p)) v``
+        with P the softmax and M a keep mask; the lse is of the undropped P. NumPy inputs only
+        so far.
+    seed, offset : int
+        The keep mask's counter-based stream (Philox4x32-10; docs/dropout.md), integers in
+        [0, 2**64): element (b, h, i, j) depends on (seed, offset, b, h, i, j) alone, so the
+        backward with the same seed and offset regenerates it. A seed is required with
+        dropout_p > 0; a later call that needs a fresh mask takes a new seed, or the offset
+        ``offset + batch * heads``. ``cuflash.torch`` draws both from torch's generator. GPU
+        inputs may give seed as an int64 array (seed, offset) of shape (2,) on q's device (offset
+        then 0), read by the kernels at run time: no wait for the device, and a captured CUDA
+        graph draws each replay's values.
 
     Returns
     -------
@@ -131,7 +147,11 @@ def attention(
         ``out``, a non-finite or non-positive softmax_scale or descale, a descale array of the
         wrong shape or device, a descale or out_dtype given with inputs that are not FP8, FP8
         GPU inputs whose head_dim or head_dim_v is not a multiple of 16; sinks or alibi_slopes of
-        the wrong shape, dtype, side or device; on NumPy, a NaN or +inf sink, a non-finite slope.
+        the wrong shape, dtype, side or device; on NumPy, a NaN or +inf sink, a non-finite slope; a
+        dropout_p outside [0, 1), a seed or offset outside [0, 2**64), dropout_p > 0 without a
+        seed (a TypeError for any of them that is not a number of the right kind).
+    NotImplementedError
+        dropout_p > 0 with GPU inputs (checked first, then refused before any launch).
 
     Notes
     -----
@@ -153,8 +173,9 @@ def attention(
         q, k, v = (checks.declared_dtype(name, x, dtype) for name, x in (("q", q), ("k", k), ("v", v)))
         scale, fp8 = checks.check_forward(q, k, v, out, softmax_scale, False, descales, out_dtype)
         sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, q, q.shape[2], q.shape[0])
+        dropout = checks.check_dropout(dropout_p, seed, offset, framework)
         return numpy_path.attention(q, k, v, causal, scale, window, softcap, return_lse, out, fp8, sinks,
-                                    alibi_slopes)
+                                    alibi_slopes, dropout)
 
     # One call each, not a generator over the three: no generator object per call.
     qt, kt = interop.describe(q, framework, "q"), interop.describe(k, framework, "k")
@@ -168,6 +189,9 @@ def attention(
     if sinks is not None or alibi_slopes is not None:  # q's checks first: they read its shape
         checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
         bias = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
+    if dropout_p != 0.0 or seed is not None or offset != 0:  # refused on the GPU, after every other check
+        checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
+        checks.check_dropout(dropout_p, seed, offset, framework, qt)
     # FP8 calls run their checks every time (a signature would have to hold the descales), and so
     # do calls with sinks or ALiBi (it would have to hold theirs).
     signature = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
@@ -220,6 +244,9 @@ def attention_backward(
     dv: Any = None,
     sinks: Any = None,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    offset: int = 0,
 ) -> tuple[Any, ...]:
     """Gradients of ``out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale)``.
 
@@ -235,8 +262,9 @@ def attention_backward(
         The forward's inputs and output, as for :func:`attention`.
     lse : array, float32 (batch, heads, seqlen_q), contiguous
         The forward's log-sum-exp (``attention(..., return_lse=True)``).
-    causal, softmax_scale, window, softcap, sinks, alibi_slopes
-        As in the forward call (whose lse, with sinks, includes the sink).
+    causal, softmax_scale, window, softcap, sinks, alibi_slopes, dropout_p, seed, offset
+        As in the forward call (whose lse, with sinks, includes the sink; with dropout, the same
+        seed and offset regenerate its mask).
     deterministic : bool
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds (on
         sm90, bulk reductions of whole dq blocks) whose order varies between runs, so results can
@@ -269,6 +297,8 @@ def attention_backward(
         As for :func:`attention`, and for a deterministic that is not a bool (or 0 / 1), dout/out
         not of out's shape and q's dtype, an lse that is not float32 or not (batch, heads, seqlen_q), or gradients
         passed in dq/dk/dv of the wrong shape or dtype.
+    NotImplementedError
+        dropout_p > 0 with GPU inputs, as for :func:`attention`.
     """
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
@@ -279,13 +309,17 @@ def attention_backward(
     if framework == "numpy":
         scale, window, softcap = checks.check_backward(arrays, softmax_scale, window, softcap, on_device=False)
         sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, q, q.shape[2], q.shape[0])
-        return numpy_path.attention_backward(arrays, causal, scale, window, softcap, sinks, alibi_slopes)
+        dropout = checks.check_dropout(dropout_p, seed, offset, framework)
+        return numpy_path.attention_backward(arrays, causal, scale, window, softcap, sinks, alibi_slopes, dropout)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
     bias = checks.NO_BIAS
     if sinks is not None or alibi_slopes is not None:  # q's checks first: they read its shape
         checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
         qt = tensors["q"]
         bias = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
+    if dropout_p != 0.0 or seed is not None or offset != 0:  # refused on the GPU, after every other check
+        checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
+        checks.check_dropout(dropout_p, seed, offset, framework, tensors["q"])
     # Item getters, not generators over the names: no generator object per call.
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
     given_t = dq_t, dk_t, dv_t = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")

@@ -44,6 +44,9 @@ def attention_varlen(
     seqused_k: Any = None,
     sinks: Any = None,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    offset: int = 0,
 ) -> Any:
     """Attention over a packed batch of sequences of different lengths.
 
@@ -85,6 +88,10 @@ def attention_varlen(
     sinks, alibi_slopes : arrays, optional
         As for :func:`cuflash.attention` (the lse includes the sink; a row of no key has out 0 and
         lse = sink); alibi_slopes is (heads,) or (num_sequences, heads).
+    dropout_p, seed, offset
+        As for :func:`cuflash.attention`, sequence i's mask being the one a fixed-length batch
+        draws for its entry i (positions within the sequence); a fresh mask's offset is
+        ``offset + num_sequences * heads``. NumPy inputs only so far.
 
     Returns
     -------
@@ -96,6 +103,8 @@ def attention_varlen(
     ------
     TypeError, ValueError
         Bad arguments, each naming the argument.
+    NotImplementedError
+        dropout_p > 0 with GPU inputs.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
@@ -124,10 +133,12 @@ def attention_varlen(
             bias = checked
         else:
             sinks, alibi_slopes = checked
+    dropout = (checks.check_dropout(dropout_p, seed, offset, framework, tensors["q"])
+               if dropout_p != 0.0 or seed is not None or offset != 0 else None)
     if not on_device:
         return numpy_path.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
                                      scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k,
-                                     sinks, alibi_slopes)
+                                     sinks, alibi_slopes, dropout)
     checks.check_varlen_grid(lengths)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
@@ -189,12 +200,16 @@ def attention_varlen_backward(
     validate: bool = True,
     sinks: Any = None,
     alibi_slopes: Any = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    offset: int = 0,
 ) -> tuple[Any, ...]:
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, arguments as there and as for
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
     reference path is deterministic whatever ``deterministic`` says. Where one side's sequences
     are all empty, the gradients are zero (or empty). With ``sinks``, also dsinks, float32
-    (heads,), summed over the sequences.
+    (heads,), summed over the sequences. dropout_p, seed and offset those of the forward (NumPy
+    inputs only so far).
     """
     given = dq, dk, dv
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
@@ -217,9 +232,11 @@ def attention_varlen_backward(
             bias = checked
         else:
             sinks, alibi_slopes = checked
+    dropout = (checks.check_dropout(dropout_p, seed, offset, framework, qt)
+               if dropout_p != 0.0 or seed is not None or offset != 0 else None)
     if not on_device:
         return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window,
-                                                    softcap, sinks, alibi_slopes)
+                                                    softcap, sinks, alibi_slopes, dropout)
     checks.check_varlen_grid(lengths)
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                  for t in (tensors[name] for name in ("q", "k", "v", "dout", "out")))

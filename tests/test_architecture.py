@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cuflash"
 
 # Bottom to top; a module stands on the floor of the longest prefix that names it.
 FLOORS = (
-    ("references", ("cuflash._cpu.reference", "cuflash._cpu.reference_kvcache")),
+    ("references", ("cuflash._cpu.reference", "cuflash._cpu.reference_kvcache", "cuflash._cpu.philox")),
     ("internals", ("cuflash._core",)),
     ("CPU path", ("cuflash._cpu",)),
     ("entry points", ("cuflash", "cuflash.torch")),

@@ -113,8 +113,13 @@ def test_every_fp8_instantiation_is_listed_after_the_16bit_kernels():
     fp8 = [n for n in names if n.endswith("cuflash::e4m3>")]
     assert len(fp8) == len(dispatch.HEAD_DIM_BUCKETS) * len(dispatch.ELEMENT_TYPES) * 4
     assert names[-len(fp8):] == fp8
+    # sm90's d64 ALiBi forwards (two consumers, window, no softcap) come last of all.
+    alibi = {dispatch.forward_kernel("sm90", 64, "window", dtype, alibi=True, out_dtype=out).name_expression
+             for dtype, out in [(d, None) for d in dispatch.ELEMENT_TYPES]
+             + [(d, o) for d in dispatch.FP8_TYPES for o in dispatch.ELEMENT_TYPES]}
     names = [c.name_expression for c in dispatch.all_kernels("sm90")
-             if c.name_expression not in mla and not c.name_expression.startswith("cuflash::sm90::flash_bwd_sm90<192, ")]
+             if c.name_expression not in mla | alibi
+             and not c.name_expression.startswith("cuflash::sm90::flash_bwd_sm90<192, ")]
     fp8 = [n for n in names if n.endswith("cuflash::e4m3>")]
     # As for 16-bit inputs: kernel head dims x output dtypes x three masks x softcap or not, d64's
     # two-consumer causal (with and without softcap) and d128's unmasked short calls.

@@ -115,8 +115,12 @@ def test_sm90_dispatch():
     tile = dispatch.Tile(128, 64, 12, stages=2)
     assert dispatch.forward_kernel("sm90", 256, "none", "bfloat16", tile=tile).tile == tile
     # Kernel head dims x dtypes x three masks x softcap or not, d64's two-consumer causal (with and
-    # without softcap) and d128's unmasked short calls; as many of e4m3 inputs (tests/test_fp8_plan.py).
-    assert len([c for c in SM90_FORWARD if not c.name_expression.endswith("e4m3>")]) == 4 * 2 * 3 * 2 + 2 * 2 + 2
+    # without softcap), d128's unmasked short calls and d64's two-consumer window for ALiBi; as many
+    # of e4m3 inputs (tests/test_fp8_plan.py).
+    assert len([c for c in SM90_FORWARD if not c.name_expression.endswith("e4m3>")]) == 4 * 2 * 3 * 2 + 2 * 2 + 2 + 2
+    assert dispatch.forward_kernel("sm90", 64, "window", "bfloat16", alibi=True).tile.block_m == 128
+    with pytest.raises(ValueError, match="alibi: ALiBi runs the window kernel"):
+        dispatch.forward_kernel("sm90", 64, "causal", "bfloat16", alibi=True)
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     # The sm90 backward main kernel: every head dim, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")

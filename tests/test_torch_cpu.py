@@ -121,8 +121,10 @@ def test_cpu_tensors_get_the_same_errors_as_numpy_arrays():
     k = torch.randn(1, 4, 3, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="heads"):
         ct.attention(q, k, k)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        ct.flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="dropout_p"):
+        ct.flash_attn_func(q, q, q, dropout_p=1.5)
+    with pytest.raises(NotImplementedError, match="return_attn_probs"):
+        ct.flash_attn_func(q, q, q, return_attn_probs=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

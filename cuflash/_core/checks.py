@@ -24,6 +24,7 @@ __all__ = [
     "BackwardCall",
     "Bias",
     "CombineCall",
+    "Dropout",
     "FP8_DTYPE",
     "ForwardCall",
     "Fp8",
@@ -38,6 +39,7 @@ __all__ = [
     "check_backward",
     "check_backward_inputs",
     "check_combine",
+    "check_dropout",
     "check_forward",
     "check_kvcache",
     "check_mla",
@@ -52,6 +54,7 @@ __all__ = [
     "output_shape",
     "plain_window",
     "resolve_fp8",
+    "resolve_dropout_p",
     "resolve_flag",
     "resolve_scale",
     "resolve_softcap",
@@ -364,6 +367,83 @@ def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, hea
     if on_device:
         return Bias(*checked) if checked != [None, None] else NO_BIAS
     return tuple(checked)
+
+
+# Dropout: checked on both paths, computed on the CPU path only so far.
+_U64_END = 1 << 64
+
+
+class Dropout(NamedTuple):
+    """A checked dropout: P's elements dropped with probability ``p``, the keep mask drawn from the
+    counter-based stream at (``seed``, ``offset``) (cuflash/_cpu/philox.py, common/philox.cuh)."""
+
+    p: float
+    seed: int
+    offset: int
+
+
+def _counter(name: str, value: Any) -> int:
+    """``seed`` or ``offset``: an integer in [0, 2**64)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an integer, got {type(value).__name__}")
+    if not 0 <= int(value) < _U64_END:
+        raise ValueError(f"{name}: expected an integer in [0, 2**64), got {value}")
+    return int(value)
+
+
+def resolve_dropout_p(dropout_p: Any) -> float:
+    """``dropout_p``: a real number in [0, 1)."""
+    if type(dropout_p) is float and 0.0 <= dropout_p < 1.0:  # the common case, without ABC checks
+        return dropout_p
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a real number, got {type(dropout_p).__name__}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    return p
+
+
+def _device_seed(seed: Any, offset: Any, q) -> Any:
+    """A GPU call's seed given as a device array: int64 (2,) holding (seed, offset), on q's device,
+    which the kernels will read at run time (a CUDA graph's replays then draw the values of each
+    replay, and the caller never waits for the device); offset stays 0, being the second element."""
+    kind = interop.framework_of(seed, "seed")
+    if kind == "numpy":
+        raise TypeError("seed: expected an integer, or an int64 array (seed, offset) on q's device")
+    t = interop.describe(seed, kind, "seed")
+    if t.dtype != "int64" or tuple(t.shape) != (2,):
+        raise ValueError(f"seed: a device array holds (seed, offset) as int64 of shape (2,), got {t.dtype} "
+                         f"{tuple(t.shape)}")
+    if t.device != q.device:
+        raise ValueError(f"seed: on device {t.device}, but q is on device {q.device}")
+    if _counter("offset", offset) != 0:
+        raise ValueError("offset: a device seed array holds the offset; leave offset 0")
+    return t
+
+
+def check_dropout(dropout_p: Any, seed: Any, offset: Any, framework_name: str, q=None) -> Dropout | None:
+    """``dropout_p`` a real number in [0, 1); with it above 0, ``seed`` an integer in [0, 2**64)
+    (there is no global generator outside torch, so none is made up) and ``offset`` one too
+    (default 0): a Dropout, or None for dropout_p 0. A seed or offset given with dropout_p 0 is
+    checked and changes nothing. A GPU call (``q`` its DeviceTensor) may give ``seed`` as a device
+    array instead (_device_seed). GPU calls are checked alike, then refused with
+    NotImplementedError naming dropout_p: the kernels do not take it yet."""
+    p = resolve_dropout_p(dropout_p)
+    on_device = framework_name != "numpy"
+    if seed is None or (isinstance(seed, numbers.Integral) or not on_device):
+        seed = None if seed is None else _counter("seed", seed)
+        offset = _counter("offset", offset)
+    else:
+        seed, offset = _device_seed(seed, offset, q), 0
+    if p == 0.0:
+        return None
+    if seed is None:
+        raise ValueError("seed: dropout_p > 0 needs a seed (an integer in [0, 2**64)); the torch wrappers draw "
+                         "one from torch's generator")
+    if on_device:
+        raise NotImplementedError("dropout_p: not yet supported on the GPU kernels; NumPy inputs and CPU torch "
+                                  "tensors run it")
+    return Dropout(p, seed, offset)
 
 
 # Checked GPU forward and backward calls, fixed-length (api.py) or packed (varlen.py).

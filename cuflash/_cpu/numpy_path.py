@@ -50,12 +50,18 @@ def _forward_inputs(q, k, v, fp8: checks.Fp8 | None, cu_seqlens: tuple = (None, 
             reference.dequantize(v, fp8.descale_v, cu_k), _OUT_DTYPES[fp8.out_dtype])
 
 
+def _dropout_options(dropout: checks.Dropout | None) -> dict:
+    """A checked dropout as the references' keyword arguments."""
+    return {} if dropout is None else dict(dropout_p=dropout.p, seed=dropout.seed, offset=dropout.offset)
+
+
 def attention(q, k, v, causal: bool, scale: float, window, softcap: float, return_lse: bool, out,
-              fp8: checks.Fp8 | None = None, sinks=None, alibi_slopes=None):
-    """The blockwise online-softmax algorithm in float64."""
+              fp8: checks.Fp8 | None = None, sinks=None, alibi_slopes=None, dropout: checks.Dropout | None = None):
+    """The blockwise online-softmax algorithm in float64; dropout's mask drawn tile by tile."""
     q, k, v, dtype = _forward_inputs(q, k, v, fp8)
     result, lse = reference.attention_blockwise(q, k, v, causal=causal, softmax_scale=scale, window=window,
-                                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+                                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                                                **_dropout_options(dropout))
     return _output(result, lse, dtype, out, return_lse)
 
 
@@ -69,35 +75,38 @@ def _with_dsinks(grads: tuple, arrays: dict, sinks) -> tuple:
 
 
 def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap: float, sinks=None,
-                       alibi_slopes=None) -> tuple:
+                       alibi_slopes=None, dropout: checks.Dropout | None = None) -> tuple:
     """The gradients of arrays q, k, v, dout, out, lse (by name), into dq, dk, dv where given: P
     recomputed from the given lse and rowsum(dP * P) from the given out, as the kernels do, so
     that a block of a longer attention (a ring's) gets its share of the whole one's gradients.
-    With sinks, also dsinks."""
+    With sinks, also dsinks. Dropout regenerates the forward's mask from its seed and offset."""
     q = arrays["q"]
     result = reference.attention_backward_from_lse(arrays["dout"], q, arrays["k"], arrays["v"], arrays["out"],
                                                    arrays["lse"], causal=causal, softmax_scale=scale, window=window,
-                                                   softcap=softcap, alibi_slopes=alibi_slopes)
+                                                   softcap=softcap, alibi_slopes=alibi_slopes,
+                                                   **_dropout_options(dropout))
     return _with_dsinks(_gradients(result, arrays, q.dtype), arrays, sinks)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window, softcap: float,
                      return_lse: bool, out, fp8: checks.Fp8 | None = None, seqused_q=None, seqused_k=None,
-                     sinks=None, alibi_slopes=None):
+                     sinks=None, alibi_slopes=None, dropout: checks.Dropout | None = None):
     q, k, v, dtype = _forward_inputs(q, k, v, fp8, (cu_seqlens_q, cu_seqlens_k))
     result, lse = reference.attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                                        causal=causal, softmax_scale=scale, window=window,
-                                                       softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+                                                       softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                                                       **_dropout_options(dropout))
     return _output(result, lse, dtype, out, return_lse)
 
 
 def attention_varlen_backward(arrays: dict, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window,
-                              softcap: float, sinks=None, alibi_slopes=None) -> tuple:
+                              softcap: float, sinks=None, alibi_slopes=None,
+                              dropout: checks.Dropout | None = None) -> tuple:
     q = arrays["q"]
     result = reference.attention_varlen_backward_reference(arrays["dout"], q, arrays["k"], arrays["v"], cu_seqlens_q,
                                                            cu_seqlens_k, causal=causal, softmax_scale=scale,
                                                            window=window, softcap=softcap, sinks=sinks,
-                                                           alibi_slopes=alibi_slopes)
+                                                           alibi_slopes=alibi_slopes, **_dropout_options(dropout))
     grads = _gradients(result[:3], arrays, q.dtype)
     return grads if sinks is None else (*grads, result[3].astype(np.float32))
 

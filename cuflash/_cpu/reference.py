@@ -22,7 +22,9 @@ all masked gives ``out = 0`` and ``lse = -inf``, never NaN. ``alibi_slopes`` (he
 heads) adds flash-attn's bias ``-slope * |i + seqlen_k - seqlen_q - j|`` to the (softcapped) score.
 ``sinks`` (heads,) adds ``exp(sink)`` to each row's softmax denominator (gpt-oss's extra score column,
 not scaled): the lse includes it, and a row that sees no key then gives ``out = 0`` and
-``lse = sink``. Variable-length batches
+``lse = sink``. Dropout (``dropout_p`` with a keep mask, or with the ``seed`` and ``offset`` of
+:mod:`cuflash._cpu.philox`'s stream, which the kernels draw too) multiplies the normalised P by
+``mask / (1 - dropout_p)`` before ``P @ v``; the lse is of the undropped P. Variable-length batches
 (:func:`attention_varlen_reference`) are packed ``(total_tokens, heads, head_dim)`` with
 cumulative lengths, each sequence attending only to itself.
 """
@@ -34,8 +36,11 @@ import math
 import numpy as np
 import numpy.typing as npt
 
+from cuflash._cpu import philox
+
 __all__ = [
     "allowed_keys",
+    "dropout_keep",
     "attention_backward_from_lse",
     "attention_backward_reference",
     "attention_varlen_backward_reference",
@@ -134,6 +139,24 @@ def _sink_logits(sinks: npt.ArrayLike | None, heads: int) -> np.ndarray:
     return sinks
 
 
+def dropout_keep(dropout_p: float, dropout_mask: npt.ArrayLike | None, seed: int | None, offset: int,
+                 batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> np.ndarray | None:
+    """Dropout's factor ``keep / (1 - dropout_p)``, float64 (batch, heads, seqlen_q, seqlen_k), from
+    a keep mask (True: kept) or from ``seed`` and ``offset`` (:func:`cuflash._cpu.philox.keep_mask`);
+    None without dropout."""
+    if not dropout_p:
+        return None
+    if (dropout_mask is None) == (seed is None):
+        raise ValueError("dropout_mask, seed: with dropout_p > 0 give exactly one of them")
+    if dropout_mask is None:
+        dropout_mask = philox.keep_mask(seed, offset, dropout_p, heads, seqlen_q, seqlen_k, batch)
+    dropout_mask = np.asarray(dropout_mask)
+    if dropout_mask.shape != (batch, heads, seqlen_q, seqlen_k) or dropout_mask.dtype != np.bool_:
+        raise ValueError(f"dropout_mask: expected bool of shape {(batch, heads, seqlen_q, seqlen_k)}, got "
+                         f"{dropout_mask.dtype} {dropout_mask.shape}")
+    return dropout_mask / (1.0 - dropout_p)
+
+
 def _finalize(
     acc: np.ndarray, m: np.ndarray, l: np.ndarray, *, base2: bool
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -164,6 +187,10 @@ def attention_reference(
     p_dtype: npt.DTypeLike | None = None,
     sinks: npt.ArrayLike | None = None,
     alibi_slopes: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: npt.ArrayLike | None = None,
+    seed: int | None = None,
+    offset: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Naive attention ``softmax(q k^T * scale) v``, one (batch, head) at a time.
 
@@ -195,6 +222,11 @@ def attention_reference(
         only; in the accumulation dtype.
     alibi_slopes : array, optional
         (heads,) or (batch, heads): the bias :func:`alibi_bias` added after the softcap.
+    dropout_p, dropout_mask, seed, offset
+        Dropout of the normalised P: with ``dropout_p > 0``, either ``dropout_mask`` (bool (batch,
+        heads, seqlen_q, seqlen_k), True where kept) or the ``seed`` and ``offset`` of the
+        kernels' stream (:mod:`cuflash._cpu.philox`); kept entries are divided by
+        ``1 - dropout_p`` (before rounding P to ``p_dtype``). The lse does not change.
 
     Returns
     -------
@@ -220,6 +252,7 @@ def attention_reference(
     masked = ~allowed_keys(sq, sk, causal=causal, window=window)
     bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, b, hq, sq, sk).astype(acc)
     sink_logits = _sink_logits(sinks, hq).astype(acc)
+    keep = dropout_keep(dropout_p, dropout_mask, seed, offset, b, hq, sq, sk)
 
     out = np.empty((b, hq, sq, dv), dtype)
     lse = np.empty((b, hq, sq), acc)
@@ -240,6 +273,8 @@ def attention_reference(
             p = np.exp(s, out=s)
             l = p.sum(axis=-1) + np.exp(sink_logits[h] - m_safe)
             p, lse[bi, h] = _finalize(p, m, l, base2=False)
+            if keep is not None:
+                p *= keep[bi, h].astype(acc)
             out[bi, h] = (rounded(p, p_dtype) @ vh[bi, h // group]).astype(dtype)
     return out.transpose(0, 2, 1, 3), lse
 
@@ -258,6 +293,9 @@ def attention_blockwise(
     softcap: float = 0.0,
     sinks: npt.ArrayLike | None = None,
     alibi_slopes: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    seed: int | None = None,
+    offset: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
     """FlashAttention-2 forward: online softmax over key blocks, vectorised over batch and heads.
 
@@ -267,12 +305,15 @@ def attention_blockwise(
     only the key blocks some row of the query block may see (causal diagonal, sliding window), so
     the cost follows the window; mask only the tiles a boundary crosses; normalise once at the
     end. The full score matrix is never formed. A sink starts each row's running max and sum as
-    the one score seen before the first key.
+    the one score seen before the first key. Dropout, as the kernels do it: each tile's P is
+    masked after the running sum has taken it, and the output divided by ``1 - dropout_p`` once.
 
     Parameters
     ----------
     q, k, v, causal, softmax_scale, window, softcap, sinks, alibi_slopes
         As in :func:`attention_reference` (BSHD layout, GQA/MQA allowed).
+    dropout_p, seed, offset
+        As in :func:`attention_reference`, each tile's mask drawn from the stream.
     block_m, block_n : int
         Query and key tile sizes; they need not divide the sequence lengths.
     dtype : float64 or float32
@@ -288,6 +329,8 @@ def attention_blockwise(
     dtype = np.dtype(dtype)
     if dtype not in (np.float32, np.float64):
         raise TypeError(f"dtype: expected float32 or float64, got {dtype}")
+    if dropout_p and seed is None:
+        raise ValueError("seed: dropout_p > 0 draws its mask from a seed")
     if block_m < 1 or block_n < 1:
         raise ValueError(f"block_m, block_n: expected >= 1, got {block_m}, {block_n}")
     b, sq, hq, _ = q.shape
@@ -331,10 +374,15 @@ def attention_blockwise(
             s -= m_safe[..., None]
             p = np.exp2(s, out=s)
             l = alpha * l + p.sum(axis=-1)
+            if dropout_p:
+                p *= philox.keep_mask(seed, offset, dropout_p, hq, np.arange(i0, i1), np.arange(j0, j1),
+                                      b).reshape(p.shape)
             acc *= alpha[..., None]
             acc += p @ vg[..., j0:j1, :]
             m = m_new
         out[..., i0:i1, :], lse[..., i0:i1] = _finalize(acc, m, l, base2=True)
+        if dropout_p:
+            out[..., i0:i1, :] /= dtype.type(1.0 - dropout_p)
     return (
         out.reshape(b, hq, sq, dv).transpose(0, 2, 1, 3),
         lse.reshape(b, hq, sq),
@@ -353,6 +401,10 @@ def attention_backward_reference(
     softcap: float = 0.0,
     sinks: npt.ArrayLike | None = None,
     alibi_slopes: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: npt.ArrayLike | None = None,
+    seed: int | None = None,
+    offset: int = 0,
 ) -> tuple[np.ndarray, ...]:
     """Float64 gradients of ``out = attention(q, k, v)`` against the upstream gradient ``dout``.
 
@@ -364,6 +416,9 @@ def attention_backward_reference(
     constant of the score: it changes P, not the chain rule. A sink is a score column whose value
     is 0, so ``rowsum(dP ∘ P)`` is over the keys only and the sink's own gradient is
     ``-P_sink · rowsum(dP ∘ P)`` summed over every row of its head (:func:`sinks_gradient`).
+    Dropout (arguments as for :func:`attention_reference`) with ``Z = P ∘ M / (1 - p)`` the
+    dropped P: ``dv = Zᵀ dout``, and dP becomes ``dP ∘ M / (1 - p)`` in dS (so that
+    ``rowsum(dP ∘ P)`` is ``rowsum(dout ∘ out)`` still).
 
     Returns
     -------
@@ -385,7 +440,9 @@ def attention_backward_reference(
         dsinks[h] -= float((sink_weight / np.where(l == 0, 1, l) * delta).sum())
         return p, delta
 
-    grads = _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes)
+    batch, seqlen_q, heads = np.shape(q)[:3]
+    keep = dropout_keep(dropout_p, dropout_mask, seed, offset, batch, heads, seqlen_q, np.shape(k)[1])
+    grads = _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes, keep)
     return grads if sinks is None else (*grads, dsinks)
 
 
@@ -402,6 +459,10 @@ def attention_backward_from_lse(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: npt.ArrayLike | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: npt.ArrayLike | None = None,
+    seed: int | None = None,
+    offset: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The gradients as the kernels compute them, in float64: ``P = exp(S - lse)`` and
     ``rowsum(dP ∘ P) = rowsum(dout ∘ out)`` from the given ``out`` (batch, seqlen_q, heads,
@@ -411,7 +472,7 @@ def attention_backward_from_lse(
     an attention over more keys (a ring's other blocks), the contribution of these keys to the
     whole attention's gradients. Rows with ``lse = -inf`` contribute nothing. An lse that
     includes a sink gives the gradients with that sink; its own gradient is
-    :func:`sinks_gradient`.
+    :func:`sinks_gradient`. Dropout as in :func:`attention_backward_reference`.
     """
     out_h = np.asarray(out, dtype=np.float64).transpose(0, 2, 1, 3)
     dout_h = np.asarray(dout, dtype=np.float64).transpose(0, 2, 1, 3)
@@ -422,12 +483,15 @@ def attention_backward_from_lse(
         p = np.where(np.isneginf(row_lse), 0, np.exp(s - np.where(np.isneginf(row_lse), 0, row_lse)))
         return p, (dout_h[bi, h] * out_h[bi, h]).sum(axis=-1, keepdims=True)
 
-    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes)
+    keep = dropout_keep(dropout_p, dropout_mask, seed, offset, lse.shape[0], lse.shape[1], lse.shape[2],
+                        np.shape(k)[1])
+    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes, keep)
 
 
-def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes=None):
+def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes=None, keep=None):
     """The backward's loop over (batch, head), ``softmax(bi, h, s, dp)`` giving P and
-    ``rowsum(dP ∘ P)`` from the masked scores ``s`` (bias included) and ``dP``."""
+    ``rowsum(dP ∘ P)`` from the masked scores ``s`` (bias included) and ``dP``. ``keep``: dropout's
+    ``M / (1 - p)`` (dropout_keep), which weighs P in dv and dP in dS."""
     q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != q.shape[:3] + (v.shape[3],):
@@ -445,8 +509,10 @@ def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, al
             capped = _softcapped(qh[bi, h] @ kh[bi, kv].T * scale, softcap)
             s = np.where(allowed, capped + bias[bi, h], -np.inf)
             dp = doh[bi, h] @ vh[bi, kv].T
+            if keep is not None:
+                dp *= keep[bi, h]
             p, delta = softmax(bi, h, s, dp)
-            dv[bi, kv] += p.T @ doh[bi, h]
+            dv[bi, kv] += (p if keep is None else p * keep[bi, h]).T @ doh[bi, h]
             ds = p * (dp - delta)
             if softcap:
                 ds *= 1 - np.where(allowed, capped / softcap, 0) ** 2
@@ -496,6 +562,16 @@ def _options_of_sequence(options: dict, i: int) -> dict:
     return {**options, "alibi_slopes": np.asarray(slopes)[i:i + 1]}
 
 
+def _dropout_of_sequence(options: dict, i: int, heads: int, seqlen_q: int, seqlen_k: int) -> dict:
+    """``options`` for sequence ``i`` of a packed batch: a seed and offset become the keep mask that
+    the stream draws for batch entry ``i`` (positions within the sequence)."""
+    if not options.get("dropout_p") or options.get("seed") is None:
+        return options
+    mask = philox.keep_mask(options["seed"], options.get("offset", 0), options["dropout_p"], heads, seqlen_q,
+                            seqlen_k, [i])
+    return {**options, "dropout_mask": mask, "seed": None, "offset": 0}
+
+
 def _sequences(cu_seqlens_q: npt.ArrayLike, cu_seqlens_k: npt.ArrayLike):
     """(query slice, key slice) of each sequence of a packed batch."""
     cu_q, cu_k = np.asarray(cu_seqlens_q, np.int64), np.asarray(cu_seqlens_k, np.int64)
@@ -521,7 +597,8 @@ def attention_varlen_reference(
     owns queries ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` and keys ``cu_seqlens_k[i]:cu_seqlens_k[i+1]``
     (either may be empty) and sees only its own keys, with causal and window alignment per
     sequence. ``options``: causal, softmax_scale, window, softcap, dtype, sinks and alibi_slopes
-    (``(heads,)`` or ``(batch, heads)``, a row per sequence). ``seqused_q`` /
+    (``(heads,)`` or ``(batch, heads)``, a row per sequence), dropout_p with seed and offset (each
+    sequence's mask that of batch entry ``i``). ``seqused_q`` /
     ``seqused_k`` (batch,): only the first ``seqused_q[i]`` queries and ``seqused_k[i]`` keys of
     sequence ``i`` are used (masks align against those lengths); the rows past seqused_q are 0 with
     lse ``-inf``.
@@ -540,7 +617,9 @@ def attention_varlen_reference(
         if seqused_k is not None:
             keys = slice(keys.start, keys.start + min(int(np.asarray(seqused_k)[i]), keys.stop - keys.start))
         if rows.stop > rows.start:  # a sequence of no keys still has its sinks' lse
-            o, l = attention_reference(q[None, rows], k[None, keys], v[None, keys], **_options_of_sequence(options, i))
+            sequence_options = _dropout_of_sequence(_options_of_sequence(options, i), i, q.shape[1],
+                                                    rows.stop - rows.start, keys.stop - keys.start)
+            o, l = attention_reference(q[None, rows], k[None, keys], v[None, keys], **sequence_options)
             out[rows], lse[:, rows] = o[0], l[0]
     return out, lse
 
@@ -556,15 +635,17 @@ def attention_varlen_backward_reference(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`attention_backward_reference` of each sequence of a packed batch (layout as in
     :func:`attention_varlen_reference`; ``options``: causal, softmax_scale, window, softcap, sinks,
-    alibi_slopes). With ``sinks``, also dsinks summed over the sequences (a row that sees no key
+    alibi_slopes, dropout_p with seed and offset). With ``sinks``, also dsinks summed over the sequences (a row that sees no key
     has ``out = 0``, so ``D = 0``: it adds nothing)."""
     dout, q, k, v = (np.asarray(x) for x in (dout, q, k, v))
     dq, dk, dv = (np.zeros(x.shape, np.float64) for x in (q, k, v))
     dsinks = np.zeros(q.shape[1])
     for i, (rows, keys) in enumerate(_sequences(cu_seqlens_q, cu_seqlens_k)):
         if rows.stop > rows.start and keys.stop > keys.start:
+            sequence_options = _dropout_of_sequence(_options_of_sequence(options, i), i, q.shape[1],
+                                                    rows.stop - rows.start, keys.stop - keys.start)
             grads = attention_backward_reference(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
-                                                 **_options_of_sequence(options, i))
+                                                 **sequence_options)
             dq[rows], dk[keys], dv[keys] = (g[0] for g in grads[:3])
             if options.get("sinks") is not None:
                 dsinks += grads[3]

@@ -343,6 +343,121 @@ _register_autograd(_biased_forward, _biased_backward, tensor_inputs=5, sinks_inp
 _register_autograd(_varlen_biased_forward, _varlen_biased_backward, tensor_inputs=7, sinks_input=5)
 
 
+# Dropout: ops of their own (with the sinks and ALiBi slopes, which dropout combines with), whose
+# `rng` input is the keep mask's (seed, offset), int64 (2,) on q's device, drawn by _dropout_rng
+# from torch's generator: a traced op under torch.compile, so every call draws afresh, and the
+# backward op receives the forward's (saved with the other tensor inputs).
+_I64 = torch.iinfo(torch.int64)
+
+
+def _dropout_rng(q: torch.Tensor) -> torch.Tensor:
+    """(seed, offset) of a dropout call from the default generator of q's device (torch's CUDA
+    generator for CUDA tensors), so that torch.manual_seed makes runs repeat, as in flash-attn."""
+    return torch.randint(_I64.min, _I64.max, (2,), dtype=torch.int64, device=q.device)
+
+
+def _seed_offset(rng) -> tuple:
+    """cuflash's seed and offset: on the CPU (where the op's body sees the rng tensor as a NumPy
+    view) its two int64 as unsigned 64-bit integers; on a GPU the tensor itself (with offset 0),
+    which the kernels read at run time, so that no call waits for the device and a captured CUDA
+    graph draws afresh on every replay."""
+    if isinstance(rng, torch.Tensor) and rng.is_cuda:
+        return rng, 0
+    seed, offset = rng.tolist()
+    return seed % 2**64, offset % 2**64
+
+
+def _attention_dropout_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor],
+                               alibi_slopes: Optional[torch.Tensor], rng: torch.Tensor, causal: bool,
+                               softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                               deterministic: bool, dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    seed, offset = _seed_offset(rng)
+    return cuflash.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=(window_left, window_right),
+                             softcap=softcap, return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes,
+                             dropout_p=dropout_p, seed=seed, offset=offset)
+
+
+_dropout_forward = _op("cuflash::attention_dropout_forward", _attention_dropout_forward)
+
+
+@_dropout_forward.register_fake
+def _(q, k, v, sinks, alibi_slopes, rng, causal, softmax_scale, window_left, window_right, softcap, deterministic,
+      dropout_p):
+    return _output_like(q, v), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+
+def _attention_dropout_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                out: torch.Tensor, lse: torch.Tensor, sinks: Optional[torch.Tensor],
+                                alibi_slopes: Optional[torch.Tensor], rng: torch.Tensor, causal: bool,
+                                softmax_scale: float, window_left: int, window_right: int, softcap: float,
+                                deterministic: bool, dropout_p: float
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed, offset = _seed_offset(rng)
+    return _dsinks_or_empty(cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                                       softmax_scale=softmax_scale, window=(window_left, window_right),
+                                                       softcap=softcap, deterministic=deterministic, sinks=sinks,
+                                                       alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed,
+                                                       offset=offset), q)
+
+
+_dropout_backward = _op("cuflash::attention_dropout_backward", _attention_dropout_backward)
+
+
+@_dropout_backward.register_fake
+def _(dout, q, k, v, out, lse, sinks, alibi_slopes, rng, causal, softmax_scale, window_left, window_right, softcap,
+      deterministic, dropout_p):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _dsinks_like(q, sinks, q.shape[2])
+
+
+def _attention_varlen_dropout_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                      cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor],
+                                      alibi_slopes: Optional[torch.Tensor], rng: torch.Tensor, max_seqlen_q: int,
+                                      max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int,
+                                      window_right: int, softcap: float, deterministic: bool,
+                                      dropout_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    seed, offset = _seed_offset(rng)
+    return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
+                                    return_lse=True, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                    seed=seed, offset=offset)
+
+
+_varlen_dropout_forward = _op("cuflash::attention_varlen_dropout_forward", _attention_varlen_dropout_forward)
+
+
+@_varlen_dropout_forward.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes, rng, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, window_left, window_right, softcap, deterministic, dropout_p):
+    return _output_like(q, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _attention_varlen_dropout_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                       out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                       cu_seqlens_k: torch.Tensor, sinks: Optional[torch.Tensor],
+                                       alibi_slopes: Optional[torch.Tensor], rng: torch.Tensor, max_seqlen_q: int,
+                                       max_seqlen_k: int, causal: bool, softmax_scale: float, window_left: int,
+                                       window_right: int, softcap: float, deterministic: bool, dropout_p: float
+                                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    seed, offset = _seed_offset(rng)
+    return _dsinks_or_empty(cuflash.attention_varlen_backward(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap, deterministic=deterministic,
+        sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=dropout_p, seed=seed, offset=offset), q)
+
+
+_varlen_dropout_backward = _op("cuflash::attention_varlen_dropout_backward", _attention_varlen_dropout_backward)
+
+
+@_varlen_dropout_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes, rng, max_seqlen_q, max_seqlen_k,
+      causal, softmax_scale, window_left, window_right, softcap, deterministic, dropout_p):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), _dsinks_like(q, sinks, q.shape[1])
+
+
+_register_autograd(_dropout_forward, _dropout_backward, tensor_inputs=6, sinks_input=3)
+_register_autograd(_varlen_dropout_forward, _varlen_dropout_backward, tensor_inputs=8, sinks_input=5)
+
+
 def _flags_and_options(q: torch.Tensor, causal, softmax_scale, window, softcap,
                        deterministic) -> tuple[bool, float, int, int, float, bool]:
     """(causal, scale, left, right, softcap, deterministic) in the ops' argument order, validated
@@ -356,18 +471,25 @@ def _flags_and_options(q: torch.Tensor, causal, softmax_scale, window, softcap,
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
               deterministic: bool = False, sinks: torch.Tensor | None = None,
-              alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+              alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Differentiable :func:`cuflash.attention` on torch tensors (batch, seqlen, heads, head_dim), CUDA
     or CPU.
 
     Gradients flow to q, k and v through :func:`cuflash.attention_backward`, bitwise reproducible
     when ``deterministic`` (see there for the cost). ``sinks`` (heads,) (gpt-oss's attention
     sinks, differentiable: their gradient comes back in their dtype) and ``alibi_slopes``
-    ((heads,) or (batch, heads), float32) as for :func:`cuflash.attention`.
+    ((heads,) or (batch, heads), float32) as for :func:`cuflash.attention`. ``dropout_p`` in [0, 1)
+    drops attention probabilities with the seed and offset drawn from the default generator of
+    q's device (so ``torch.manual_seed`` makes a run repeat; the backward regenerates the
+    forward's mask); applied whatever the module's training mode, as flash-attn does. CPU tensors
+    only so far.
     """
     _check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
     options = _flags_and_options(q, causal, softmax_scale, window, softcap, deterministic)
-    if sinks is not None or alibi_slopes is not None:
+    dropout_p = checks.resolve_dropout_p(dropout_p)
+    if dropout_p:
+        out, _ = _dropout_forward(q, k, v, sinks, alibi_slopes, _dropout_rng(q), *options, dropout_p)
+    elif sinks is not None or alibi_slopes is not None:
         out, _ = _biased_forward(q, k, v, sinks, alibi_slopes, *options)
     else:
         out, _ = _forward(q, k, v, *options)
@@ -379,7 +501,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      causal: bool = False, softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1),
                      softcap: float = 0.0, deterministic: bool = False, seqused_q: torch.Tensor | None = None,
                      seqused_k: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                     alibi_slopes: torch.Tensor | None = None) -> torch.Tensor:
+                     alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Differentiable :func:`cuflash.attention_varlen` on packed torch tensors, CUDA or CPU,
     (total_tokens, heads, head_dim) with int32 ``cu_seqlens_*`` (batch + 1,).
 
@@ -387,14 +509,17 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     under torch.compile). Gradients through :func:`cuflash.attention_varlen_backward`.
     ``seqused_q`` / ``seqused_k`` (int32 (batch,)): the used prefix of each sequence, as for
     :func:`cuflash.attention_varlen`; forward only (NotImplementedError where a gradient is wanted).
-    ``sinks`` and ``alibi_slopes`` ((heads,) or (num_sequences, heads)) as for :func:`attention`,
-    not with seqused_q / seqused_k.
+    ``sinks`` and ``alibi_slopes`` ((heads,) or (num_sequences, heads)) and ``dropout_p`` as for
+    :func:`attention`, not with seqused_q / seqused_k.
     """
     _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, alibi_slopes), 5)
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
     biased = sinks is not None or alibi_slopes is not None
+    dropout_p = checks.resolve_dropout_p(dropout_p)
     if seqused_q is not None or seqused_k is not None:
+        if dropout_p:
+            raise NotImplementedError("attention_varlen: dropout_p is not taken with seqused_q / seqused_k yet")
         if biased:
             raise NotImplementedError("attention_varlen: sinks and alibi_slopes are not taken with seqused_q / "
                                       "seqused_k yet")
@@ -407,7 +532,10 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                                       max_seqlen_k, causal, scale, left, right, softcap)
         return out
     options = _flags_and_options(q, causal, softmax_scale, window, softcap, deterministic)
-    if biased:
+    if dropout_p:
+        out, _ = _varlen_dropout_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes, _dropout_rng(q),
+                                         max_seqlen_q, max_seqlen_k, *options, dropout_p)
+    elif biased:
         out, _ = _varlen_biased_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, alibi_slopes, max_seqlen_q,
                                         max_seqlen_k, *options)
     else:
@@ -415,15 +543,16 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
-def _refuse(function: str, dropout_p, return_attn_probs) -> None:
+def _refuse(function: str, return_attn_probs) -> None:
     """flash-attn arguments cuflash does not support raise, never silently ignored."""
-    unsupported = {
-        "dropout_p": dropout_p != 0.0,
-        "return_attn_probs": bool(return_attn_probs),
-    }
-    for name, used in unsupported.items():
-        if used:
-            raise NotImplementedError(f"{function}: cuflash does not support {name} yet")
+    if return_attn_probs:
+        raise NotImplementedError(f"{function}: cuflash does not support return_attn_probs yet")
+
+
+def _refuse_fp8_dropout(function: str, dropout_p) -> None:
+    """The FP8 forward is for inference (as FlashAttention-3's): no dropout."""
+    if checks.resolve_dropout_p(dropout_p):
+        raise NotImplementedError(f"{function}: dropout_p is not taken with FP8 inputs (a forward for inference)")
 
 
 def _sinks(sinks, learnable_sink):
@@ -448,8 +577,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     ``deterministic=True`` makes the backward bitwise reproducible. ``alibi_slopes`` (float32
     (heads,) or (batch, heads)) and ``sinks`` (FlashAttention-4's ``learnable_sink``; pass one
-    of the two) as for :func:`attention`. Raises
-    NotImplementedError, naming the argument, for dropout_p != 0 and return_attn_probs=True.
+    of the two) as for :func:`attention`. ``dropout_p`` as for :func:`attention` (seed and offset
+    from torch's generator; CPU tensors only so far). Raises NotImplementedError, naming the
+    argument, for return_attn_probs=True.
     float8_e4m3fn CUDA tensors take FlashAttention-3's ``q_descale``, ``k_descale`` and
     ``v_descale`` (None, a number, or float32 (batch, heads_kv)) and return bfloat16: a forward
     only, as in FlashAttention-3, so not differentiable, and called directly rather than as a
@@ -457,13 +587,14 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     sinks = _sinks(sinks, learnable_sink)
     _check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
-    _refuse("flash_attn_func", dropout_p, return_attn_probs)
+    _refuse("flash_attn_func", return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
+        _refuse_fp8_dropout("flash_attn_func", dropout_p)
         return _direct(cuflash.attention, q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
                        softcap=softcap, descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, sinks=sinks,
                        alibi_slopes=alibi_slopes)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
-                     deterministic=deterministic, sinks=sinks, alibi_slopes=alibi_slopes)
+                     deterministic=deterministic, sinks=sinks, alibi_slopes=alibi_slopes, dropout_p=dropout_p)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -472,16 +603,17 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            v_descale=None, seqused_q=None, seqused_k=None, sinks=None, learnable_sink=None):
     """flash-attn's ``flash_attn_varlen_func``: q (total_q, heads, head_dim), k (total_k,
     heads_kv, head_dim) and v (total_k, heads_kv, head_dim_v), int32 cu_seqlens (batch + 1,);
-    returns out (total_q, heads, head_dim_v). Raises NotImplementedError, and takes FP8 inputs
-    with their descales (of shape (batch, heads_kv), batch the number of sequences), as
+    returns out (total_q, heads, head_dim_v). Raises NotImplementedError, and takes dropout_p and
+    FP8 inputs with their descales (of shape (batch, heads_kv), batch the number of sequences), as
     :func:`flash_attn_func` does; alibi_slopes is (heads,) or (num_sequences, heads), sinks
     (or learnable_sink) as there.
     ``seqused_q`` / ``seqused_k``: FlashAttention-3's used prefix of each sequence (forward only).
     """
     sinks = _sinks(sinks, learnable_sink)
     _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, alibi_slopes), 5)
-    _refuse("flash_attn_varlen_func", dropout_p, return_attn_probs)
+    _refuse("flash_attn_varlen_func", return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
+        _refuse_fp8_dropout("flash_attn_varlen_func", dropout_p)
         return _direct(cuflash.attention_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, seqused_q=seqused_q,
@@ -489,7 +621,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                             softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                             deterministic=deterministic, seqused_q=seqused_q, seqused_k=seqused_k, sinks=sinks,
-                            alibi_slopes=alibi_slopes)
+                            alibi_slopes=alibi_slopes, dropout_p=dropout_p)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
