@@ -46,6 +46,6 @@ def test_help_is_plain_text(capsys, argv):
 
 def test_main_help_names_the_commands_and_the_bench_modes(capsys):
     text = help_text(capsys, ["--help"])
-    for words in ("compile-check", "bench", "--version", "--mode decode", "--mode mla", "--mode ring",
+    for words in ("compile-check", "bench", "--version", "--mode decode", "--mode mla", "--mode ring", "--mode bias",
                   "--dtype e4m3", "--memory", "--front-end"):
         assert words in text, words

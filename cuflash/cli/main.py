@@ -1,8 +1,8 @@
 """``python -m cuflash``: the environment report and self-check, ``bench`` and ``compile-check``.
 
 The help texts below are what a user reads in a terminal: plain sentences, no source paths. The
-bench modes live in cuflash/bench/ (attention.py, decode.py, mla.py, ring.py), the compile check
-in cuflash/cli/compile_check.py.
+bench modes live in cuflash/bench/ (attention.py, decode.py, mla.py, ring.py, bias.py), the compile
+check in cuflash/cli/compile_check.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 
 import cuflash
 from cuflash.bench import attention as bench_module
-from cuflash.bench import decode as bench_decode, mla as bench_mla, ring as bench_ring
+from cuflash.bench import bias as bench_bias, decode as bench_decode, mla as bench_mla, ring as bench_ring
 from cuflash.cli import compile_check
 from cuflash._core import dispatch, kernels, nvrtc
 from cuflash._cpu import reference
@@ -192,6 +192,7 @@ examples:
   python -m cuflash bench --mode decode --quick   decoding against a KV cache, in GB/s
   python -m cuflash bench --mode mla --quick      MLA decoding, in GB/s and TFLOP/s
   python -m cuflash bench --mode ring             context parallelism over every GPU (2 or more)
+  python -m cuflash bench --mode bias --quick     attention sinks and ALiBi on gpt-oss's shapes
   python -m cuflash bench --memory                peak memory and modelled memory traffic
   python -m cuflash compile-check --arch sm_90a   compile every kernel for Hopper, no GPU needed
   python -m cuflash compile-check --front-end     only whether NVRTC takes the sources
@@ -202,7 +203,8 @@ BENCH_DESCRIPTION = """\
 Time cuflash on this GPU next to its peers, in the same run: torch SDPA's backends
 (FlashAttention-2, cuDNN, memory-efficient) and standard attention, cuDNN's FP8 attention for
 --dtype e4m3 (each peer where it is installed); decoding next to SDPA and the copy rate, MLA next
-to the copy and matmul rates, the ring next to one GPU. Prints the table and writes it, with every
+to the copy and matmul rates, the ring next to one GPU, attention sinks and ALiBi next to cuflash
+without them, SDPA and torch's eager gpt-oss formula. Prints the table and writes it, with every
 number, to --out as <gpu>-<mode>.md and .json (and a .png plot where matplotlib is installed),
 each headed by the command that regenerates it."""
 
@@ -215,6 +217,7 @@ examples:
   python -m cuflash bench --mode decode --batches '1 64' --contexts '8192 32768'
   python -m cuflash bench --mode mla --quick
   python -m cuflash bench --mode ring --ranks 2 --seqlens 131072
+  python -m cuflash bench --mode bias --quick
   python -m cuflash bench --memory"""
 
 CHECK_DESCRIPTION = """\
@@ -254,19 +257,23 @@ def build_parser() -> argparse.ArgumentParser:
                            description=BENCH_DESCRIPTION, epilog=BENCH_EPILOG, formatter_class=raw)
     bench.add_argument("--quick", action="store_true", help="head_dim 128, seqlen 1024 and 4096 only; decode: "
                                                                 "batch 1 and 64, context 8k and 32k, 1 query token, "
-                                                                "32/8 heads, contiguous and page 64")
+                                                                "32/8 heads, contiguous and page 64; bias: 4k and "
+                                                                "16k tokens")
     bench.add_argument("--dtype", choices=bench_module.DTYPES, default="bfloat16",
                        help="e4m3: the FP8 forward next to cuDNN's FP8 attention and cuflash's bf16")
     bench.add_argument("--head-dims", type=_head_dims,
                        help="e.g. '64,128,256', or q/k and v pairs like '192/128' (default: 64 128 256)")
     bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
-    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode", "mla", "ring"], default="fwd",
+    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode", "mla", "ring", "bias"], default="fwd",
                        help="what one timed call does: forward, backward (forward run untimed) or both; or decode: "
                             "a decoding step against a KV cache, in GB/s (its own sweep, --batches, --contexts); or "
                             "mla: an MLA decoding step (cuflash.mla_decode) over a paged latent cache, in GB/s and "
                             "TFLOP/s (its own sweep, --batches, --contexts); or ring: context parallelism over "
-                            "--ranks GPUs next to one GPU, --seqlens the whole sequence's tokens")
+                            "--ranks GPUs next to one GPU, --seqlens the whole sequence's tokens; or bias: cuflash "
+                            "with attention sinks and with ALiBi next to cuflash without them and the peers, on "
+                            "gpt-oss's shapes (64/8 heads, head_dim 64, 4k to 32k tokens), forward, backward and "
+                            "decode (its own sweep, needs torch)")
     bench.add_argument("--family", choices=["auto", *dispatch.FAMILIES], default="auto",
                        help="cuflash kernel family (sm90 runs sm80's kernels for tensors no tensor map describes; "
                             "the compilation notes name each kernel)")
@@ -276,8 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--contexts", type=_positive_ints,
                        help="decode: cached tokens per sequence, e.g. '8192 32768' (default: 1k 8k 32k 128k)")
     bench.add_argument("--eager", action="store_true",
-                       help="decode: time the steps launched back to back instead of as CUDA graph replays "
-                            "(the host's cost per call then counts where the kernels are shorter)")
+                       help="decode, mla and bias's decode: time the steps launched back to back instead of as "
+                            "CUDA graph replays (the host's cost per call then counts where the kernels are shorter)")
     bench.add_argument("--ranks", type=_positive_int,
                        help="ring: processes, one per GPU (default: every visible GPU; at least 2)")
     bench.add_argument("--repeats", type=int, default=10, help="timed samples per case (median reported)")
@@ -291,11 +298,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def mode_conflict(args: argparse.Namespace) -> str | None:
-    """Why the options do not go together (decode has its own sweep), or None."""
+    """Why the options do not go together (decode and bias have their own sweeps), or None."""
     decode = args.mode in ("decode", "mla")
     given = [option for option, value in (("--memory", args.memory), ("--head-dims", args.head_dims),
                                           ("--seqlens", args.seqlens), ("--batches", args.batches),
                                           ("--contexts", args.contexts), ("--eager", args.eager)) if value]
+    if args.mode == "bias":  # gpt-oss's shapes in bf16, every implementation: only --quick and --eager shape it
+        misplaced = [o for o in given if o != "--eager"] + [
+            o for o, value in (("--dtype", args.dtype != "bfloat16"), ("--causal", args.causal != "both"),
+                               ("--impls", args.impls != list(bench_module.IMPLEMENTATIONS)),
+                               ("--ranks", args.ranks)) if value]
+        return f"{', '.join(misplaced)} do not apply to --mode bias" if misplaced else None
     wrong = [o for o in given if (o in ("--batches", "--contexts", "--eager")) != decode]
     if wrong:
         return f"{', '.join(wrong)} {'do not apply to' if decode else 'only apply to'} --mode decode and mla"
@@ -316,6 +329,18 @@ def bench_decode_sweep(args: argparse.Namespace, command: str, out: Path) -> int
     report = bench_decode.run_sweep(sweep, args.dtype, repeats=args.repeats, command=command, eager=args.eager)
     print(bench_decode.markdown_table(report))
     for line in bench_decode.write_outputs(report, out):
+        print(line)
+    return 0
+
+
+def bench_bias_sweep(args: argparse.Namespace, command: str, out: Path) -> int:
+    if not bench_decode.torch_gpu():
+        print("python -m cuflash bench --mode bias: needs torch with CUDA (the inputs, SDPA and the eager formula "
+              "are torch's)", file=sys.stderr)
+        return 2
+    report = bench_bias.run_sweep(bench_bias.sweep(args.quick), args.repeats, command, eager=args.eager)
+    print(bench_bias.markdown_document(report))
+    for line in bench_bias.write_outputs(report, out):
         print(line)
     return 0
 
@@ -353,6 +378,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         return bench_decode_sweep(args, command, out)
     if args.mode == "ring":
         return bench_ring_sweep(args, command, out)
+    if args.mode == "bias":
+        return bench_bias_sweep(args, command, out)
     if args.mode == "mla":
         report = bench_mla.run_sweep(bench_mla.sweep(args.quick, args.batches, args.contexts), args.dtype,
                                      repeats=args.repeats, command=command, eager=args.eager)
