@@ -326,7 +326,8 @@ def _varlen_backward_reference(q, k, v, dout, cu_q, cu_k, scale, sinks, slopes, 
     return dq, dk, dv, dsinks
 
 
-def test_fp8_forward_with_sinks_and_alibi(family, rng):
+@pytest.mark.parametrize("head_dim", [64, 192])  # d192: sm90 devices run sm80's e4m3 kernel for ALiBi
+def test_fp8_forward_with_sinks_and_alibi(family, head_dim, rng):
     # The FP8 rule of tests/test_fp8_gpu.py with the reference taking the same sinks and slopes.
     import cupy as cp
     import ml_dtypes
@@ -335,17 +336,18 @@ def test_fp8_forward_with_sinks_and_alibi(family, rng):
     from tests.gpu_reference import attention, check_rule, poison_pool
     from tests.test_fp8_gpu import FP8, dequantize, inputs
 
-    q, k, v = inputs(rng, 2, 700, 900, 8, 2, 64)
+    q, k, v = inputs(rng, 2, 700, 900, 8, 2, head_dim)
     sinks, slopes = sinks_for(8, rng), slopes_for(8, 2)
     for bias in ({"sinks": sinks}, {"alibi_slopes": slopes}, {"sinks": sinks, "alibi_slopes": slopes}):
         poison_pool()
-        out = cp.full((2, 700, 8, 64), cp.nan, dtype=np.dtype(ml_dtypes.bfloat16))
+        out = cp.full((2, 700, 8, head_dim), cp.nan, dtype=np.dtype(ml_dtypes.bfloat16))
         cuflash.attention(q[0], k[0], v[0], descale_q=q[1], descale_k=k[1], descale_v=v[1], dtype="e4m3", out=out,
                           causal=True, **bias)
         lse = cuflash.attention(q[0], k[0], v[0], descale_q=q[1], descale_k=k[1], descale_v=v[1], dtype="e4m3",
                                 causal=True, return_lse=True, **bias)[1]
         q64, k64, v64 = (dequantize(*x) for x in (q, k, v))
-        options = {"causal": True, "scale": 1 / 8, "sinks": bias.get("sinks"), "alibi": bias.get("alibi_slopes")}
+        options = {"causal": True, "scale": 1 / math.sqrt(head_dim), "sinks": bias.get("sinks"),
+                   "alibi": bias.get("alibi_slopes")}
         out_ref, lse_ref = attention(q64, k64, v64, **options)
         out_lowp, lse_lowp = attention(q64, k64, v64, lowp="bfloat16", p_lowp=FP8, **options)
         check_rule("out", out, out_ref, out_lowp, "bfloat16")

@@ -264,9 +264,10 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
   typedef typename FwdArgs<Input>::type Base;  // FwdParams, or FwdParamsFp8 with the descales
   const Base& a = p.base;
   // ALiBi (common/bias.cuh) in the window kernels of two consumers: with three (d64, 160 registers
-  // each) its distances cost 92 to 132 bytes of spills, so d64 ALiBi calls take the two-consumer
-  // tile (dispatch.forward_kernel) and the three-consumer kernels compile no trace of it.
-  constexpr bool ALIBI = WINDOW && CONSUMERS == 2;
+  // each) its distances spill, so d64 ALiBi calls take the two-consumer tile
+  // (dispatch.forward_kernel) and the three-consumer kernels compile no trace of it. The e4m3 d192
+  // kernels spill with it too: their ALiBi calls run sm80's e4m3 kernel (dispatch.forward_choice).
+  constexpr bool ALIBI = WINDOW && CONSUMERS == 2 && !(FP8 && HEAD_DIM == 192);
 
   // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
   // one arrival per consumer warp once its warpgroup is done with the buffer (for K and V: its
@@ -421,7 +422,11 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
       unsigned char* const q_tile = smem + q_buffer * Smem::Q_BYTES;
 
       const ScoreScales<Base, SOFTCAP> scales(a, c.batch, c.head / a.kv_group);
-      const Alibi alibi{ALIBI ? alibi_slope(a, c.batch, c.head, scales.log2()) : 0.f, mask.diagonal_offset};
+      // ALiBi's slope is read again at each step (an L1 hit) rather than held across the loop, one
+      // register fewer where the e4m3 kernels have none to spare.
+      const auto alibi = [&] {
+        return Alibi{ALIBI ? alibi_slope(a, c.batch, c.head, scales.log2()) : 0.f, mask.diagonal_offset};
+      };
       float o[1][DT][4];
       clear(o);
       OnlineSoftmax<1, FP8 ? 8 : 0, FP8> softmax;  // e4m3 P in [0, 256]; the max as a tree (common/softmax.cuh)
@@ -453,8 +458,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
         fence_registers(flat(s));
         // The tensor cores are done with this K stage: one arrival per warp hands it back.
         if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-        probabilities<BLOCK_N, SOFTCAP>(s, mask, needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n), alibi, softmax,
-                                        scales, n, warp_row, correction);
+        probabilities<BLOCK_N, SOFTCAP>(s, mask, needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n), alibi(),
+                                        softmax, scales, n, warp_row, correction);
         pack_p<Input, Elem>(s, pv_a);
         k_pos.advance();
 
@@ -480,7 +485,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
           wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
           fence_registers(flat(s));
           if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, alibi, softmax, scales, n, warp_row, correction);
+          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, alibi(), softmax, scales, n, warp_row, correction);
           wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
           fence_registers(flat(o));
           fence_registers(pv_a);

@@ -300,7 +300,7 @@ def forward_kernel(
     sm80 kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only.
     ``alibi``: the call has ALiBi slopes, which only window kernels read (make_mask gives such calls
     the window mask), and of sm90's only those of two consumers (flash_fwd.cu): d64 takes its
-    narrow tile.
+    narrow tile; sm90's e4m3 d192 kernel has none (forward_choice runs sm80's).
 
     Which kernel serves a softcap: _mask_flags.
     """
@@ -333,6 +333,8 @@ def forward_kernel(
         tile = tile or special.get(kernel_dim) or tables[2][kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
         assert tile.warps == 4 * (consumers + 1) and not (alibi and consumers != 2)
+        if alibi and not sm90_alibi(kernel_dim, fp8):
+            raise ValueError(f"alibi: sm90's e4m3 d{kernel_dim} forward has no ALiBi; sm80's runs it")
         # Two Q buffers where they fit, so that a persistent CTA loads the next tile's Q during
         # this one's main loop (flash_fwd.cu).
         fits = _sm90_fwd_smem(tile, kernel_dim, 2, fp8) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN
@@ -573,6 +575,12 @@ def kernel_head_dim(q, v) -> int:
     return max(q.shape[3], v.shape[3])
 
 
+def sm90_alibi(kernel_dim: int, fp8: bool) -> bool:
+    """Whether sm90's forward kernels of ``kernel_dim`` (with e4m3 inputs if ``fp8``) read ALiBi
+    slopes (sm90/flash_fwd.cu, ALIBI): all but e4m3's d192."""
+    return not (fp8 and kernel_dim == 192)
+
+
 def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtype: str | None = None
                    ) -> KernelChoice:
     """The forward kernel for DeviceTensors q, k, v on a device of ``family``: that family's, or
@@ -584,6 +592,8 @@ def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtyp
                              f"in 16-byte chunks), got {t.shape[3]}")
     short = max_seqlen_q <= SM90_SHORT_ROWS
     head_dim = kernel_head_dim(q, v)
+    if family == "sm90" and mask.alibi and not sm90_alibi(_row_elems(head_dim_bucket(head_dim)), q.dtype in FP8_TYPES):
+        family = "sm80"
     choice = forward_kernel(family, head_dim, mask.kind, q.dtype, bool(mask.softcap), short=short,
                             out_dtype=out_dtype, alibi=mask.alibi)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
