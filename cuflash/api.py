@@ -185,31 +185,43 @@ def attention(
                 or descale_k is not None or descale_v is not None)
     if fp8_call:
         qt, kt, vt = (checks.declared_dtype(name, t, dtype) for name, t in (("q", qt), ("k", kt), ("v", vt)))
-    bias = checks.NO_BIAS
-    if sinks is not None or alibi_slopes is not None:  # q's checks first: they read its shape
-        checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
+    bias, bias_layouts = _bias(sinks, alibi_slopes, framework)
+    if bias_layouts is None:  # sinks to copy to float32, or the checks to speak: every call checked
+        checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)  # q's shape first
         bias = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
     if dropout_p != 0.0 or seed is not None or offset != 0:  # refused on the GPU, after every other check
         checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
         checks.check_dropout(dropout_p, seed, offset, framework, qt)
-    # FP8 calls run their checks every time (a signature would have to hold the descales), and so
-    # do calls with sinks or ALiBi (it would have to hold theirs).
+    # FP8 calls run their checks every time (a signature would have to hold the descales).
     signature = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
-                  softcap)
-                 if (not fp8_call and bias is checks.NO_BIAS and type(softmax_scale) in plan.SIGNATURE_SCALARS
+                  softcap, bias_layouts)
+                 if (not fp8_call and bias_layouts is not None and type(softmax_scale) in plan.SIGNATURE_SCALARS
                      and plan.aligned_pointers(qt, kt, vt, out_t)) else None)
     result, lse = plan.run(signature, qt.device, _checked_forward,
                            (framework, qt, kt, vt, out_t, causal, softmax_scale, window, softcap, descales, out_dtype,
-                            bias.alibi_stride),
+                            sinks, alibi_slopes),
                            _build_forward, framework, (qt, kt, vt), (out,), (out_t,), return_lse, plan.NO_LENGTHS, bias)
     return (result, lse) if return_lse else result
 
 
+def _bias(sinks, alibi_slopes, framework: str) -> tuple[checks.Bias, tuple | None]:
+    """(the Bias a launch reads, what a signature holds of it): NO_BIAS and () without sinks or
+    slopes; float32 ones described as they are (checks.described_bias) and their layouts; None
+    for the layouts where the full checks must run (they may copy, or refuse)."""
+    if sinks is None and alibi_slopes is None:
+        return checks.NO_BIAS, ()
+    bias = checks.described_bias(sinks, alibi_slopes, framework)
+    return (bias, checks.bias_layouts(bias)) if bias is not None else (checks.NO_BIAS, None)
+
+
 def _checked_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_scale, window, softcap: float,
-                     descales: tuple, out_dtype, alibi: int | None):
+                     descales: tuple, out_dtype, sinks, alibi_slopes):
     """attention's checks, for plan.run: (checks.ForwardCall, the tensors to launch on, whether they
     are the given ones). A tensor whose pointer or strides are not 16-byte aligned is copied."""
     scale, fp8 = checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
+    alibi = None
+    if sinks is not None or alibi_slopes is not None:
+        alibi = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0]).alibi_stride
     as_given = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
     if not as_given:
         qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
@@ -312,9 +324,9 @@ def attention_backward(
         dropout = checks.check_dropout(dropout_p, seed, offset, framework)
         return numpy_path.attention_backward(arrays, causal, scale, window, softcap, sinks, alibi_slopes, dropout)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
-    bias = checks.NO_BIAS
-    if sinks is not None or alibi_slopes is not None:  # q's checks first: they read its shape
-        checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
+    bias, bias_layouts = _bias(sinks, alibi_slopes, framework)
+    if bias_layouts is None:  # as in attention
+        checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)  # q's shape first
         qt = tensors["q"]
         bias = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
     if dropout_p != 0.0 or seed is not None or offset != 0:  # refused on the GPU, after every other check
@@ -325,23 +337,26 @@ def attention_backward(
     given_t = dq_t, dk_t, dv_t = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")
     signature = (("attention_backward", qt.layout, kt.layout, vt.layout, dout_t.layout, out_t.layout, lse_t.layout,
                   dq_t and dq_t.layout, dk_t and dk_t.layout, dv_t and dv_t.layout, causal, softmax_scale, window,
-                  softcap, deterministic)
-                 if (bias is checks.NO_BIAS and type(softmax_scale) in plan.SIGNATURE_SCALARS
+                  softcap, deterministic, bias_layouts)
+                 if (bias_layouts is not None and type(softmax_scale) in plan.SIGNATURE_SCALARS
                      and checks.plain_window(window) and type(softcap) in plan.SIGNATURE_SCALARS
                      and plan.aligned_pointers(qt, kt, vt, dout_t, out_t, dq_t, dk_t, dv_t)) else None)
     *grads, dsinks = plan.run(signature, qt.device, _checked_backward,
                               (framework, tensors, given_t, causal, softmax_scale, window, softcap, deterministic,
-                               bias.alibi_stride),
+                               sinks, alibi_slopes),
                               _build_backward, framework, (qt, kt, vt, out_t, dout_t, lse_t), (dq, dk, dv), given_t,
                               plan.NO_LENGTHS, bias)
     return (*grads, dsinks) if sinks is not None else tuple(grads)
 
 
 def _checked_backward(framework: str, tensors: dict, given_t: tuple, causal: bool, softmax_scale, window, softcap,
-                      deterministic: bool, alibi: int | None):
+                      deterministic: bool, sinks, alibi_slopes):
     """attention_backward's checks, as _checked_forward's."""
     scale, window, softcap = checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
+    alibi = None
+    if sinks is not None or alibi_slopes is not None:
+        alibi = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0]).alibi_stride
     as_given = all(t.aligned_16 for t in (qt, kt, vt, dout_t, out_t))
     if not as_given:
         qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)

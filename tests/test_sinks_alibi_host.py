@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash._core import checks, interop
 from cuflash._cpu.reference_kvcache import kvcache_reference
 from cuflash._cpu.reference import (
     attention_backward_reference,
@@ -208,8 +209,8 @@ def _capture_runs(monkeypatch) -> list:
     ("alibi_slopes", ((2, 4), "float32"), (0, 9 << 30), 4),
     ("alibi_slopes", ((4,), "float32"), (0, 9 << 30), 0)])
 def test_gpu_sinks_and_slopes_reach_the_launch(name, value, pointers, stride, monkeypatch):
-    # No signature (its layouts would have to hold the bias's), the pointers at the launch, and the
-    # slopes' batch stride in the checked call the plan is built from.
+    # The pointers at the launch; a fixed-length call's signature holds the float32 arrays' layouts
+    # (a varlen call has none).
     seen = _capture_runs(monkeypatch)
     option = {name: FakeCupyArray(*value, ptr=9 << 30)}
     batch = 2
@@ -218,14 +219,25 @@ def test_gpu_sinks_and_slopes_reach_the_launch(name, value, pointers, stride, mo
     lse = FakeCupyArray((2, 4, 12), "float32", ptr=6 << 30)
     packed = _fake_qkv(packed=True)
     cu = FakeCupyArray((batch + 1,), "int32", ptr=7 << 30), FakeCupyArray((batch + 1,), "int32", ptr=8 << 30)
-    for call in (lambda: cuflash.attention(q, k, v, **option),
-                 lambda: cuflash.attention_backward(dout, q, k, v, out, lse, **option),
-                 lambda: cuflash.attention_varlen(*packed, *cu, 12, 12, validate=False, **option)):
+    for call, fixed in ((lambda: cuflash.attention(q, k, v, **option), True),
+                        (lambda: cuflash.attention_backward(dout, q, k, v, out, lse, **option), True),
+                        (lambda: cuflash.attention_varlen(*packed, *cu, 12, 12, validate=False, **option), False)):
         with pytest.raises(_Launched):
             call()
         signature, options = seen[-1]
         bias = options[-1]
-        assert signature is None and bias.pointers == pointers and bias.alibi_stride == stride
+        assert bias.pointers == pointers and bias.alibi_stride == stride
+        assert (signature is not None and signature[-1] == checks.bias_layouts(bias)) if fixed else signature is None
+
+
+def test_16bit_sinks_take_the_checked_path(monkeypatch):
+    # bfloat16 sinks are copied to float32 on every call: no signature could name the copy.
+    seen = _capture_runs(monkeypatch)
+    monkeypatch.setattr(interop, "float32_contiguous", lambda t, framework: t._replace(dtype="float32", ptr=8 << 30))
+    with pytest.raises(_Launched):
+        cuflash.attention(*_fake_qkv(), sinks=FakeCupyArray((4,), "bfloat16", ptr=9 << 30))
+    signature, options = seen[-1]
+    assert signature is None and options[-1].pointers == (8 << 30, 0)
 
 
 def test_gpu_sinks_of_a_bad_dtype_or_shape_are_named_first():

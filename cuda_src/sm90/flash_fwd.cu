@@ -263,11 +263,12 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
   constexpr int KSLICES = FP8 ? NT / 4 : NT / 2;  // k-slices of P V: 32 keys for e4m3, else 16
   typedef typename FwdArgs<Input>::type Base;  // FwdParams, or FwdParamsFp8 with the descales
   const Base& a = p.base;
-  // ALiBi (common/bias.cuh) in the window kernels of two consumers: with three (d64, 160 registers
-  // each) its distances spill, so d64 ALiBi calls take the two-consumer tile
-  // (dispatch.forward_kernel) and the three-consumer kernels compile no trace of it. The e4m3 d192
-  // kernels spill with it too: their ALiBi calls run sm80's e4m3 kernel (dispatch.forward_choice).
-  constexpr bool ALIBI = WINDOW && CONSUMERS == 2 && !(FP8 && HEAD_DIM == 192);
+  // ALiBi (common/bias.cuh) in the causal and window kernels of two consumers (causal ALiBi calls
+  // keep the causal kernel's grid order and unmasked steps): with three (d64, 160 registers each)
+  // its distances spill, so d64 ALiBi calls take the two-consumer tile (dispatch.forward_kernel)
+  // and the three-consumer kernels compile no trace of it. The e4m3 d192 kernels spill with it
+  // too: their ALiBi calls run sm80's e4m3 kernel (dispatch.forward_choice).
+  constexpr bool ALIBI = (CAUSAL || WINDOW) && CONSUMERS == 2 && !(FP8 && HEAD_DIM == 192);
 
   // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
   // one arrival per consumer warp once its warpgroup is done with the buffer (for K and V: its

@@ -49,7 +49,9 @@ __all__ = [
     "check_varlen",
     "check_varlen_grid",
     "check_writable",
+    "bias_layouts",
     "declared_dtype",
+    "described_bias",
     "framework",
     "output_shape",
     "plain_window",
@@ -327,6 +329,31 @@ class Bias(NamedTuple):
 
 
 NO_BIAS = Bias()
+
+
+def described_bias(sinks: Any, alibi_slopes: Any, framework_name: str) -> Bias | None:
+    """The Bias of GPU ``sinks`` and ``alibi_slopes`` (either may be None) as they are: float32 of
+    q's framework with a contiguous last dimension, described but not checked, for a call whose
+    signature holds their layouts (plan.run records a signature only after the full checks,
+    check_sinks_alibi, have passed its call). None where a copy may be due or the checks must
+    speak: another dtype, framework or stride."""
+    described = []
+    for name, x in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if x is None:
+            described.append(None)
+            continue
+        if interop.framework_of(x, name) != framework_name:
+            return None
+        t = interop.describe(x, framework_name, name)
+        if t.dtype != "float32" or t.strides[-1] != 1:
+            return None
+        described.append(t)
+    return Bias(*described)
+
+
+def bias_layouts(bias: Bias) -> tuple:
+    """What a signature holds of a call's sinks and slopes: their layouts (None where absent)."""
+    return _layout(bias.sinks), _layout(bias.alibi)
 
 
 def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, heads: int, batch: int,

@@ -299,13 +299,14 @@ def forward_kernel(
     output (and for sm80's products; sm90 multiplies in e4m3, SM90_FP8_FWD_TILES). ``paged``: the
     sm80 kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only.
     ``alibi``: the call has ALiBi slopes, which only window kernels read (make_mask gives such calls
-    the window mask), and of sm90's only those of two consumers (flash_fwd.cu): d64 takes its
-    narrow tile; sm90's e4m3 d192 kernel has none (forward_choice runs sm80's).
+    the window mask), and sm90's causal ones too (forward_choice), of sm90's only those of two
+    consumers (flash_fwd.cu): d64 takes its narrow tile; sm90's e4m3 d192 kernel has none
+    (forward_choice runs sm80's).
 
     Which kernel serves a softcap: _mask_flags.
     """
-    if alibi and mask != "window":
-        raise ValueError(f"alibi: ALiBi runs the window kernel, not the {mask!r} one")
+    if alibi and mask != "window" and not (family == "sm90" and mask == "causal"):
+        raise ValueError(f"alibi: ALiBi runs the window kernel (or sm90's causal one), not the {mask!r} one")
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -594,7 +595,10 @@ def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtyp
     head_dim = kernel_head_dim(q, v)
     if family == "sm90" and mask.alibi and not sm90_alibi(_row_elems(head_dim_bucket(head_dim)), q.dtype in FP8_TYPES):
         family = "sm80"
-    choice = forward_kernel(family, head_dim, mask.kind, q.dtype, bool(mask.softcap), short=short,
+    # sm90's causal kernels read ALiBi too: a causal ALiBi call keeps their grid order and unmasked
+    # steps (make_mask gave it the window mask, which every family's window kernel serves).
+    kind = "causal" if family == "sm90" and mask.alibi and mask.window == (-1, 0) else mask.kind
+    choice = forward_kernel(family, head_dim, kind, q.dtype, bool(mask.softcap), short=short,
                             out_dtype=out_dtype, alibi=mask.alibi)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
         choice = forward_kernel("sm80", head_dim, mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)

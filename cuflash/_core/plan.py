@@ -174,22 +174,24 @@ def sinks_gradient(framework: str, sinks, lse, delta):
     """``dsinks_h = -sum_{b,i} exp(sinks_h - lse_bhi) * delta_bhi`` in float32, from the forward's
     lse (which includes the sink) and the backward's delta = rowsum(dout * out), both (batch,
     heads, rows) or a packed batch's (heads, total_q): framework reductions on the launch's stream,
-    whose order is fixed, so the result repeats bitwise. A row of lse -inf (no key and a sink of
-    -inf) adds 0, not exp(-inf + inf)."""
-    if framework == "torch":
-        import torch
-
-        where, exp = torch.where, torch.exp
-    else:
-        import cupy
-
-        where, exp = cupy.where, cupy.exp
+    whose order is fixed, so the result repeats bitwise. lse is clamped to float32's lowest finite
+    value: a row of lse -inf (no key, and a sink of -inf) then adds exp(-inf) * 0 = 0, not NaN."""
     head_axis = lse.ndim - 2  # heads precede the rows in both layouts
     shape = [1] * lse.ndim
     shape[head_axis] = -1
-    weight = where(lse == -math.inf, 0.0, exp(sinks.reshape(shape) - lse))
     axes = tuple(axis for axis in range(lse.ndim) if axis != head_axis)
+    if framework == "torch":
+        import torch
+
+        weight = torch.exp(sinks.reshape(shape) - lse.clamp(min=_FLOAT32_LOWEST))
+    else:
+        import cupy
+
+        weight = cupy.exp(sinks.reshape(shape) - cupy.maximum(lse, _FLOAT32_LOWEST))
     return -(weight * delta).sum(axes)
+
+
+_FLOAT32_LOWEST = -3.4028234663852886e38
 
 
 def _scratch_view(framework: str, owner, offset: int, shape: tuple[int, ...]):
