@@ -119,8 +119,11 @@ def test_sm90_dispatch():
     # of e4m3 inputs (tests/test_fp8_plan.py).
     assert len([c for c in SM90_FORWARD if not c.name_expression.endswith("e4m3>")]) == 4 * 2 * 3 * 2 + 2 * 2 + 2 + 2
     assert dispatch.forward_kernel("sm90", 64, "window", "bfloat16", alibi=True).tile.block_m == 128
+    assert dispatch.forward_kernel("sm90", 64, "causal", "bfloat16", alibi=True).tile.block_m == 128
     with pytest.raises(ValueError, match="alibi: ALiBi runs the window kernel"):
-        dispatch.forward_kernel("sm90", 64, "causal", "bfloat16", alibi=True)
+        dispatch.forward_kernel("sm90", 64, "none", "bfloat16", alibi=True)
+    with pytest.raises(ValueError, match="alibi: ALiBi runs the window kernel"):
+        dispatch.forward_kernel("sm80", 64, "causal", "bfloat16", alibi=True)
     assert dispatch.compile_arch("sm90", (9, 0)) == "sm_90a" and dispatch.compile_arch("sm80", (9, 0)) == "sm_90"
     # The sm90 backward main kernel: every head dim, either mode.
     preprocess, main, convert = dispatch.backward_kernels("sm90", 100, "causal", "float16")
