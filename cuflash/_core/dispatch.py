@@ -290,6 +290,7 @@ def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int, fp8: bool = Fals
 def forward_kernel(
     family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None,
     short: bool = False, out_dtype: str | None = None, paged: bool = False, alibi: bool = False,
+    dropout: bool = False,
 ) -> KernelChoice:
     """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
     MASKS, ``softcap`` whether scores are capped (``tile`` overrides the tables, for tuning),
@@ -300,12 +301,14 @@ def forward_kernel(
     sm80 kernel that reads K and V from a KV cache (kvcache_prefill_kernel), 16-bit only.
     ``alibi``: the call has ALiBi slopes, which only window kernels read (make_mask gives such calls
     the window mask), and of sm90's only those of two consumers (flash_fwd.cu): d64 takes its
-    narrow tile.
+    narrow tile. ``dropout``: likewise for a call with dropout (common/philox.cuh), 16-bit only.
 
     Which kernel serves a softcap: _mask_flags.
     """
     if alibi and mask != "window":
         raise ValueError(f"alibi: ALiBi runs the window kernel, not the {mask!r} one")
+    if dropout and (mask != "window" or dtype_name in FP8_TYPES or paged):
+        raise ValueError(f"dropout: dropout runs the 16-bit window kernel, not the {mask!r} one for {dtype_name}")
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -325,14 +328,14 @@ def forward_kernel(
         flags += f", {types}, true"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
-        narrow = (softcap and window) or (causal and short) or alibi
+        narrow = (softcap and window) or (causal and short) or alibi or dropout
         wide = mask == "none" and not softcap and not (short and kernel_dim in SM90_WIDE_LONG_ONLY)
         tables = ((SM90_FP8_NARROW_TILES, SM90_FP8_WIDE_TILES, SM90_FP8_FWD_TILES) if fp8
                   else (SM90_NARROW_TILES, SM90_WIDE_TILES, SM90_FWD_TILES))
         special = tables[0] if narrow else tables[1] if wide else {}
         tile = tile or special.get(kernel_dim) or tables[2][kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
-        assert tile.warps == 4 * (consumers + 1) and not (alibi and consumers != 2)
+        assert tile.warps == 4 * (consumers + 1) and not ((alibi or dropout) and consumers != 2)
         # Two Q buffers where they fit, so that a persistent CTA loads the next tile's Q during
         # this one's main loop (flash_fwd.cu).
         fits = _sm90_fwd_smem(tile, kernel_dim, 2, fp8) <= SM90_SMEM_BYTES - SM90_STATIC_SMEM_MARGIN
@@ -512,8 +515,9 @@ MAX_GRID_YZ = 65535
 class Mask(NamedTuple):
     """Which keys each query row sees, the one form every launch decision reads: ``kind`` one of
     MASKS, the kernels' run-time bounds ``left`` and ``right`` (cuda_src/common/mask.cuh; -1
-    unbounded, causal is right = 0), ``softcap`` (0: none) and whether the scores take ALiBi's
-    bias (``alibi``, which runs the window kernel: common/bias.cuh). A tuple, not a frozen
+    unbounded, causal is right = 0), ``softcap`` (0: none), whether the scores take ALiBi's
+    bias (``alibi``, which runs the window kernel: common/bias.cuh) and whether P takes dropout
+    (``dropout``, likewise: common/philox.cuh). A tuple, not a frozen
     dataclass (whose constructor sets each field through object.__setattr__): one is built per
     packed-batch call."""
 
@@ -522,6 +526,7 @@ class Mask(NamedTuple):
     right: int
     softcap: float
     alibi: bool = False
+    dropout: bool = False
 
     @property
     def window(self) -> tuple[int, int]:
@@ -533,19 +538,19 @@ _new_tuple = tuple.__new__
 
 
 def make_mask(causal: bool, window: tuple[int, int], softcap: float, seqlen_q: int, seqlen_k: int,
-              alibi: bool = False) -> Mask:
+              alibi: bool = False, dropout: bool = False) -> Mask:
     """The Mask of resolved options over sequences of at most ``seqlen_q`` queries and ``seqlen_k``
     keys: causal folded in as right = 0, and a side that bounds no row made -1 (left >=
     seqlen_k - 1, right >= seqlen_q - 1), so that such windows run the plain or causal kernel and
-    every bound fits an int32. With ``alibi`` every mask is the window kernel's (the others carry
-    no bias: common/bias.cuh)."""
+    every bound fits an int32. With ``alibi`` or ``dropout`` every mask is the window kernel's
+    (the others carry neither: common/bias.cuh, common/philox.cuh)."""
     left, right = window
     if causal:
         right = 0
     left, right = (-1 if left >= seqlen_k - 1 else left), (-1 if right >= seqlen_q - 1 else right)
-    kind = "window" if alibi else _MASK_KINDS.get((left, right), "window")
+    kind = "window" if alibi or dropout else _MASK_KINDS.get((left, right), "window")
     # tuple.__new__ skips the NamedTuple's Python-level constructor, on every packed-batch call.
-    return _new_tuple(Mask, (kind, left, right, softcap, alibi))
+    return _new_tuple(Mask, (kind, left, right, softcap, alibi, dropout))
 
 
 @functools.lru_cache(maxsize=None)
@@ -585,7 +590,7 @@ def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtyp
     short = max_seqlen_q <= SM90_SHORT_ROWS
     head_dim = kernel_head_dim(q, v)
     choice = forward_kernel(family, head_dim, mask.kind, q.dtype, bool(mask.softcap), short=short,
-                            out_dtype=out_dtype, alibi=mask.alibi)
+                            out_dtype=out_dtype, alibi=mask.alibi, dropout=mask.dropout)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
         choice = forward_kernel("sm80", head_dim, mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
     return choice
