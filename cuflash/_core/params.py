@@ -319,7 +319,8 @@ class ArgumentBuffer:
         into ``pointers`` of the address it describes, encode(address) -> its 128 bytes) for each
         tensor map of the struct; every fill encodes them for its own addresses. ``more_pointers``:
         further uint64 fields of the same struct (``within``'s), contiguous (FwdParamsFp8's
-        descales), that ``fill`` takes after ``pointers``."""
+        descales, the dropout words), that ``fill`` takes after ``pointers``, or leaves as packed
+        where it is given ``pointers`` alone."""
         layout, offset = packed.dtype.fields[within][:2] if within else (packed.dtype, 0)
         fields = layout.fields
         # The pointers are the first fields of ``layout``, contiguous from its start.
@@ -341,7 +342,8 @@ class ArgumentBuffer:
         """A filled argument buffer; pass ``ctypes.addressof`` of it as ``kernelParams``."""
         buffer = self._buffer_type.from_buffer_copy(self._template)
         buffer[0] = ctypes.addressof(buffer) + 8
-        if self._more is None:
+        if self._more is None or len(pointers) == self.pointers:
+            # Without the further fields they keep the template's values (DROPOUT_WORDS: 0, none).
             self._pack_pointers(buffer, self._pointer_offset, *pointers)
         else:
             self._pack_pointers(buffer, self._pointer_offset, *pointers[:self.pointers])
