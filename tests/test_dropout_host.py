@@ -20,7 +20,10 @@ from cuflash._cpu.reference import (
 )
 from cuflash._core import dispatch
 from cuflash._core.params import BWD_PARAMS, DROPOUT_WORDS, FWD_PARAMS
-from tests.test_launch_plans import FakeCupyArray, gpu  # noqa: F401 (gpu: a fixture)
+from tests import test_launch_plans
+from tests.test_launch_plans import FakeCupyArray
+
+gpu = test_launch_plans.gpu  # the stub device's fixture
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -272,6 +275,16 @@ def test_sm90_d64_dropout_takes_the_two_consumer_forward():
         assert choice in dispatch.all_kernels("sm90")
     with pytest.raises(ValueError, match="dropout: dropout runs the 16-bit window kernel"):
         dispatch.forward_kernel("sm90", 64, "causal", "float16", dropout=True)
+
+
+def test_sm90_dropout_with_softcap_takes_sm80s_backward(monkeypatch):
+    from cuflash._core import interop
+
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
+    q = interop.DeviceTensor(None, 1 << 20, (2, 128, 4, 64), (32768, 256, 64, 1), "float16", 2, 0)
+    for softcap, dropout, family in ((30.0, True, "sm80"), (0.0, True, "sm90"), (30.0, False, "sm90")):
+        mask = dispatch.make_mask(False, (-1, -1), softcap, 128, 128, dropout=dropout)
+        assert dispatch.backward_launch("sm90", q, q, q, q, mask, 2, 128, False, 0).main.family == family
 
 
 def test_fp8_gpu_inputs_refuse_dropout(monkeypatch):

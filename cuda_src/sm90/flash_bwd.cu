@@ -208,9 +208,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
   // ALiBi (window kernels): the forward's bias on each score after the tanh; dS needs nothing more.
   const Alibi alibi{WINDOW ? alibi_slope(a, batch, head, a.scale_log2) : 0.f, mask.diagonal_offset};
-  // Dropout (common/philox.cuh) in the window kernels, as ALiBi; read from the params where used,
-  // not held across the loop. dp_scale: 1 / (1 - p) on dP's kept elements and on dV, 1 without.
-  const auto dropout = [&] { return WINDOW && dropout_on(a); };
+  // Dropout (common/philox.cuh) in the window kernels without softcap, as ALiBi; read from the
+  // params where used, not held across the loop. With a softcap its mask's register, live across
+  // the tanh, spilled: dispatch.backward_launch gives dropout calls with softcap sm80's kernel.
+  // dp_scale: 1 / (1 - p) on dP's kept elements and on dV, 1 without.
+  const auto dropout = [&] { return WINDOW && !SOFTCAP && dropout_on(a); };
   const auto dp_scale = [&] { return dropout() ? a.dropout_scale : 1.f; };
   const int kv_head = head / a.kv_group;
 

@@ -686,10 +686,11 @@ class BackwardLaunch(NamedTuple):
 def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seqlen_k: int, deterministic: bool,
                     device: int) -> BackwardLaunch:
     """The backward's kernels, dQ order and main grid (DeviceTensors as for forward_launch): sm90's
-    main kernel where it serves the head dim and tensor maps can describe the tensors."""
+    main kernel where it serves the head dim and tensor maps can describe the tensors, and the call
+    has not both dropout and a softcap (sm90's softcap kernels have no dropout: flash_bwd.cu)."""
     heads, head_dims = q.shape[2], (q.shape[3], v.shape[3])
     main_family = family
-    if family == "sm90" and not all(tma_ready(t) for t in (q, k, v, dout)):
+    if family == "sm90" and (not all(tma_ready(t) for t in (q, k, v, dout)) or (mask.dropout and mask.softcap)):
         main_family = "sm80"
     order = dq_order(main_family, head_dims, mask, max_seqlen_k, deterministic)
     preprocess, main, convert = backward_kernels(main_family, head_dims[0], mask.kind, q.dtype, bool(mask.softcap),
