@@ -115,8 +115,8 @@ def attention(
         (any mask is one), where it costs an add and a multiply-add per score.
     dropout_p : float
         Dropout of the attention probabilities, in [0, 1): ``out = (P * M / (1 - dropout_p)) v``
-        with P the softmax and M a keep mask; the lse is of the undropped P. NumPy inputs only
-        so far.
+        with P the softmax and M a keep mask; the lse is of the undropped P. On the GPU it runs
+        the kernels of a window mask (any mask is one), 16-bit inputs only.
     seed, offset : int
         The keep mask's counter-based stream (Philox4x32-10; docs/dropout.md), integers in
         [0, 2**64): element (b, h, i, j) depends on (seed, offset, b, h, i, j) alone, so the
@@ -151,7 +151,7 @@ def attention(
         dropout_p outside [0, 1), a seed or offset outside [0, 2**64), dropout_p > 0 without a
         seed (a TypeError for any of them that is not a number of the right kind).
     NotImplementedError
-        dropout_p > 0 with GPU inputs (checked first, then refused before any launch).
+        dropout_p > 0 with FP8 GPU inputs (the FP8 forward is for inference).
 
     Notes
     -----
@@ -189,18 +189,24 @@ def attention(
     if bias_layouts is None:  # sinks to copy to float32, or the checks to speak: every call checked
         checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)  # q's shape first
         bias = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
-    if dropout_p != 0.0 or seed is not None or offset != 0:  # refused on the GPU, after every other check
+    dropout = None
+    if dropout_p != 0.0 or seed is not None or offset != 0:  # q's checks first, as above
         checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
-        checks.check_dropout(dropout_p, seed, offset, framework, qt)
-    # FP8 calls run their checks every time (a signature would have to hold the descales).
+        dropout = checks.check_dropout(dropout_p, seed, offset, framework, qt)
+        if dropout is not None and fp8_call:
+            raise NotImplementedError("dropout_p: not taken with FP8 inputs (the FP8 forward is for inference)")
+    # FP8 calls run their checks every time (a signature would have to hold the descales), and so
+    # do calls with dropout (it would have to hold its seed).
     signature = (("attention", qt.layout, kt.layout, vt.layout, out_t and out_t.layout, causal, softmax_scale, window,
                   softcap, bias_layouts)
-                 if (not fp8_call and bias_layouts is not None and type(softmax_scale) in plan.SIGNATURE_SCALARS
-                     and plan.aligned_pointers(qt, kt, vt, out_t)) else None)
+                 if (not fp8_call and bias_layouts is not None and dropout is None
+                     and type(softmax_scale) in plan.SIGNATURE_SCALARS and plan.aligned_pointers(qt, kt, vt, out_t))
+                 else None)
     result, lse = plan.run(signature, qt.device, _checked_forward,
                            (framework, qt, kt, vt, out_t, causal, softmax_scale, window, softcap, descales, out_dtype,
-                            sinks, alibi_slopes),
-                           _build_forward, framework, (qt, kt, vt), (out,), (out_t,), return_lse, plan.NO_LENGTHS, bias)
+                            sinks, alibi_slopes, dropout.p if dropout else 0.0),
+                           _build_forward, framework, (qt, kt, vt), (out,), (out_t,), return_lse, plan.NO_LENGTHS, bias,
+                           dropout.words if dropout else checks.NO_DROPOUT_WORDS)
     return (result, lse) if return_lse else result
 
 
@@ -215,7 +221,7 @@ def _bias(sinks, alibi_slopes, framework: str) -> tuple[checks.Bias, tuple | Non
 
 
 def _checked_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_scale, window, softcap: float,
-                     descales: tuple, out_dtype, sinks, alibi_slopes):
+                     descales: tuple, out_dtype, sinks, alibi_slopes, dropout_p: float):
     """attention's checks, for plan.run: (checks.ForwardCall, the tensors to launch on, whether they
     are the given ones). A tensor whose pointer or strides are not 16-byte aligned is copied."""
     scale, fp8 = checks.check_forward(qt, kt, vt, out_t, softmax_scale, True, descales, out_dtype)
@@ -225,17 +231,19 @@ def _checked_forward(framework: str, qt, kt, vt, out_t, causal: bool, softmax_sc
     as_given = qt.aligned_16 and kt.aligned_16 and vt.aligned_16
     if not as_given:
         qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework) for t in (qt, kt, vt))
-    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8, alibi=alibi)
+    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8, alibi=alibi, dropout=dropout_p)
     return call, (qt, kt, vt, *fp8.descales) if fp8 else (qt, kt, vt), as_given
 
 
 def _build_forward(call: checks.ForwardCall) -> plan.ForwardPlan:
     q, k, v, fp8 = call.q, call.k, call.v, call.fp8
     batch, seqlen_q, heads = q.shape[:3]
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1], call.alibi is not None)
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1], call.alibi is not None,
+                              call.dropout != 0.0)
     out = call.out or interop.contiguous(checks.output_shape(q, v), q, fp8 and fp8.out_dtype)
     return plan.build_forward(q, k, v, out, interop.contiguous((batch, heads, seqlen_q), q, "float32"), call.scale,
-                              mask, batch, seqlen_q, descales=fp8 and fp8.descales, alibi=call.alibi)
+                              mask, batch, seqlen_q, descales=fp8 and fp8.descales, alibi=call.alibi,
+                              dropout_p=call.dropout)
 
 
 def attention_backward(
@@ -309,8 +317,6 @@ def attention_backward(
         As for :func:`attention`, and for a deterministic that is not a bool (or 0 / 1), dout/out
         not of out's shape and q's dtype, an lse that is not float32 or not (batch, heads, seqlen_q), or gradients
         passed in dq/dk/dv of the wrong shape or dtype.
-    NotImplementedError
-        dropout_p > 0 with GPU inputs, as for :func:`attention`.
     """
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
     for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
@@ -329,28 +335,29 @@ def attention_backward(
         checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)  # q's shape first
         qt = tensors["q"]
         bias = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[2], qt.shape[0])
-    if dropout_p != 0.0 or seed is not None or offset != 0:  # refused on the GPU, after every other check
+    dropout = None
+    if dropout_p != 0.0 or seed is not None or offset != 0:  # q's checks first, as above
         checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
-        checks.check_dropout(dropout_p, seed, offset, framework, tensors["q"])
+        dropout = checks.check_dropout(dropout_p, seed, offset, framework, tensors["q"])
     # Item getters, not generators over the names: no generator object per call.
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
     given_t = dq_t, dk_t, dv_t = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")
     signature = (("attention_backward", qt.layout, kt.layout, vt.layout, dout_t.layout, out_t.layout, lse_t.layout,
                   dq_t and dq_t.layout, dk_t and dk_t.layout, dv_t and dv_t.layout, causal, softmax_scale, window,
                   softcap, deterministic, bias_layouts)
-                 if (bias_layouts is not None and type(softmax_scale) in plan.SIGNATURE_SCALARS
+                 if (bias_layouts is not None and dropout is None and type(softmax_scale) in plan.SIGNATURE_SCALARS
                      and checks.plain_window(window) and type(softcap) in plan.SIGNATURE_SCALARS
                      and plan.aligned_pointers(qt, kt, vt, dout_t, out_t, dq_t, dk_t, dv_t)) else None)
     *grads, dsinks = plan.run(signature, qt.device, _checked_backward,
                               (framework, tensors, given_t, causal, softmax_scale, window, softcap, deterministic,
-                               sinks, alibi_slopes),
+                               sinks, alibi_slopes, dropout.p if dropout else 0.0),
                               _build_backward, framework, (qt, kt, vt, out_t, dout_t, lse_t), (dq, dk, dv), given_t,
-                              plan.NO_LENGTHS, bias)
+                              plan.NO_LENGTHS, bias, dropout.words if dropout else checks.NO_DROPOUT_WORDS)
     return (*grads, dsinks) if sinks is not None else tuple(grads)
 
 
 def _checked_backward(framework: str, tensors: dict, given_t: tuple, causal: bool, softmax_scale, window, softcap,
-                      deterministic: bool, sinks, alibi_slopes):
+                      deterministic: bool, sinks, alibi_slopes, dropout_p: float):
     """attention_backward's checks, as _checked_forward's."""
     scale, window, softcap = checks.check_backward(tensors, softmax_scale, window, softcap, on_device=True)
     qt, kt, vt, dout_t, out_t, lse_t = _BACKWARD_INPUTS(tensors)
@@ -362,7 +369,7 @@ def _checked_backward(framework: str, tensors: dict, given_t: tuple, causal: boo
         qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                      for t in (qt, kt, vt, dout_t, out_t))
     call = checks.BackwardCall(qt, kt, vt, out_t, dout_t, lse_t, *given_t, scale, causal, window, softcap,
-                               deterministic, alibi=alibi)
+                               deterministic, alibi=alibi, dropout=dropout_p)
     return call, (qt, kt, vt, out_t, dout_t, lse_t), as_given
 
 
@@ -370,6 +377,8 @@ def _build_backward(call: checks.BackwardCall) -> plan.BackwardPlan:
     q, k = call.q, call.k
     batch, seqlen_q = q.shape[:2]
     grads = tuple(t or interop.contiguous(like.shape, q) for t, like in ((call.dq, q), (call.dk, k), (call.dv, call.v)))
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1], call.alibi is not None)
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, seqlen_q, k.shape[1], call.alibi is not None,
+                              call.dropout != 0.0)
     return plan.build_backward(q, k, call.v, call.out, call.dout, call.lse, grads, call.scale, mask,
-                               call.deterministic, batch, seqlen_q, k.shape[1], alibi=call.alibi)
+                               call.deterministic, batch, seqlen_q, k.shape[1], alibi=call.alibi,
+                               dropout_p=call.dropout)

@@ -91,7 +91,7 @@ def attention_varlen(
     dropout_p, seed, offset
         As for :func:`cuflash.attention`, sequence i's mask being the one a fixed-length batch
         draws for its entry i (positions within the sequence); a fresh mask's offset is
-        ``offset + num_sequences * heads``. NumPy inputs only so far.
+        ``offset + num_sequences * heads``.
 
     Returns
     -------
@@ -104,7 +104,7 @@ def attention_varlen(
     TypeError, ValueError
         Bad arguments, each naming the argument.
     NotImplementedError
-        dropout_p > 0 with GPU inputs.
+        dropout_p > 0 with FP8 GPU inputs.
     """
     arrays = {"q": q, "k": k, "v": v}
     if out is not None:
@@ -139,6 +139,8 @@ def attention_varlen(
         return numpy_path.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
                                      scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k,
                                      sinks, alibi_slopes, dropout)
+    if dropout is not None and fp8:
+        raise NotImplementedError("dropout_p: not taken with FP8 inputs (the FP8 forward is for inference)")
     checks.check_varlen_grid(lengths)
     qt, kt, vt = (t if t.aligned_16 else interop.realign(t, framework)
                   for t in (tensors["q"], tensors["k"], tensors["v"]))
@@ -149,14 +151,16 @@ def attention_varlen(
                                  (heads, total_q) if return_lse else None, fp8 and fp8.out_dtype, bias.sinks)
         return filled if return_lse else filled[0]
     # The checks above run on every call (they read the lengths' values); the plan is cached.
-    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8, lengths, bias.alibi_stride)
+    call = checks.ForwardCall(qt, kt, vt, out_t, scale, causal, window, softcap, fp8, lengths, bias.alibi_stride,
+                              dropout.p if dropout else 0.0)
     tensors = (qt, kt, vt, *fp8.descales) if fp8 else (qt, kt, vt)
     # The used prefixes travel with the lengths to the launch, which fills them in per call.
     cu_seqlens = lengths.device_q, lengths.device_k
     launch_lengths = (cu_seqlens if lengths.device_used_q is None and lengths.device_used_k is None
                       else (*cu_seqlens, lengths.device_used_q, lengths.device_used_k))
     out, lse = plan.run(None, qt.device, _checked, (call, tensors), _build_forward, framework, tensors, (out,),
-                        (out_t,), return_lse, launch_lengths, bias)
+                        (out_t,), return_lse, launch_lengths, bias,
+                        dropout.words if dropout else checks.NO_DROPOUT_WORDS)
     return (out, lse) if return_lse else out
 
 
@@ -169,12 +173,13 @@ def _build_forward(call: checks.ForwardCall) -> plan.ForwardPlan:
     q, k, v, fp8, lengths = call.q, call.k, call.v, call.fp8, call.lengths
     heads, total_q = q.shape[1], q.shape[0]
     # Windows normalised against the packed lengths, which bound every sequence's.
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, total_q, k.shape[0], call.alibi is not None)
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, total_q, k.shape[0], call.alibi is not None,
+                              call.dropout != 0.0)
     out = call.out or interop.contiguous(checks.output_shape(q, v), q, fp8 and fp8.out_dtype)
     return plan.build_forward(*(checks.as_batch_of_one(t) for t in (q, k, v, out)),
                               interop.contiguous((heads, total_q), q, "float32"), call.scale, mask, lengths.batch,
                               int(lengths.max_seqlen_q), (lengths.device_q, lengths.device_k), fp8 and fp8.descales,
-                              call.alibi)
+                              call.alibi, call.dropout)
 
 
 def attention_varlen_backward(
@@ -208,8 +213,7 @@ def attention_varlen_backward(
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
     reference path is deterministic whatever ``deterministic`` says. Where one side's sequences
     are all empty, the gradients are zero (or empty). With ``sinks``, also dsinks, float32
-    (heads,), summed over the sequences. dropout_p, seed and offset those of the forward (NumPy
-    inputs only so far).
+    (heads,), summed over the sequences. dropout_p, seed and offset those of the forward.
     """
     given = dq, dk, dv
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
@@ -247,10 +251,11 @@ def attention_varlen_backward(
         # Every output row is 0, so each row's rowsum(dout * out), and with it dsinks, is 0.
         return grads if sinks is None else (*grads, plan.zeros(framework, bias.sinks))
     call = checks.BackwardCall(qt, kt, vt, out_t, dout_t, lse_t, *given_t, scale, causal, window, softcap,
-                               deterministic, lengths, bias.alibi_stride)
+                               deterministic, lengths, bias.alibi_stride, dropout.p if dropout else 0.0)
     tensors = qt, kt, vt, out_t, dout_t, lse_t
     *grads, dsinks = plan.run(None, qt.device, _checked, (call, tensors), _build_backward, framework, tensors, given,
-                              given_t, (lengths.device_q, lengths.device_k), bias)
+                              given_t, (lengths.device_q, lengths.device_k), bias,
+                              dropout.words if dropout else checks.NO_DROPOUT_WORDS)
     return (*grads, dsinks) if sinks is not None else tuple(grads)
 
 
@@ -258,7 +263,9 @@ def _build_backward(call: checks.BackwardCall) -> plan.BackwardPlan:
     q, k, v, lengths = call.q, call.k, call.v, call.lengths
     grads = tuple(checks.as_batch_of_one(t or interop.contiguous(like.shape, q))
                   for t, like in ((call.dq, q), (call.dk, k), (call.dv, v)))
-    mask = dispatch.make_mask(call.causal, call.window, call.softcap, q.shape[0], k.shape[0], call.alibi is not None)
+    mask = dispatch.make_mask(call.causal, call.window, call.softcap, q.shape[0], k.shape[0], call.alibi is not None,
+                              call.dropout != 0.0)
     return plan.build_backward(*(checks.as_batch_of_one(t) for t in (q, k, v, call.out, call.dout)), call.lse, grads,
                                call.scale, mask, call.deterministic, lengths.batch, int(lengths.max_seqlen_q),
-                               int(lengths.max_seqlen_k), (lengths.device_q, lengths.device_k), call.alibi)
+                               int(lengths.max_seqlen_k), (lengths.device_q, lengths.device_k), call.alibi,
+                               call.dropout)

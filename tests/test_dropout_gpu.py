@@ -1,8 +1,8 @@
 """Dropout on the GPU kernels, against the float64 references with the mask regenerated from
-(seed, offset) by cuflash/_cpu/philox.py (the DESIGN.md rule), once per kernel family. Pending:
-the kernels do not take dropout yet and the checks refuse it, so each comparison is a strict xfail
-on that NotImplementedError, which turns into a failure to look at the moment they do (then drop
-the marks). test_gpu_refuses_dropout_until_the_kernels_take_it says what holds today."""
+(seed, offset) by cuflash/_cpu/philox.py (docs/measuring.md's rule), once per kernel family
+(the window kernels, which dropout runs in both, sm90's d64 forward with two consumers):
+forward and backward, GQA, odd lengths, windows with softcap, sinks and ALiBi, varlen with empty
+sequences, the keep rate, bitwise repetition per seed and the device (seed, offset) pair."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from cuflash._cpu.reference import (
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
-PENDING = pytest.mark.xfail(strict=True, raises=NotImplementedError,
-                            reason="the kernels do not take dropout yet (docs/dropout.md, integration)")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -36,17 +34,14 @@ def _within_rule(got, ref, lowp, atol=1e-5):
     assert ok, (err, bound)
 
 
-def test_gpu_refuses_dropout_until_the_kernels_take_it():
+def test_fp8_inputs_refuse_dropout():
     import cupy as cp
 
-    q, k, v, dout = (cp.asarray(x) for x in _host(1, (1, 64, 2, 64), (1, 64, 2, 64), np.float16))
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        cuflash.attention(q, k, v, dropout_p=0.1, seed=1)
-    with pytest.raises(NotImplementedError, match="dropout_p"):
-        cuflash.attention(q, k, v, dropout_p=0.1, seed=cp.asarray([1, 2], cp.int64))
+    q = cp.zeros((1, 64, 2, 64), cp.uint8)
+    with pytest.raises(NotImplementedError, match="dropout_p: not taken with FP8 inputs"):
+        cuflash.attention(q, q, q, dtype="e4m3", dropout_p=0.1, seed=1)
 
 
-@PENDING
 @pytest.mark.parametrize("dtype", [np.float16, BF16])
 @pytest.mark.parametrize("seqlen_q, seqlen_k, heads_kv, causal, head_dim", [
     (113, 113, 4, False, 64), (1023, 517, 2, True, 128), (17, 1023, 1, False, 256), (4224, 4224, 4, True, 64),
@@ -70,7 +65,6 @@ def test_forward_and_backward_against_the_reference(dtype, seqlen_q, seqlen_k, h
         _within_rule(cp.asnumpy(got), want, want.astype(dtype), atol=2e-3)
 
 
-@PENDING
 def test_same_seed_repeats_bitwise_and_a_device_seed_equals_the_integers():
     import cupy as cp
 
@@ -91,7 +85,6 @@ def test_same_seed_repeats_bitwise_and_a_device_seed_equals_the_integers():
         assert (a != b).any()
 
 
-@PENDING
 def test_varlen_with_empty_sequences_against_the_reference():
     import cupy as cp
 
@@ -110,7 +103,6 @@ def test_varlen_with_empty_sequences_against_the_reference():
         _within_rule(cp.asnumpy(got), want, want.astype(np.float16), atol=2e-3)
 
 
-@PENDING
 def test_keep_rate_of_the_kernels_mask():
     """v of ones: each output element is the row's kept probability mass over 1 - p; with q = 0
     every probability is 1 / seqlen_k, so the mean output is the keep rate over 1 - p."""
@@ -128,7 +120,6 @@ def test_keep_rate_of_the_kernels_mask():
     assert abs(rate - expected) <= 1e-3
 
 
-@PENDING
 def test_torch_draws_from_the_cuda_generator_and_a_cuda_graph_draws_per_replay():
     torch = pytest.importorskip("torch")
     import cuflash.torch as ct
@@ -155,3 +146,31 @@ def test_torch_draws_from_the_cuda_generator_and_a_cuda_graph_draws_per_replay()
     b = out.clone()
     graph.replay()
     assert torch.equal(a, b) and not torch.equal(a, out)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("window, softcap, bias", [((32, 5), 0.0, False), ((-1, -1), 30.0, False),
+                                                   ((-1, 0), 0.0, True)])
+def test_windows_softcap_sinks_and_alibi_with_dropout(head_dim, window, softcap, bias):
+    """Dropout with the window kernel's other run-time switches: a window, a softcap, sinks and
+    ALiBi (the lse includes the sink)."""
+    import cupy as cp
+
+    host = _host(head_dim, (2, 201, 4, head_dim), (2, 177, 2, head_dim), BF16)
+    q, k, v, dout = (cp.asarray(x) for x in host)
+    options = dict(window=window, softcap=softcap, dropout_p=0.3, seed=99, offset=5)
+    extra = {}
+    if bias:
+        rng = np.random.default_rng(1)
+        extra = dict(sinks=rng.standard_normal(4).astype(np.float32),
+                     alibi_slopes=rng.uniform(0.01, 0.2, (2, 4)).astype(np.float32))
+    device_extra = {name: cp.asarray(x) for name, x in extra.items()}
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **options, **device_extra)
+    ref, ref_lse = attention_reference(*host[:3], **options, **extra)
+    lowp, _ = attention_reference(*host[:3], dtype=BF16, **options, **extra)
+    _within_rule(cp.asnumpy(out), ref, lowp)
+    np.testing.assert_allclose(cp.asnumpy(lse), ref_lse, rtol=1e-5, atol=1e-5)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **options, **device_extra)
+    wanted = attention_backward_reference(host[3], *host[:3], **options, **extra)
+    for got, want in zip(grads[:3], wanted[:3]):  # dsinks: tests/test_sinks_alibi_gpu.py
+        _within_rule(cp.asnumpy(got), want, want.astype(BF16), atol=2e-3)

@@ -1,7 +1,7 @@
 """Dropout through cuflash's entry points on NumPy inputs (the CPU path): against the float64
 references with the mask regenerated from (seed, offset) and the DESIGN.md error rule, the mask
 shared by the forward, the backward and a packed batch, reproducibility per seed, the argument
-checks, and the GPU's refusal before any launch (on CuPy-like stand-ins, no GPU needed)."""
+checks, and what GPU calls hand the kernels (on CuPy-like stand-ins, no GPU needed)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ from cuflash._cpu.reference import (
     attention_varlen_reference,
     max_error_bound,
 )
+from cuflash._core import dispatch
+from cuflash._core.params import BWD_PARAMS, DROPOUT_WORDS, FWD_PARAMS
+from tests import test_launch_plans
 from tests.test_launch_plans import FakeCupyArray
+
+gpu = test_launch_plans.gpu  # the stub device's fixture
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -216,33 +221,82 @@ def _fake_qkv(packed=False):
             FakeCupyArray((*lead, 2, 64), ptr=3 << 30))
 
 
-def test_gpu_arrays_are_refused_before_any_launch(monkeypatch):
-    from cuflash._core import plan
+def _dropout_fields(params) -> tuple:
+    return tuple(params[name].item() for name in ("dropout_threshold", "dropout_scale", *DROPOUT_WORDS))
 
-    def no_launch(*args, **kwargs):
-        raise AssertionError("a plan ran")
 
-    monkeypatch.setattr(plan, "run", no_launch)
-    option = dict(dropout_p=0.1, seed=1)
-    words = "dropout_p: not yet supported on the GPU kernels"
-    with pytest.raises(NotImplementedError, match=words):
-        cuflash.attention(*_fake_qkv(), **option)
+def test_gpu_calls_pack_the_dropout_into_the_kernels_params(gpu, monkeypatch):
+    """The plan holds the threshold and 1 / (1 - p) (keyed by p); each launch writes the seed and
+    offset, or the device pair's pointer; dropout runs the window kernel; p = 0 is no dropout."""
+    windows = []
+    make_mask = dispatch.make_mask
+    monkeypatch.setattr(dispatch, "make_mask", lambda *args: windows.append(make_mask(*args)) or windows[-1])
     q, k, v = _fake_qkv()
+    scale = float(np.float32(1 / 0.9))
+    cuflash.attention(q, k, v, dropout_p=0.1, seed=2**64 - 1, offset=7)
+    assert _dropout_fields(np.frombuffer(gpu.launches[-1][1], FWD_PARAMS)[0]) == (
+        philox.keep_threshold(0.1), scale, 0, 2**64 - 1, 7)
+    assert windows[-1].kind == "window" and windows[-1].dropout
+    cuflash.attention(q, k, v, dropout_p=0.1, seed=_fake_int64((2,)))
+    assert _dropout_fields(np.frombuffer(gpu.launches[-1][1], FWD_PARAMS)[0]) == (
+        philox.keep_threshold(0.1), scale, 9 << 30, 0, 0)
+    assert gpu.builds == ["build_forward"]  # one plan: the seeds are the launch's
+    cuflash.attention(q, k, v, dropout_p=0.0, seed=3)
+    assert _dropout_fields(np.frombuffer(gpu.launches[-1][1], FWD_PARAMS)[0]) == (0, 0.0, 0, 0, 0)
+    assert windows[-1].kind == "none" and gpu.builds == ["build_forward"] * 2
+
     out, dout = FakeCupyArray((2, 12, 4, 64), ptr=4 << 30), FakeCupyArray((2, 12, 4, 64), ptr=5 << 30)
     lse = FakeCupyArray((2, 4, 12), "float32", ptr=6 << 30)
-    with pytest.raises(NotImplementedError, match=words):
-        cuflash.attention_backward(dout, q, k, v, out, lse, **option)
+    gpu.reset()
+    cuflash.attention_backward(dout, q, k, v, out, lse, dropout_p=0.5, seed=11, offset=2)
+    # The preprocess and the main kernel share BwdParams.
+    assert _dropout_fields(np.frombuffer(gpu.launches[1][1], BWD_PARAMS)[0]) == (
+        philox.keep_threshold(0.5), 2.0, 0, 11, 2)
+
     q, k, v = _fake_qkv(packed=True)
     cu_q, cu_k = FakeCupyArray((3,), "int32", ptr=7 << 30), FakeCupyArray((3,), "int32", ptr=8 << 30)
-    with pytest.raises(NotImplementedError, match=words):
-        cuflash.attention_varlen(q, k, v, cu_q, cu_k, 12, 12, validate=False, **option)
+    cuflash.attention_varlen(q, k, v, cu_q, cu_k, 12, 12, validate=False, dropout_p=0.25, seed=_fake_int64((2,)))
+    assert _dropout_fields(np.frombuffer(gpu.launches[-1][1], FWD_PARAMS)[0]) == (
+        philox.keep_threshold(0.25), float(np.float32(1 / 0.75)), 9 << 30, 0, 0)
     out, dout = FakeCupyArray((24, 4, 64), ptr=4 << 30), FakeCupyArray((24, 4, 64), ptr=5 << 30)
     lse = FakeCupyArray((4, 24), "float32", ptr=6 << 30)
-    with pytest.raises(NotImplementedError, match=words):
-        cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 12, 12, validate=False, **option)
+    gpu.reset()
+    cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, 12, 12, validate=False, dropout_p=0.25,
+                                      seed=5, offset=1)
+    assert _dropout_fields(np.frombuffer(gpu.launches[1][1], BWD_PARAMS)[0]) == (
+        philox.keep_threshold(0.25), float(np.float32(1 / 0.75)), 0, 5, 1)
 
 
-def test_gpu_dropout_arguments_are_checked_before_the_refusal():
+def test_sm90_d64_dropout_takes_the_two_consumer_forward():
+    for softcap in (False, True):
+        choice = dispatch.forward_kernel("sm90", 64, "window", "float16", softcap, dropout=True)
+        assert choice == dispatch.forward_kernel("sm90", 64, "window", "float16", softcap, alibi=True)
+        assert choice.tile.block_m == 128  # two consumer warpgroups of 64 rows
+        assert choice in dispatch.all_kernels("sm90")
+    with pytest.raises(ValueError, match="dropout: dropout runs the 16-bit window kernel"):
+        dispatch.forward_kernel("sm90", 64, "causal", "float16", dropout=True)
+
+
+def test_sm90_dropout_with_softcap_takes_sm80s_backward(monkeypatch):
+    from cuflash._core import interop
+
+    monkeypatch.setattr(dispatch, "multiprocessors", lambda device: 132)
+    q = interop.DeviceTensor(None, 1 << 20, (2, 128, 4, 64), (32768, 256, 64, 1), "float16", 2, 0)
+    for softcap, dropout, family in ((30.0, True, "sm80"), (0.0, True, "sm90"), (30.0, False, "sm90")):
+        mask = dispatch.make_mask(False, (-1, -1), softcap, 128, 128, dropout=dropout)
+        assert dispatch.backward_launch("sm90", q, q, q, q, mask, 2, 128, False, 0).main.family == family
+
+
+def test_fp8_gpu_inputs_refuse_dropout(monkeypatch):
+    from cuflash._core import plan
+
+    monkeypatch.setattr(plan, "run", lambda *args, **kwargs: pytest.fail("a plan ran"))
+    q = FakeCupyArray((2, 12, 4, 64), "uint8", ptr=1 << 30)
+    with pytest.raises(NotImplementedError, match="dropout_p: not taken with FP8 inputs"):
+        cuflash.attention(q, q, q, dtype="e4m3", dropout_p=0.1, seed=1)
+
+
+def test_gpu_dropout_arguments_are_checked():
     with pytest.raises(ValueError, match="dropout_p: expected a probability"):
         cuflash.attention(*_fake_qkv(), dropout_p=1.5, seed=1)
     with pytest.raises(ValueError, match="seed: dropout_p > 0 needs a seed"):
@@ -260,14 +314,15 @@ def _fake_int64(shape, device=0):
     return x
 
 
-def test_a_gpu_seed_may_be_a_device_array_of_seed_and_offset(monkeypatch):
+def test_a_gpu_seed_must_be_a_device_array_of_seed_and_offset(monkeypatch):
     from cuflash._core import plan
 
     monkeypatch.setattr(plan, "run", lambda *args, **kwargs: pytest.fail("a plan ran"))
     seed = _fake_int64((2,))
-    with pytest.raises(NotImplementedError, match="dropout_p: not yet supported on the GPU kernels"):
-        cuflash.attention(*_fake_qkv(), dropout_p=0.1, seed=seed)
+    strided = _fake_int64((2,))
+    strided.strides = (16,)
     for bad, error, words in ((FakeCupyArray((2,), "int32", ptr=9 << 30), ValueError, "seed: a device array holds"),
+                              (strided, ValueError, "seed: a device array holds"),
                               (_fake_int64((3,)), ValueError, "seed: a device array holds"),
                               (_fake_int64((2,), device=1), ValueError, "seed: on device 1"),
                               (np.zeros(2, np.int64), TypeError, "seed: expected an integer, or an int64 array")):

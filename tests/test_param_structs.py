@@ -62,6 +62,9 @@ def test_fwd_params_offsets():
     assert fields["alibi_batch_stride"][1] == 200
     assert fields["kv_group"][1] == 208 and fields["window_right"][1] == 228
     assert fields["softcap_tanh_scale"][1] == 236
+    # Dropout's fields after head_dim_v (240), so that the ones above keep their offsets.
+    assert fields["dropout_threshold"][1] == 244 and fields["dropout_scale"][1] == 248
+    assert [fields[name][1] for name in params.DROPOUT_WORDS] == [256, 264, 272]
 
 
 def test_derived_fwd_params_keep_the_base_offsets():
@@ -69,9 +72,9 @@ def test_derived_fwd_params_keep_the_base_offsets():
     for derived in (params.FWD_PARAMS_FP8, params.FWD_PARAMS_PAGED):
         assert all(derived.fields[name][1] == offset for name, (_, offset) in params.FWD_PARAMS.fields.items())
     fields = params.FWD_PARAMS_FP8.fields
-    assert [fields[name][1] for name in params.FWD_DESCALES] == [248, 256, 264]
-    assert fields["v_scale"][1] == 320
-    assert [params.FWD_PARAMS_PAGED.fields[name][1] for name in params.FWD_CACHE_POINTERS] == [248, 256]
+    assert [fields[name][1] for name in params.FWD_DESCALES] == [280, 288, 296]
+    assert fields["v_scale"][1] == 352
+    assert [params.FWD_PARAMS_PAGED.fields[name][1] for name in params.FWD_CACHE_POINTERS] == [280, 288]
 
 
 def test_bwd_and_convert_params_offsets():
@@ -82,6 +85,9 @@ def test_bwd_and_convert_params_offsets():
     assert fields["heads"][1] == 352
     assert fields["dq_splits"][1] == 372 and fields["window_right"][1] == 388
     assert fields["scale"][1] == 396 and fields["softcap_tanh_scale"][1] == 400
+    assert fields["head_dim_v"][1] == 404
+    assert fields["dropout_threshold"][1] == 408 and fields["dropout_scale"][1] == 412
+    assert [fields[name][1] for name in params.DROPOUT_WORDS] == [416, 424, 432]
     fields = params.CONVERT_PARAMS.fields
     assert fields["batch"][1] == 72 and fields["group"][1] == 88 and fields["scale"][1] == 92
 
@@ -89,8 +95,8 @@ def test_bwd_and_convert_params_offsets():
 def test_sm90_forward_params_offsets():
     # Three 128-byte maps, then the base struct, then the persistent grid's four int32 tile counts
     # in the padding up to the next 64 bytes.
-    for dtype, base, counts in ((params.FWD_PARAMS_SM90, params.FWD_PARAMS, [632, 636, 640, 644]),
-                                (params.FWD_PARAMS_SM90_FP8, params.FWD_PARAMS_FP8, [712, 716, 720, 724])):
+    for dtype, base, counts in ((params.FWD_PARAMS_SM90, params.FWD_PARAMS, [664, 668, 672, 676]),
+                                (params.FWD_PARAMS_SM90_FP8, params.FWD_PARAMS_FP8, [744, 748, 752, 756])):
         fields = dtype.fields
         assert [fields[name][1] for name in ("q", "k", "v", "base")] == [0, 128, 256, 384]
         assert fields["base"][0] == base

@@ -71,9 +71,13 @@ FP8_VARIANTS = [FP8._replace(out_dtype="float16"), FP8._replace(descale_q=0.25),
 
 def options(base) -> dict[str, list]:
     """Other values of the options every attention record holds: ALiBi slopes' presence and batch
-    stride among them (the sinks are a pointer only, the launch's)."""
-    return {"scale": [base.scale * 2], "causal": [not base.causal], "window": [(4, 0), (-1, 4)], "softcap": [30.0],
-            "alibi": [0, 8] if base.alibi is None else [None, base.alibi + 8]}
+    stride among them (the sinks are a pointer only, the launch's), and in the forward's and the
+    backward's, dropout's probability (its seed and offset are the launch's)."""
+    varied = {"scale": [base.scale * 2], "causal": [not base.causal], "window": [(4, 0), (-1, 4)], "softcap": [30.0],
+              "alibi": [0, 8] if base.alibi is None else [None, base.alibi + 8]}
+    if "dropout" in base._fields:
+        varied["dropout"] = [0.1, 0.5] if base.dropout == 0.0 else [0.0, base.dropout / 2]
+    return varied
 
 
 def test_fp8_options():
@@ -91,6 +95,7 @@ def test_forward():
     assert_keyed(base, variants)
     assert_keyed(base._replace(out=out, fp8=FP8),
                  variants | {"out": [None, *relayouts(out)], "fp8": [None, *FP8_VARIANTS]})
+    assert_keyed(base._replace(dropout=0.1), variants | options(base._replace(dropout=0.1)))
 
 
 def test_varlen_forward():

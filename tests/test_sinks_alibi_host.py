@@ -225,7 +225,7 @@ def test_gpu_sinks_and_slopes_reach_the_launch(name, value, pointers, stride, mo
         with pytest.raises(_Launched):
             call()
         signature, options = seen[-1]
-        bias = options[-1]
+        bias = options[-2]  # the last: dropout's words (checks.NO_DROPOUT_WORDS)
         assert bias.pointers == pointers and bias.alibi_stride == stride
         assert (signature is not None and signature[-1] == checks.bias_layouts(bias)) if fixed else signature is None
 
@@ -237,7 +237,7 @@ def test_16bit_sinks_take_the_checked_path(monkeypatch):
     with pytest.raises(_Launched):
         cuflash.attention(*_fake_qkv(), sinks=FakeCupyArray((4,), "bfloat16", ptr=9 << 30))
     signature, options = seen[-1]
-    assert signature is None and options[-1].pointers == (8 << 30, 0)
+    assert signature is None and options[-2].pointers == (8 << 30, 0)
 
 
 def test_gpu_sinks_of_a_bad_dtype_or_shape_are_named_first():

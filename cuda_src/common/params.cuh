@@ -46,8 +46,17 @@ struct FwdParams {
                      // softcap, softcap * log2(e) (common/softcap.cuh)
   float softcap_tanh_scale;  // softmax_scale / softcap, read by SOFTCAP kernels only
   int head_dim_v;  // of v and o, at most the bucket (last: the other fields keep their offsets)
+  // Dropout of P (common/philox.cuh, docs/dropout.md), read by WINDOW kernels only (dispatch.make_mask
+  // gives dropout calls the window mask), after the fields above so that those keep their offsets.
+  u32 dropout_threshold;  // round(dropout_p * 65536): an element is kept iff its 16 bits are >= it
+  float dropout_scale;    // 1 / (1 - dropout_p); 0: no dropout
+  // The stream's seed and offset: the int64 pair (seed, offset) on the device, read at run time
+  // (cuflash.torch's draw, which a captured CUDA graph replays with fresh values), or, where
+  // null, dropout_seed and dropout_offset. Filled per launch, like the pointers.
+  const unsigned long long* dropout_rng;
+  unsigned long long dropout_seed, dropout_offset;
 };
-static_assert(sizeof(FwdParams) == 248, "cuflash/_core/params.py packs 248 bytes");
+static_assert(sizeof(FwdParams) == 280, "cuflash/_core/params.py packs 280 bytes");
 
 // The forward of e4m3 inputs: FwdParams, whose scale_log2 (or softcap_tanh_scale) holds scalar q
 // and k descales, then per-(batch, head_kv) descales. A separate struct so that the 16-bit kernels'
@@ -63,7 +72,7 @@ struct FwdParamsFp8 : FwdParams {
   i64 descale_v_batch_stride, descale_v_head_stride;
   float v_scale;  // a scalar descale_v (1 when it is an array), applied with the final normalisation
 };
-static_assert(sizeof(FwdParamsFp8) == 328, "cuflash/_core/params.py packs 328 bytes");
+static_assert(sizeof(FwdParamsFp8) == 360, "cuflash/_core/params.py packs 360 bytes");
 
 // The forward of 16-bit queries against a KV cache (chunked prefill, cuflash/_core/plan.py
 // build_kvcache): FwdParams whose k and v are the cache after the append. The keys of sequence b
@@ -81,7 +90,7 @@ struct FwdParamsPaged : FwdParams {
   int cache_seqlen;
   int new_keys;  // keys appended per sequence; -1: as many as its query rows (a packed q)
 };
-static_assert(sizeof(FwdParamsPaged) == 280, "cuflash/_core/params.py packs 280 bytes");
+static_assert(sizeof(FwdParamsPaged) == 312, "cuflash/_core/params.py packs 312 bytes");
 
 // The kernel argument of a forward whose inputs are Input, reading K and V from a KV cache if PAGED.
 template <class Input, bool PAGED = false>
@@ -147,8 +156,13 @@ struct BwdParams {
   float scale;       // softmax_scale, applied to dK here and to dQ by the convert kernel
   float softcap_tanh_scale;
   int head_dim_v;  // of v, o, dout, dv (last: the other fields keep their offsets)
+  // Dropout as in FwdParams: the forward's mask regenerated from the same stream.
+  u32 dropout_threshold;
+  float dropout_scale;
+  const unsigned long long* dropout_rng;
+  unsigned long long dropout_seed, dropout_offset;
 };
-static_assert(sizeof(BwdParams) == 408, "cuflash/_core/params.py packs 408 bytes");
+static_assert(sizeof(BwdParams) == 440, "cuflash/_core/params.py packs 440 bytes");
 
 // fp32 accumulators -> 16-bit (batch, seqlen, heads, head_dim) with any strides, each output
 // `scale` times the in-order sum of `group` source values (flash_bwd_convert).

@@ -108,6 +108,35 @@ __device__ __forceinline__ void keep_keys(const DropoutStream& d, int tile_key, 
   keep[1][3] = d.keeps<true>(odd1);
 }
 
+// keep_rows' or keep_keys' flags as bit 4 t + r of a word: the masks of a thread's whole row of
+// 16 x 16 tiles (up to 32 keys or queries) held in one register, where a flag each would take 8
+// per tile across the code between the mask's draw and its last use.
+__device__ __forceinline__ u32 keep_bits(const bool (&keep)[2][4]) {
+  u32 bits = 0;
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) bits |= static_cast<u32>(keep[t][r]) << (4 * t + r);
+  return bits;
+}
+
+// The attention kernels' dropout, read from their params (FwdParams, BwdParams: common/params.cuh):
+// on where dropout_scale (1 / (1 - p)) is nonzero.
+template <class Params>
+__device__ __forceinline__ bool dropout_on(const Params& p) {
+  return p.dropout_scale != 0.f;
+}
+
+// The stream of (batch, head) for a call of `heads` query heads: its seed and offset from the
+// device pair dropout_rng where given (read at run time, so that a CUDA graph's replays draw
+// their own), else from the params.
+template <class Params>
+__device__ __forceinline__ DropoutStream dropout_stream(const Params& p, int batch, int heads, int head) {
+  const unsigned long long* rng = p.dropout_rng;
+  return DropoutStream(rng != nullptr ? rng[0] : p.dropout_seed, rng != nullptr ? rng[1] : p.dropout_offset, batch,
+                       heads, head, p.dropout_threshold);
+}
+
 // The forward's dropout: P's dropped elements set to 0 in an accumulator of MT 16-row tiles by NT
 // 8-key tiles (rows = queries) whose first row is first_row and first key first_key (multiples of
 // 16). After the online softmax has taken P's row sums (the LSE is of the undropped P); the

@@ -10,6 +10,7 @@
 #include "common/bwd_schedule.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/philox.cuh"
 #include "common/seqlen.cuh"
 #include "common/smem.cuh"
 #include "common/softcap.cuh"
@@ -26,15 +27,39 @@ namespace cuflash {
 // With a softcap, s holds y = score * scale / softcap (softcap.cuh), the softmax saw softcap * t
 // with t = tanh(y), and the chain rule through it multiplies dS by 1 - t^2 (softcap_slope; the
 // factor scale of d(softcap * t) / d(score) is applied with dK's and dQ's).
+// Dropout's keep mask of one warp's S_MT x 16 rows from `first_row` by 32 keys from `first_key`
+// (positions in the sequence), in one register: bit 16 mt + 4 nt + r for register r of n8 tile nt
+// of 16-row tile mt (keep_bits), all ones without dropout. Read by the WINDOW kernels only. The
+// stream is made per step rather than held across the loop.
+template <bool WINDOW, int S_MT>
+__device__ __forceinline__ u32 keep_mask(const BwdParams& p, int batch, int head, int first_row, int first_key) {
+  static_assert(S_MT <= 2, "16 bits per 16-row tile");
+  if (!WINDOW || !dropout_on(p)) return ~0u;
+  const DropoutStream drop = dropout_stream(p, batch, p.heads, head);
+  u32 kept = 0;
+#pragma unroll
+  for (int mt = 0; mt < S_MT; ++mt)
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      bool keep[2][4];
+      keep_rows(drop, first_row + 16 * mt, first_key + 16 * pair, threadIdx.x % 32, keep);
+      kept |= keep_bits(keep) << (16 * mt + 8 * pair);
+    }
+  return kept;
+}
+
 // ALiBi's bias joins the score as in the forward (after the tanh); it is constant in the score,
-// so dS needs nothing more. `stores` holds this thread's P addresses (StoreAddress); dS sits one
-// P tile further on.
+// so dS needs nothing more. Dropout (WINDOW kernels; `kept` from keep_mask, the forward's mask M
+// regenerated): P's tile holds P M, dV's operand (its 1 / (1 - p) is applied to dV once, in the
+// epilogue), and dS = P (dP M / (1 - p) - delta), `dp_scale` being 1 / (1 - p), or 1 without
+// dropout; delta = rowsum(dO O) is rowsum(P dP M / (1 - p)), as it was rowsum(P dP).
+// `stores` holds this thread's P addresses (StoreAddress); dS sits one P tile further on.
 template <bool EDGE, bool SOFTCAP, int BLOCK_M, int BLOCK_N, class Elem, int S_MT, bool CAUSAL, bool WINDOW>
 __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], const float (&dp)[S_MT][4][4],
                                                 const StoreAddress<BLOCK_N>& stores, const float* lse,
                                                 const float* delta, int first_local_row, int first_local_key, int m,
                                                 int first_key, const Mask<CAUSAL, WINDOW>& mask, const Alibi& alibi,
-                                                const BwdParams& p) {
+                                                u32 kept, float dp_scale, const BwdParams& p) {
   constexpr u32 kDsOffset = BLOCK_M * BLOCK_N * 2;
   const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -60,7 +85,14 @@ __device__ __forceinline__ void softmax_to_smem(const float (&s)[S_MT][4][4], co
           pv[e] = fast_exp2(fmaf(score, p.scale_log2, -lse_log2));
           // Masked: 0, not exp2(-inf - lse), which is NaN for a row without keys (lse = -inf).
           if (EDGE && Mask<CAUSAL, WINDOW>::outside(key + e, key_begin, key_end)) pv[e] = 0.f;
-          dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - row_delta);
+          if (WINDOW) {
+            // Without dropout fmaf(dP, 1, -delta) is dP - delta exactly.
+            const bool keep = (kept >> (16 * mt + 4 * nt + 2 * h + e)) & 1;
+            dsv[e] = pv[e] * fmaf(keep ? dp[mt][nt][2 * h + e] : 0.f, dp_scale, -row_delta);
+            if (!keep) pv[e] = 0.f;
+          } else {
+            dsv[e] = pv[e] * (dp[mt][nt][2 * h + e] - row_delta);
+          }
           if (SOFTCAP) dsv[e] *= softcap_slope(s[mt][nt][2 * h + e]);
         }
         const u32 at = stores.at(mt * 16 + h * 8, nt);
@@ -145,6 +177,10 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
   const int qr = warp / Q_D_WARPS;  // row slice of dQ
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, p.window_left, p.window_right};
   const Alibi alibi{WINDOW ? alibi_slope(p, batch, head, p.scale_log2) : 0.f, mask.diagonal_offset};
+  // Dropout (common/philox.cuh) in the window kernels, as ALiBi; read from the params where used,
+  // not held across the loop. dp_scale: 1 / (1 - p), 1 without dropout (softmax_to_smem), and
+  // likewise dV's scale.
+  const auto dp_scale = [&] { return WINDOW && dropout_on(p) ? p.dropout_scale : 1.f; };
 
   const u16* q = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + head * p.q_head_stride +
                  seq.q_begin * p.q_row_stride;
@@ -225,6 +261,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
       __syncthreads();
       if (step + 1 < steps) load_q_block(schedule.block_at(step + 1), (step + 1) % 2);
       cp_async_commit();
+      // Dropout's mask of this warp's scores, drawn before the products, while S and dP do not
+      // take registers yet.
+      const u32 kept = keep_mask<WINDOW, S_MT>(p, batch, head, m * BLOCK_M + first_local_row, first_key + kw * 32);
 
       // S = Q K^T and dP = dO V^T: S_MT x 16 rows by 32 keys per warp.
       float s[S_MT][4][4], dp[S_MT][4][4];
@@ -243,10 +282,10 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
       const float* delta = sDelta + (step % 2) * BLOCK_M;
       if (edge)
         softmax_to_smem<true, SOFTCAP, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32,
-                                                               m, first_key, mask, alibi, p);
+                                                               m, first_key, mask, alibi, kept, dp_scale(), p);
       else
         softmax_to_smem<false, SOFTCAP, BLOCK_M, BLOCK_N, Elem>(s, dp, p_stores, lse, delta, first_local_row, kw * 32,
-                                                                m, first_key, mask, alibi, p);
+                                                                m, first_key, mask, alibi, kept, dp_scale(), p);
       __syncthreads();
 
       // dV += P^T dO and dK += dS^T Q: 32 keys x KV_COLS per warp, k over the BLOCK_M rows.
@@ -306,7 +345,8 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) flash_bwd_sm80(const 
           // Without OWN_V_DIM both are true: the stores as tight as before v had a head dim of its own.
           const bool dk_col = !OWN_V_DIM || col < p.head_dim, dv_col = !OWN_V_DIM || col < v_cols;
           const float dk0 = dk[mt][nt][2 * h] * p.scale, dk1 = dk[mt][nt][2 * h + 1] * p.scale;
-          const float dv0 = dv[mt][nt][2 * h], dv1 = dv[mt][nt][2 * h + 1];
+          // Dropout's P M: its 1 / (1 - p) once, here.
+          const float dv0 = dv[mt][nt][2 * h] * dp_scale(), dv1 = dv[mt][nt][2 * h + 1] * dp_scale();
           if (p.kv_group == 1) {
             if (dk_col)
               *reinterpret_cast<u32*>(static_cast<u16*>(p.dk) + batch * p.dk_batch_stride + key_row * p.dk_row_stride +

@@ -10,6 +10,7 @@
 #include "sm80/kv_pages.cuh"
 #include "common/mask.cuh"
 #include "common/params.cuh"
+#include "common/philox.cuh"
 #include "common/seqlen.cuh"
 #include "common/smem.cuh"
 #include "common/softcap.cuh"
@@ -42,6 +43,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   // ALiBi (common/bias.cuh) in the window kernels, but for the KV cache's with softcap, where it
   // spilled past the allowance: dispatch.kvcache_prefill sends those calls to kv_decode.
   constexpr bool ALIBI = WINDOW && !(PAGED && SOFTCAP);
+  // Dropout (common/philox.cuh) in the 16-bit window kernels; the API refuses it for FP8 inputs
+  // and a KV cache.
+  constexpr bool DROPOUT = WINDOW && !FP8 && !PAGED;
   static_assert(MT >= 1 && BLOCK_M % (16 * WARPS) == 0, "whole 16-row tiles per warp");
   static_assert(HEAD_DIM % 16 == 0 && BLOCK_N % 16 == 0, "mma k-steps of 16");
 
@@ -166,6 +170,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
 
       softmax.update(s, o, scales.log2());
+      // Dropout after the row sums, which are of the undropped P. The stream is made again each
+      // step (its seed an L1 hit) rather than held across the loop, as ALiBi's slope.
+      if (DROPOUT && dropout_on(p))
+        drop_rows(s, dropout_stream(p, batch, CAUSAL ? gridDim.x : gridDim.y, head), first_row + warp_row,
+                  n * BLOCK_N, lane);
 
       // O += P V: P straight from the S registers; V (keys x d, row-major) read k-major.
       u32 p_tiles[MT][4], v_tiles[4];
@@ -175,6 +184,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 
   float lse[MT][2];
   softmax.finalize(o, scales.log2(), lse, sink_log2(p, head));
+  if (DROPOUT && dropout_on(p)) scale(o, p.dropout_scale);  // the kept P's 1 / (1 - p)
   if constexpr (FP8) {
     // Read here rather than held across the main loop.
     scale(o, v_descale(p, batch, kv_head));

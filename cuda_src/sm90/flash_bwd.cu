@@ -39,6 +39,7 @@
 // The walk and turns repeat bitwise (dispatch.dq_order picks between them).
 #include "common/bias.cuh"
 #include "common/mask.cuh"
+#include "common/philox.cuh"
 #include "common/seqlen.cuh"
 #include "common/softcap.cuh"
 #include "common/softmax.cuh"
@@ -207,6 +208,12 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
   const Mask<CAUSAL, WINDOW> mask{seq.seqlen_k, seq.seqlen_k - seq.seqlen_q, a.window_left, a.window_right};
   // ALiBi (window kernels): the forward's bias on each score after the tanh; dS needs nothing more.
   const Alibi alibi{WINDOW ? alibi_slope(a, batch, head, a.scale_log2) : 0.f, mask.diagonal_offset};
+  // Dropout (common/philox.cuh) in the window kernels without softcap, as ALiBi; read from the
+  // params where used, not held across the loop. With a softcap its mask's register, live across
+  // the tanh, spilled: dispatch.backward_launch gives dropout calls with softcap sm80's kernel.
+  // dp_scale: 1 / (1 - p) on dP's kept elements and on dV, 1 without.
+  const auto dropout = [&] { return WINDOW && !SOFTCAP && dropout_on(a); };
+  const auto dp_scale = [&] { return dropout() ? a.dropout_scale : 1.f; };
   const int kv_head = head / a.kv_group;
 
   if (threadIdx.x == 0) {
@@ -396,6 +403,23 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
         // P^T and dS^T of queries query_col0 .. + QUERY_COLS - 1, 16-bit A fragments.
         u32 p_a[NQ / 2][4], ds_a[NQ / 2][4];
         const auto scores = [&](int query_col0, bool first) {
+          // Dropout's keep mask of these keys x queries, bit 4 nt + r for register r of n8 tile nt
+          // (keep_bits); all kept without dropout. Drawn before the products, while S^T and dP^T
+          // take no registers yet; the stream is made per step rather than held across the loop.
+          // keep_keys shuffles between lanes l and l ^ 4, so every lane draws here, in both copies
+          // of the step (masked or not).
+          static_assert(NQ <= 8, "one bit per score of a thread's row of S^T in a 32-bit mask");
+          u32 kept = ~0u;
+          if (dropout()) {
+            const DropoutStream drop = dropout_stream(a, batch, a.heads, head);
+            kept = 0;
+#pragma unroll
+            for (int pair = 0; pair < NQ / 2; ++pair) {
+              bool keep[2][4];
+              keep_keys(drop, key0 - lane / 4, m * kBwdBlockM + query_col0 + 16 * pair, lane, keep);
+              kept |= keep_bits(keep) << (8 * pair);
+            }
+          }
           float s[1][NQ][4], dp[1][NQ][4];
           wgmma_fence();
           // S^T = K Q^T and dP^T = V dO^T over these query columns, K-major operands (a later
@@ -424,8 +448,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           float distance0[2];  // ALiBi's query - key (+ offset) of this thread's first column, per key
 #pragma unroll
           for (int h = 0; h < 2; ++h) distance0[h] = float(query_base + alibi.diagonal_offset - key0 - 8 * h);
-          // dP^T - delta, times a factor per score, in place of dP^T: with a softcap the tanh's
-          // slope (s holds y), without one P (s holds P).
+          const auto keeps = [&](int nt, int r) { return !WINDOW || ((kept >> (4 * nt + r)) & 1); };
+          // dP^T M / (1 - p) - delta, times a factor per score, in place of dP^T: with a softcap
+          // the tanh's slope (s holds y), without one P (s holds P, undropped).
           const auto weigh_dp = [&] {
 #pragma unroll
             for (int nt = 0; nt < NQ; ++nt)
@@ -435,7 +460,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                   const float x = s[0][nt][2 * h + e];
-                  dp[0][nt][2 * h + e] = (dp[0][nt][2 * h + e] - row_delta) * (SOFTCAP ? softcap_slope(x) : x);
+                  float& y = dp[0][nt][2 * h + e];
+                  // Without dropout fmaf(dP, 1, -delta) is dP - delta exactly.
+                  const float dp_delta =
+                      WINDOW ? fmaf(keeps(nt, 2 * h + e) ? y : 0.f, dp_scale(), -row_delta) : y - row_delta;
+                  y = dp_delta * (SOFTCAP ? softcap_slope(x) : x);
                 }
               }
           };
@@ -471,8 +500,16 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           if constexpr (!SOFTCAP) {
             wgmma_wait<0>();
             fence_registers(flat(dp));
-            // dS^T = P^T (dP^T - delta).
+            // dS^T = P^T (dP^T M / (1 - p) - delta).
             weigh_dp();
+          }
+          // dV's operand: P^T M (its 1 / (1 - p) applied to dV in the epilogue).
+          if (dropout()) {
+#pragma unroll
+            for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+              for (int r = 0; r < 4; ++r)
+                if (!keeps(nt, r)) s[0][nt][r] = 0.f;
           }
           pack_a<Elem>(s, p_a);
           pack_a<Elem>(dp, ds_a);
@@ -646,7 +683,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
       if (lane == 0) mbarrier_arrive(&kv_empty);
     }
 
-    // dK takes the softmax scale here (dQ in the convert kernel). Rows past the sequence's keys and
+    // dK takes the softmax scale here (dQ in the convert kernel), dV dropout's 1 / (1 - p) (P^T M
+    // was its operand). Rows past the sequence's keys and
     // columns past head_dim (dK) or head_dim_v (dV) are not written. Each key's stores go through
     // one row pointer at constant offsets (8 columns apart): recomputing a 64-bit address and
     // reloading parameters per 4-byte store made the epilogue ~2,900 instructions against ~300.
@@ -672,7 +710,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           if (dk_tile(dt)) dk_row[4 * dt] = Elem::pack(dk[0][dt][2 * h] * a.scale, dk[0][dt][2 * h + 1] * a.scale);
 #pragma unroll
         for (int dt = 0; dt < DV_T; ++dt)
-          if (dv_tile(dt)) dv_row[4 * dt] = Elem::pack(dv[0][dt][2 * h], dv[0][dt][2 * h + 1]);
+          if (dv_tile(dt)) dv_row[4 * dt] = Elem::pack(dv[0][dt][2 * h] * dp_scale(), dv[0][dt][2 * h + 1] * dp_scale());
       } else {
         constexpr bool kOwnSlice = DQ_ORDER != kDqAnyOrder;
         const i64 slice = kOwnSlice ? head : kv_head;
@@ -691,7 +729,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) flash_bwd_sm90(const __grid_co
           if (dk_tile(dt)) put(dk_row + 8 * dt, dk[0][dt][2 * h] * a.scale, dk[0][dt][2 * h + 1] * a.scale);
 #pragma unroll
         for (int dt = 0; dt < DV_T; ++dt)
-          if (dv_tile(dt)) put(dv_row + 8 * dt, dv[0][dt][2 * h], dv[0][dt][2 * h + 1]);
+          if (dv_tile(dt)) put(dv_row + 8 * dt, dv[0][dt][2 * h] * dp_scale(), dv[0][dt][2 * h + 1] * dp_scale());
       }
     }
   }

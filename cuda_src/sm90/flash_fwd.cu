@@ -14,6 +14,7 @@
 #include "common/bias.cuh"
 #include "common/fp8.cuh"
 #include "common/mask.cuh"
+#include "common/philox.cuh"
 #include "common/seqlen.cuh"
 #include "common/softcap.cuh"
 #include "common/softmax.cuh"
@@ -202,17 +203,19 @@ __device__ __forceinline__ void pack_p(const float (&s)[1][NT][4], u32 (&p)[KSLI
 }
 
 // Scores of key block n to unnormalised probabilities: softcap, ALiBi (its slope 0 where the kernel
-// has none), the mask if `masked` (this warp's 16 rows start at warp_row), and the online
-// softmax's running max and sum; `correction` is what o must be multiplied by once no P V product
-// writes it any more.
+// has none), the mask if `masked` (this warp's 16 rows start at warp_row), the online softmax's
+// running max and sum, then, if `dropout`, the dropped probabilities zeroed (the sums are of the
+// undropped P); `correction` is what o must be multiplied by once no P V product writes it any more.
 template <int BLOCK_N, bool SOFTCAP, bool CAUSAL, bool WINDOW, int NT, class Softmax, class Scales>
 __device__ __forceinline__ void probabilities(float (&s)[1][NT][4], const Mask<CAUSAL, WINDOW>& mask, bool masked,
-                                              const Alibi& alibi, Softmax& softmax, const Scales& scales, int n,
-                                              int warp_row, float (&correction)[1][2]) {
+                                              const Alibi& alibi, bool dropout, const DropoutStream& drop,
+                                              Softmax& softmax, const Scales& scales, int n, int warp_row,
+                                              float (&correction)[1][2]) {
   if (SOFTCAP) softcap_scores(s, scales.tanh_scale());
   if (alibi.on()) alibi.apply(s, warp_row, n * BLOCK_N);
   if (masked) mask.apply(s, warp_row, n * BLOCK_N);
   softmax.probabilities(s, scales.log2(), correction);
+  if (dropout) drop_rows(s, drop, warp_row, n * BLOCK_N, threadIdx.x % 32);
 }
 
 // The tile (query block, head, batch) with linear index `tile`, in the order the CTAs take them.
@@ -269,6 +272,10 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
   // and the three-consumer kernels compile no trace of it. The e4m3 d192 kernels spill with it
   // too: their ALiBi calls run sm80's e4m3 kernel (dispatch.forward_choice).
   constexpr bool ALIBI = (CAUSAL || WINDOW) && CONSUMERS == 2 && !(FP8 && HEAD_DIM == 192);
+  // Dropout (common/philox.cuh) in the window kernels of two consumers, 16-bit inputs only: its
+  // Philox calls need registers the three-consumer split does not have, so d64 dropout calls take
+  // the two-consumer tile too.
+  constexpr bool DROPOUT = WINDOW && CONSUMERS == 2 && !FP8;
 
   // Full barriers: one arrival (the producer's expect_tx) plus the tile's bytes. Empty barriers:
   // one arrival per consumer warp once its warpgroup is done with the buffer (for K and V: its
@@ -428,6 +435,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
       const auto alibi = [&] {
         return Alibi{ALIBI ? alibi_slope(a, c.batch, c.head, scales.log2()) : 0.f, mask.diagonal_offset};
       };
+      const bool dropout = DROPOUT && dropout_on(a);
+      const DropoutStream drop = dropout_stream(a, c.batch, p.heads, c.head);
       float o[1][DT][4];
       clear(o);
       OnlineSoftmax<1, FP8 ? 8 : 0, FP8> softmax;  // e4m3 P in [0, 256]; the max as a tree (common/softmax.cuh)
@@ -460,7 +469,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
         // The tensor cores are done with this K stage: one arrival per warp hands it back.
         if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
         probabilities<BLOCK_N, SOFTCAP>(s, mask, needs_mask<kConsumerRows, BLOCK_N>(mask, m64_block, n), alibi(),
-                                        softmax, scales, n, warp_row, correction);
+                                        dropout, drop, softmax, scales, n, warp_row, correction);
         pack_p<Input, Elem>(s, pv_a);
         k_pos.advance();
 
@@ -486,7 +495,8 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
           wgmma_wait<1>();  // groups complete in order: S is done, P V may still run
           fence_registers(flat(s));
           if (lane == 0) mbarrier_arrive(&k_empty[k_pos.stage]);
-          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, alibi(), softmax, scales, n, warp_row, correction);
+          probabilities<BLOCK_N, SOFTCAP>(s, mask, masked, alibi(), dropout, drop, softmax, scales, n, warp_row,
+                                          correction);
           wgmma_wait<0>();  // P V is done: o may be rescaled and pv_a refilled
           fence_registers(flat(o));
           fence_registers(pv_a);
@@ -530,6 +540,7 @@ __global__ void __launch_bounds__(Warpgroups<CONSUMERS, InputStorage<Input>::fp8
 
       float lse[1][2];
       softmax.finalize(o, scales.log2(), lse, sink_log2(a, c.head));
+      if (dropout) scale(o, a.dropout_scale);  // the kept P's 1 / (1 - p)
       if constexpr (FP8) {
         // Read here rather than held across the main loop.
         scale(o, v_descale(a, c.batch, c.head / a.kv_group));

@@ -34,6 +34,7 @@ __all__ = [
     "MlaCall",
     "Lengths",
     "NO_BIAS",
+    "NO_DROPOUT_WORDS",
     "QuantizeCall",
     "as_batch_of_one",
     "check_backward",
@@ -396,17 +397,30 @@ def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, hea
     return tuple(checked)
 
 
-# Dropout: checked on both paths, computed on the CPU path only so far.
+# Dropout: checked alike on both paths.
 _U64_END = 1 << 64
 
 
 class Dropout(NamedTuple):
     """A checked dropout: P's elements dropped with probability ``p``, the keep mask drawn from the
-    counter-based stream at (``seed``, ``offset``) (cuflash/_cpu/philox.py, common/philox.cuh)."""
+    counter-based stream at (``seed``, ``offset``) (cuflash/_cpu/philox.py, common/philox.cuh).
+    On a GPU call ``seed`` may be the DeviceTensor of an int64 (seed, offset) pair (offset 0)."""
 
     p: float
-    seed: int
+    seed: Any
     offset: int
+
+    @property
+    def words(self) -> tuple[int, int, int]:
+        """What each launch writes into the params' DROPOUT_WORDS (params.py): the device pair's
+        pointer, which the kernels then read, or 0 and the seed and offset."""
+        if isinstance(self.seed, int):
+            return 0, self.seed, self.offset
+        return self.seed.ptr, 0, 0
+
+
+# The DROPOUT_WORDS of a launch without dropout (its params' dropout_scale 0 switches it off).
+NO_DROPOUT_WORDS = (0, 0, 0)
 
 
 def _counter(name: str, value: Any) -> int:
@@ -438,9 +452,9 @@ def _device_seed(seed: Any, offset: Any, q) -> Any:
     if kind == "numpy":
         raise TypeError("seed: expected an integer, or an int64 array (seed, offset) on q's device")
     t = interop.describe(seed, kind, "seed")
-    if t.dtype != "int64" or tuple(t.shape) != (2,):
-        raise ValueError(f"seed: a device array holds (seed, offset) as int64 of shape (2,), got {t.dtype} "
-                         f"{tuple(t.shape)}")
+    if t.dtype != "int64" or tuple(t.shape) != (2,) or t.strides != (1,):
+        raise ValueError(f"seed: a device array holds (seed, offset) as contiguous int64 of shape (2,), got "
+                         f"{t.dtype} {tuple(t.shape)} with strides {t.strides}")
     if t.device != q.device:
         raise ValueError(f"seed: on device {t.device}, but q is on device {q.device}")
     if _counter("offset", offset) != 0:
@@ -453,8 +467,7 @@ def check_dropout(dropout_p: Any, seed: Any, offset: Any, framework_name: str, q
     (there is no global generator outside torch, so none is made up) and ``offset`` one too
     (default 0): a Dropout, or None for dropout_p 0. A seed or offset given with dropout_p 0 is
     checked and changes nothing. A GPU call (``q`` its DeviceTensor) may give ``seed`` as a device
-    array instead (_device_seed). GPU calls are checked alike, then refused with
-    NotImplementedError naming dropout_p: the kernels do not take it yet."""
+    array instead (_device_seed), whose DeviceTensor the Dropout then holds."""
     p = resolve_dropout_p(dropout_p)
     on_device = framework_name != "numpy"
     if seed is None or (isinstance(seed, numbers.Integral) or not on_device):
@@ -467,9 +480,6 @@ def check_dropout(dropout_p: Any, seed: Any, offset: Any, framework_name: str, q
     if seed is None:
         raise ValueError("seed: dropout_p > 0 needs a seed (an integer in [0, 2**64)); the torch wrappers draw "
                          "one from torch's generator")
-    if on_device:
-        raise NotImplementedError("dropout_p: not yet supported on the GPU kernels; NumPy inputs and CPU torch "
-                                  "tensors run it")
     return Dropout(p, seed, offset)
 
 
@@ -491,6 +501,7 @@ class ForwardCall(NamedTuple):
     fp8: Fp8 | None
     lengths: Lengths | None = None
     alibi: int | None = None  # Bias.alibi_stride: None without ALiBi slopes
+    dropout: float = 0.0  # Dropout.p; its seed and offset are the launch's, not the plan's
 
     def plan_key(self) -> tuple:
         """Everything plan.build_forward reads but pointers; of a packed batch's lengths, the number
@@ -498,7 +509,7 @@ class ForwardCall(NamedTuple):
         lengths = self.lengths
         return ("forward", self.q.layout, self.k.layout, self.v.layout, _layout(self.out), self.scale, self.causal,
                 self.window, self.softcap, self.fp8 and self.fp8.plan_key(),
-                lengths and (lengths.batch, lengths.max_seqlen_q), self.alibi)
+                lengths and (lengths.batch, lengths.max_seqlen_q), self.alibi, self.dropout)
 
 
 class BackwardCall(NamedTuple):
@@ -521,6 +532,7 @@ class BackwardCall(NamedTuple):
     deterministic: bool
     lengths: Lengths | None = None
     alibi: int | None = None  # Bias.alibi_stride: None without ALiBi slopes
+    dropout: float = 0.0  # as ForwardCall's
 
     def plan_key(self) -> tuple:
         """Everything plan.build_backward reads but pointers; of a packed batch's lengths, the
@@ -529,7 +541,7 @@ class BackwardCall(NamedTuple):
         return ("backward", self.q.layout, self.k.layout, self.v.layout, self.out.layout, self.dout.layout,
                 self.lse.layout, _layout(self.dq), _layout(self.dk), _layout(self.dv), self.scale, self.causal,
                 self.window, self.softcap, self.deterministic,
-                lengths and (lengths.batch, lengths.max_seqlen_q, lengths.max_seqlen_k), self.alibi)
+                lengths and (lengths.batch, lengths.max_seqlen_q, lengths.max_seqlen_k), self.alibi, self.dropout)
 
 
 # Packed batches (varlen.py).

@@ -290,6 +290,7 @@ def _sm90_fwd_smem(tile: Tile, kernel_dim: int, q_buffers: int, fp8: bool = Fals
 def forward_kernel(
     family: str, head_dim: int, mask: str, dtype_name: str, softcap: bool = False, tile: Tile | None = None,
     short: bool = False, out_dtype: str | None = None, paged: bool = False, alibi: bool = False,
+    dropout: bool = False,
 ) -> KernelChoice:
     """The ``family`` forward kernel that serves these code-shaping switches: ``mask`` one of
     MASKS, ``softcap`` whether scores are capped (``tile`` overrides the tables, for tuning),
@@ -301,12 +302,15 @@ def forward_kernel(
     ``alibi``: the call has ALiBi slopes, which only window kernels read (make_mask gives such calls
     the window mask), and sm90's causal ones too (forward_choice), of sm90's only those of two
     consumers (flash_fwd.cu): d64 takes its narrow tile; sm90's e4m3 d192 kernel has none
-    (forward_choice runs sm80's).
+    (forward_choice runs sm80's). ``dropout``: a call with dropout (common/philox.cuh), 16-bit
+    only, in the window kernels (of two consumers on sm90) alone.
 
     Which kernel serves a softcap: _mask_flags.
     """
     if alibi and mask != "window" and not (family == "sm90" and mask == "causal"):
         raise ValueError(f"alibi: ALiBi runs the window kernel (or sm90's causal one), not the {mask!r} one")
+    if dropout and (mask != "window" or dtype_name in FP8_TYPES or paged):
+        raise ValueError(f"dropout: dropout runs the 16-bit window kernel, not the {mask!r} one for {dtype_name}")
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
     if mask not in MASKS:
@@ -326,14 +330,14 @@ def forward_kernel(
         flags += f", {types}, true"
     if family == "sm90":
         kernel_dim = _row_elems(bucket)
-        narrow = (softcap and window) or (causal and short) or alibi
+        narrow = (softcap and window) or (causal and short) or alibi or dropout
         wide = mask == "none" and not softcap and not (short and kernel_dim in SM90_WIDE_LONG_ONLY)
         tables = ((SM90_FP8_NARROW_TILES, SM90_FP8_WIDE_TILES, SM90_FP8_FWD_TILES) if fp8
                   else (SM90_NARROW_TILES, SM90_WIDE_TILES, SM90_FWD_TILES))
         special = tables[0] if narrow else tables[1] if wide else {}
         tile = tile or special.get(kernel_dim) or tables[2][kernel_dim]
         consumers = tile.block_m // 64  # one 64-row wgmma M per consumer warpgroup, plus the producer's
-        assert tile.warps == 4 * (consumers + 1) and not (alibi and consumers != 2)
+        assert tile.warps == 4 * (consumers + 1) and not ((alibi or dropout) and consumers != 2)
         if alibi and not sm90_alibi(kernel_dim, fp8):
             raise ValueError(f"alibi: sm90's e4m3 d{kernel_dim} forward has no ALiBi; sm80's runs it")
         # Two Q buffers where they fit, so that a persistent CTA loads the next tile's Q during
@@ -515,8 +519,9 @@ MAX_GRID_YZ = 65535
 class Mask(NamedTuple):
     """Which keys each query row sees, the one form every launch decision reads: ``kind`` one of
     MASKS, the kernels' run-time bounds ``left`` and ``right`` (cuda_src/common/mask.cuh; -1
-    unbounded, causal is right = 0), ``softcap`` (0: none) and whether the scores take ALiBi's
-    bias (``alibi``, which runs the window kernel: common/bias.cuh). A tuple, not a frozen
+    unbounded, causal is right = 0), ``softcap`` (0: none), whether the scores take ALiBi's
+    bias (``alibi``, which runs the window kernel: common/bias.cuh) and whether P takes dropout
+    (``dropout``, likewise: common/philox.cuh). A tuple, not a frozen
     dataclass (whose constructor sets each field through object.__setattr__): one is built per
     packed-batch call."""
 
@@ -525,6 +530,7 @@ class Mask(NamedTuple):
     right: int
     softcap: float
     alibi: bool = False
+    dropout: bool = False
 
     @property
     def window(self) -> tuple[int, int]:
@@ -536,19 +542,19 @@ _new_tuple = tuple.__new__
 
 
 def make_mask(causal: bool, window: tuple[int, int], softcap: float, seqlen_q: int, seqlen_k: int,
-              alibi: bool = False) -> Mask:
+              alibi: bool = False, dropout: bool = False) -> Mask:
     """The Mask of resolved options over sequences of at most ``seqlen_q`` queries and ``seqlen_k``
     keys: causal folded in as right = 0, and a side that bounds no row made -1 (left >=
     seqlen_k - 1, right >= seqlen_q - 1), so that such windows run the plain or causal kernel and
-    every bound fits an int32. With ``alibi`` every mask is the window kernel's (the others carry
-    no bias: common/bias.cuh)."""
+    every bound fits an int32. With ``alibi`` or ``dropout`` every mask is the window kernel's
+    (the others carry neither: common/bias.cuh, common/philox.cuh)."""
     left, right = window
     if causal:
         right = 0
     left, right = (-1 if left >= seqlen_k - 1 else left), (-1 if right >= seqlen_q - 1 else right)
-    kind = "window" if alibi else _MASK_KINDS.get((left, right), "window")
+    kind = "window" if alibi or dropout else _MASK_KINDS.get((left, right), "window")
     # tuple.__new__ skips the NamedTuple's Python-level constructor, on every packed-batch call.
-    return _new_tuple(Mask, (kind, left, right, softcap, alibi))
+    return _new_tuple(Mask, (kind, left, right, softcap, alibi, dropout))
 
 
 @functools.lru_cache(maxsize=None)
@@ -596,10 +602,12 @@ def forward_choice(family: str, q, k, v, mask: Mask, max_seqlen_q: int, out_dtyp
     if family == "sm90" and mask.alibi and not sm90_alibi(_row_elems(head_dim_bucket(head_dim)), q.dtype in FP8_TYPES):
         family = "sm80"
     # sm90's causal kernels read ALiBi too: a causal ALiBi call keeps their grid order and unmasked
-    # steps (make_mask gave it the window mask, which every family's window kernel serves).
-    kind = "causal" if family == "sm90" and mask.alibi and mask.window == (-1, 0) else mask.kind
+    # steps (make_mask gave it the window mask, which every family's window kernel serves); not
+    # with dropout, which the window kernels alone read.
+    kind = ("causal" if family == "sm90" and mask.alibi and not mask.dropout and mask.window == (-1, 0)
+            else mask.kind)
     choice = forward_kernel(family, head_dim, kind, q.dtype, bool(mask.softcap), short=short,
-                            out_dtype=out_dtype, alibi=mask.alibi)
+                            out_dtype=out_dtype, alibi=mask.alibi, dropout=mask.dropout)
     if choice.family == "sm90" and not all(tma_ready(t) for t in (q, k, v)):
         choice = forward_kernel("sm80", head_dim, mask.kind, q.dtype, bool(mask.softcap), out_dtype=out_dtype)
     return choice
@@ -695,10 +703,11 @@ class BackwardLaunch(NamedTuple):
 def backward_launch(family: str, q, k, v, dout, mask: Mask, batch: int, max_seqlen_k: int, deterministic: bool,
                     device: int) -> BackwardLaunch:
     """The backward's kernels, dQ order and main grid (DeviceTensors as for forward_launch): sm90's
-    main kernel where it serves the head dim and tensor maps can describe the tensors."""
+    main kernel where it serves the head dim and tensor maps can describe the tensors, and the call
+    has not both dropout and a softcap (sm90's softcap kernels have no dropout: flash_bwd.cu)."""
     heads, head_dims = q.shape[2], (q.shape[3], v.shape[3])
     main_family = family
-    if family == "sm90" and not all(tma_ready(t) for t in (q, k, v, dout)):
+    if family == "sm90" and (not all(tma_ready(t) for t in (q, k, v, dout)) or (mask.dropout and mask.softcap)):
         main_family = "sm80"
     order = dq_order(main_family, head_dims, mask, max_seqlen_k, deterministic)
     preprocess, main, convert = backward_kernels(main_family, head_dims[0], mask.kind, q.dtype, bool(mask.softcap),

@@ -17,19 +17,27 @@ import struct
 import numpy as np
 
 from cuflash._core import tma
+from cuflash._cpu import philox
 
 _STRIDES = [f"{t}_{s}_stride" for t in "qkvo" for s in ("batch", "row", "head")]
 
 FWD_POINTERS = ("q", "k", "v", "o", "lse", "cu_seqlens_q", "cu_seqlens_k", "seq_end_q", "seq_end_k", "sinks",
                 "alibi_slopes")
+# Dropout's fields, last in FwdParams and BwdParams: the threshold and scale a plan packs
+# (dropout_fields), then the device (seed, offset) pair's pointer and the host seed and offset,
+# which each launch fills after the leading pointers (ArgumentBuffer's more_pointers).
+DROPOUT_WORDS = ("dropout_rng", "dropout_seed", "dropout_offset")
+_DROPOUT_FIELDS = ([("dropout_threshold", np.uint32), ("dropout_scale", np.float32)]
+                   + [(name, np.uint64) for name in DROPOUT_WORDS])
 _FWD_FIELDS = (
     [(name, np.uint64) for name in FWD_POINTERS]
     + [(name, np.int64) for name in _STRIDES + ["lse_batch_stride", "lse_head_stride", "alibi_batch_stride"]]
     + [(name, np.int32) for name in ("kv_group", "seqlen_q", "seqlen_k", "head_dim", "window_left", "window_right")]
     + [("scale_log2", np.float32), ("softcap_tanh_scale", np.float32), ("head_dim_v", np.int32)]
+    + _DROPOUT_FIELDS
 )
 FWD_PARAMS = np.dtype(_FWD_FIELDS, align=True)
-FWD_PARAMS_SIZE = 248  # sizeof(FwdParams) in params.cuh
+FWD_PARAMS_SIZE = 280  # sizeof(FwdParams) in params.cuh
 # FwdParamsFp8: FwdParams' fields, then the descale arrays' pointers (filled per call after
 # FWD_POINTERS), their (batch, head_kv) strides in elements, and a scalar v descale.
 FWD_DESCALES = ("descale_q", "descale_k", "descale_v")
@@ -40,7 +48,7 @@ FWD_PARAMS_FP8 = np.dtype(
     + [("v_scale", np.float32)],
     align=True,
 )
-FWD_PARAMS_FP8_SIZE = 328  # sizeof(FwdParamsFp8) in params.cuh
+FWD_PARAMS_FP8_SIZE = 360  # sizeof(FwdParamsFp8) in params.cuh
 _LOG2E = math.log2(math.e)
 
 
@@ -59,18 +67,27 @@ def _softmax_constants(softmax_scale: float, softcap: float) -> tuple[float, flo
     return scale_log2, (softmax_scale / softcap if softcap else 0.0)
 
 
+def dropout_fields(dropout_p: float) -> tuple[int, float, int, int, int]:
+    """The dropout fields of FwdParams and BwdParams for ``dropout_p`` (0: none): the 16-bit keep
+    threshold and 1 / (1 - p), whose 0 tells the kernels there is no dropout, then the per-launch
+    DROPOUT_WORDS, left 0."""
+    if dropout_p == 0.0:
+        return 0, 0.0, 0, 0, 0
+    return philox.keep_threshold(dropout_p), 1.0 / (1.0 - dropout_p), 0, 0, 0
+
+
 def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int] = (-1, -1),
                     softcap: float = 0.0, cu_seqlens_q=None, cu_seqlens_k=None,
-                    alibi_batch_stride: int = 0) -> np.ndarray:
+                    alibi_batch_stride: int = 0, dropout_p: float = 0.0) -> np.ndarray:
     """One FwdParams struct for DeviceTensors q, k, v, out (BSHD) and lse.
 
     Fixed length: lse is (batch, heads, seqlen_q). Packed batches: q, k, v, out are
     (1, total, heads, head_dim) views with batch stride 0, lse is (heads, total_q), and
     ``cu_seqlens_q`` / ``cu_seqlens_k`` the int32 DeviceTensors. ``window`` is (left, right) with
     causal folded in (right = 0), ``softcap`` 0 for none; ``alibi_batch_stride`` the slopes' (0:
-    one per head), whose pointer, like the sinks', each launch fills. Built from one tuple in a
-    single NumPy call: per-field assignment costs microseconds each, which a launch path cannot
-    afford.
+    one per head), whose pointer, like the sinks', each launch fills; ``dropout_p`` the dropout's
+    (dropout_fields). Built from one tuple in a single NumPy call: per-field assignment costs
+    microseconds each, which a launch path cannot afford.
     """
     strides = [s for t in (q, k, v, out) for s in t.strides[:3]]
     if cu_seqlens_q is None:
@@ -82,7 +99,7 @@ def pack_fwd_params(q, k, v, out, lse, softmax_scale: float, window: tuple[int, 
                                 *(c + 4 if c else 0 for c in cu_pointers), 0, 0, *strides, *lse_strides,
                                 alibi_batch_stride,
                                 q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], *window, scale_log2,
-                                softcap_tanh_scale, v.shape[3]))
+                                softcap_tanh_scale, v.shape[3], *dropout_fields(dropout_p)))
 
 
 def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[int, int], softcap: float,
@@ -109,7 +126,7 @@ FWD_PARAMS_PAGED = np.dtype(
     + [(name, np.int32) for name in ("page_table_stride", "page_size", "cache_seqlen", "new_keys")],
     align=True,
 )
-FWD_PARAMS_PAGED_SIZE = 280  # sizeof(FwdParamsPaged) in params.cuh
+FWD_PARAMS_PAGED_SIZE = 312  # sizeof(FwdParamsPaged) in params.cuh
 
 
 def pack_fwd_params_paged(q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int],
@@ -183,8 +200,8 @@ def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: in
     """The FwdParamsSm90 argument for repeated launches: tensor maps of q (boxes of ``block_m``
     rows of one head's 64-column panel, sm90/fwd_params.cuh) and of k and v (``block_n`` rows),
     then ``packed``, pack_fwd_params' struct for the same call (or pack_fwd_params_fp8's, whose
-    descale pointers each fill takes after FWD_POINTERS), then ``tiles`` (query blocks, heads,
-    batches). The maps hold the addresses, so each fill encodes them again (cached per
+    descale pointers each fill takes after FWD_POINTERS; a 16-bit struct's fill takes
+    DROPOUT_WORDS there), then ``tiles`` (query blocks, heads, batches). The maps hold the addresses, so each fill encodes them again (cached per
     address)."""
     fp8 = packed.dtype == FWD_PARAMS_FP8
     struct = np.zeros(1, FWD_PARAMS_SM90_FP8 if fp8 else FWD_PARAMS_SM90)
@@ -194,7 +211,7 @@ def sm90_forward_argument(packed: np.ndarray, q, k, v, block_m: int, block_n: in
     struct["tiles"] = m_blocks * heads * batches
     maps = _map_fields(FWD_POINTERS, ("q", q, block_m), ("k", k, block_n), ("v", v, block_n))
     return ArgumentBuffer(struct, FWD_POINTERS, within="base", tensor_maps=maps,
-                          more_pointers=FWD_DESCALES if fp8 else ())
+                          more_pointers=FWD_DESCALES if fp8 else DROPOUT_WORDS)
 
 
 def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, stage_rows: int, block_n: int) -> ArgumentBuffer:
@@ -205,7 +222,7 @@ def sm90_backward_argument(packed: np.ndarray, q, k, v, dout, stage_rows: int, b
     struct = np.zeros(1, BWD_PARAMS_SM90)
     struct["base"] = packed
     maps = _map_fields(BWD_POINTERS, ("q", q, stage_rows), ("k", k, block_n), ("v", v, block_n), ("dout", dout, stage_rows))
-    return ArgumentBuffer(struct, BWD_POINTERS, within="base", tensor_maps=maps)
+    return ArgumentBuffer(struct, BWD_POINTERS, within="base", tensor_maps=maps, more_pointers=DROPOUT_WORDS)
 
 
 _BWD_STRIDES = [f"{t}_{s}_stride" for t in ("q", "k", "v", "o", "do", "dk", "dv") for s in ("batch", "row", "head")]
@@ -220,10 +237,11 @@ BWD_PARAMS = np.dtype(
     + [(name, np.int32) for name in ("heads", "kv_group", "seqlen_q", "seqlen_k", "head_dim", "dq_splits",
                                      "dq_turn_blocks", "turn_heads", "window_left", "window_right")]
     + [(name, np.float32) for name in ("scale_log2", "scale", "softcap_tanh_scale")]
-    + [("head_dim_v", np.int32)],
+    + [("head_dim_v", np.int32)]
+    + _DROPOUT_FIELDS,
     align=True,
 )
-BWD_PARAMS_SIZE = 408  # sizeof(BwdParams) in params.cuh
+BWD_PARAMS_SIZE = 440  # sizeof(BwdParams) in params.cuh
 # cuda_src/sm90/bwd_params.cuh: the tensor maps of q, k, v and dout, then BwdParams.
 BWD_PARAMS_SM90 = tma.param_dtype([("q", tma.TENSOR_MAP), ("k", tma.TENSOR_MAP), ("v", tma.TENSOR_MAP),
                                    ("dout", tma.TENSOR_MAP), ("base", BWD_PARAMS)])
@@ -244,10 +262,10 @@ CONVERT_PARAMS_SIZE = 96  # sizeof(ConvertParams) in params.cuh
 def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, dv_accum, dq_turns,
                     softmax_scale: float, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                     cu_seqlens_q=None, cu_seqlens_k=None, turn_heads: int = 1,
-                    alibi_batch_stride: int = 0) -> np.ndarray:
+                    alibi_batch_stride: int = 0, dropout_p: float = 0.0) -> np.ndarray:
     """One BwdParams struct; every argument a DeviceTensor (dk_accum, dv_accum and dq_turns may be
     None; dq_turns int32 (batch, heads, query blocks)); turn_heads as in params.cuh.
-    q, k, v, out, dout, dk, dv, lse, window, softcap and cu_seqlens as for pack_fwd_params; delta
+    q, k, v, out, dout, dk, dv, lse, window, softcap, cu_seqlens and dropout_p as for pack_fwd_params; delta
     shaped like lse; dq_accum (dq_splits, batch, heads, rows, row width) contiguous, batch 1 for a
     packed batch, rows the head-dim bucket wide (sm90: plus dispatch.SM90_BWD_DQ_ROW_PAD)."""
     strides = [s for t in (q, k, v, out, dout, dk, dv) for s in t.strides[:3]]
@@ -265,7 +283,7 @@ def pack_bwd_params(q, k, v, out, dout, lse, delta, dq_accum, dk, dv, dk_accum, 
         [(*pointers, *strides, *lse_strides, *dq_strides, 0 if packed else k.shape[1], alibi_batch_stride, q.shape[2],
           q.shape[2] // k.shape[2], q.shape[1], k.shape[1], q.shape[3], splits,
           dq_turns.shape[-1] if dq_turns is not None else 0, turn_heads, *window, scale_log2, softmax_scale,
-          softcap_tanh_scale, v.shape[3])],
+          softcap_tanh_scale, v.shape[3], *dropout_fields(dropout_p))],
         dtype=BWD_PARAMS,
     )
 
@@ -301,7 +319,8 @@ class ArgumentBuffer:
         into ``pointers`` of the address it describes, encode(address) -> its 128 bytes) for each
         tensor map of the struct; every fill encodes them for its own addresses. ``more_pointers``:
         further uint64 fields of the same struct (``within``'s), contiguous (FwdParamsFp8's
-        descales), that ``fill`` takes after ``pointers``."""
+        descales, the dropout words), that ``fill`` takes after ``pointers``, or leaves as packed
+        where it is given ``pointers`` alone."""
         layout, offset = packed.dtype.fields[within][:2] if within else (packed.dtype, 0)
         fields = layout.fields
         # The pointers are the first fields of ``layout``, contiguous from its start.
@@ -323,7 +342,8 @@ class ArgumentBuffer:
         """A filled argument buffer; pass ``ctypes.addressof`` of it as ``kernelParams``."""
         buffer = self._buffer_type.from_buffer_copy(self._template)
         buffer[0] = ctypes.addressof(buffer) + 8
-        if self._more is None:
+        if self._more is None or len(pointers) == self.pointers:
+            # Without the further fields they keep the template's values (DROPOUT_WORDS: 0, none).
             self._pack_pointers(buffer, self._pointer_offset, *pointers)
         else:
             self._pack_pointers(buffer, self._pointer_offset, *pointers[:self.pointers])

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from cuflash._core import checks, dispatch, interop, kernels
-from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, FWD_CACHE_POINTERS, FWD_DESCALES,
-                                  FWD_POINTERS, KV_POINTERS, MLA_POINTERS, QUANTIZE_POINTERS, ArgumentBuffer,
+from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, DROPOUT_WORDS, FWD_CACHE_POINTERS,
+                                  FWD_DESCALES, FWD_POINTERS, KV_POINTERS, MLA_POINTERS, QUANTIZE_POINTERS, ArgumentBuffer,
                                   pack_bwd_params, pack_combine_params, pack_convert_params, pack_fwd_params,
                                   pack_fwd_params_fp8, pack_fwd_params_paged, pack_kv_params, pack_mla_params,
                                   pack_quantize_params, mla_tma_argument, sm90_backward_argument, sm90_forward_argument,
@@ -57,12 +57,14 @@ class ForwardPlan:
     out_dtype: str | None = None  # of an FP8 call's output; None: q's dtype
 
     def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
-               cu_seqlens=NO_LENGTHS, bias: checks.Bias = checks.NO_BIAS) -> tuple[Any, Any]:
+               cu_seqlens=NO_LENGTHS, bias: checks.Bias = checks.NO_BIAS,
+               dropout: tuple[int, int, int] = checks.NO_DROPOUT_WORDS) -> tuple[Any, Any]:
         """(out, lse) of one launch on ``tensors`` (q, k, v, and for FP8 inputs the three descales:
         DeviceTensors, or floats that the plan holds), into ``given`` (out, or None) whose
         DeviceTensor is ``given_t``; lse is None unless ``return_lse``: the kernels skip the lse
         stores for a null pointer, so nothing is allocated for it. ``bias``: the call's sinks and
-        ALiBi slopes (the plan was built for slopes of their stride, or none). ``cu_seqlens``: a
+        ALiBi slopes (the plan was built for slopes of their stride, or none). ``dropout``: the
+        call's checks.Dropout.words (the plan was built for its dropout_p, or none). ``cu_seqlens``: a
         packed batch's (cu_seqlens_q, cu_seqlens_k[, seqused_q, seqused_k]). Each sequence ends where
         the kernel reads seq_end_q / seq_end_k: cu_seqlens + 1, or with seqused the rows
         cu_seqlens[b] + seqused[b] (seq_ends, framework arithmetic on the same stream); with
@@ -86,6 +88,8 @@ class ForwardPlan:
                     _fill(framework, lse, -math.inf)
             if self.out_dtype is not None:
                 pointers += tuple(d.ptr if isinstance(d, interop.DeviceTensor) else 0 for d in tensors[3:])
+            else:
+                pointers += dropout
             kernels.launch(self.kernel, stream, self.argument.fill(*pointers))
             del end_q, end_k  # referenced until the launch is queued
         return out, lse
@@ -134,12 +138,13 @@ class BackwardPlan:
     converts: tuple[tuple[kernels.Launch, ArgumentBuffer, int, int], ...]
 
     def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple,
-               cu_seqlens=NO_LENGTHS, bias: checks.Bias = checks.NO_BIAS) -> tuple[Any, Any, Any, Any]:
+               cu_seqlens=NO_LENGTHS, bias: checks.Bias = checks.NO_BIAS,
+               dropout: tuple[int, int, int] = checks.NO_DROPOUT_WORDS) -> tuple[Any, Any, Any, Any]:
         """(dq, dk, dv, dsinks) of one run on ``tensors`` (q, k, v, out, dout, lse), into ``given``
         (dq, dk, dv, each or None) whose DeviceTensors are ``given_t``: the scratch allocated and
         zeroed, then the preprocess, main and convert kernels. ``bias``: the forward's sinks and
         ALiBi slopes; dsinks (float32, from the preprocess's delta: sinks_gradient) is None
-        without sinks."""
+        without sinks. ``dropout``: the forward's checks.Dropout.words, as ForwardPlan.launch's."""
         qt, kt, vt, out_t, dout_t, lse_t = tensors
         dq, dk, dv = given
         dq_t, dk_t, dv_t = given_t
@@ -155,7 +160,7 @@ class BackwardPlan:
             cu_q, cu_k = cu_seqlens
             pointers = (qt.ptr, kt.ptr, vt.ptr, out_t.ptr, dout_t.ptr, lse_t.ptr, delta, dq_accum, dk_ptr, dv_ptr,
                         dk_accum, dv_accum, dq_turns, cu_q.ptr if cu_q is not None else 0,
-                        cu_k.ptr if cu_k is not None else 0, bias.pointers[1])
+                        cu_k.ptr if cu_k is not None else 0, bias.pointers[1], *dropout)
             argument = self.argument.fill(*pointers)
             kernels.launch(self.preprocess, stream, argument)
             kernels.launch(self.main, stream,
@@ -293,12 +298,14 @@ def run(signature: tuple | None, device: int, prepare: Callable, args: tuple, bu
 
 
 def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, batch: int, max_seqlen_q: int,
-                  cu_seqlens=NO_LENGTHS, descales: tuple | None = None, alibi: int | None = None) -> ForwardPlan:
+                  cu_seqlens=NO_LENGTHS, descales: tuple | None = None, alibi: int | None = None,
+                  dropout_p: float = 0.0) -> ForwardPlan:
     """The forward launch over a fixed-length batch (q, k, v, out BSHD) or a packed one
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), for validated tensors. out
     and lse may be interop.contiguous records. FP8 inputs take ``descales`` (q's, k's, v's: floats
     or float32 (batch, heads_kv) DeviceTensors, checks.Fp8) and write out's dtype. ``alibi``: the
-    slopes' batch stride (checks.Bias.alibi_stride; ``mask`` made with alibi), None for none."""
+    slopes' batch stride (checks.Bias.alibi_stride; ``mask`` made with alibi), None for none.
+    ``dropout_p``: 16-bit inputs' dropout (``mask`` made with dropout), 0 for none."""
     family, capability = target = dispatch.device_target(qt.device)
     out_dtype = out_t.dtype if descales is not None else None
     launch = dispatch.forward_launch(family, qt, kt, vt, mask, batch, max_seqlen_q, cu_seqlens[0] is not None,
@@ -308,12 +315,14 @@ def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, b
         packed = pack_fwd_params_fp8(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens,
                                      descales, alibi or 0)
     else:
-        packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens, alibi or 0)
+        packed = pack_fwd_params(qt, kt, vt, out_t, lse_t, scale, mask.window, mask.softcap, *cu_seqlens, alibi or 0,
+                                 dropout_p)
     if choice.family == "sm90":
         argument = sm90_forward_argument(packed, qt, kt, vt, choice.tile.block_m, choice.tile.block_n,
                                          (launch.m_blocks, qt.shape[2], batch))
     else:
-        argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_DESCALES if descales is not None else ())
+        argument = ArgumentBuffer(packed, FWD_POINTERS,
+                                  more_pointers=FWD_DESCALES if descales is not None else DROPOUT_WORDS)
     arch = dispatch.compile_arch(choice.family, capability)
     return ForwardPlan(target, kernels.prepare(choice, arch, qt.device, launch.grid), argument, lse_t.shape,
                        vt.shape[3], out_dtype)
@@ -321,10 +330,11 @@ def build_forward(qt, kt, vt, out_t, lse_t, scale: float, mask: dispatch.Mask, b
 
 def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float, mask: dispatch.Mask,
                    deterministic: bool, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                   cu_seqlens=NO_LENGTHS, alibi: int | None = None) -> BackwardPlan:
+                   cu_seqlens=NO_LENGTHS, alibi: int | None = None, dropout_p: float = 0.0) -> BackwardPlan:
     """The backward's three kernels over a fixed-length batch (BSHD tensors) or a packed one
     (batch-of-one views, ``cu_seqlens`` the two int32 DeviceTensors), writing the 16-bit
-    gradients ``grads`` (dq, dk, dv: DeviceTensors or interop.contiguous records)."""
+    gradients ``grads`` (dq, dk, dv: DeviceTensors or interop.contiguous records); ``alibi`` and
+    ``dropout_p`` as for build_forward."""
     _, rows_q, heads, head_dim = qt.shape
     head_dim_v = vt.shape[3]
     target = (family, capability) = dispatch.device_target(qt.device)
@@ -363,8 +373,8 @@ def build_backward(qt, kt, vt, out_t, dout_t, lse_t, grads: tuple, scale: float,
 
     packed = pack_bwd_params(qt, kt, vt, out_t, dout_t, lse_t, delta, dq_accum, grads[1], grads[2], dk_accum,
                              dv_accum, dq_turns, scale, mask.window, mask.softcap, *cu_seqlens,
-                             turn_heads=launch.turn_heads, alibi_batch_stride=alibi or 0)
-    argument = ArgumentBuffer(packed, BWD_POINTERS)
+                             turn_heads=launch.turn_heads, alibi_batch_stride=alibi or 0, dropout_p=dropout_p)
+    argument = ArgumentBuffer(packed, BWD_POINTERS, more_pointers=DROPOUT_WORDS)
     main_argument = (sm90_backward_argument(packed, qt, kt, vt, dout_t, main.tile.stage_rows, main.tile.block_n)
                      if main.family == "sm90" else None)
     # (source, gradient, its (batch, row, head) strides in the source, summands, their stride,
