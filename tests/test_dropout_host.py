@@ -22,6 +22,7 @@ from cuflash._core import dispatch
 from cuflash._core.params import BWD_PARAMS, DROPOUT_WORDS, FWD_PARAMS
 from tests import test_launch_plans
 from tests.test_launch_plans import FakeCupyArray
+from tests.host_entries import call_entry
 
 gpu = test_launch_plans.gpu  # the stub device's fixture
 
@@ -169,23 +170,6 @@ def test_dropout_with_sinks_and_alibi():
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def _call(entry, q, k, v, **options):
-    """``entry`` ("forward", "backward", "varlen", "varlen_backward") on fixed-length or packed
-    forms of q, k, v."""
-    if entry == "forward":
-        return cuflash.attention(q, k, v, **options)
-    if entry == "backward":
-        out, lse = cuflash.attention(q, k, v, return_lse=True)
-        return cuflash.attention_backward(out, q, k, v, out, lse, **options)
-    packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
-    cu_q = np.arange(0, q.shape[0] * q.shape[1] + 1, q.shape[1], dtype=np.int32)
-    cu_k = np.arange(0, k.shape[0] * k.shape[1] + 1, k.shape[1], dtype=np.int32)
-    if entry == "varlen":
-        return cuflash.attention_varlen(*packed, cu_q, cu_k, **options)
-    out, lse = cuflash.attention_varlen(*packed, cu_q, cu_k, return_lse=True)
-    return cuflash.attention_varlen_backward(out, *packed, out, lse, cu_q, cu_k, **options)
-
-
 @pytest.mark.parametrize("entry", ["forward", "backward", "varlen", "varlen_backward"])
 @pytest.mark.parametrize("options, error, words", [
     (dict(dropout_p=1.0, seed=1), ValueError, r"dropout_p: expected a probability in \[0, 1\)"),
@@ -206,7 +190,7 @@ def _call(entry, q, k, v, **options):
 def test_bad_dropout_arguments_name_the_argument(entry, options, error, words):
     q, k, v, _ = _inputs(19, (2, 9, 4, 64), (2, 11, 2, 64), np.float32)
     with pytest.raises(error, match=words):
-        _call(entry, q, k, v, **options)
+        call_entry(entry, q, k, v, **options)
 
 
 def test_numpy_integers_are_seeds():

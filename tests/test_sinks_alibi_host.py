@@ -21,6 +21,7 @@ from cuflash._cpu.reference import (
 from tests.finite_differences import finite_difference_gradients
 from kvcache_cases import make_case, reference_args, same_bytes
 from tests.test_launch_plans import FakeCupyArray
+from tests.host_entries import call_entry
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -143,23 +144,6 @@ def test_varlen_with_an_empty_sequence(dtype):
     np.testing.assert_allclose(dsinks, ref_grads[3], rtol=2e-2, atol=2e-2)
 
 
-def _call(entry, q, k, v, **options):
-    """``entry`` ("forward", "backward", "varlen", "varlen_backward") on fixed-length or packed
-    forms of q, k, v."""
-    if entry == "forward":
-        return cuflash.attention(q, k, v, **options)
-    if entry == "backward":
-        out, lse = cuflash.attention(q, k, v, return_lse=True)
-        return cuflash.attention_backward(out, q, k, v, out, lse, **options)
-    packed = [x.reshape(-1, *x.shape[2:]) for x in (q, k, v)]
-    cu_q = np.arange(0, q.shape[0] * q.shape[1] + 1, q.shape[1], dtype=np.int32)
-    cu_k = np.arange(0, k.shape[0] * k.shape[1] + 1, k.shape[1], dtype=np.int32)
-    if entry == "varlen":
-        return cuflash.attention_varlen(*packed, cu_q, cu_k, **options)
-    out, lse = cuflash.attention_varlen(*packed, cu_q, cu_k, return_lse=True)
-    return cuflash.attention_varlen_backward(out, *packed, out, lse, cu_q, cu_k, **options)
-
-
 @pytest.mark.parametrize("entry", ["forward", "backward", "varlen", "varlen_backward"])
 @pytest.mark.parametrize("options, error, words", [
     (dict(sinks=np.zeros(3, np.float32)), ValueError, r"sinks: expected shape \(4,\)"),
@@ -177,7 +161,7 @@ def _call(entry, q, k, v, **options):
 def test_bad_sinks_and_slopes_name_the_argument(entry, options, error, words):
     q, k, v, *_ = _inputs(13, (2, 9, 4, 64), (2, 11, 2, 64), np.float32)
     with pytest.raises(error, match=words):
-        _call(entry, q, k, v, **options)
+        call_entry(entry, q, k, v, **options)
 
 
 def _fake_qkv(packed=False):
