@@ -26,3 +26,12 @@ def call_entry(entry: str, q, k, v, **options):
         return cuflash.attention_varlen(*packed, cu_q, cu_k, **options)
     out, lse = cuflash.attention_varlen(*packed, cu_q, cu_k, return_lse=True)
     return cuflash.attention_varlen_backward(out, *packed, out, lse, cu_q, cu_k, **options)
+
+
+def random_qkv(rng: np.random.Generator, shape_q, shape_kv, dtype, head_dim_v=None):
+    """Standard-normal q (shape_q), k (shape_kv) and v (shape_kv with ``head_dim_v``) of ``dtype``,
+    drawn in that order."""
+    q = rng.standard_normal(shape_q).astype(dtype)
+    k = rng.standard_normal(shape_kv).astype(dtype)
+    v = rng.standard_normal((*shape_kv[:-1], head_dim_v or shape_kv[-1])).astype(dtype)
+    return q, k, v

@@ -22,7 +22,7 @@ from cuflash._core import dispatch
 from cuflash._core.params import BWD_PARAMS, DROPOUT_WORDS, FWD_PARAMS
 from tests import test_launch_plans
 from tests.test_launch_plans import FakeCupyArray
-from tests.host_entries import call_entry
+from tests.host_entries import call_entry, random_qkv
 
 gpu = test_launch_plans.gpu  # the stub device's fixture
 
@@ -31,9 +31,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 def _inputs(seed, shape_q, shape_kv, dtype, head_dim_v=None):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal(shape_q).astype(dtype)
-    k = rng.standard_normal(shape_kv).astype(dtype)
-    v = rng.standard_normal((*shape_kv[:-1], head_dim_v or shape_kv[-1])).astype(dtype)
+    q, k, v = random_qkv(rng, shape_q, shape_kv, dtype, head_dim_v)
     dout = rng.standard_normal((*shape_q[:-1], head_dim_v or shape_kv[-1])).astype(dtype)
     return q, k, v, dout
 

@@ -21,16 +21,14 @@ from cuflash._cpu.reference import (
 from tests.finite_differences import finite_difference_gradients
 from kvcache_cases import make_case, reference_args, same_bytes
 from tests.test_launch_plans import FakeCupyArray
-from tests.host_entries import call_entry
+from tests.host_entries import call_entry, random_qkv
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _inputs(seed, shape_q, shape_kv, dtype, head_dim_v=None):
     rng = np.random.default_rng(seed)
-    q = rng.standard_normal(shape_q).astype(dtype)
-    k = rng.standard_normal(shape_kv).astype(dtype)
-    v = rng.standard_normal((*shape_kv[:-1], head_dim_v or shape_kv[-1])).astype(dtype)
+    q, k, v = random_qkv(rng, shape_q, shape_kv, dtype, head_dim_v)
     heads = shape_q[-2]
     sinks = (rng.standard_normal(heads) * 2).astype(np.float32)
     slopes = rng.uniform(0.01, 0.5, heads).astype(np.float32)
