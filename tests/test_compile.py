@@ -35,9 +35,11 @@ def test_representative_kernels_compile(arch):
 
 
 @pytest.mark.compile_all
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_every_kernel_compiles(arch):
-    assert_compiled_within_allowance(compile_check.compile_all(dispatch.all_kernels("sm80"), arch), arch)
+def test_every_kernel_compiles():
+    # The sm80 family for its own target; the same sources for sm_90 (a Hopper device's fallback)
+    # are left to the representative kernels above and `python -m cuflash compile-check --arch
+    # sm_90a`, which CI's time budget does not hold.
+    assert_compiled_within_allowance(compile_check.compile_all(dispatch.all_kernels("sm80"), "sm_80"), "sm_80")
 
 
 def test_representative_kernels_are_instantiations_of_the_family():

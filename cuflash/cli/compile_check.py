@@ -37,7 +37,9 @@ ALLOWANCE_NVRTC = (13, 5)
 # have, over every dtype, mask, softcap and dQ order: the most ALLOWANCE_NVRTC spilled for sm_80 or
 # sm_90a, rounded up to 64 bytes (its sm_90 code stays within these too).
 SPILL_ALLOWANCE = {
-    ("cuflash::flash_fwd_sm80", 64): 128,
+    # d64: the e4m3 window kernel with softcap compiled for sm_90 (a Hopper device's fallback where
+    # no tensor map fits) spills 140 B with ALiBi's and the sinks' reads.
+    ("cuflash::flash_fwd_sm80", 64): 160,
     ("cuflash::flash_fwd_sm80", 96): 192,
     ("cuflash::flash_fwd_sm80", 128): 128,
     ("cuflash::flash_bwd_sm80", 64): 512,
@@ -52,6 +54,8 @@ SPILL_ALLOWANCE = {
 # The sm80 backward kernels for a v head dim of its own (dispatch.backward_kernels' own_v_dim) where
 # they spill more than the table above allows, measured as it was.
 OWN_V_SPILL_ALLOWANCE = {
+    # d64's window kernel reads ALiBi and draws dropout's mask: 576 B.
+    ("cuflash::flash_bwd_sm80", 64): 640,
     ("cuflash::flash_bwd_sm80", 96): 128,
     ("cuflash::flash_bwd_sm80", 192): 320,
 }
