@@ -20,7 +20,15 @@ from cuflash._cpu.reference import (
     max_error_bound,
 )
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("family", "gpu_dropout")]
+
+
+@pytest.fixture
+def gpu_dropout(monkeypatch):
+    """The kernels' dropout, behind checks.GPU_DROPOUT until these tests have passed on a GPU."""
+    from cuflash._core import checks
+
+    monkeypatch.setattr(checks, "GPU_DROPOUT", True)
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 

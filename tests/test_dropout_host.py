@@ -18,7 +18,7 @@ from cuflash._cpu.reference import (
     attention_varlen_reference,
     max_error_bound,
 )
-from cuflash._core import dispatch
+from cuflash._core import checks, dispatch
 from cuflash._core.params import BWD_PARAMS, DROPOUT_WORDS, FWD_PARAMS
 from tests import test_launch_plans
 from tests.test_launch_plans import FakeCupyArray
@@ -209,7 +209,9 @@ def _dropout_fields(params) -> tuple:
 
 def test_gpu_calls_pack_the_dropout_into_the_kernels_params(gpu, monkeypatch):
     """The plan holds the threshold and 1 / (1 - p) (keyed by p); each launch writes the seed and
-    offset, or the device pair's pointer; dropout runs the window kernel; p = 0 is no dropout."""
+    offset, or the device pair's pointer; dropout runs the window kernel; p = 0 is no dropout.
+    Behind checks.GPU_DROPOUT, turned on here."""
+    monkeypatch.setattr(checks, "GPU_DROPOUT", True)
     windows = []
     make_mask = dispatch.make_mask
     monkeypatch.setattr(dispatch, "make_mask", lambda *args: windows.append(make_mask(*args)) or windows[-1])
@@ -269,8 +271,16 @@ def test_sm90_dropout_with_softcap_takes_sm80s_backward(monkeypatch):
         assert dispatch.backward_launch("sm90", q, q, q, q, mask, 2, 128, False, 0).main.family == family
 
 
+def test_gpu_dropout_is_refused_until_turned_on():
+    with pytest.raises(NotImplementedError, match="dropout_p: not yet taken by the GPU kernels"):
+        checks.check_dropout(0.1, 3, 0, "cupy", FakeCupyArray((1, 8, 2, 64)))
+    assert checks.check_dropout(0.0, 3, 0, "cupy", FakeCupyArray((1, 8, 2, 64))) is None
+
+
 def test_fp8_gpu_inputs_refuse_dropout(monkeypatch):
     from cuflash._core import plan
+
+    monkeypatch.setattr(checks, "GPU_DROPOUT", True)
 
     monkeypatch.setattr(plan, "run", lambda *args, **kwargs: pytest.fail("a plan ran"))
     q = FakeCupyArray((2, 12, 4, 64), "uint8", ptr=1 << 30)
