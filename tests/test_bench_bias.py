@@ -31,9 +31,11 @@ def test_full_and_quick_cases():
         assert {c.batch for c in mine} == {1}
     decode = [c for c in cases if c.mode == "decode"]
     assert [(c.batch, c.seqlen) for c in decode] == [(1, 8192), (1, 32768), (64, 8192), (64, 32768)]
-    assert len(cases) == 20 and [c.mode for c in cases] == ["fwd"] * 8 + ["bwd"] * 8 + ["decode"] * 4
+    train = [c for c in cases if c.mode == "train"]
+    assert [(c.batch, c.seqlen, c.windowed) for c in train] == [(1, s, False) for s in (4096, 8192, 16384, 32768)]
+    assert len(cases) == 24 and [c.mode for c in cases] == ["fwd"] * 8 + ["bwd"] * 8 + ["decode"] * 4 + ["train"] * 4
     quick = bb.sweep(quick=True)
-    assert {c.seqlen for c in quick if c.mode != "decode"} == {4096, 16384} and len(quick) == 12
+    assert {c.seqlen for c in quick if c.mode != "decode"} == {4096, 16384} and len(quick) == 14
     assert [c for c in quick if c.mode == "decode"] == decode
 
 
@@ -62,6 +64,7 @@ def test_set_bytes_count_what_a_call_touches():
     # q and out: 64 heads; k and v: 8 heads; the backward doubles it with dout, dq, dk, dv.
     assert bb.set_bytes(bb.BiasCase("fwd", 1024)) == 1024 * 64 * (2 * 64 + 2 * 8) * 2
     assert bb.set_bytes(bb.BiasCase("bwd", 1024)) == 2 * bb.set_bytes(bb.BiasCase("fwd", 1024))
+    assert bb.set_bytes(bb.BiasCase("train", 1024)) == bb.set_bytes(bb.BiasCase("bwd", 1024))
 
 
 # ----------------------------------------------------------------------------- options
@@ -91,7 +94,7 @@ def test_bias_bench_without_gpu_says_so(capsys):
 def test_imports_without_torch_or_cupy():
     code = ("import sys; sys.modules['torch'] = sys.modules['cupy'] = None\n"
             "import cuflash.bench.bias, cuflash.cli.main\n"
-            "assert len(cuflash.bench.bias.sweep()) == 20")
+            "assert len(cuflash.bench.bias.sweep()) == 24")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                             env={"PYTHONPATH": str(ROOT), "PATH": ""})
     assert result.returncode == 0, result.stderr
@@ -115,6 +118,8 @@ def _synthetic_report() -> bb.BiasReport:
         if case.mode != "decode":
             reason = bb.skip_reason(bb.EAGER, case)
             found.append(bb.BiasMeasurement(bb.EAGER, case, None if reason else 20 * plain, reason or ""))
+    train = bb.BiasCase("train", 4096)
+    found += [bb.BiasMeasurement(impl, train, ms) for impl, ms in zip(bb.TRAIN_IMPLS, (3.0, 3.3, 3.5, 4.0))]
     found[3] = bb.BiasMeasurement("sdpa-cudnn", full, None, "RuntimeError: No available kernel.\nAborting")
     return bb.BiasReport(found, {"date": "2026-12-05", "device": "NVIDIA Synthetic GPU", "driver": 13000,
                                  "cuDNN": 91900},
@@ -147,11 +152,11 @@ def test_tables_ratios_and_footnotes():
 
 def test_header_targets_and_verdicts():
     text = bb.markdown_document(_synthetic_report())
-    assert text.startswith("# cuflash with attention sinks and ALiBi, gpt-oss's shapes, NVIDIA Synthetic GPU\n")
+    assert text.startswith("# cuflash with attention sinks, ALiBi and dropout, gpt-oss's shapes, NVIDIA Synthetic GPU\n")
     assert "Regenerate: `python -m cuflash bench --mode bias --out results`" in text
     assert "Measured 2026-12-05 on NVIDIA Synthetic GPU; CUDA driver 13.0, cuDNN 9.19.0." in text
     assert "sdpa-cudnn: torch SDPA, CUDNN_ATTENTION backend" in text and f"{bb.EAGER}: gpt-oss's reference" in text
-    assert "sinks within 2% fwd, 3% bwd, 2% decode; alibi within 5% fwd, 5% bwd" in text
+    assert "sinks within 2% fwd, 3% bwd, 2% decode; alibi within 5% fwd, 5% bwd; dropout within 15% train" in text
     assert "64 query heads, 8 KV heads, head_dim 64, bf16, causal" in text
     assert f"Decode steps are timed as {bench_decode.TIMING_GRAPH};" in text
     assert "- sinks, fwd: worst 1.030 over 3 cases, target 1.02: NOT met" in text
@@ -159,6 +164,10 @@ def test_header_targets_and_verdicts():
     assert "- sinks, decode: worst 1.010 over 1 cases, target 1.02: met" in text
     assert "- alibi, fwd: worst 1.040 over 3 cases, target 1.05: met" in text
     assert "- alibi, decode" not in text
+    assert "- dropout, train: worst 1.100 over 1 cases, target 1.15: met" in text
+    assert "sdpa-flash+dropout: the same with dropout_p=0.1" in text
+    assert _row(text, "| causal | 4096 | 3.000") == ["causal", "4096", "3.000", "3.300", "3.500", "4.000", "1.100"]
+    assert "| mask | tokens | cuflash | cuflash+dropout | sdpa-flash | sdpa-flash+dropout | dropout / no dropout |" in text
 
 
 def test_files_named_for_the_gpu_and_mode(tmp_path):
@@ -173,7 +182,7 @@ def test_files_named_for_the_gpu_and_mode(tmp_path):
     assert first["impl"] == "cuflash+sinks" and first["ratio_to_cuflash"] == pytest.approx(1.01)
     assert first["window"] == [-1, -1] and first["seqlen"] == 4096 and first["mode"] == "fwd"
     assert data["measurements"][0]["ratio_to_cuflash"] is None
-    assert len(data["measurements"]) == 4 * 6 + 5  # 3 forward and 1 backward cases of 6, a decode case of 5
+    assert len(data["measurements"]) == 4 * 6 + 5 + 4  # 3 forward and 1 backward cases of 6, a decode case of 5, a train case of 4
 
 
 # ----------------------------------------------------------------------------- the calls, on the CPU
@@ -278,10 +287,22 @@ def test_decode_calls_run(cuflash_on_cpu_tensors):
     assert (plain - sinks).abs().max() > 1e-3 and (plain - alibi).abs().max() > 1e-3
 
 
+def test_train_calls_run():  # cuflash.torch takes CPU tensors itself
+    found = _measured(bb.BiasCase("train", 128))
+    assert all(found[i][0].ms == 1.0 for i in ("cuflash", "cuflash+dropout")), found
+    for peer in ("sdpa-flash", "sdpa-flash+dropout"):  # CPU torch may run or refuse the backend
+        assert found[peer][0].ms == 1.0 or found[peer][0].note, found[peer]
+    (plain, timing, repeats, count), (dropped, *_) = (found[i][1] for i in ("cuflash", "cuflash+dropout"))
+    assert timing == bench_decode.TIMING_EAGER and (repeats, count) == (4, 8)
+    assert len(plain) == len(dropped) == 3 and plain[0].shape == (1, 128, 64, 64) and plain[1].shape == (1, 128, 8, 64)
+    assert (plain[0] - dropped[0]).abs().max() > 1e-3  # the dropout reaches the call
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [bb.BiasCase("fwd", 2048, windowed=True), bb.BiasCase("bwd", 2048),
-                                  bb.BiasCase("decode", 4096, 2)], ids=["fwd-window", "bwd", "decode"])
+                                  bb.BiasCase("decode", 4096, 2), bb.BiasCase("train", 2048)],
+                         ids=["fwd-window", "bwd", "decode", "train"])
 def test_every_implementation_is_timed_or_says_why_on_a_gpu(case):
     found = bb.measure_case(case, repeats=3)
-    assert all(m.ms is not None and m.ms > 0 for m in found if m.impl in bb.CUFLASH_IMPLS), found
+    assert all(m.ms is not None and m.ms > 0 for m in found if m.impl.startswith("cuflash")), found
     assert all((m.ms or 0) > 0 or m.note for m in found), found

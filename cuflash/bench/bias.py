@@ -1,23 +1,27 @@
-"""``python -m cuflash bench --mode bias``: attention sinks and ALiBi on gpt-oss's attention shapes,
-next to cuflash without them and next to the peers, in one run.
+"""``python -m cuflash bench --mode bias``: attention sinks, ALiBi and dropout on gpt-oss's attention
+shapes, next to cuflash without them and next to the peers, in one run.
 
 The shapes: 64 query heads, 8 KV heads (GQA), head_dim 64, bf16, batch 1, causal, either over all
 earlier keys or in a sliding window of 128 keys (window=(128, 0); gpt-oss alternates the two per
-layer), 4k to 32k tokens. Three passes:
+layer), 4k to 32k tokens. Four passes:
 
 - forward: one ``cuflash.attention`` call;
 - backward: one ``cuflash.attention_backward`` call on the out and lse of a forward run once,
   untimed (the peers: ``torch.autograd.grad`` of an output computed once), as the bwd mode times it;
 - decode: one step of ``cuflash.attention_with_kvcache``, one query token per sequence appended to
   a contiguous bf16 cache at context - 1 and attended causally over the context, batch 1 and 64,
-  timed as bench/decode.py times it (CUDA graph replays, or with ``eager`` launched back to back).
+  timed as bench/decode.py times it (CUDA graph replays, or with ``eager`` launched back to back);
+- train: a training step's attention, forward and backward through autograd
+  (``cuflash.torch.attention`` and SDPA's FlashAttention-2 backend), without dropout and with
+  dropout 0.1, causal over all earlier keys.
 
 Per case, cuflash without bias, with sinks (float32, random normal, a logit per query head) and
-with ALiBi (float32 slopes 2^(-8(h+1)/64), BLOOM's for 64 heads); then torch SDPA's cuDNN and
+with ALiBi (float32 slopes 2^(-8(h+1)/64), BLOOM's for 64 heads) (in the train pass: without and
+with dropout); then torch SDPA's cuDNN and
 FlashAttention-2 backends (enable_gqa=True; they have no sinks and no sliding window) and, for the
 forward and backward, torch's eager gpt-oss formula with the sink as a concatenated score column,
-where its score matrix fits. The derived numbers are cuflash with sinks or ALiBi over cuflash
-without, held to the targets of TARGETS. Files ``<gpu>-bias.md`` and ``.json``.
+where its score matrix fits. The derived numbers are cuflash with sinks, ALiBi or dropout over
+cuflash without, held to the targets of TARGETS. Files ``<gpu>-bias.md`` and ``.json``.
 
 Inputs are torch tensors (cuflash answers in torch, on torch's stream), rotated over 3x the L2
 cache; warm-up calls (compilation included) are not timed; times are medians. Forward and backward
@@ -41,7 +45,7 @@ from cuflash.bench.timing import copies_to_defeat_l2
 __all__ = ["BiasCase", "BiasMeasurement", "BiasReport", "Inputs", "alibi_slopes", "backward_call", "bias_arguments",
            "decode_call", "eager_sinks_attention", "forward_call", "hidden_keys", "make_inputs", "markdown_document",
            "markdown_table", "measure_case", "release_memory", "report_json", "run_sweep", "set_bytes",
-           "skip_reason", "sweep", "verdicts", "write_outputs"]
+           "skip_reason", "sweep", "train_call", "verdicts", "write_outputs"]
 
 HEADS, HEADS_KV, HEAD_DIM = 64, 8, 64
 WINDOW = (128, 0)  # cuflash's (left, right): query i sees keys i - 128 .. i
@@ -49,28 +53,35 @@ SEQLENS = (4096, 8192, 16384, 32768)
 QUICK_SEQLENS = (4096, 16384)
 DECODE_BATCHES = (1, 64)
 DECODE_CONTEXTS = (8192, 32768)
-MODES = ("fwd", "bwd", "decode")
+MODES = ("fwd", "bwd", "decode", "train")
+DROPOUT_P = 0.1
 MODE_TITLES = {
     "fwd": "Forward, ms per call",
     "bwd": "Backward, ms per call (the forward run once, untimed; the backward call timed alone)",
     "decode": "Decode, ms per step (one query token per sequence, its k and v appended to a contiguous bf16 cache, "
               "full causal; the SDPA peers read the same cache without the append)",
+    "train": f"Forward and backward through autograd, ms per step (causal; dropout {DROPOUT_P})",
 }
 
 CUFLASH_IMPLS = ("cuflash", "cuflash+sinks", "cuflash+alibi")
 SDPA_BACKENDS = {"sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-flash": "FLASH_ATTENTION"}
 EAGER = "torch eager (sinks)"
+TRAIN_IMPLS = ("cuflash", "cuflash+dropout", "sdpa-flash", "sdpa-flash+dropout")
 IMPLS = {"fwd": (*CUFLASH_IMPLS, *SDPA_BACKENDS, EAGER), "bwd": (*CUFLASH_IMPLS, *SDPA_BACKENDS, EAGER),
-         "decode": (*CUFLASH_IMPLS, *SDPA_BACKENDS)}
+         "decode": (*CUFLASH_IMPLS, *SDPA_BACKENDS), "train": TRAIN_IMPLS}
 DESCRIPTIONS = {
     "sdpa-cudnn": "torch SDPA, CUDNN_ATTENTION backend (cuDNN), enable_gqa=True, no sinks",
     "sdpa-flash": "torch SDPA, FLASH_ATTENTION backend (FlashAttention-2), enable_gqa=True, no sinks",
+    "sdpa-flash+dropout": f"the same with dropout_p={DROPOUT_P}",
     EAGER: "gpt-oss's reference formula in torch: q·kᵀ·scale in bf16, masked, the sink concatenated as a last "
            "score column, softmax in float32, the column dropped, ·v",
 }
 # The issue's targets: cuflash with the bias over cuflash without, per pass (ALiBi's decode has
 # none: its ratio is shown unjudged).
-TARGETS = {"sinks": {"fwd": 1.02, "bwd": 1.03, "decode": 1.02}, "alibi": {"fwd": 1.05, "bwd": 1.05}}
+TARGETS = {"sinks": {"fwd": 1.02, "bwd": 1.03, "decode": 1.02}, "alibi": {"fwd": 1.05, "bwd": 1.05},
+           "dropout": {"train": 1.15}}
+# The ratio columns of each pass's table.
+RATIOS = {"fwd": ("sinks", "alibi"), "bwd": ("sinks", "alibi"), "decode": ("sinks", "alibi"), "train": ("dropout",)}
 # The eager formula materialises float32 scores of heads x seqlen² (17 GB at 8k tokens, two such
 # at once); its backward keeps the probabilities of every rotated input set and makes more.
 EAGER_MAX_TOKENS = {"fwd": 8192, "bwd": 4096}
@@ -79,7 +90,7 @@ EAGER_REPEATS = 3  # it takes tens of ms a call at 8k; fewer samples keep the ru
 
 @dataclass(frozen=True)
 class BiasCase:
-    mode: str  # "fwd", "bwd" or "decode"
+    mode: str  # "fwd", "bwd", "decode" or "train"
     seqlen: int  # tokens of the sequence (fwd, bwd), or cached tokens per sequence (decode)
     batch: int = 1
     windowed: bool = False  # the 128-key sliding window
@@ -99,10 +110,11 @@ class BiasCase:
 
 def sweep(quick: bool = False) -> list[BiasCase]:
     """The cases in table order: forward, then backward, each per mask and length; then decode per
-    batch and context (the same with ``quick``)."""
+    batch and context (the same with ``quick``); then train per length, causal without window."""
     seqlens = QUICK_SEQLENS if quick else SEQLENS
     found = [BiasCase(mode, s, 1, windowed) for mode in ("fwd", "bwd") for windowed in (False, True) for s in seqlens]
-    return found + [BiasCase("decode", c, b) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
+    found += [BiasCase("decode", c, b) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
+    return found + [BiasCase("train", s) for s in seqlens]
 
 
 def alibi_slopes(heads: int = HEADS) -> list[float]:
@@ -142,7 +154,7 @@ class BiasReport:
         return None
 
     def ratio(self, bias: str, case: BiasCase) -> float | None:
-        """cuflash with ``bias`` ("sinks" or "alibi") over cuflash without, on ``case``."""
+        """cuflash with ``bias`` ("sinks", "alibi" or "dropout") over cuflash without, on ``case``."""
         biased, plain = self.ms(f"cuflash+{bias}", case), self.ms("cuflash", case)
         return None if biased is None or plain is None else biased / plain
 
@@ -176,7 +188,7 @@ def markdown_table(report: BiasReport, mode: str) -> str:
     notes = _footnotes(report)
     by_key = {(m.impl, m.case): m for m in report.measurements}
     keys = ["batch", "context"] if mode == "decode" else ["mask", "tokens"]
-    header = [*keys, *impls, "sinks / no bias", "alibi / no bias"]
+    header = [*keys, *impls, *(f"{bias} / no {'dropout' if bias == 'dropout' else 'bias'}" for bias in RATIOS[mode])]
     lines = [f"### {MODE_TITLES[mode]}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for case in cases:
         cells = [str(case.batch), str(case.seqlen)] if mode == "decode" else [case.mask, str(case.seqlen)]
@@ -186,7 +198,7 @@ def markdown_table(report: BiasReport, mode: str) -> str:
                 cells.append(f"{m.ms:.3f}")
             else:
                 cells.append(f"— [{notes[m.note]}]" if m is not None and m.note in notes else "—")
-        cells += [_ratio_cell(report.ratio(bias, case), TARGETS[bias].get(mode)) for bias in ("sinks", "alibi")]
+        cells += [_ratio_cell(report.ratio(bias, case), TARGETS[bias].get(mode)) for bias in RATIOS[mode]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -214,7 +226,7 @@ def markdown_document(report: BiasReport) -> str:
     """The results file: header (command, date, versions, peers, shapes, targets), the verdicts,
     a table per pass, the footnotes."""
     device = report.environment.get("device", "")
-    title = f"cuflash with attention sinks and ALiBi, gpt-oss's shapes, {device}".rstrip(", ")
+    title = f"cuflash with attention sinks, ALiBi and dropout, gpt-oss's shapes, {device}".rstrip(", ")
     peers = [p for p in DESCRIPTIONS if any(m.impl == p for m in report.measurements)]
     parts = [document_header(title, report.environment, report.command).rstrip("\n")]
     if peers:
@@ -223,14 +235,15 @@ def markdown_document(report: BiasReport) -> str:
         f"Shapes: {HEADS} query heads, {HEADS_KV} KV heads, head_dim {HEAD_DIM}, bf16, causal; batch 1 for the "
         f"forward and backward, over all earlier keys or in a sliding window of {WINDOW[0]} keys (window="
         f"{WINDOW}). cuflash+sinks: sinks float32 ({HEADS},), random normal; cuflash+alibi: float32 slopes "
-        f"2^(-8(h+1)/{HEADS}). Times are medians over rotated input sets, compilation excluded. Decode steps are "
+        f"2^(-8(h+1)/{HEADS}); cuflash+dropout: cuflash.torch.attention with dropout_p={DROPOUT_P}, its seed and "
+        f"offset drawn from torch's generator. Times are medians over rotated input sets, compilation excluded. Decode steps are "
         f"timed as {report.decode_timing}; forward and backward calls are launched back to back, as the fwd and "
         f"bwd modes time them, so that where a call's kernels take less than its host cost (the window at short "
         f"lengths) the host cost is timed, and cuflash checks a call with sinks or ALiBi in full each time.")
     target_text = "; ".join(f"{bias} within {', '.join(f'{(t - 1) * 100:.0f}% {m}' for m, t in targets.items())}"
                             for bias, targets in TARGETS.items())
-    parts.append(f"Targets, cuflash with the bias over cuflash without (the columns sinks / no bias and alibi / no "
-                 f"bias): {target_text}; a ratio over its target is marked (over).")
+    parts.append(f"Targets, cuflash with the bias or dropout over cuflash without (the ratio columns): {target_text}; "
+                 f"a ratio over its target is marked (over).")
     lines = verdicts(report)
     if lines:
         parts.append("\n".join(lines))
@@ -322,7 +335,7 @@ class Inputs:
 
 def set_bytes(case: BiasCase) -> int:
     """Bytes one forward or backward call reads and writes in bf16: q, k, v and out; the backward
-    also dout, dq, dk and dv."""
+    (and a train step) also dout, dq, dk and dv."""
     per_token = (HEADS + HEADS_KV) * HEAD_DIM * 2
     return case.batch * case.seqlen * per_token * (2 if case.mode == "fwd" else 4)
 
@@ -337,7 +350,7 @@ def make_inputs(case: BiasCase, seed: int, device="cuda") -> Inputs:
 
     q = normal(case.batch, case.seqlen, HEADS, HEAD_DIM)
     k, v = (normal(case.batch, case.seqlen, HEADS_KV, HEAD_DIM) for _ in range(2))
-    dout = normal(*q.shape) if case.mode == "bwd" else None
+    dout = normal(*q.shape) if case.mode in ("bwd", "train") else None
     slopes = torch.tensor(alibi_slopes(), dtype=torch.float32, device=device)
     return Inputs(q, k, v, dout, normal(HEADS, dtype=torch.float32), slopes)
 
@@ -395,6 +408,33 @@ def backward_call(impl: str, case: BiasCase, s: Inputs, device="cuda") -> Callab
     return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
 
 
+def train_call(impl: str, case: BiasCase, s: Inputs) -> Callable[[], object]:
+    """One timed training step's attention of ``impl`` (one of TRAIN_IMPLS) on input set ``s``: the
+    forward and, through autograd, the backward to q, k and v."""
+    import torch
+
+    import cuflash.torch as cuflash_torch
+
+    dropout_p = DROPOUT_P if impl.endswith("+dropout") else 0.0
+    if impl.startswith("cuflash"):
+        leaves = [x.detach().requires_grad_() for x in (s.q, s.k, s.v)]
+        grad_out = s.dout
+
+        def forward():
+            return cuflash_torch.attention(*leaves, causal=True, dropout_p=dropout_p)
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        leaves = [x.transpose(1, 2).detach().requires_grad_() for x in (s.q, s.k, s.v)]
+        grad_out = s.dout.transpose(1, 2)
+
+        def forward():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(*leaves, dropout_p=dropout_p, is_causal=True,
+                                                                        enable_gqa=True)
+    return lambda: torch.autograd.grad(forward(), leaves, grad_out)
+
+
 def decode_call(impl: str, case: BiasCase, seed: int, device="cuda") -> Callable[[], object]:
     """One decoding step of a cuflash implementation: a query token and its k, v per sequence,
     appended to a contiguous bf16 cache at context - 1 and attended causally over the context.
@@ -431,8 +471,11 @@ def _timed_ms(impl: str, case: BiasCase, repeats: int, decode_timing: str, timer
         count = copies_to_defeat_l2(bench_decode.DecodeCase("cuflash", case.decode_shape()).bytes_read())
         return timer([decode_call(impl, case, 16 * i, device) for i in range(count)], repeats, decode_timing)
     sets = [make_inputs(case, 8 * i, device) for i in range(copies_to_defeat_l2(set_bytes(case)))]
-    build = forward_call if case.mode == "fwd" else backward_call
-    calls = [build(impl, case, s, device) for s in sets]
+    if case.mode == "train":
+        calls = [train_call(impl, case, s) for s in sets]
+    else:
+        build = forward_call if case.mode == "fwd" else backward_call
+        calls = [build(impl, case, s, device) for s in sets]
     return timer(calls, EAGER_REPEATS if impl == EAGER else repeats, bench_decode.TIMING_EAGER)
 
 
