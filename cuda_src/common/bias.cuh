@@ -7,8 +7,8 @@
 // log2 e; common/softcap.cuh), so the slope is taken into those units once per tile: slope *
 // log2(e) / scale_log2. Per score it then costs one add (the distance, from a per-row float and a
 // compile-time column offset) and one FFMA with the absolute value as an operand modifier. It is
-// read by the WINDOW kernels only: ALiBi calls run the window kernel (dispatch.make_mask), so the
-// plain and causal kernels carry no trace of it.
+// read by the WINDOW kernels and by sm90's causal forward kernels of two consumers: ALiBi calls run
+// those (dispatch.make_mask, dispatch.forward_kernel), so the other kernels carry no trace of it.
 //
 // Attention sinks (gpt-oss): a logit per query head that joins each row's softmax denominator
 // once, after the last key block (common/softmax.cuh, with_sink), so it costs a row's epilogue.
