@@ -41,6 +41,7 @@ def attention_with_kvcache(
     descale_k: Any = None,
     descale_v: Any = None,
     return_lse: bool = False,
+    out: Any = None,
     validate: bool = False,
     dtype: str | None = None,
     sinks: Any = None,
@@ -103,6 +104,9 @@ def attention_with_kvcache(
         not checked.
     return_lse : bool
         Also return lse, float32 (batch, heads, seqlen_q), or (heads, total_q) for a packed q.
+    out : array, optional
+        Written with the result instead of a new array (and returned): q's shape, dtype and
+        device, contiguous.
     validate : bool
         GPU arrays: copy the integer arrays to the host and check their values (lengths within the
         cache and room for the append, leftpad, batch indices, the pages used in range): a
@@ -127,7 +131,7 @@ def attention_with_kvcache(
     """
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "page_table": page_table,
               "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "cu_seqlens_q": cu_seqlens_q,
-              "rotary_cos": rotary_cos, "rotary_sin": rotary_sin}
+              "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "out": out}
     options = checks.KvOptions(cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap,
                                num_splits, descale_k, descale_v, return_lse, validate, dtype)
     if sinks is not None or alibi_slopes is not None:  # checked every call, as NumPy ones are

@@ -465,3 +465,27 @@ def test_torch_cuda_graph_replays_with_new_cache_and_q(num_splits):
         assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"
         for name, ref in (("k_cache", ref_k), ("v_cache", ref_v)):
             assert same_bytes(static[name].cpu().view(torch.int16).numpy().view(BF16), ref), name
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("chunk, num_splits", [(1, 1), (1, 4), (CHUNK + 3, 0)], ids=["unsplit", "split", "prefill"])
+def test_out_is_written_in_place(framework, chunk, num_splits):
+    """out= receives the result (decode unsplit and split, where the combine writes it, and the
+    chunked prefill's forward): the same array returned, NaN poison overwritten, equal to a call
+    without out; and again on the repeated call, which the signature serves."""
+    import cupy as cp
+
+    r = np.random.default_rng(chunk + num_splits)
+    args = case(r, batch=3, varlen=True, counts=[chunk, 1, 2], heads=8, heads_kv=2, head_dim=128, capacity=300,
+                page_size=16, new=0)
+    move = to_device if framework == "cupy" else to_torch
+    device = {name: move(value) if isinstance(value, np.ndarray) else value for name, value in args.items()}
+    options = dict(causal=True, num_splits=num_splits, max_seqlen_q=chunk, return_lse=True)
+    expected, expected_lse = cuflash.attention_with_kvcache(**device, **options)
+    as_numpy = cp.asnumpy if framework == "cupy" else (lambda t: t.float().cpu().numpy())
+    for _ in range(2):
+        out = move(np.full(args["q"].shape, np.nan, args["q"].dtype))
+        got, lse = cuflash.attention_with_kvcache(**device, **options, out=out)
+        assert got is out
+        assert np.array_equal(as_numpy(out), as_numpy(expected))
+        assert np.array_equal(as_numpy(lse), as_numpy(expected_lse))

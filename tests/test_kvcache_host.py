@@ -187,6 +187,10 @@ BAD_CALLS = [
     (dict(softmax_scale=0.0), ValueError, "softmax_scale"),
     (dict(max_seqlen_q=2), ValueError, "max_seqlen_q: only taken with cu_seqlens_q"),
     (dict(cu_seqlens_q=i32(0, 2)), ValueError, "q: expected 3 dims"),
+    (dict(out=np.zeros((2, 2, 4, 8))), ValueError, "out: expected shape"),
+    (dict(out=np.zeros((2, 2, 4, 16), np.float32)), TypeError, "out: expected dtype"),
+    (dict(out=np.zeros((2, 4, 2, 16)).transpose(0, 2, 1, 3)), ValueError, "out: must be contiguous"),
+    (dict(out=read_only(np.zeros((2, 2, 4, 16)))), ValueError, "out: is read-only"),
     # The append writes k_cache, then v_cache: a read-only v_cache must stop it before the first.
     (dict(v_cache=read_only(base_args()["v_cache"])), ValueError, "v_cache: is read-only"),
     (dict(k_cache=read_only(base_args()["k_cache"])), ValueError, "k_cache: is read-only"),
@@ -213,6 +217,20 @@ def test_read_only_caches_without_an_append():
     del args["k"], args["v"]
     expected = cuflash.attention_with_kvcache(**(args | {name: args[name].copy() for name in ("k_cache", "v_cache")}))
     np.testing.assert_array_equal(cuflash.attention_with_kvcache(**args), expected)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_out_is_written(varlen):
+    """out= receives the result, in its own dtype, and is returned; the caches are appended as without it."""
+    args = make_case(np.random.default_rng(11), batch=3, seqlen_q=3, varlen=varlen, new=1, heads=4, heads_kv=2,
+                     head_dim=16, capacity=20, page_size=4)
+    expected, lse = cuflash.attention_with_kvcache(**{n: np.copy(a) if isinstance(a, np.ndarray) else a
+                                                      for n, a in args.items()}, causal=True, return_lse=True)
+    out = np.full(args["q"].shape, np.nan)
+    got, got_lse = cuflash.attention_with_kvcache(**args, causal=True, return_lse=True, out=out)
+    assert got is out
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(got_lse, lse)
 
 
 def test_rotary_with_more_queries_than_new_tokens_refused():

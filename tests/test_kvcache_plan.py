@@ -42,14 +42,12 @@ def planned(args, **options):
         dk = options["descale_k"]
         options["descale_k"] = dk if isinstance(dk, float) else device_tensor(dk, 1024 * 13)
     call = checks.check_kvcache(
-        {name: args.get(name) for name in ("q", "k_cache", "v_cache", "k", "v", "page_table", "cache_batch_idx",
-                                           "cache_leftpad", "cu_seqlens_q", "rotary_cos", "rotary_sin")},
+        {name: args.get(name) for name in checks.KV_ARRAYS if name != "cache_seqlens"},
         args.get("cache_seqlens"), None, args.get("rotary_interleaved", True), options.get("causal", False), None,
         options.get("window", (-1, -1)), 0.0, options.get("num_splits", 0), None, None, True, False)
     if "descale_k" in options:
         call = call._replace(descale_k=options["descale_k"], descale_v=options["descale_v"])
-    names = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
-             "cu_seqlens_q", "rotary_cos", "rotary_sin")
+    names = checks.KV_ARRAYS
     tensors = tuple(device_tensor(call.tensors.get(name), 1024 * (i + 1)) for i, name in enumerate(names))
     call = call._replace(tensors={n: t for n, t in zip(names, tensors) if t is not None},
                          cache_seqlens=device_tensor(call.cache_seqlens, 1024 * 6))
@@ -287,6 +285,18 @@ def counted_checks(recorder, monkeypatch):
     plan.PLANS.clear()
     yield calls
     plan.PLANS.clear()
+
+
+def test_out_given_is_written_and_its_pointer_follows_each_call(counted_checks, recorder):
+    r = np.random.default_rng(4)
+    outs = [StandInCupyArray(np.zeros((2, 1, 8, 64), np.float16), base) for base in (1 << 28, 1 << 29)]
+    for out in outs:
+        arrays = stand_in_call(r, 1 << 20, causal=True, out=out)
+        p = np.frombuffer(recorder[-1][1], KV_PARAMS)[0]
+        assert p["out"] == out.data.ptr and p["q"] == arrays["q"].data.ptr
+    assert len(counted_checks) == 1  # the second out served by the signature, its layout the first's
+    with pytest.raises(ValueError, match="out: must be contiguous"):
+        stand_in_call(r, 1 << 20, out=StandInCupyArray(np.zeros((2, 1, 16, 64), np.float16)[:, :, ::2], 1 << 30))
 
 
 def test_repeated_decode_call_skips_the_checks_and_takes_the_new_pointers(counted_checks, recorder):

@@ -821,7 +821,7 @@ def declared_dtype(name: str, x: Any, dtype: Any) -> Any:
 class KvCall(NamedTuple):
     """A checked attention_with_kvcache call. ``tensors``: by argument name, DeviceTensors (GPU) or
     NumPy arrays, for every array given (q, k_cache, v_cache, k, v, cache_seqlens, page_table,
-    cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin). ``host``: int64 host
+    cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin, out). ``host``: int64 host
     copies of the integer arrays whose values were read (all of them on the CPU path, only with
     validate on the GPU). ``cache_seqlens``: None (the whole capacity), an int, or the array in
     ``tensors``. ``seqlen_new``: tokens appended per sequence (fixed-length q; with cu_seqlens_q
@@ -868,7 +868,7 @@ class KvCall(NamedTuple):
 
 # KvCall.tensors' names, in the order KvCachePlan.launch takes their pointers.
 KV_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
-             "cu_seqlens_q", "rotary_cos", "rotary_sin")
+             "cu_seqlens_q", "rotary_cos", "rotary_sin", "out")
 
 
 class KvOptions(NamedTuple):
@@ -1075,6 +1075,9 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
             raise ValueError(f"k: the cache is too small for the append: cache_seqlens {cache_seqlens} + "
                              f"{seqlen_new} new tokens > {capacity} positions")
 
+    if "out" in t:
+        _check_kv_out(t["out"], q, on_device)
+
     # Rotary.
     rotary_dim, per_row = 0, False
     if ("rotary_cos" in t) != ("rotary_sin" in t):
@@ -1133,6 +1136,17 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
     return KvCall(kind, t, host, batch, max_seqlen_q, heads, heads_kv, head_dim, page_size, capacity,
                   seqlen_new or 0, varlen, cache_seqlens, resolve_scale(softmax_scale, head_dim), causal, window,
                   softcap, rotary_dim, rotary_interleaved, per_row, num_splits, descale_k, descale_v, return_lse)
+
+
+def _check_kv_out(out, q, on_device: bool) -> None:
+    """attention_with_kvcache's ``out``: q's shape and dtype, written as a freshly allocated output
+    would be (the decode, forward and combine kernels take its rows at q's packed strides), so it
+    must be contiguous; a dimension of extent 1 may have any stride."""
+    check_out("out", out, tuple(q.shape), q, on_device)
+    expected = tuple(math.prod(out.shape[i + 1:]) for i in range(out.ndim))
+    if any(n != 1 and s != e for n, s, e in zip(out.shape, element_strides(out), expected)):
+        raise ValueError(f"out: must be contiguous (strides {expected} in elements), got strides "
+                         f"{element_strides(out)}")
 
 
 def _check_kv_values(host: dict, cache_seqlens: Any, batch: int, capacity: int, page_size: int, batch_cache: int,

@@ -20,6 +20,7 @@ __all__ = ["attention_with_kvcache", "attention_with_kvcache_checked", "combine"
 
 # The pointers of KvCachePlan.launch by argument name: the arrays, then the descales'.
 _POINTERS = (*checks.KV_ARRAYS, "descale_k", "descale_v")
+_OUT = _POINTERS.index("out")
 # The options that are a number (or None), held in the signature, or an array among the others:
 # their places among the pointers.
 _NUMBER_SLOTS = tuple(_POINTERS.index(name) for name in ("cache_seqlens", "descale_k", "descale_v"))
@@ -33,20 +34,21 @@ def attention_with_kvcache(arrays: dict, options: checks.KvOptions) -> Any:
     found = _signature(arrays, options)
     if found is None:
         call = checks.check_kvcache(arrays, *options)
-        out, lse = plan.run(None, call.tensors["q"].device, _prepared, (call,), _build, call.framework, (), (None,),
-                            (None,), call.return_lse)
+        out, lse = plan.run(None, call.tensors["q"].device, _prepared, (call,), _build, call.framework, (),
+                            (arrays["out"],), (None,), call.return_lse)
         return (out, lse) if call.return_lse else out
     signature, framework, operands = found
     out, lse = plan.run(signature, operands[0].device, _checked, (arrays, options), _build, framework, operands,
-                        (None,), (None,), options.return_lse)
+                        (arrays["out"],), (None,), options.return_lse)
     return (out, lse) if options.return_lse else out
 
 
 def attention_with_kvcache_checked(call: checks.KvCall, bias: checks.Bias) -> Any:
     """attention_with_kvcache of a call checked already, with sinks or ALiBi slopes (``bias``;
     the call's alibi their stride): no signature, whose layouts would have to hold theirs."""
-    out, lse = plan.run(None, call.tensors["q"].device, _prepared, (call,), _build, call.framework, (), (None,),
-                        (None,), call.return_lse, plan.NO_LENGTHS, bias)
+    out = call.tensors.get("out")
+    out, lse = plan.run(None, call.tensors["q"].device, _prepared, (call,), _build, call.framework, (),
+                        (out.native if out is not None else None,), (None,), call.return_lse, plan.NO_LENGTHS, bias)
     return (out, lse) if call.return_lse else out
 
 
@@ -77,7 +79,7 @@ def _signature(arrays: dict, options: checks.KvOptions) -> tuple | None:
     if found is None:
         return None
     framework, layouts, pointers = found
-    if (pointers[0] | pointers[1] | pointers[2]) % 16:
+    if (pointers[0] | pointers[1] | pointers[2] | pointers[_OUT]) % 16:
         return None
     signature = ("attention_with_kvcache", framework, *layouts, *numbers, max_seqlen_q, softmax_scale, softcap,
                  num_splits, rotary_interleaved, causal, window, dtype)

@@ -136,7 +136,11 @@ def attention_with_kvcache(call: checks.KvCall, sinks=None, alibi_slopes=None):
                                                   h.get("cache_batch_idx"), t["k_cache"].shape[1])
             t["k_cache"][slots] = k_new[slots]
             t["v_cache"][slots] = v_new[slots]
-    out = out.astype(q.dtype)
+    if "out" in t:
+        t["out"][...] = out
+        out = t["out"]
+    else:
+        out = out.astype(q.dtype)
     if not call.varlen:
         lse = lse.reshape(call.batch, call.heads, q.shape[1])
     return (out, lse.astype(np.float32)) if call.return_lse else out
