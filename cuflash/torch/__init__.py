@@ -18,100 +18,29 @@ across the processes of a ``torch.distributed`` group (context parallelism).
 import math
 from typing import Optional
 
-import ml_dtypes
 import numpy as np
 import torch
 
 import cuflash
 from cuflash._core import checks
+from cuflash.torch._bridge import check_tensors, direct
 
 __all__ = ["attention", "attention_varlen", "distributed", "flash_attn_combine", "flash_attn_func",
            "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
 
-# The torch dtypes NumPy lacks, each with an integer type of its size (in torch and NumPy) and
-# ml_dtypes' type of the same format.
-_THROUGH_BITS = ((torch.bfloat16, torch.int16, np.int16, ml_dtypes.bfloat16),
-                 (torch.float8_e4m3fn, torch.uint8, np.uint8, ml_dtypes.float8_e4m3fn),
-                 (torch.float8_e5m2, torch.uint8, np.uint8, ml_dtypes.float8_e5m2))
-_TO_NUMPY = {dtype: (bits, np.dtype(ml)) for dtype, bits, _, ml in _THROUGH_BITS}
-_TO_TORCH = {np.dtype(ml): (np.dtype(bits), dtype) for dtype, _, bits, ml in _THROUGH_BITS}
-
-
-def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor; bfloat16 and the float8 types, which NumPy lacks, viewed
-    through their bits as ml_dtypes'."""
-    t = t.detach()
-    viewed = _TO_NUMPY.get(t.dtype)
-    if viewed is not None:
-        return t.view(viewed[0]).numpy().view(viewed[1])
-    return t.numpy()
-
-
-def _from_numpy(a: np.ndarray) -> torch.Tensor:
-    viewed = _TO_TORCH.get(a.dtype)
-    if viewed is not None:
-        return torch.from_numpy(a.view(viewed[0])).view(viewed[1])
-    return torch.from_numpy(a)
-
-
-def _check_tensors(names: tuple[str, ...], values: tuple, required: int) -> None:
-    """The tensor arguments ``names``, given as ``values``: the first ``required`` must be torch
-    tensors, the others tensors or None. Checked first, because anything else reaches an op's
-    schema (whose error prints a whole NumPy array) or a tensor attribute (an AttributeError).
-    Two plain loops before any naming: a decoding step calls this every time."""
-    for x in values[:required]:
-        if not isinstance(x, torch.Tensor):
-            break
-    else:
-        for x in values[required:]:
-            if x is not None and not isinstance(x, torch.Tensor):
-                break
-        else:
-            return
-    for index, (name, x) in enumerate(zip(names, values)):
-        optional = index >= required
-        if not isinstance(x, torch.Tensor) and not (optional and x is None):
-            hint = ("; cuflash's own functions (cuflash.attention, ...) take NumPy arrays"
-                    if isinstance(x, np.ndarray) else "")
-            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if optional else ''}, got "
-                            f"{type(x).__name__}{hint}")
-
-
-# The tensor arguments of the entry points below, in _check_tensors's order: required, then optional.
+# The tensor arguments of the entry points below, in check_tensors's order: required, then optional.
 _QKV = ("q", "k", "v", "sinks", "alibi_slopes")
 _PACKED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "sinks", "alibi_slopes")
 _KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
             "page_table", "cu_seqlens_q", "sinks")
 
 
-def _as_cuflash(t: torch.Tensor):
-    """A CPU tensor as a NumPy view (sharing its memory, so in-place cache updates reach it); any
-    other tensor as it is. ``is_cuda`` first: it answers for CUDA tensors without building a
-    ``device`` object per tensor on every decoding call."""
-    return _numpy_view(t) if not t.is_cuda and t.device.type == "cpu" else t
-
-
-def _as_torch(x):
-    return _from_numpy(x) if isinstance(x, np.ndarray) else x
-
-
-def _direct(function, *args, **options):
-    """``function`` (a cuflash entry point, called directly rather than as a custom op) on torch
-    tensors: CPU tensors as NumPy views, so that it takes its CPU path, and its NumPy results
-    back as tensors; CUDA tensors as they are. Only tensors are looked at further: a decoding
-    step passes a dozen other options."""
-    args = [_as_cuflash(x) if isinstance(x, torch.Tensor) else x for x in args]
-    options = {name: _as_cuflash(x) if isinstance(x, torch.Tensor) else x for name, x in options.items()}
-    result = function(*args, **options)
-    return tuple(_as_torch(x) for x in result) if isinstance(result, tuple) else _as_torch(result)
-
-
 def _on_host(body):
-    """``body`` for CPU tensors (a custom op's CPU kernel), through _direct."""
+    """``body`` for CPU tensors (a custom op's CPU kernel), through direct."""
 
     def run(*args):
-        return _direct(body, *args)
+        return direct(body, *args)
 
     return run
 
@@ -484,7 +413,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     forward's mask); applied whatever the module's training mode, as flash-attn does. CPU tensors
     only so far.
     """
-    _check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
+    check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
     options = _flags_and_options(q, causal, softmax_scale, window, softcap, deterministic)
     dropout_p = checks.resolve_dropout_p(dropout_p)
     if dropout_p:
@@ -512,7 +441,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     ``sinks`` and ``alibi_slopes`` ((heads,) or (num_sequences, heads)) and ``dropout_p`` as for
     :func:`attention`, not with seqused_q / seqused_k.
     """
-    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, alibi_slopes), 5)
+    check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, alibi_slopes), 5)
     max_seqlen_q, max_seqlen_k = (int(torch.diff(cu).max()) if given is None else int(given)
                                   for cu, given in ((cu_seqlens_q, max_seqlen_q), (cu_seqlens_k, max_seqlen_k)))
     biased = sinks is not None or alibi_slopes is not None
@@ -586,11 +515,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     custom op.
     """
     sinks = _sinks(sinks, learnable_sink)
-    _check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
+    check_tensors(_QKV, (q, k, v, sinks, alibi_slopes), 3)
     _refuse("flash_attn_func", return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
         _refuse_fp8_dropout("flash_attn_func", dropout_p)
-        return _direct(cuflash.attention, q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
+        return direct(cuflash.attention, q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size,
                        softcap=softcap, descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, sinks=sinks,
                        alibi_slopes=alibi_slopes)
     return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
@@ -610,11 +539,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``seqused_q`` / ``seqused_k``: FlashAttention-3's used prefix of each sequence (forward only).
     """
     sinks = _sinks(sinks, learnable_sink)
-    _check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, alibi_slopes), 5)
+    check_tensors(_PACKED, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sinks, alibi_slopes), 5)
     _refuse("flash_attn_varlen_func", return_attn_probs)
     if _fp8_call(q, (q_descale, k_descale, v_descale)):
         _refuse_fp8_dropout("flash_attn_varlen_func", dropout_p)
-        return _direct(cuflash.attention_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        return direct(cuflash.attention_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                        causal=causal, softmax_scale=softmax_scale, window=window_size, softcap=softcap,
                        descale_q=q_descale, descale_k=k_descale, descale_v=v_descale, seqused_q=seqused_q,
                        seqused_k=seqused_k, sinks=sinks, alibi_slopes=alibi_slopes)
@@ -650,7 +579,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     append (k, v), rotary, cache_batch_idx, cache_leftpad, cu_seqlens_q, window or softcap, and one
     descale for the latent cache (k_descale, v_descale the same tensor or one of them).
     """
-    _check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
+    check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
                               page_table, cu_seqlens_q, sinks), 3)
     unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None,
                    "rotary_seqlens": rotary_seqlens is not None, "q_descale": q_descale is not None,
@@ -676,7 +605,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                 raise NotImplementedError(f"flash_attn_with_kvcache: cuflash does not take {name} with qv")
         return _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softmax_scale, causal,
                                  num_splits, k_descale if k_descale is not None else v_descale, return_softmax_lse)
-    return _direct(cuflash.attention_with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+    return direct(cuflash.attention_with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                    page_table=page_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                    rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
@@ -696,7 +625,7 @@ def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softma
         capacity = v_cache.shape[1] * page_table.shape[1]
         cache_seqlens = torch.full((batch,), capacity if cache_seqlens is None else cache_seqlens, dtype=torch.int32,
                                    device=device)
-    return _direct(cuflash.mla_decode, qv, v_cache, page_table, cache_seqlens, head_dim_v=qv.shape[-1],
+    return direct(cuflash.mla_decode, qv, v_cache, page_table, cache_seqlens, head_dim_v=qv.shape[-1],
                    softmax_scale=softmax_scale, causal=causal, num_splits=num_splits, descale_kv=descale,
                    return_lse=return_lse, q_rope=q, kv_rope_cache=k_cache)
 
@@ -706,7 +635,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     head_dim), lse_partial float32 (splits, batch, seqlen, heads) (or both without batch, packed);
     returns (out, lse), out in ``out_dtype`` (default float32), written into ``out`` when given,
     lse float32 (batch, seqlen, heads). See :func:`cuflash.combine`."""
-    _check_tensors(("out_partial", "lse_partial", "out"), (out_partial, lse_partial, out), 2)
+    check_tensors(("out_partial", "lse_partial", "out"), (out_partial, lse_partial, out), 2)
     if out is not None:  # checked before the combine runs, as every argument is
         if out_dtype is not None and out.dtype != out_dtype:
             raise TypeError(f"out: dtype {out.dtype} does not match out_dtype {out_dtype}")
@@ -716,7 +645,7 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
         if out.device != out_partial.device:
             raise ValueError(f"out: on {out.device}, but out_partial is on {out_partial.device}")
         out_dtype = out.dtype
-    result, lse = _direct(cuflash.combine, out_partial, lse_partial, out_dtype=out_dtype, return_lse=True)
+    result, lse = direct(cuflash.combine, out_partial, lse_partial, out_dtype=out_dtype, return_lse=True)
     if out is not None:
         out.copy_(result)
         result = out
