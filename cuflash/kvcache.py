@@ -78,7 +78,9 @@ def attention_with_kvcache(
     page_table : int32 array (batch, max_pages), optional
         Page of each block of page_size positions of each sequence; capacity max_pages x page_size.
     cache_batch_idx : int32 array (batch,), optional
-        Which cache row serves each batch row (contiguous caches only); default b.
+        Which cache row serves each batch row, default b; with a page_table, which row of the
+        table (FlashAttention-3's rule; the table then has any number of rows, and the rows a call
+        reads are gathered first: one small gather on the GPU, its indices checked with validate).
     cache_leftpad : int32 array (batch,), optional
         The first cached position each sequence uses; default 0.
     cu_seqlens_q : int32 array (batch + 1,), optional
@@ -129,6 +131,11 @@ def attention_with_kvcache(
     TypeError, ValueError
         Every bad argument, naming it, before anything is written or launched.
     """
+    if page_table is not None and cache_batch_idx is not None:
+        lead, name = (q, "q") if cu_seqlens_q is None else (cu_seqlens_q, "cu_seqlens_q")
+        interop.framework_of(lead, name)  # an array, or a TypeError naming it
+        batch = lead.shape[0] - (cu_seqlens_q is not None)
+        page_table, cache_batch_idx = checks.page_rows(page_table, cache_batch_idx, batch, validate), None
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "page_table": page_table,
               "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "cu_seqlens_q": cu_seqlens_q,
               "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "out": out}

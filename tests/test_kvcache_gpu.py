@@ -489,3 +489,40 @@ def test_out_is_written_in_place(framework, chunk, num_splits):
         assert got is out
         assert np.array_equal(as_numpy(out), as_numpy(expected))
         assert np.array_equal(as_numpy(lse), as_numpy(expected_lse))
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("chunk", [1, CHUNK + 3], ids=["decode", "prefill"])
+def test_cache_batch_idx_picks_the_page_table_row(framework, chunk):
+    """FlashAttention-3's rule: with a page_table, sequence b reads and appends through row
+    cache_batch_idx[b] of a table with more rows than the batch: checked against the reference on
+    the gathered table, the caches included; an index past the table is refused with validate."""
+    import cupy as cp
+
+    r = np.random.default_rng(chunk)
+    args = case(r, batch=3, varlen=True, counts=[chunk, 1, 2], heads=8, heads_kv=2, head_dim=128, capacity=400,
+                page_size=16, new=1)
+    rows = np.array([4, 0, 2], np.int32)
+    table = np.full((6, args["page_table"].shape[1]), -1, np.int32)
+    table[rows] = args["page_table"]
+    move = to_device if framework == "cupy" else to_torch
+    device = {name: move(value) if isinstance(value, np.ndarray) else value for name, value in args.items()}
+    device |= {"page_table": move(table), "cache_batch_idx": move(rows)}
+    out = cuflash.attention_with_kvcache(**device, causal=True, max_seqlen_q=chunk)
+    ref_out, _, ref_k, _ = kvcache_reference(**reference_args(args), causal=True)
+    lowp_out = kvcache_reference(**reference_args(args), causal=True, dtype=BF16)[0]
+    host = cp.asnumpy(out) if framework == "cupy" else out.cpu().view(torch_int16()).numpy().view(BF16)
+    ok, err, bound = max_error_bound(host, ref_out, lowp_out, atol=ATOL)
+    assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"
+    k_cache = cp.asnumpy(device["k_cache"]) if framework == "cupy" else \
+        device["k_cache"].cpu().view(torch_int16()).numpy().view(BF16)
+    assert same_bytes(k_cache, ref_k)
+    device["cache_batch_idx"] = move(np.array([4, 0, 6], np.int32))
+    with pytest.raises(ValueError, match="cache_batch_idx: entry 2 is 6"):
+        cuflash.attention_with_kvcache(**device, causal=True, max_seqlen_q=chunk, validate=True)
+
+
+def torch_int16():
+    import torch
+
+    return torch.int16

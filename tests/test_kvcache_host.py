@@ -172,7 +172,9 @@ BAD_CALLS = [
     (dict(page_table=np.zeros((2, 4), np.int64)), TypeError, "page_table: expected int32"),
     (dict(page_table=np.zeros((3, 4), np.int32)), ValueError, "page_table: expected shape"),
     (dict(page_table=np.zeros((2, 8), np.int32)[:, ::2]), ValueError, "page_table: must be contiguous"),
-    (dict(cache_batch_idx=i32(0, 1)), ValueError, "cache_batch_idx: not taken with a page_table"),
+    (dict(cache_batch_idx=i32(0, 2)), ValueError, "cache_batch_idx: entry 1 is 2, outside page_table's 2 rows"),
+    (dict(cache_batch_idx=i32(0)), ValueError, r"cache_batch_idx: expected shape \(2,\)"),
+    (dict(cache_batch_idx=np.array([0, 1], np.int64)), TypeError, "cache_batch_idx: expected int32"),
     (dict(cache_leftpad=i32(4, 0)), ValueError, "cache_leftpad: entry 0"),
     (dict(rotary_cos=np.ones((16, 4))), ValueError, "rotary_cos, rotary_sin: pass both"),
     (dict(rotary_cos=np.ones((16, 9)), rotary_sin=np.ones((16, 9))), ValueError, "rotary_dim"),
@@ -231,6 +233,23 @@ def test_out_is_written(varlen):
     assert got is out
     np.testing.assert_array_equal(out, expected)
     np.testing.assert_array_equal(got_lse, lse)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cache_batch_idx_picks_the_page_table_row(varlen):
+    """FlashAttention-3's rule: with a page_table, sequence b reads (and appends through) row
+    cache_batch_idx[b] of a table of any number of rows; the same as passing those rows."""
+    args = make_case(np.random.default_rng(12), batch=3, seqlen_q=2, varlen=varlen, new=1, heads=4, heads_kv=2,
+                     head_dim=16, capacity=12, page_size=4)
+    rows = np.array([2, 0, 1], np.int32)
+    table = np.zeros((5, args["page_table"].shape[1]), np.int32)
+    table[rows] = args["page_table"]
+    gathered = {n: np.copy(a) if isinstance(a, np.ndarray) else a for n, a in args.items()}
+    expected = cuflash.attention_with_kvcache(**gathered, causal=True)
+    got = cuflash.attention_with_kvcache(**(args | {"page_table": table, "cache_batch_idx": rows}), causal=True)
+    np.testing.assert_array_equal(got, expected)
+    for name in ("k_cache", "v_cache"):
+        assert same_bytes(args[name], gathered[name])
 
 
 def test_rotary_with_more_queries_than_new_tokens_refused():

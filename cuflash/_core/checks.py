@@ -905,6 +905,32 @@ def _int_array(name: str, t, shape: tuple[int, ...], on_device: bool, device) ->
         raise ValueError(f"{name}: on device {t.device}, but q is on device {device}")
 
 
+def page_rows(page_table: Any, cache_batch_idx: Any, batch: int, validate: Any) -> Any:
+    """FlashAttention-3's cache_batch_idx with a page_table: sequence b reads the page-table row
+    cache_batch_idx[b]. Those rows gathered into a table (batch, max_pages) of the arrays'
+    framework (on the GPU one small gather on the framework's stream), after the checks of both:
+    int32, page_table 2-D and contiguous, cache_batch_idx (batch,), one side and device; the
+    indices within page_table's rows where their values are read (NumPy, or ``validate``)."""
+    validate = resolve_flag("validate", validate)
+    arrays = {"page_table": page_table, "cache_batch_idx": cache_batch_idx}
+    kind = framework(arrays, "page_table")
+    on_device = kind != "numpy"
+    table, index = (interop.describe(x, interop.framework_of(x, n), n) if on_device else x for n, x in arrays.items())
+    if table.ndim != 2:
+        raise ValueError(f"page_table: expected shape (batch_cache, max_pages), got {tuple(table.shape)}")
+    _int_array("page_table", table, tuple(table.shape), on_device, table.device if on_device else None)
+    _int_array("cache_batch_idx", index, (batch,), on_device, table.device if on_device else None)
+    if validate or not on_device:
+        values = _host_values(index, kind)
+        bad = np.flatnonzero((values < 0) | (values >= table.shape[0]))
+        if bad.size:
+            raise ValueError(f"cache_batch_idx: entry {bad[0]} is {values[bad[0]]}, outside page_table's "
+                             f"{table.shape[0]} rows")
+    if not on_device:
+        return page_table[cache_batch_idx]
+    return page_table[cache_batch_idx.long()] if kind == "torch" else page_table[cache_batch_idx]
+
+
 def _host_values(t, kind: str) -> np.ndarray:
     """An int array's values on the host, int64 (a device-to-host copy for GPU arrays)."""
     if isinstance(t, interop.DeviceTensor):
