@@ -33,6 +33,7 @@ def attention_with_kvcache(
     rotary_cos: Any = None,
     rotary_sin: Any = None,
     rotary_interleaved: bool = True,
+    rotary_seqlens: Any = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
@@ -94,6 +95,11 @@ def attention_with_kvcache(
         float32.
     rotary_interleaved : bool
         True: rotate dimension pairs (2i, 2i + 1); False: (i, i + rotary_dim / 2) (GPT-NeoX).
+    rotary_seqlens : int32 array (batch,), optional
+        The rotary position of each sequence's first new token, in place of cache_seqlens
+        (FlashAttention-3's ``rotary_seqlens``): its new keys and queries are rotated from there,
+        wherever they are written. seqlen_ro then need only hold the positions used (checked with
+        ``validate``, or always for NumPy).
     causal, softmax_scale, window, softcap
         As for :func:`cuflash.attention`.
     num_splits : int
@@ -138,7 +144,7 @@ def attention_with_kvcache(
         page_table, cache_batch_idx = checks.page_rows(page_table, cache_batch_idx, batch, validate), None
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "page_table": page_table,
               "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "cu_seqlens_q": cu_seqlens_q,
-              "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "out": out}
+              "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "out": out, "rotary_seqlens": rotary_seqlens}
     options = checks.KvOptions(cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap,
                                num_splits, descale_k, descale_v, return_lse, validate, dtype)
     if sinks is not None or alibi_slopes is not None:  # checked every call, as NumPy ones are

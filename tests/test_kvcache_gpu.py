@@ -526,3 +526,18 @@ def torch_int16():
     import torch
 
     return torch.int16
+
+
+@pytest.mark.parametrize("chunk", [2, CHUNK + 3], ids=["decode", "prefill"])
+@pytest.mark.parametrize("rotary", ["interleaved", "half"])
+def test_rotary_seqlens(chunk, rotary):
+    """rotary_seqlens: the new keys and queries rotated from their own positions (past the cache's
+    capacity too), the append still at cache_seqlens; against the reference, caches included."""
+    r = np.random.default_rng(chunk + len(rotary))
+    args = case(r, batch=3, varlen=True, counts=[chunk, 1, 2], heads=8, heads_kv=2, head_dim=128, capacity=300,
+                page_size=16, new=1, rotary=rotary)
+    half = args["rotary_cos"].shape[1]
+    angles = r.uniform(-np.pi, np.pi, (1000, half))
+    args["rotary_cos"], args["rotary_sin"] = (f(angles).astype(BF16) for f in (np.cos, np.sin))
+    args["rotary_seqlens"] = np.array([700, 0, 5], np.int32)
+    check(args, causal=True, max_seqlen_q=chunk, validate=True)

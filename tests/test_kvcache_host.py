@@ -252,6 +252,37 @@ def test_cache_batch_idx_picks_the_page_table_row(varlen):
         assert same_bytes(args[name], gathered[name])
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_rotary_seqlens_move_the_rotary_positions_only(varlen):
+    """rotary_seqlens rotates the new keys and queries from its positions, the append still at
+    cache_seqlens: the same as tables shifted by the difference, per sequence."""
+    r = np.random.default_rng(13)
+    args = make_case(r, batch=3, seqlen_q=2, varlen=varlen, new=2, heads=4, heads_kv=2, head_dim=16, capacity=12,
+                     page_size=4, rotary="half")
+    starts = np.array([30, 0, 7], np.int32)
+    half = args.pop("rotary_cos").shape[1]
+    del args["rotary_sin"]
+    angles = r.uniform(-np.pi, np.pi, (36, half))  # positions past the cache's 12
+    table = {"rotary_cos": np.cos(angles), "rotary_sin": np.sin(angles)}
+    got_args = {n: np.copy(a) if isinstance(a, np.ndarray) else a for n, a in args.items()}
+    got = cuflash.attention_with_kvcache(**got_args, **table, rotary_seqlens=starts, causal=True)
+    cached = args["cache_seqlens"]
+    for b in range(3):  # sequence b alone, its tables shifted so that cache_seqlens[b] lands on starts[b]
+        shift = int(starts[b]) - int(cached[b])
+        rows = np.roll(angles, -shift, axis=0)
+        one = {n: np.copy(a) if isinstance(a, np.ndarray) else a for n, a in args.items()}
+        expected = cuflash.attention_with_kvcache(**one, rotary_cos=np.cos(rows), rotary_sin=np.sin(rows),
+                                                  causal=True)
+        picked = (slice(args["cu_seqlens_q"][b], args["cu_seqlens_q"][b + 1]) if varlen else b)
+        np.testing.assert_allclose(got[picked], expected[picked], atol=1e-12)
+        page_rows = args["page_table"][b]
+        np.testing.assert_allclose(got_args["k_cache"][page_rows], one["k_cache"][page_rows], atol=1e-12)
+    with pytest.raises(ValueError, match="rotary_seqlens: entry 0"):
+        cuflash.attention_with_kvcache(**args, **table, rotary_seqlens=np.array([40, 0, 0], np.int32), causal=True)
+    with pytest.raises(ValueError, match="rotary_seqlens: only taken with rotary_cos"):
+        cuflash.attention_with_kvcache(**args, rotary_seqlens=starts, causal=True)
+
+
 def test_rotary_with_more_queries_than_new_tokens_refused():
     args = base_args()
     args["k"], args["v"] = args["k"][:, :1], args["v"][:, :1]

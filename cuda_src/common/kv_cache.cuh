@@ -16,6 +16,10 @@ __device__ __forceinline__ int kv_cached(const KvParams& p, int b) {
 __device__ __forceinline__ int kv_leftpad(const KvParams& p, int b) {
   return p.cache_leftpad ? p.cache_leftpad[b] : 0;
 }
+// The rotary position of sequence b's first new token (and of its queries').
+__device__ __forceinline__ int kv_rotary_start(const KvParams& p, int b) {
+  return p.rotary_seqlens ? p.rotary_seqlens[b] : kv_cached(p, b);
+}
 // Query rows of sequence b and the global row index of its first one.
 __device__ __forceinline__ int kv_seqlen_q(const KvParams& p, int b) {
   return p.cu_seqlens_q ? p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b] : p.seqlen_q;

@@ -206,6 +206,7 @@ struct KvParams {
   const float* descale_v;
   const float* sinks;         // as FwdParams; with several splits kv_combine adds them
   const float* alibi_slopes;  // as FwdParams, at alibi_batch_stride
+  const int* rotary_seqlens;  // (batch,): the first rotary position of each sequence; null: its cached length
   // Strides in elements: batch (or page), row, head.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 kc_batch_stride, kc_row_stride, kc_head_stride;
@@ -224,7 +225,7 @@ struct KvParams {
   float softcap_scale;            // softmax_scale / softcap; 0: no softcap
   float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
 };
-static_assert(sizeof(KvParams) == 408, "params.py KV_PARAMS mirrors KvParams");
+static_assert(sizeof(KvParams) == 416, "params.py KV_PARAMS mirrors KvParams");
 
 // kv_combine's: fp32 partial outputs and their LSEs merged. Mirrored by COMBINE_PARAMS in
 // cuflash/_core/params.py.

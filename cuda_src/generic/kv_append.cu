@@ -70,6 +70,7 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
   typedef typename Store::S S;
   const int t = blockIdx.x, b = blockIdx.y;
   const int cached = kv_cached(p, b);
+  const int rotary_start = p.rotary_dim ? kv_rotary_start(p, b) : 0;
   if (t < kv_seqlen_new(p, b)) {
     const int pos = cached + t;
     const i64 new_row = p.cu_seqlens_q ? i64(p.cu_seqlens_q[b]) + t : i64(t);
@@ -85,7 +86,7 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
       const float dk = kv_descale(p.descale_k, p.descale_k_scalar, p, b, h);
       const float dv = kv_descale(p.descale_v, p.descale_v_scalar, p, b, h);
       if (p.rotary_dim) {
-        rotate_row<T, Store>(p, kn, kc, pos, dk);
+        rotate_row<T, Store>(p, kn, kc, rotary_start + t, dk);
       } else {
         for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) Store::at(kc, c, load_elem<T>(kn, c), dk);
       }
@@ -93,7 +94,7 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
     }
   }
   if (p.q_rot && t < kv_seqlen_q(p, b)) {
-    const int pos = cached + (p.rotary_per_row ? t : 0);
+    const int pos = rotary_start + (p.rotary_per_row ? t : 0);
     const i64 row = kv_first_row(p, b) + t;
     for (int h = 0; h < p.heads; ++h) {
       const u16* src = static_cast<const u16*>(p.q) + (p.cu_seqlens_q ? 0 : i64(b) * p.q_batch_stride) +

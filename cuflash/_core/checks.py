@@ -821,7 +821,7 @@ def declared_dtype(name: str, x: Any, dtype: Any) -> Any:
 class KvCall(NamedTuple):
     """A checked attention_with_kvcache call. ``tensors``: by argument name, DeviceTensors (GPU) or
     NumPy arrays, for every array given (q, k_cache, v_cache, k, v, cache_seqlens, page_table,
-    cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin, out). ``host``: int64 host
+    cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin, out, rotary_seqlens). ``host``: int64 host
     copies of the integer arrays whose values were read (all of them on the CPU path, only with
     validate on the GPU). ``cache_seqlens``: None (the whole capacity), an int, or the array in
     ``tensors``. ``seqlen_new``: tokens appended per sequence (fixed-length q; with cu_seqlens_q
@@ -868,7 +868,7 @@ class KvCall(NamedTuple):
 
 # KvCall.tensors' names, in the order KvCachePlan.launch takes their pointers.
 KV_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
-             "cu_seqlens_q", "rotary_cos", "rotary_sin", "out")
+             "cu_seqlens_q", "rotary_cos", "rotary_sin", "out", "rotary_seqlens")
 
 
 class KvOptions(NamedTuple):
@@ -889,7 +889,7 @@ class KvOptions(NamedTuple):
     dtype: Any = None
 
 
-_KV_INT_ARRAYS = ("cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q")
+_KV_INT_ARRAYS = ("cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_seqlens")
 
 
 def _int_array(name: str, t, shape: tuple[int, ...], on_device: bool, device) -> None:
@@ -1118,7 +1118,7 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
         rotary_dim = 2 * cos.shape[1]
         if rotary_dim < 2 or rotary_dim > head_dim:
             raise ValueError(f"rotary_cos: rotary_dim (2 x {cos.shape[1]}) must be between 2 and head_dim {head_dim}")
-        if cos.shape[0] < capacity:
+        if cos.shape[0] < capacity and "rotary_seqlens" not in t:
             raise ValueError(f"rotary_cos: {cos.shape[0]} positions, but the cache holds {capacity}")
         rot_dtypes = (q_dtype, "float32") if on_device else HOST_DTYPES
         for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
@@ -1136,6 +1136,10 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
             raise ValueError(f"q: with rotary embedding and a causal or local mask, row i is rotated at "
                              f"cache_seqlens + i, so seqlen_q ({max_seqlen_q}) may not exceed the new tokens "
                              f"({seqlen_new})")
+    if "rotary_seqlens" in t:
+        if "rotary_cos" not in t:
+            raise ValueError("rotary_seqlens: only taken with rotary_cos and rotary_sin")
+        _int_array("rotary_seqlens", t["rotary_seqlens"], (batch,), on_device, device)
 
     # FP8 cache descales.
     if fp8_cache:
@@ -1154,6 +1158,11 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
                 host[name] = _host_values(t[name], kind)
         _check_kv_values(host, cache_seqlens, batch, capacity, page_size, kc.shape[0], seqlen_new,
                          varlen and "k" in t)
+        if "rotary_seqlens" in host:
+            rows = np.diff(host["cu_seqlens_q"]) if varlen else np.full(batch, max_seqlen_q, np.int64)
+            new = rows if varlen else np.full(batch, seqlen_new, np.int64)
+            _check_rotary_starts(host["rotary_seqlens"], np.maximum(new, rows if per_row else 1),
+                                 t["rotary_cos"].shape[0])
     if on_device:
         if batch > dispatch.MAX_GRID_YZ or heads_kv > dispatch.MAX_GRID_YZ:
             raise ValueError(f"q: batch and heads_kv must be at most {dispatch.MAX_GRID_YZ}, got {batch} and {heads_kv}")
@@ -1162,6 +1171,16 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
     return KvCall(kind, t, host, batch, max_seqlen_q, heads, heads_kv, head_dim, page_size, capacity,
                   seqlen_new or 0, varlen, cache_seqlens, resolve_scale(softmax_scale, head_dim), causal, window,
                   softcap, rotary_dim, rotary_interleaved, per_row, num_splits, descale_k, descale_v, return_lse)
+
+
+def _check_rotary_starts(starts: np.ndarray, positions: np.ndarray, seqlen_ro: int) -> None:
+    """rotary_seqlens' values: sequence b rotates its new keys and queries at starts[b] + 0, 1, ...,
+    ``positions[b]`` of them, which must be rows of the tables."""
+    bad = np.flatnonzero((starts < 0) | (starts + positions > seqlen_ro))
+    if bad.size:
+        b = bad[0]
+        raise ValueError(f"rotary_seqlens: entry {b} ({starts[b]}) puts positions outside the rotary tables' "
+                         f"{seqlen_ro} rows")
 
 
 def _check_kv_out(out, q, on_device: bool) -> None:

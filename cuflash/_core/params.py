@@ -362,7 +362,7 @@ class ArgumentBuffer:
 # cuda_src/common/params.cuh: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
 KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_partial", "lse_partial",
                "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_cos",
-               "rotary_sin", "q_rot", "descale_k", "descale_v", "sinks", "alibi_slopes")
+               "rotary_sin", "q_rot", "descale_k", "descale_v", "sinks", "alibi_slopes", "rotary_seqlens")
 KV_STRIDED = ("q", "kc", "vc", "kn", "vn", "o")
 KV_INTS = ("batch", "seqlen_q", "heads", "heads_kv", "head_dim", "page_size", "max_pages", "capacity",
            "cache_seqlens_scalar", "seqlen_new", "rotary_dim", "rotary_interleaved", "rotary_per_row", "rotary_fp32",
@@ -375,7 +375,7 @@ KV_PARAMS = np.dtype(
     + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "descale_k_scalar", "descale_v_scalar")],
     align=True,
 )
-KV_PARAMS_SIZE = 408  # sizeof(KvParams)
+KV_PARAMS_SIZE = 416  # sizeof(KvParams)
 COMBINE_POINTERS = ("out_partial", "lse_partial", "out", "lse", "sinks")
 COMBINE_PARAMS = np.dtype(
     [(name, np.uint64) for name in COMBINE_POINTERS]

@@ -472,11 +472,11 @@ class KvCachePlan:
         """(out, lse or None) of one call on ``operands``: q's DeviceTensor (the outputs are
         allocated like it) and the pointers (0 where not given) of q, k_cache, v_cache, k, v,
         cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos,
-        rotary_sin, out, descale_k, descale_v (0 where scalar). ``given``: (the caller's out, or
+        rotary_sin, out, rotary_seqlens, descale_k, descale_v (0 where scalar). ``given``: (the caller's out, or
         None: one is allocated). Pointers alone, because a repeated
         decoding call reads nothing else of its arrays (kvcache_gpu._signature). ``bias``: the
         call's sinks and ALiBi slopes (the plan was built for slopes of their stride, or none)."""
-        q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, out_given, dk, dv) = operands
+        q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, out_given, rotary_starts, dk, dv) = operands
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
             out, out_ptr = (given[0], out_given) if out_given else interop.allocate(framework, q, self.out_shape)
@@ -486,7 +486,8 @@ class KvCachePlan:
             split = self.combine is not None
             sinks, alibi = bias.pointers
             argument = self.argument.fill(q_ptr, kc, vc, k, v, out_ptr, 0 if split else lse_ptr, o_part, l_part,
-                                          seqlens, table, idx, pad, cu, cos, sin, q_rot, dk, dv, sinks, alibi)
+                                          seqlens, table, idx, pad, cu, cos, sin, q_rot, dk, dv, sinks, alibi,
+                                          rotary_starts)
             if self.append is not None:
                 kernels.launch(self.append, stream, argument)
             if self.decode is not None:
@@ -505,7 +506,7 @@ class KvCachePlan:
 def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     """The plan of a checked GPU attention_with_kvcache call (checks.KvCall); ``tensors``: the
     DeviceTensors (or None) of KvCachePlan.launch's pointers."""
-    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, _out, dk, dv = tensors
+    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, _out, _rotary_starts, dk, dv = tensors
     target = family_capability = dispatch.device_target(q.device)
     arch = dispatch.compile_arch("sm80", family_capability[1])
     append_choice, decode_choice = dispatch.kvcache_kernels(q.dtype, call.head_dim, kc.dtype)

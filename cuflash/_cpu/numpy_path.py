@@ -126,7 +126,7 @@ def attention_with_kvcache(call: checks.KvCall, sinks=None, alibi_slopes=None):
         cache_leftpad=h.get("cache_leftpad"), cu_seqlens_q=h.get("cu_seqlens_q"), rotary_cos=t.get("rotary_cos"),
         rotary_sin=t.get("rotary_sin"), rotary_interleaved=call.rotary_interleaved, causal=call.causal,
         softmax_scale=call.scale, window=call.window, softcap=call.softcap, descale_k=call.descale_k,
-        descale_v=call.descale_v, sinks=sinks, alibi_slopes=alibi_slopes)
+        descale_v=call.descale_v, sinks=sinks, alibi_slopes=alibi_slopes, rotary_seqlens=h.get("rotary_seqlens"))
     if "k" in t:
         cu = h.get("cu_seqlens_q")
         for b in range(call.batch):

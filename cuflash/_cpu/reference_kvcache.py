@@ -116,6 +116,7 @@ def kvcache_reference(
     dtype: npt.DTypeLike = np.float64,
     sinks=None,
     alibi_slopes=None,
+    rotary_seqlens=None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Attention of ``q`` over the KV cache after appending ``k``/``v`` (see the module docstring).
 
@@ -131,6 +132,8 @@ def kvcache_reference(
     cache_batch_idx, cache_leftpad : (batch,) ints, optional
     cu_seqlens_q : (batch + 1,) ints, optional
     rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2), optional (only with k and v)
+    rotary_seqlens : (batch,) ints, optional: where each sequence's rotary positions start
+        (FlashAttention-3's seqlens_rotary); default its cached length
     descale_k, descale_v : None, a number, or (batch, heads_kv): an FP8 cache's values are
         ``stored * descale``, and new tokens are stored as cuflash.quantize_fp8 rounds: the
         (rotated) key in float32 divided by the float32 descale, saturated to +-448, rounded to
@@ -189,18 +192,19 @@ def kvcache_reference(
         q_b = np.asarray(seq(q, b), np.float64)
         n_new = 0 if k is None else seq(np.asarray(k), b).shape[0]
         dk, dv = _descale(descale_k, b, heads_kv), _descale(descale_v, b, heads_kv)
+        rotary_start = cached if rotary_seqlens is None else int(np.asarray(rotary_seqlens)[b])
         if n_new:
             k_b, v_b = np.asarray(seq(np.asarray(k), b), np.float64), np.asarray(seq(np.asarray(v), b), np.float64)
             new_positions = cached + np.arange(n_new)
             if rotary_cos is not None:
-                k_b = apply_rotary(k_b, rotary_cos, rotary_sin, new_positions, rotary_interleaved)
+                k_b = apply_rotary(k_b, rotary_cos, rotary_sin, rotary_start + np.arange(n_new), rotary_interleaved)
             if fp8_cache:
                 k_b, v_b = quantize_e4m3(k_b, dk[:, None]), quantize_e4m3(v_b, dv[:, None])
             pages, offsets = physical(b, new_positions)
             k_cache[pages, offsets] = k_b.astype(k_cache.dtype)
             v_cache[pages, offsets] = v_b.astype(v_cache.dtype)
         if rotary_cos is not None:
-            q_positions = cached + (np.arange(q_b.shape[0]) if per_row else np.zeros(q_b.shape[0], np.int64))
+            q_positions = rotary_start + (np.arange(q_b.shape[0]) if per_row else np.zeros(q_b.shape[0], np.int64))
             q_b = apply_rotary(q_b, rotary_cos, rotary_sin, q_positions, rotary_interleaved)
         key_positions = np.arange(start, cached + n_new)
         pages, offsets = physical(b, key_positions)

@@ -33,7 +33,7 @@ __all__ = ["attention", "attention_varlen", "distributed", "flash_attn_combine",
 _QKV = ("q", "k", "v", "sinks", "alibi_slopes")
 _PACKED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "sinks", "alibi_slopes")
 _KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
-            "page_table", "cu_seqlens_q", "sinks")
+            "page_table", "cu_seqlens_q", "sinks", "rotary_seqlens")
 
 
 def _on_host(body):
@@ -570,8 +570,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     has queries. ``pack_gqa`` is accepted and changes nothing (the decode kernel always packs the
     query heads of a KV head). ``sinks`` (SGLang's name; (heads,)) as for
     :func:`cuflash.attention_with_kvcache`. Raises NotImplementedError,
-    naming it, for cu_seqlens_k_new, rotary_seqlens, q_descale, attention_chunk,
-    scheduler_metadata and sm_margin.
+    naming it, for cu_seqlens_k_new, q_descale, attention_chunk and sm_margin.
+    ``scheduler_metadata`` (cuflash.torch.vllm.get_scheduler_metadata's) is accepted and not read:
+    cuflash's plan depends on the call's static arguments only.
 
     With ``qv`` (MLA decoding's split form): q and k_cache hold the 64 rotary dims, qv and v_cache
     the 512 latent ones, one kv head; this is :func:`cuflash.mla_decode` with q_rope=q and
@@ -580,14 +581,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     descale for the latent cache (k_descale, v_descale the same tensor or one of them).
     """
     check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-                              page_table, cu_seqlens_q, sinks), 3)
-    unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None,
-                   "rotary_seqlens": rotary_seqlens is not None, "q_descale": q_descale is not None,
-                   "attention_chunk": attention_chunk != 0, "scheduler_metadata": scheduler_metadata is not None,
-                   "sm_margin": sm_margin != 0}
+                             page_table, cu_seqlens_q, sinks, rotary_seqlens), 3)
+    unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None, "q_descale": q_descale is not None,
+                   "attention_chunk": attention_chunk != 0, "sm_margin": sm_margin != 0}
     for name, used in unsupported.items():
         if used:
             raise NotImplementedError(f"flash_attn_with_kvcache: cuflash does not support {name} yet")
+    if scheduler_metadata is not None and (not isinstance(scheduler_metadata, torch.Tensor)
+                                           or scheduler_metadata.dtype != torch.int32):
+        raise TypeError("scheduler_metadata: expected get_scheduler_metadata's int32 tensor")
     if pack_gqa not in (None, True, False):
         raise TypeError(f"pack_gqa: expected None or a bool, got {pack_gqa!r}")
     if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dim() == 0:
@@ -596,7 +598,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
         refused = {"k": k is not None, "v": v is not None, "rotary_cos": rotary_cos is not None,
                    "rotary_sin": rotary_sin is not None, "cache_batch_idx": cache_batch_idx is not None,
                    "cache_leftpad": cache_leftpad is not None, "cu_seqlens_q": cu_seqlens_q is not None,
-                   "sinks": sinks is not None,
+                   "sinks": sinks is not None, "rotary_seqlens": rotary_seqlens is not None,
                    "window_size": tuple(window_size) != (-1, -1), "softcap": softcap != 0,
                    "k_descale and v_descale that differ": (k_descale is not None and v_descale is not None
                                                            and k_descale is not v_descale)}
@@ -608,8 +610,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     return direct(cuflash.attention_with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                    page_table=page_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                   rotary_interleaved=rotary_interleaved, causal=causal, softmax_scale=softmax_scale,
-                   window=window_size, softcap=softcap, num_splits=num_splits, descale_k=k_descale,
+                   rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens, causal=causal,
+                   softmax_scale=softmax_scale, window=window_size, softcap=softcap, num_splits=num_splits, descale_k=k_descale,
                    descale_v=v_descale, return_lse=return_softmax_lse, sinks=sinks)
 
 
