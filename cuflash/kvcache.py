@@ -34,6 +34,7 @@ def attention_with_kvcache(
     rotary_sin: Any = None,
     rotary_interleaved: bool = True,
     rotary_seqlens: Any = None,
+    cu_seqlens_k_new: Any = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     window: tuple[int, int] = (-1, -1),
@@ -72,7 +73,7 @@ def attention_with_kvcache(
     k, v : arrays, optional
         New tokens, (batch, seqlen_new, heads_kv, head_dim), or with cu_seqlens_q packed
         (total_q, heads_kv, head_dim): sequence b then appends as many tokens as it has queries
-        (chunked prefill). q's dtype.
+        (chunked prefill); or packed by cu_seqlens_k_new. q's dtype.
     cache_seqlens : int or int32 array (batch,), optional
         Tokens cached per sequence (the append position). None: the whole capacity is cached (no
         append possible).
@@ -95,6 +96,12 @@ def attention_with_kvcache(
         float32.
     rotary_interleaved : bool
         True: rotate dimension pairs (2i, 2i + 1); False: (i, i + rotary_dim / 2) (GPT-NeoX).
+    cu_seqlens_k_new : int32 array (batch + 1,), optional
+        New tokens packed apart from q (FlashAttention-3's): k and v (total_new, heads_kv,
+        head_dim), sequence b appending rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] - 1,
+        whatever its query count. Values checked with ``validate`` (or always for NumPy): start at
+        0, non-decreasing, ending at total_new, each append fitting the cache. Ignored without k, v
+        (as FlashAttention-3 does).
     rotary_seqlens : int32 array (batch,), optional
         The rotary position of each sequence's first new token, in place of cache_seqlens
         (FlashAttention-3's ``rotary_seqlens``): its new keys and queries are rotated from there,
@@ -137,6 +144,8 @@ def attention_with_kvcache(
     TypeError, ValueError
         Every bad argument, naming it, before anything is written or launched.
     """
+    if k is None and v is None:
+        cu_seqlens_k_new = None  # nothing to pack
     if page_table is not None and cache_batch_idx is not None:
         lead, name = (q, "q") if cu_seqlens_q is None else (cu_seqlens_q, "cu_seqlens_q")
         interop.framework_of(lead, name)  # an array, or a TypeError naming it
@@ -144,7 +153,8 @@ def attention_with_kvcache(
         page_table, cache_batch_idx = checks.page_rows(page_table, cache_batch_idx, batch, validate), None
     arrays = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "k": k, "v": v, "page_table": page_table,
               "cache_batch_idx": cache_batch_idx, "cache_leftpad": cache_leftpad, "cu_seqlens_q": cu_seqlens_q,
-              "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "out": out, "rotary_seqlens": rotary_seqlens}
+              "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "out": out, "rotary_seqlens": rotary_seqlens,
+              "cu_seqlens_k_new": cu_seqlens_k_new}
     options = checks.KvOptions(cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap,
                                num_splits, descale_k, descale_v, return_lse, validate, dtype)
     if sinks is not None or alibi_slopes is not None:  # checked every call, as NumPy ones are

@@ -541,3 +541,16 @@ def test_rotary_seqlens(chunk, rotary):
     args["rotary_cos"], args["rotary_sin"] = (f(angles).astype(BF16) for f in (np.cos, np.sin))
     args["rotary_seqlens"] = np.array([700, 0, 5], np.int32)
     check(args, causal=True, validate=True)
+
+
+@pytest.mark.parametrize("varlen, counts", [(False, None), (True, [CHUNK + 3, 1, 0])], ids=["decode", "prefill"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_cu_seqlens_k_new(varlen, counts, num_splits):
+    """New tokens packed by cu_seqlens_k_new, their counts apart from the query counts (0 and more
+    than the queries included): against the reference, caches included, values validated."""
+    r = np.random.default_rng(num_splits + varlen)
+    args = case(r, batch=3, seqlen_q=2, varlen=varlen, counts=counts, heads=8, heads_kv=2, head_dim=128,
+                capacity=400, page_size=16, new=0, lens=[0, 17, 100])
+    args["cu_seqlens_k_new"] = np.array([0, 5, 5, 12], np.int32)
+    args["k"], args["v"] = (r.standard_normal((12, 2, 128)).astype(BF16) for _ in range(2))
+    check(args, causal=True, num_splits=num_splits, validate=True)

@@ -283,6 +283,41 @@ def test_rotary_seqlens_move_the_rotary_positions_only(varlen):
         cuflash.attention_with_kvcache(**args, rotary_seqlens=starts, causal=True)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cu_seqlens_k_new_packs_appends_of_their_own_lengths(varlen):
+    """New tokens packed by cu_seqlens_k_new, each sequence appending its own count (0 included),
+    apart from its query count: the same as writing them into the pages by hand and attending
+    over the longer cache without an append."""
+    r = np.random.default_rng(14)
+    args = make_case(r, batch=3, seqlen_q=2, varlen=varlen, new=0, heads=4, heads_kv=2, head_dim=16, capacity=16,
+                     page_size=4, lens=[3, 0, 9], counts=[2, 1, 0] if varlen else None)
+    cu_new = np.array([0, 4, 4, 6], np.int32)
+    k, v = (r.standard_normal((6, 2, 16)) for _ in range(2))
+    appended = {n: np.copy(a) if isinstance(a, np.ndarray) else a for n, a in args.items()}
+    got = cuflash.attention_with_kvcache(**appended, k=k, v=v, cu_seqlens_k_new=cu_new, causal=True)
+    by_hand = {n: np.copy(a) if isinstance(a, np.ndarray) else a for n, a in args.items()}
+    for b in range(3):
+        for i, row in enumerate(range(cu_new[b], cu_new[b + 1])):
+            pos = args["cache_seqlens"][b] + i
+            page = args["page_table"][b, pos // 4]
+            by_hand["k_cache"][page, pos % 4], by_hand["v_cache"][page, pos % 4] = k[row], v[row]
+    by_hand["cache_seqlens"] = args["cache_seqlens"] + np.diff(cu_new).astype(np.int32)
+    expected = cuflash.attention_with_kvcache(**by_hand, causal=True)
+    np.testing.assert_array_equal(got, expected)
+    for name in ("k_cache", "v_cache"):
+        assert same_bytes(appended[name], by_hand[name])
+    with pytest.raises(ValueError, match="cu_seqlens_k_new: last entry 6 must equal the packed length 5"):
+        cuflash.attention_with_kvcache(**args, k=k[:5], v=v[:5], cu_seqlens_k_new=cu_new)
+    with pytest.raises(ValueError, match="k: the cache is too small for the append: sequence 2"):
+        cuflash.attention_with_kvcache(**args, k=np.zeros((11, 2, 16)), v=np.zeros((11, 2, 16)),
+                                       cu_seqlens_k_new=np.array([0, 2, 2, 11], np.int32))
+    with pytest.raises(ValueError, match=r"k: expected \(total_new, heads_kv, head_dim\)"):
+        cuflash.attention_with_kvcache(**args, k=k[None], v=v[None], cu_seqlens_k_new=cu_new)
+    # Without k, v it packs nothing and changes nothing (FlashAttention-3 ignores it too).
+    np.testing.assert_array_equal(cuflash.attention_with_kvcache(**args, cu_seqlens_k_new=cu_new),
+                                  cuflash.attention_with_kvcache(**args))
+
+
 def test_rotary_with_more_queries_than_new_tokens_refused():
     args = base_args()
     args["k"], args["v"] = args["k"][:, :1], args["v"][:, :1]

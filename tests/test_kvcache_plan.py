@@ -107,7 +107,8 @@ def test_chunked_prefill_runs_the_forward_over_the_paged_cache(recorder):
     assert p["k"] == 2048 and p["v"] == 3072 and p["o"] == 4096 and p["lse"] == 4096
     assert p["cu_seqlens_q"] == 1024 * 10 and p["seq_end_q"] == 1024 * 10 + 4 and p["cu_seqlens_k"] == 0
     assert p["page_table"] == 1024 * 7 and p["cache_seqlens"] == 1024 * 6
-    assert p["page_table_stride"] == 64 and p["page_size"] == 16 and p["new_keys"] == -1
+    assert p["page_table_stride"] == 64 and p["page_size"] == 16 and p["new_keys"] == 0
+    assert p["cu_seqlens_k_new"] == 1024 * 10  # the packed q's appends: as many as its rows
     assert p["k_batch_stride"] == 16 * 2 * 128 and p["k_row_stride"] == 2 * 128 and p["kv_group"] == 4
     assert p["window_left"] == -1 and p["window_right"] == 0
     assert p["lse_batch_stride"] == 0 and p["lse_head_stride"] == total

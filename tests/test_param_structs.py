@@ -74,7 +74,7 @@ def test_derived_fwd_params_keep_the_base_offsets():
     fields = params.FWD_PARAMS_FP8.fields
     assert [fields[name][1] for name in params.FWD_DESCALES] == [280, 288, 296]
     assert fields["v_scale"][1] == 352
-    assert [params.FWD_PARAMS_PAGED.fields[name][1] for name in params.FWD_CACHE_POINTERS] == [280, 288]
+    assert [params.FWD_PARAMS_PAGED.fields[name][1] for name in params.FWD_CACHE_POINTERS] == [280, 288, 296]
 
 
 def test_bwd_and_convert_params_offsets():

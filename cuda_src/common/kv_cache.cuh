@@ -27,10 +27,18 @@ __device__ __forceinline__ int kv_seqlen_q(const KvParams& p, int b) {
 __device__ __forceinline__ i64 kv_first_row(const KvParams& p, int b) {
   return p.cu_seqlens_q ? i64(p.cu_seqlens_q[b]) : i64(b) * p.seqlen_q;
 }
-// New tokens of sequence b: as many as its queries when q is packed.
+// New tokens of sequence b: packed by cu_seqlens_k_new, or as many as its queries when q is
+// packed, or seqlen_new.
 __device__ __forceinline__ int kv_seqlen_new(const KvParams& p, int b) {
   if (!p.k_new) return 0;
+  if (p.cu_seqlens_k_new) return p.cu_seqlens_k_new[b + 1] - p.cu_seqlens_k_new[b];
   return p.cu_seqlens_q ? kv_seqlen_q(p, b) : p.seqlen_new;
+}
+// Whether the new tokens are packed (total, heads_kv, d), and the row of sequence b's first.
+__device__ __forceinline__ bool kv_new_packed(const KvParams& p) { return p.cu_seqlens_k_new || p.cu_seqlens_q; }
+__device__ __forceinline__ i64 kv_new_first_row(const KvParams& p, int b) {
+  if (p.cu_seqlens_k_new) return p.cu_seqlens_k_new[b];
+  return p.cu_seqlens_q ? i64(p.cu_seqlens_q[b]) : 0;
 }
 // The element offsets of the K and V rows' kv_head at row `row` of cache block `block` (a page, or
 // a contiguous cache's batch row).

@@ -85,12 +85,13 @@ static_assert(sizeof(FwdParamsFp8) == 360, "cuflash/_core/params.py packs 360 by
 struct FwdParamsPaged : FwdParams {
   const int* page_table;     // (batch, page_table_stride); null: a contiguous cache
   const int* cache_seqlens;  // (batch,) keys cached before the append; null: cache_seqlen for all
+  const int* cu_seqlens_k_new;  // (batch + 1,): sequence b appended cu[b + 1] - cu[b] keys; null: new_keys
   int page_table_stride;
   int page_size;
   int cache_seqlen;
-  int new_keys;  // keys appended per sequence; -1: as many as its query rows (a packed q)
+  int new_keys;  // keys appended per sequence where cu_seqlens_k_new is null
 };
-static_assert(sizeof(FwdParamsPaged) == 312, "cuflash/_core/params.py packs 312 bytes");
+static_assert(sizeof(FwdParamsPaged) == 320, "cuflash/_core/params.py packs 320 bytes");
 
 // The kernel argument of a forward whose inputs are Input, reading K and V from a KV cache if PAGED.
 template <class Input, bool PAGED = false>
@@ -207,6 +208,8 @@ struct KvParams {
   const float* sinks;         // as FwdParams; with several splits kv_combine adds them
   const float* alibi_slopes;  // as FwdParams, at alibi_batch_stride
   const int* rotary_seqlens;  // (batch,): the first rotary position of each sequence; null: its cached length
+  const int* cu_seqlens_k_new;  // (batch + 1,): packed new tokens, sequence b's rows cu[b]..cu[b + 1] - 1;
+                                // null: as many as its queries (packed q) or seqlen_new
   // Strides in elements: batch (or page), row, head.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 kc_batch_stride, kc_row_stride, kc_head_stride;
@@ -225,7 +228,7 @@ struct KvParams {
   float softcap_scale;            // softmax_scale / softcap; 0: no softcap
   float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
 };
-static_assert(sizeof(KvParams) == 416, "params.py KV_PARAMS mirrors KvParams");
+static_assert(sizeof(KvParams) == 424, "params.py KV_PARAMS mirrors KvParams");
 
 // kv_combine's: fp32 partial outputs and their LSEs merged. Mirrored by COMBINE_PARAMS in
 // cuflash/_core/params.py.

@@ -61,7 +61,8 @@ __device__ void rotate_row(const KvParams& p, const void* src, void* dst, int po
   }
 }
 
-// grid (max(seqlen_new, seqlen_q) tokens, batch). Half-split pairs past rotary_dim are not pairs
+// grid (max(seqlen_new, seqlen_q) tokens, batch); with cu_seqlens_k_new seqlen_new is the packed
+// total, a bound on any sequence's count. Half-split pairs past rotary_dim are not pairs
 // of the table: rotate_row copies dimensions 2j, 2j+1 there, which for j >= rotary_dim / 2 lie past
 // rotary_dim in both styles.
 template <class T, class C>
@@ -73,11 +74,12 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
   const int rotary_start = p.rotary_dim ? kv_rotary_start(p, b) : 0;
   if (t < kv_seqlen_new(p, b)) {
     const int pos = cached + t;
-    const i64 new_row = p.cu_seqlens_q ? i64(p.cu_seqlens_q[b]) + t : i64(t);
+    const i64 new_row = kv_new_first_row(p, b) + t;
+    const bool packed = kv_new_packed(p);
     for (int h = 0; h < p.heads_kv; ++h) {
-      const u16* kn = static_cast<const u16*>(p.k_new) + (p.cu_seqlens_q ? 0 : i64(b) * p.kn_batch_stride) +
+      const u16* kn = static_cast<const u16*>(p.k_new) + (packed ? 0 : i64(b) * p.kn_batch_stride) +
                       new_row * p.kn_row_stride + i64(h) * p.kn_head_stride;
-      const u16* vn = static_cast<const u16*>(p.v_new) + (p.cu_seqlens_q ? 0 : i64(b) * p.vn_batch_stride) +
+      const u16* vn = static_cast<const u16*>(p.v_new) + (packed ? 0 : i64(b) * p.vn_batch_stride) +
                       new_row * p.vn_row_stride + i64(h) * p.vn_head_stride;
       i64 k_off, v_off;
       kv_rows(p, b, pos, h, k_off, v_off);

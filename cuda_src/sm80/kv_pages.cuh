@@ -18,7 +18,11 @@ __device__ __forceinline__ Sequence cached_sequence_of(const FwdParamsPaged& p, 
     seq.seqlen_q = p.seq_end_q[batch] - seq.q_begin;
   }
   const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_seqlen;
-  seq.seqlen_k = cached + (p.new_keys < 0 ? seq.seqlen_q : p.new_keys);
+  // Packed appends (cu_seqlens_k_new; a packed q's, which append as many as their queries, pass
+  // cu_seqlens_q there), or new_keys each.
+  const int appended =
+      p.cu_seqlens_k_new != nullptr ? p.cu_seqlens_k_new[batch + 1] - p.cu_seqlens_k_new[batch] : p.new_keys;
+  seq.seqlen_k = cached + appended;
   return seq;
 }
 

@@ -821,11 +821,13 @@ def declared_dtype(name: str, x: Any, dtype: Any) -> Any:
 class KvCall(NamedTuple):
     """A checked attention_with_kvcache call. ``tensors``: by argument name, DeviceTensors (GPU) or
     NumPy arrays, for every array given (q, k_cache, v_cache, k, v, cache_seqlens, page_table,
-    cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin, out, rotary_seqlens). ``host``: int64 host
+    cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos, rotary_sin, out, rotary_seqlens,
+    cu_seqlens_k_new). ``host``: int64 host
     copies of the integer arrays whose values were read (all of them on the CPU path, only with
     validate on the GPU). ``cache_seqlens``: None (the whole capacity), an int, or the array in
     ``tensors``. ``seqlen_new``: tokens appended per sequence (fixed-length q; with cu_seqlens_q
-    each sequence appends as many as it has queries), 0 when k, v are not given."""
+    each sequence appends as many as it has queries; with cu_seqlens_k_new the packed total, a
+    bound on any sequence's), 0 when k, v are not given."""
 
     framework: str
     tensors: dict
@@ -868,7 +870,7 @@ class KvCall(NamedTuple):
 
 # KvCall.tensors' names, in the order KvCachePlan.launch takes their pointers.
 KV_ARRAYS = ("q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad",
-             "cu_seqlens_q", "rotary_cos", "rotary_sin", "out", "rotary_seqlens")
+             "cu_seqlens_q", "rotary_cos", "rotary_sin", "out", "rotary_seqlens", "cu_seqlens_k_new")
 
 
 class KvOptions(NamedTuple):
@@ -1054,12 +1056,19 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
     if ("k" in t) != ("v" in t):
         raise ValueError("k, v: pass both new keys and new values, or neither")
     seqlen_new = 0
+    packed_new = "cu_seqlens_k_new" in t
+    if packed_new:
+        if "k" not in t:
+            raise ValueError("cu_seqlens_k_new: packs the new tokens; pass k and v")
+        _int_array("cu_seqlens_k_new", t["cu_seqlens_k_new"], (batch + 1,), on_device, device)
     if "k" in t:
         k, v = t["k"], t["v"]
-        expected = ((q.shape[0], heads_kv, head_dim) if varlen else (batch, None, heads_kv, head_dim))
+        expected = ((None, heads_kv, head_dim) if packed_new else (q.shape[0], heads_kv, head_dim) if varlen
+                    else (batch, None, heads_kv, head_dim))
         for name, x in (("k", k), ("v", v)):
             if x.ndim != len(expected) or any(e is not None and e != s for e, s in zip(expected, x.shape)):
-                layout = ("(total_q, heads_kv, head_dim), sharing cu_seqlens_q" if varlen
+                layout = ("(total_new, heads_kv, head_dim), packed by cu_seqlens_k_new" if packed_new
+                          else "(total_q, heads_kv, head_dim), sharing cu_seqlens_q" if varlen
                           else "(batch, seqlen_new, heads_kv, head_dim)")
                 raise ValueError(f"{name}: expected {layout} = {tuple('*' if e is None else e for e in expected)}, "
                                  f"got {tuple(x.shape)}")
@@ -1075,7 +1084,7 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
             check_writable(name, t[name])
         if cache_seqlens is None:
             raise ValueError("cache_seqlens: required when k, v are appended (where the new tokens go)")
-        seqlen_new = None if varlen else k.shape[1]
+        seqlen_new = k.shape[0] if packed_new else None if varlen else k.shape[1]
 
     # The packed lengths.
     host = {}
@@ -1088,16 +1097,20 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
         if max_seqlen_q is None:
             max_seqlen_q = int(np.diff(cu_host).max())
         max_seqlen_q = int(max_seqlen_q)
-        if "k" in t:
+        if "k" in t and not packed_new:
             seqlen_new = max_seqlen_q  # the longest append
     else:
         max_seqlen_q = q.shape[1]
-    if seqlen_new and seqlen_new > capacity:
+    if packed_new and read_values:
+        host["cu_seqlens_k_new"] = _host_values(t["cu_seqlens_k_new"], kind)
+        _check_lengths("cu_seqlens_k_new", host["cu_seqlens_k_new"], seqlen_new, None, "", True)
+    # Per-sequence appends of packed new tokens are known only from their values (checked with them).
+    if seqlen_new and not packed_new and seqlen_new > capacity:
         raise ValueError(f"k: {seqlen_new} new tokens do not fit a cache of {capacity} positions per sequence")
     if type(cache_seqlens) is int:
         if cache_seqlens > capacity:
             raise ValueError(f"cache_seqlens: {cache_seqlens} is beyond the cache's {capacity} positions")
-        if cache_seqlens + (seqlen_new or 0) > capacity:
+        if not packed_new and cache_seqlens + (seqlen_new or 0) > capacity:
             raise ValueError(f"k: the cache is too small for the append: cache_seqlens {cache_seqlens} + "
                              f"{seqlen_new} new tokens > {capacity} positions")
 
@@ -1132,7 +1145,7 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
                 raise ValueError(f"{name}: on device {x.device}, but q is on device {device}")
         from cuflash._cpu.reference_kvcache import rotary_per_row
         per_row = rotary_per_row(causal, window, capacity, max_seqlen_q)
-        if per_row and not varlen and max_seqlen_q > seqlen_new:
+        if per_row and not varlen and not packed_new and max_seqlen_q > seqlen_new:
             raise ValueError(f"q: with rotary embedding and a causal or local mask, row i is rotated at "
                              f"cache_seqlens + i, so seqlen_q ({max_seqlen_q}) may not exceed the new tokens "
                              f"({seqlen_new})")
@@ -1157,10 +1170,11 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
             if name in t and name not in host:
                 host[name] = _host_values(t[name], kind)
         _check_kv_values(host, cache_seqlens, batch, capacity, page_size, kc.shape[0], seqlen_new,
-                         varlen and "k" in t)
+                         varlen and "k" in t and not packed_new)
         if "rotary_seqlens" in host:
             rows = np.diff(host["cu_seqlens_q"]) if varlen else np.full(batch, max_seqlen_q, np.int64)
-            new = rows if varlen else np.full(batch, seqlen_new, np.int64)
+            new = (np.diff(host["cu_seqlens_k_new"]) if packed_new else rows if varlen
+                   else np.full(batch, seqlen_new, np.int64))
             _check_rotary_starts(host["rotary_seqlens"], np.maximum(new, rows if per_row else 1),
                                  t["rotary_cos"].shape[0])
     if on_device:
@@ -1205,7 +1219,9 @@ def _check_kv_values(host: dict, cache_seqlens: Any, batch: int, capacity: int, 
         cached = np.full(batch, capacity, np.int64)
     else:
         cached = np.full(batch, cache_seqlens, np.int64)
-    if packed_append:
+    if "cu_seqlens_k_new" in host:
+        new = np.diff(host["cu_seqlens_k_new"])
+    elif packed_append:
         new = np.diff(host["cu_seqlens_q"])
     else:
         new = np.full(batch, seqlen_new or 0, np.int64)

@@ -119,14 +119,14 @@ def pack_fwd_params_fp8(q, k, v, out, lse, softmax_scale: float, window: tuple[i
 
 # FwdParamsPaged: FwdParams' fields, then the KV cache's page table and cached lengths (filled per
 # call after FWD_POINTERS) and its sizes.
-FWD_CACHE_POINTERS = ("page_table", "cache_seqlens")
+FWD_CACHE_POINTERS = ("page_table", "cache_seqlens", "cu_seqlens_k_new")
 FWD_PARAMS_PAGED = np.dtype(
     _FWD_FIELDS
     + [(name, np.uint64) for name in FWD_CACHE_POINTERS]
     + [(name, np.int32) for name in ("page_table_stride", "page_size", "cache_seqlen", "new_keys")],
     align=True,
 )
-FWD_PARAMS_PAGED_SIZE = 312  # sizeof(FwdParamsPaged) in params.cuh
+FWD_PARAMS_PAGED_SIZE = 320  # sizeof(FwdParamsPaged) in params.cuh
 
 
 def pack_fwd_params_paged(q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int],
@@ -137,12 +137,12 @@ def pack_fwd_params_paged(q, k_cache, v_cache, out, lse, softmax_scale: float, w
     batch stride 0; the caches (entries, rows, heads_kv, head_dim), whose dimension 0 is a page
     (or a contiguous cache's sequence); lse (batch, heads, seqlen_q), or (heads, total_q) if
     ``packed``. ``cache``: the page table's row stride, page_size, the scalar cached length and
-    the new keys per sequence (-1: as many as its query rows), params.cuh's order."""
+    the new keys per sequence (where cu_seqlens_k_new is null), params.cuh's order."""
     base = pack_fwd_params(q, k_cache, v_cache, out, lse, softmax_scale, window, softcap,
                            alibi_batch_stride=alibi_batch_stride)
     if packed:
         base["lse_batch_stride"], base["lse_head_stride"] = 0, lse.strides[0]
-    return np.array([(*base.item(), 0, 0, *cache)], dtype=FWD_PARAMS_PAGED)
+    return np.array([(*base.item(), *(0,) * len(FWD_CACHE_POINTERS), *cache)], dtype=FWD_PARAMS_PAGED)
 
 
 # cuda_src/sm90/fwd_params.cuh: the tensor maps of q, k and v, FwdParams (FwdParamsFp8 for e4m3
@@ -362,7 +362,8 @@ class ArgumentBuffer:
 # cuda_src/common/params.cuh: KvParams (kv_append, kv_decode) and CombineParams (kv_combine).
 KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_partial", "lse_partial",
                "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_cos",
-               "rotary_sin", "q_rot", "descale_k", "descale_v", "sinks", "alibi_slopes", "rotary_seqlens")
+               "rotary_sin", "q_rot", "descale_k", "descale_v", "sinks", "alibi_slopes", "rotary_seqlens",
+               "cu_seqlens_k_new")
 KV_STRIDED = ("q", "kc", "vc", "kn", "vn", "o")
 KV_INTS = ("batch", "seqlen_q", "heads", "heads_kv", "head_dim", "page_size", "max_pages", "capacity",
            "cache_seqlens_scalar", "seqlen_new", "rotary_dim", "rotary_interleaved", "rotary_per_row", "rotary_fp32",
@@ -375,7 +376,7 @@ KV_PARAMS = np.dtype(
     + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "descale_k_scalar", "descale_v_scalar")],
     align=True,
 )
-KV_PARAMS_SIZE = 416  # sizeof(KvParams)
+KV_PARAMS_SIZE = 424  # sizeof(KvParams)
 COMBINE_POINTERS = ("out_partial", "lse_partial", "out", "lse", "sinks")
 COMBINE_PARAMS = np.dtype(
     [(name, np.uint64) for name in COMBINE_POINTERS]

@@ -472,11 +472,12 @@ class KvCachePlan:
         """(out, lse or None) of one call on ``operands``: q's DeviceTensor (the outputs are
         allocated like it) and the pointers (0 where not given) of q, k_cache, v_cache, k, v,
         cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos,
-        rotary_sin, out, rotary_seqlens, descale_k, descale_v (0 where scalar). ``given``: (the caller's out, or
+        rotary_sin, out, rotary_seqlens, cu_seqlens_k_new, descale_k, descale_v (0 where scalar). ``given``: (the caller's out, or
         None: one is allocated). Pointers alone, because a repeated
         decoding call reads nothing else of its arrays (kvcache_gpu._signature). ``bias``: the
         call's sinks and ALiBi slopes (the plan was built for slopes of their stride, or none)."""
-        q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, out_given, rotary_starts, dk, dv) = operands
+        (q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, out_given, rotary_starts, cu_new, dk,
+             dv)) = operands
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
             out, out_ptr = (given[0], out_given) if out_given else interop.allocate(framework, q, self.out_shape)
@@ -487,7 +488,7 @@ class KvCachePlan:
             sinks, alibi = bias.pointers
             argument = self.argument.fill(q_ptr, kc, vc, k, v, out_ptr, 0 if split else lse_ptr, o_part, l_part,
                                           seqlens, table, idx, pad, cu, cos, sin, q_rot, dk, dv, sinks, alibi,
-                                          rotary_starts)
+                                          rotary_starts, cu_new)
             if self.append is not None:
                 kernels.launch(self.append, stream, argument)
             if self.decode is not None:
@@ -496,7 +497,8 @@ class KvCachePlan:
                 kernel, forward_argument = self.forward
                 kernels.launch(kernel, stream, forward_argument.fill(
                     q_rot or q_ptr, kc, vc, out_ptr, lse_ptr, cu, 0, cu + 4 if cu else 0, 0, sinks, alibi,
-                    table or idx, seqlens))  # cache_batch_idx: one page per sequence
+                    # cache_batch_idx: one page per sequence. A packed q appends its query counts.
+                    table or idx, seqlens, cu_new or (cu if k else 0)))
             if split and self.decode is not None:
                 kernels.launch(self.combine, stream, self.combine_argument.fill(o_part, l_part, out_ptr, lse_ptr, sinks))
             del owner
@@ -506,7 +508,7 @@ class KvCachePlan:
 def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     """The plan of a checked GPU attention_with_kvcache call (checks.KvCall); ``tensors``: the
     DeviceTensors (or None) of KvCachePlan.launch's pointers."""
-    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, _out, _rotary_starts, dk, dv = tensors
+    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, _out, _rotary_starts, _cu_new, dk, dv = tensors
     target = family_capability = dispatch.device_target(q.device)
     arch = dispatch.compile_arch("sm80", family_capability[1])
     append_choice, decode_choice = dispatch.kvcache_kernels(q.dtype, call.head_dim, kc.dtype)
@@ -526,8 +528,9 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     window = (call.window[0], 0 if call.causal else call.window[1])
     out_shape = tuple(q.shape)
     out_strides = tuple(math.prod(out_shape[i + 1:]) for i in range(len(out_shape)))
-    strides = {"q": bsh(q, call.varlen), "kc": bsh(kc, False), "vc": bsh(vc, False), "kn": bsh(k, call.varlen),
-               "vn": bsh(v, call.varlen), "o": (0, *out_strides[:2]) if call.varlen else out_strides[:3]}
+    new_packed = k is not None and k.ndim == 3  # sharing cu_seqlens_q, or by cu_seqlens_k_new
+    strides = {"q": bsh(q, call.varlen), "kc": bsh(kc, False), "vc": bsh(vc, False), "kn": bsh(k, new_packed),
+               "vn": bsh(v, new_packed), "o": (0, *out_strides[:2]) if call.varlen else out_strides[:3]}
     ints = dict(batch=call.batch, seqlen_q=call.max_seqlen_q, heads=call.heads, heads_kv=call.heads_kv,
                 head_dim=call.head_dim, page_size=call.page_size, max_pages=table.shape[1] if table is not None else 0,
                 capacity=call.capacity,
@@ -579,7 +582,7 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
     out4 = q4._replace(strides=dense)
     lse_shape = (call.heads, shape[1]) if call.varlen else (batch, call.heads, call.max_seqlen_q)
     lse = interop.contiguous(lse_shape, q, "float32")
-    new_keys = 0 if k is None else -1 if call.varlen else call.seqlen_new
+    new_keys = 0 if k is None or call.varlen else call.seqlen_new  # packed appends: cu_seqlens_k_new
     # A contiguous cache with cache_batch_idx is a paged one of one page of `capacity` rows per
     # sequence, the indices its page table.
     pages = (table.strides[0], call.page_size) if table is not None else (1 if idx is not None else 0, call.capacity)

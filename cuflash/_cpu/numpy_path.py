@@ -126,12 +126,15 @@ def attention_with_kvcache(call: checks.KvCall, sinks=None, alibi_slopes=None):
         cache_leftpad=h.get("cache_leftpad"), cu_seqlens_q=h.get("cu_seqlens_q"), rotary_cos=t.get("rotary_cos"),
         rotary_sin=t.get("rotary_sin"), rotary_interleaved=call.rotary_interleaved, causal=call.causal,
         softmax_scale=call.scale, window=call.window, softcap=call.softcap, descale_k=call.descale_k,
-        descale_v=call.descale_v, sinks=sinks, alibi_slopes=alibi_slopes, rotary_seqlens=h.get("rotary_seqlens"))
+        descale_v=call.descale_v, sinks=sinks, alibi_slopes=alibi_slopes, rotary_seqlens=h.get("rotary_seqlens"),
+        cu_seqlens_k_new=h.get("cu_seqlens_k_new"))
     if "k" in t:
         cu = h.get("cu_seqlens_q")
         for b in range(call.batch):
             cached = int(cache_seqlens if np.ndim(cache_seqlens) == 0 else cache_seqlens[b])
-            n_new = int(cu[b + 1] - cu[b]) if call.varlen else call.seqlen_new
+            cu_new = h.get("cu_seqlens_k_new")
+            n_new = (int(cu_new[b + 1] - cu_new[b]) if cu_new is not None else int(cu[b + 1] - cu[b]) if call.varlen
+                     else call.seqlen_new)
             slots = reference_kvcache.cache_slots(b, cached + np.arange(n_new), h.get("page_table"),
                                                   h.get("cache_batch_idx"), t["k_cache"].shape[1])
             t["k_cache"][slots] = k_new[slots]

@@ -117,6 +117,7 @@ def kvcache_reference(
     sinks=None,
     alibi_slopes=None,
     rotary_seqlens=None,
+    cu_seqlens_k_new=None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Attention of ``q`` over the KV cache after appending ``k``/``v`` (see the module docstring).
 
@@ -132,6 +133,8 @@ def kvcache_reference(
     cache_batch_idx, cache_leftpad : (batch,) ints, optional
     cu_seqlens_q : (batch + 1,) ints, optional
     rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2), optional (only with k and v)
+    cu_seqlens_k_new : (batch + 1,) ints, optional: k, v packed (total_new, heads_kv, head_dim),
+        sequence b appending rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] - 1
     rotary_seqlens : (batch,) ints, optional: where each sequence's rotary positions start
         (FlashAttention-3's seqlens_rotary); default its cached length
     descale_k, descale_v : None, a number, or (batch, heads_kv): an FP8 cache's values are
@@ -175,6 +178,11 @@ def kvcache_reference(
     def seq(a, b):  # sequence b of a batched or packed tensor, (tokens, heads, dim)
         return a[rows[b]]
 
+    def new_of(a, b):  # sequence b's new tokens
+        if cu_seqlens_k_new is None:
+            return seq(np.asarray(a), b)
+        return np.asarray(a)[int(cu_seqlens_k_new[b]):int(cu_seqlens_k_new[b + 1])]
+
     def physical(b: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return cache_slots(b, positions, page_table, cache_batch_idx, k_cache.shape[1])
 
@@ -190,11 +198,11 @@ def kvcache_reference(
             cached = int(np.asarray(cache_seqlens)[b])
         start = 0 if cache_leftpad is None else int(np.asarray(cache_leftpad)[b])
         q_b = np.asarray(seq(q, b), np.float64)
-        n_new = 0 if k is None else seq(np.asarray(k), b).shape[0]
+        n_new = 0 if k is None else new_of(k, b).shape[0]
         dk, dv = _descale(descale_k, b, heads_kv), _descale(descale_v, b, heads_kv)
         rotary_start = cached if rotary_seqlens is None else int(np.asarray(rotary_seqlens)[b])
         if n_new:
-            k_b, v_b = np.asarray(seq(np.asarray(k), b), np.float64), np.asarray(seq(np.asarray(v), b), np.float64)
+            k_b, v_b = np.asarray(new_of(k, b), np.float64), np.asarray(new_of(v, b), np.float64)
             new_positions = cached + np.arange(n_new)
             if rotary_cos is not None:
                 k_b = apply_rotary(k_b, rotary_cos, rotary_sin, rotary_start + np.arange(n_new), rotary_interleaved)

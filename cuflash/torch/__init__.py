@@ -33,7 +33,7 @@ __all__ = ["attention", "attention_varlen", "distributed", "flash_attn_combine",
 _QKV = ("q", "k", "v", "sinks", "alibi_slopes")
 _PACKED = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k", "sinks", "alibi_slopes")
 _KVCACHE = ("q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad",
-            "page_table", "cu_seqlens_q", "sinks", "rotary_seqlens")
+            "page_table", "cu_seqlens_q", "sinks", "rotary_seqlens", "cu_seqlens_k_new")
 
 
 def _on_host(body):
@@ -570,7 +570,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     has queries. ``pack_gqa`` is accepted and changes nothing (the decode kernel always packs the
     query heads of a KV head). ``sinks`` (SGLang's name; (heads,)) as for
     :func:`cuflash.attention_with_kvcache`. Raises NotImplementedError,
-    naming it, for cu_seqlens_k_new, q_descale, attention_chunk and sm_margin.
+    naming it, for q_descale, attention_chunk and sm_margin.
     ``scheduler_metadata`` (cuflash.torch.vllm.get_scheduler_metadata's) is accepted and not read:
     cuflash's plan depends on the call's static arguments only.
 
@@ -581,8 +581,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     descale for the latent cache (k_descale, v_descale the same tensor or one of them).
     """
     check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
-                             page_table, cu_seqlens_q, sinks, rotary_seqlens), 3)
-    unsupported = {"cu_seqlens_k_new": cu_seqlens_k_new is not None, "q_descale": q_descale is not None,
+                             page_table, cu_seqlens_q, sinks, rotary_seqlens, cu_seqlens_k_new), 3)
+    unsupported = {"q_descale": q_descale is not None,
                    "attention_chunk": attention_chunk != 0, "sm_margin": sm_margin != 0}
     for name, used in unsupported.items():
         if used:
@@ -599,6 +599,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                    "rotary_sin": rotary_sin is not None, "cache_batch_idx": cache_batch_idx is not None,
                    "cache_leftpad": cache_leftpad is not None, "cu_seqlens_q": cu_seqlens_q is not None,
                    "sinks": sinks is not None, "rotary_seqlens": rotary_seqlens is not None,
+                   "cu_seqlens_k_new": cu_seqlens_k_new is not None,
                    "window_size": tuple(window_size) != (-1, -1), "softcap": softcap != 0,
                    "k_descale and v_descale that differ": (k_descale is not None and v_descale is not None
                                                            and k_descale is not v_descale)}
@@ -610,7 +611,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     return direct(cuflash.attention_with_kvcache, q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
                    page_table=page_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                   rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens, causal=causal,
+                   rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens,
+                   cu_seqlens_k_new=cu_seqlens_k_new, causal=causal,
                    softmax_scale=softmax_scale, window=window_size, softcap=softcap, num_splits=num_splits, descale_k=k_descale,
                    descale_v=v_descale, return_lse=return_softmax_lse, sinks=sinks)
 
