@@ -42,6 +42,7 @@ def attention_with_kvcache(
     num_splits: int = 0,
     descale_k: Any = None,
     descale_v: Any = None,
+    descale_q: Any = None,
     return_lse: bool = False,
     out: Any = None,
     validate: bool = False,
@@ -62,7 +63,8 @@ def attention_with_kvcache(
     ----------
     q : array, (batch, seqlen_q, heads, head_dim), or (total_q, heads, head_dim) with cu_seqlens_q
         float16 or bfloat16 on the GPU (CuPy, torch, DLPack); NumPy float16, bfloat16, float32 or
-        float64 on the CPU path.
+        float64 on the CPU path; or e4m3 over an e4m3 cache (see descale_q; CuPy's as uint8 with
+        ``dtype="e4m3"``).
     k_cache, v_cache : arrays
         Contiguous cache (batch_cache, seqlen_cache, heads_kv, head_dim) or, with page_table, a
         pool of pages (num_pages, page_size, heads_kv, head_dim), any page_size from 1. q's dtype,
@@ -117,6 +119,10 @@ def attention_with_kvcache(
         on write as cuflash.quantize_fp8 rounds: ``k / descale_k`` in float32, saturated to
         +-448, rounded to nearest even (the rotated key when rotary). Device arrays' values are
         not checked.
+    descale_q : float or float32 array (batch, heads_kv), optional
+        An e4m3 q (FP8 attention over an FP8 cache, FlashAttention-3's ``q_descale``; default 1):
+        q holds ``value / descale``, each query head taking its KV head's. The call then writes
+        bfloat16, and takes no append or rotary (write the cache and rotate q before quantizing).
     return_lse : bool
         Also return lse, float32 (batch, heads, seqlen_q), or (heads, total_q) for a packed q.
     out : array, optional
@@ -127,7 +133,8 @@ def attention_with_kvcache(
         cache and room for the append, leftpad, batch indices, the pages used in range): a
         synchronisation. NumPy arrays are always checked.
     dtype : str, optional
-        ``"e4m3"``: k_cache and v_cache are uint8 arrays of e4m3 bytes. None: their own dtype.
+        ``"e4m3"``: k_cache and v_cache are uint8 arrays of e4m3 bytes, and so is q where it is
+        uint8. None: their own dtype.
     sinks, alibi_slopes : arrays, optional
         As for :func:`cuflash.attention`: the sink enters each sequence's softmax once, whatever
         the split of its keys (the lse includes it; a row that sees no key has out 0 and lse =
@@ -156,7 +163,7 @@ def attention_with_kvcache(
               "rotary_cos": rotary_cos, "rotary_sin": rotary_sin, "out": out, "rotary_seqlens": rotary_seqlens,
               "cu_seqlens_k_new": cu_seqlens_k_new}
     options = checks.KvOptions(cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap,
-                               num_splits, descale_k, descale_v, return_lse, validate, dtype)
+                               num_splits, descale_k, descale_v, return_lse, validate, dtype, descale_q)
     if sinks is not None or alibi_slopes is not None:  # checked every call, as NumPy ones are
         call = checks.check_kvcache(arrays, *options)
         checked = checks.check_sinks_alibi(sinks, alibi_slopes, call.framework, call.tensors["q"], call.heads,

@@ -554,3 +554,29 @@ def test_cu_seqlens_k_new(varlen, counts, num_splits):
     args["cu_seqlens_k_new"] = np.array([0, 5, 5, 12], np.int32)
     args["k"], args["v"] = (r.standard_normal((12, 2, 128)).astype(BF16) for _ in range(2))
     check(args, causal=True, num_splits=num_splits, validate=True)
+
+
+@pytest.mark.parametrize("framework", ["cupy", "torch"])
+@pytest.mark.parametrize("varlen, num_splits", [(False, 1), (False, 3), (True, 0)])
+def test_fp8_queries_over_an_fp8_cache(framework, varlen, num_splits):
+    """An e4m3 q with descale_q (FlashAttention-3's FP8 attention over an FP8 cache): widened
+    exactly, its descale on the scores with k's, bf16 out; against the reference on the
+    dequantized q by the correctness rule, a bf16 q of the same values as the low-precision
+    baseline."""
+    import cupy as cp
+
+    r = np.random.default_rng(17 + num_splits + varlen)
+    args = make_case(r, batch=3, seqlen_q=2, varlen=varlen, heads=8, heads_kv=2, head_dim=128, capacity=300,
+                     page_size=16, new=0, dtype=BF16, cache_dtype=E4M3)
+    args["q"] = (args["q"].astype(np.float32) * 4).astype(E4M3)
+    descales = dict(descale_q=r.uniform(0.05, 0.5, (3, 2)).astype(np.float32), descale_k=0.5, descale_v=2.0)
+    move = to_device if framework == "cupy" else to_torch
+    device = {name: move(value) if isinstance(value, np.ndarray) else value for name, value in (args | descales).items()}
+    extra = {"dtype": "e4m3"} if framework == "cupy" else {}
+    out = cuflash.attention_with_kvcache(**device, **extra, causal=True, num_splits=num_splits)
+    host = cp.asnumpy(out) if framework == "cupy" else out.cpu().view(torch_int16()).numpy().view(BF16)
+    assert host.dtype == BF16
+    ref_out = kvcache_reference(**reference_args(args), **descales, causal=True)[0]
+    lowp_out = kvcache_reference(**reference_args(args), **descales, causal=True, dtype=BF16)[0]
+    ok, err, bound = max_error_bound(host, ref_out, lowp_out, atol=ATOL)
+    assert ok, f"out: max error {err:.3e} over the bound {bound:.3e}"

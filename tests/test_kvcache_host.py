@@ -87,6 +87,40 @@ def test_fp8_cache():
     run_and_compare(args, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_fp8_queries_over_an_fp8_cache(varlen):
+    """An e4m3 q with descale_q: the attention of the dequantized q (each query head taking its KV
+    head's descale) over the same cache, written in bfloat16; no append or rotary with it."""
+    r = np.random.default_rng(15)
+    e4m3 = ml_dtypes.float8_e4m3fn
+    args = make_case(r, batch=2, seqlen_q=3, varlen=varlen, new=0, head_dim=16, heads=4, heads_kv=2,
+                     cache_dtype=e4m3, dtype=np.float32)
+    for name in ("k_cache", "v_cache"):
+        args[name] = np.nan_to_num(args[name].astype(np.float32)).astype(e4m3)
+    q8 = (args["q"] * 8).astype(e4m3)
+    descale_q = np.array([[0.5, 0.125], [0.25, 1.0]], np.float32)
+    got = cuflash.attention_with_kvcache(**(args | {"q": q8}), descale_q=descale_q, descale_k=0.5, causal=True)
+    group = np.repeat(descale_q, 2, axis=1)  # (batch, heads): each query head its KV head's
+    if varlen:
+        per_row = np.concatenate([np.repeat(group[b:b + 1], n, axis=0)
+                                  for b, n in enumerate(np.diff(args["cu_seqlens_q"]))])
+        dequantized = q8.astype(np.float64) * per_row[:, :, None]
+    else:
+        dequantized = q8.astype(np.float64) * group[:, None, :, None]
+    expected = cuflash.attention_with_kvcache(**(args | {"q": dequantized}), descale_k=0.5, causal=True)
+    assert got.dtype == ml_dtypes.bfloat16
+    np.testing.assert_allclose(got.astype(np.float64), expected, rtol=1e-2, atol=1e-2)
+    out = np.zeros(q8.shape, ml_dtypes.bfloat16)
+    assert cuflash.attention_with_kvcache(**(args | {"q": q8}), descale_q=descale_q, out=out, causal=True) is out
+    with pytest.raises(TypeError, match="out: expected dtype bfloat16"):
+        cuflash.attention_with_kvcache(**(args | {"q": q8}), out=np.zeros(q8.shape, np.float32))
+    with pytest.raises(NotImplementedError, match="k: not taken with an e4m3 q"):
+        cuflash.attention_with_kvcache(**(args | {"q": q8, "cache_seqlens": 1}), k=np.zeros((2, 1, 2, 16)),
+                                       v=np.zeros((2, 1, 2, 16)))
+    with pytest.raises(ValueError, match="descale_q: only an e4m3"):
+        cuflash.attention_with_kvcache(**args, descale_q=0.5)
+
+
 def test_host_path_matches_attention_on_gathered_keys():
     """Independently of the reference: a contiguous cache with an append is attention over the
     cached prefix and the new tokens."""

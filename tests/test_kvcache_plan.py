@@ -51,7 +51,8 @@ def planned(args, **options):
     tensors = tuple(device_tensor(call.tensors.get(name), 1024 * (i + 1)) for i, name in enumerate(names))
     call = call._replace(tensors={n: t for n, t in zip(names, tensors) if t is not None},
                          cache_seqlens=device_tensor(call.cache_seqlens, 1024 * 6))
-    tensors += tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
+    tensors += tuple(d if isinstance(d, interop.DeviceTensor) else None
+                     for d in (call.descale_k, call.descale_v, call.descale_q))
     return plan.build_kvcache(call, tensors), (tensors[0], tuple(t.ptr if t is not None else 0 for t in tensors))
 
 

@@ -47,7 +47,7 @@ def test_cache_updated_in_place_through_the_tensor():
     assert same_bytes(k_cache.numpy(), ref_k)
 
 
-@pytest.mark.parametrize("name, value", [("q_descale", 1), ("attention_chunk", 4), ("sm_margin", 2)])
+@pytest.mark.parametrize("name, value", [("attention_chunk", 4), ("sm_margin", 2)])
 def test_unsupported_arguments_named(name, value):
     q = torch.zeros(1, 1, 2, 16)
     cache = torch.zeros(1, 4, 2, 16)

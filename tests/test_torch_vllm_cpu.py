@@ -137,7 +137,7 @@ def _bad_calls():
         (dict(q_v=q), NotImplementedError, "q_v"),
         (dict(dropout_p=0.1), NotImplementedError, "dropout_p"),
         (dict(return_attn_probs=True), NotImplementedError, "return_attn_probs"),
-        (dict(q_descale=torch.ones(5, 2)), NotImplementedError, "q_descale"),
+        (dict(q_descale=torch.ones(5, 2)), ValueError, "descale_q: only an e4m3"),
         (dict(cp_world_size=2), NotImplementedError, "cp_world_size"),
         (dict(fa_version=4), NotImplementedError, "fa_version"),
         (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
@@ -155,3 +155,18 @@ def test_bad_arguments(index):
     change, error, words = bad[index]
     with pytest.raises(error, match=words):
         vllm.flash_attn_varlen_func(**(base | change))
+
+
+def test_fp8_queries_with_vllms_expanded_descales():
+    r = np.random.default_rng(15)
+    q, kc, vc, table, cu, used, *_ = mixed_batch(r, 16, QUERY_LENS, CACHED_LENS, False)
+    k8, v8 = (torch.nan_to_num(c).to(torch.float8_e4m3fn) for c in (kc, vc))
+    q8 = (q * 4).to(torch.float8_e4m3fn)
+    batch = len(QUERY_LENS)
+    descale = torch.tensor([0.25]).expand(batch, HEADS_KV)
+    got = call(q8, k8, v8, table, cu, used, causal=True, q_descale=descale, k_descale=descale * 4,
+               v_descale=descale * 4)
+    expected = call(q8.float() * 0.25, k8, v8, table, cu, used, causal=True, k_descale=descale * 4,
+                    v_descale=descale * 4)
+    assert got.dtype == torch.bfloat16
+    np.testing.assert_allclose(got.float().numpy(), expected.numpy(), rtol=1e-2, atol=1e-2)

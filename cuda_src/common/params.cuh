@@ -210,6 +210,7 @@ struct KvParams {
   const int* rotary_seqlens;  // (batch,): the first rotary position of each sequence; null: its cached length
   const int* cu_seqlens_k_new;  // (batch + 1,): packed new tokens, sequence b's rows cu[b]..cu[b + 1] - 1;
                                 // null: as many as its queries (packed q) or seqlen_new
+  const float* descale_q;       // e4m3 q: (batch, heads_kv) float32; null: descale_q_scalar
   // Strides in elements: batch (or page), row, head.
   i64 q_batch_stride, q_row_stride, q_head_stride;
   i64 kc_batch_stride, kc_row_stride, kc_head_stride;
@@ -224,11 +225,13 @@ struct KvParams {
   int rotary_dim, rotary_interleaved, rotary_per_row, rotary_fp32;
   int num_splits, row_tiles;
   int window_left, window_right;  // -1 unbounded; causal is right = 0
+  int q_e4m3;                     // q holds e4m3 bytes, widened into q_rot by kv_append
   float scale_log2;               // softmax_scale * log2(e), or softcap * log2(e) with a softcap
   float softcap_scale;            // softmax_scale / softcap; 0: no softcap
   float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
+  float descale_q_scalar;                    // e4m3 q without a descale array (1 otherwise)
 };
-static_assert(sizeof(KvParams) == 424, "params.py KV_PARAMS mirrors KvParams");
+static_assert(sizeof(KvParams) == 440, "params.py KV_PARAMS mirrors KvParams");
 
 // kv_combine's: fp32 partial outputs and their LSEs merged. Mirrored by COMBINE_PARAMS in
 // cuflash/_core/params.py.

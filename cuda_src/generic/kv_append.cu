@@ -1,6 +1,6 @@
 // kv_append (common/kv_cache.cuh): the new keys and values written into the cache in place at
 // cache_seqlens (through the page table when paged), the keys rotated first; and q rotated into a
-// scratch copy. One CTA per (token, sequence); elementwise, it moves a few KB per call. An e4m3
+// scratch copy (an e4m3 q widened there instead, without rotary). One CTA per (token, sequence); elementwise, it moves a few KB per call. An e4m3
 // cache gets the new tokens quantized: x / descale in float32, saturated to +-448, rounded to
 // nearest even.
 //
@@ -95,7 +95,17 @@ __global__ void kv_append(const __grid_constant__ KvParams p) {
       for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) Store::at(vc, c, load_elem<T>(vn, c), dv);
     }
   }
-  if (p.q_rot && t < kv_seqlen_q(p, b)) {
+  if (p.q_e4m3 && t < kv_seqlen_q(p, b)) {
+    // An e4m3 q widened exactly to T (bf16) into the scratch the attention reads; its descale
+    // joins descale_k's on the scores (kv_decode).
+    const i64 row = kv_first_row(p, b) + t;
+    for (int h = 0; h < p.heads; ++h) {
+      const u8* src = static_cast<const u8*>(p.q) + (p.cu_seqlens_q ? 0 : i64(b) * p.q_batch_stride) +
+                      (p.cu_seqlens_q ? row : i64(t)) * p.q_row_stride + i64(h) * p.q_head_stride;
+      u16* dst = static_cast<u16*>(p.q_rot) + (row * p.heads + h) * p.head_dim;
+      for (int c = threadIdx.x; c < p.head_dim; c += blockDim.x) dst[c] = u16(widen_e4m3_pair<T>(src[c], 0x1404u));
+    }
+  } else if (p.q_rot && t < kv_seqlen_q(p, b)) {
     const int pos = rotary_start + (p.rotary_per_row ? t : 0);
     const i64 row = kv_first_row(p, b) + t;
     for (int h = 0; h < p.heads; ++h) {

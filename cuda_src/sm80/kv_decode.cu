@@ -371,7 +371,9 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) kv_decode(const __gri
     }
   }
   // An e4m3 cache's descales: k's scales the scores (inside a softcap's tanh), v's the output.
-  const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head);
+  // An e4m3 q's descale scales the scores as k's does.
+  const float descale_k = kv_descale(p.descale_k, p.descale_k_scalar, p, b, kv_head) *
+                          kv_descale(p.descale_q, p.descale_q_scalar, p, b, kv_head);
   const float score_log2 = p.softcap_scale > 0.f ? p.scale_log2 : p.scale_log2 * descale_k;
   const float tanh_scale = p.softcap_scale * descale_k;
   // ALiBi (common/bias.cuh): each of this thread's rows has its own head's slope, in raw score

@@ -854,6 +854,7 @@ class KvCall(NamedTuple):
     descale_v: Any
     return_lse: bool
     alibi: int | None = None  # Bias.alibi_stride: None without ALiBi slopes
+    descale_q: Any = None  # e4m3 q: float or (batch, heads_kv) float32 array; else None
 
     def plan_key(self) -> tuple:
         """Everything plan.build_kvcache reads but pointers: each array's layout by name, every
@@ -865,7 +866,8 @@ class KvCall(NamedTuple):
                 self.batch, self.max_seqlen_q, self.heads, self.heads_kv, self.head_dim, self.page_size,
                 self.capacity, self.seqlen_new, self.varlen, _layout(self.cache_seqlens), self.scale, self.causal,
                 self.window, self.softcap, self.rotary_dim, self.rotary_interleaved, self.rotary_per_row,
-                self.num_splits, _layout(self.descale_k), _layout(self.descale_v), self.alibi)
+                self.num_splits, _layout(self.descale_k), _layout(self.descale_v), self.alibi,
+                _layout(self.descale_q))
 
 
 # KvCall.tensors' names, in the order KvCachePlan.launch takes their pointers.
@@ -889,8 +891,11 @@ class KvOptions(NamedTuple):
     return_lse: Any
     validate: Any
     dtype: Any = None
+    descale_q: Any = None
 
 
+# The output dtype of an e4m3 q's attention (FlashAttention-3's FP8 forward writes bf16).
+KV_FP8_Q_OUT = "bfloat16"
 _KV_INT_ARRAYS = ("cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_seqlens")
 
 
@@ -943,7 +948,7 @@ def _host_values(t, kind: str) -> np.ndarray:
 
 def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_interleaved: Any, causal: Any,
                   softmax_scale: Any, window: Any, softcap: Any, num_splits: Any, descale_k: Any, descale_v: Any,
-                  return_lse: Any, validate: Any, dtype: Any = None) -> KvCall:
+                  return_lse: Any, validate: Any, dtype: Any = None, descale_q: Any = None) -> KvCall:
     """attention_with_kvcache's arguments: ``arrays`` by name (None where not given), the rest as
     passed; ``dtype`` ("e4m3" or None) declares uint8 caches as e4m3 bytes. Everything is checked here, before any launch, alike for NumPy and GPU arrays; the
     values of the integer arrays are checked where they are on the host, and with
@@ -968,7 +973,10 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
         raise ValueError(f"num_splits: must be >= 0 (0 chooses), got {num_splits}")
     num_splits = int(num_splits)
 
-    t["k_cache"], t["v_cache"] = (declared_dtype(name, t[name], dtype) for name in ("k_cache", "v_cache"))
+    declared = ("q", "k_cache", "v_cache") if dtype is not None and dtype_name(t["q"]) == "uint8" else ("k_cache",
+                                                                                                      "v_cache")
+    for name in declared:
+        t[name] = declared_dtype(name, t[name], dtype)
     q, kc, vc = t["q"], t["k_cache"], t["v_cache"]
     varlen = "cu_seqlens_q" in t
     if q.ndim != (3 if varlen else 4):
@@ -981,10 +989,20 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
     if tuple(vc.shape) != tuple(kc.shape):
         raise ValueError(f"v_cache: shape {tuple(vc.shape)} must equal k_cache's {tuple(kc.shape)}")
     allowed = DEVICE_DTYPES if on_device else HOST_DTYPES
-    q_dtype = _check_dtype("q", q, allowed, on_device)
     cache_dtype = dtype_name(kc)
     fp8_cache = cache_dtype == FP8_DTYPE
-    if fp8_cache:
+    q_fp8 = dtype_name(q) == FP8_DTYPE  # FP8 attention over an FP8 cache (FlashAttention-3's q_descale)
+    q_dtype = FP8_DTYPE if q_fp8 else _check_dtype("q", q, allowed, on_device)
+    if q_fp8:
+        if not fp8_cache:
+            raise TypeError(f"q: an e4m3 q takes an e4m3 (FP8) cache, got k_cache {cache_dtype}")
+        for name in ("k", "rotary_cos"):
+            if name in t:
+                raise NotImplementedError(f"{name}: not taken with an e4m3 q (write the cache first, rotate q "
+                                          f"before quantizing it)")
+    elif descale_q is not None:
+        raise ValueError(f"descale_q: only an e4m3 (float8_e4m3fn) q takes it, but q is {q_dtype}")
+    if fp8_cache and not q_fp8:
         if q_dtype not in ("float16", "bfloat16", "float32", "float64"):
             raise TypeError(f"q: dtype {q_dtype} is not supported with an FP8 cache")
     elif cache_dtype != q_dtype:
@@ -1115,7 +1133,7 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
                              f"{seqlen_new} new tokens > {capacity} positions")
 
     if "out" in t:
-        _check_kv_out(t["out"], q, on_device)
+        _check_kv_out(t["out"], q, on_device, KV_FP8_Q_OUT if q_fp8 else None)
 
     # Rotary.
     rotary_dim, per_row = 0, False
@@ -1158,6 +1176,8 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
     if fp8_cache:
         descale_k, descale_v = (_resolve_descale(name, value, (batch, heads_kv), q, on_device)
                                 for name, value in (("descale_k", descale_k), ("descale_v", descale_v)))
+        if q_fp8:
+            descale_q = _resolve_descale("descale_q", descale_q, (batch, heads_kv), q, on_device)
     else:
         for name, value in (("descale_k", descale_k), ("descale_v", descale_v)):
             if value is not None:
@@ -1184,7 +1204,8 @@ def check_kvcache(arrays: dict, cache_seqlens: Any, max_seqlen_q: Any, rotary_in
         cache_seqlens = t["cache_seqlens"]
     return KvCall(kind, t, host, batch, max_seqlen_q, heads, heads_kv, head_dim, page_size, capacity,
                   seqlen_new or 0, varlen, cache_seqlens, resolve_scale(softmax_scale, head_dim), causal, window,
-                  softcap, rotary_dim, rotary_interleaved, per_row, num_splits, descale_k, descale_v, return_lse)
+                  softcap, rotary_dim, rotary_interleaved, per_row, num_splits, descale_k, descale_v, return_lse,
+                  descale_q=descale_q if q_fp8 else None)
 
 
 def _check_rotary_starts(starts: np.ndarray, positions: np.ndarray, seqlen_ro: int) -> None:
@@ -1197,11 +1218,11 @@ def _check_rotary_starts(starts: np.ndarray, positions: np.ndarray, seqlen_ro: i
                          f"{seqlen_ro} rows")
 
 
-def _check_kv_out(out, q, on_device: bool) -> None:
-    """attention_with_kvcache's ``out``: q's shape and dtype, written as a freshly allocated output
-    would be (the decode, forward and combine kernels take its rows at q's packed strides), so it
-    must be contiguous; a dimension of extent 1 may have any stride."""
-    check_out("out", out, tuple(q.shape), q, on_device)
+def _check_kv_out(out, q, on_device: bool, dtype: str | None) -> None:
+    """attention_with_kvcache's ``out``: q's shape and dtype (``dtype`` for an e4m3 q), written as a
+    freshly allocated output would be (the decode, forward and combine kernels take its rows at
+    q's packed strides), so it must be contiguous; a dimension of extent 1 may have any stride."""
+    check_out("out", out, tuple(q.shape), q, on_device, dtype)
     expected = tuple(math.prod(out.shape[i + 1:]) for i in range(out.ndim))
     if any(n != 1 and s != e for n, s, e in zip(out.shape, element_strides(out), expected)):
         raise ValueError(f"out: must be contiguous (strides {expected} in elements), got strides "

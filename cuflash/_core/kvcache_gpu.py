@@ -19,11 +19,11 @@ from cuflash._core import checks, interop, plan
 __all__ = ["attention_with_kvcache", "attention_with_kvcache_checked", "combine"]
 
 # The pointers of KvCachePlan.launch by argument name: the arrays, then the descales'.
-_POINTERS = (*checks.KV_ARRAYS, "descale_k", "descale_v")
+_POINTERS = (*checks.KV_ARRAYS, "descale_k", "descale_v", "descale_q")
 _OUT = _POINTERS.index("out")
 # The options that are a number (or None), held in the signature, or an array among the others:
 # their places among the pointers.
-_NUMBER_SLOTS = tuple(_POINTERS.index(name) for name in ("cache_seqlens", "descale_k", "descale_v"))
+_NUMBER_SLOTS = tuple(_POINTERS.index(name) for name in ("cache_seqlens", "descale_k", "descale_v", "descale_q"))
 
 
 def attention_with_kvcache(arrays: dict, options: checks.KvOptions) -> Any:
@@ -60,7 +60,7 @@ def _signature(arrays: dict, options: checks.KvOptions) -> tuple | None:
     (interop.layouts_and_pointers): a decoding loop's repeated call describes only q, for its
     outputs."""
     (cache_seqlens, max_seqlen_q, rotary_interleaved, causal, softmax_scale, window, softcap, num_splits, descale_k,
-     descale_v, return_lse, validate, dtype) = options
+     descale_v, return_lse, validate, dtype, descale_q) = options
     if (validate is not False or type(causal) is not bool or type(rotary_interleaved) is not bool
             or type(return_lse) is not bool or not checks.plain_window(window)
             or (dtype is not None and type(dtype) is not str)
@@ -71,7 +71,7 @@ def _signature(arrays: dict, options: checks.KvOptions) -> tuple | None:
         if type(value) not in scalar:
             return None
     values = [arrays.get(name) for name in _POINTERS]
-    numbers = [cache_seqlens, descale_k, descale_v]
+    numbers = [cache_seqlens, descale_k, descale_v, descale_q]
     for index, slot in enumerate(_NUMBER_SLOTS):
         if type(numbers[index]) not in scalar:
             values[slot], numbers[index] = numbers[index], "array"
@@ -99,9 +99,10 @@ def _prepared(call: checks.KvCall):
 
 def _launch_tensors(call: checks.KvCall) -> tuple:
     """The DeviceTensors of a checked call: the arrays (None where not given), then the descale
-    arrays (None where scalar, or the cache is 16-bit)."""
+    arrays (None where scalar, or the cache or q is 16-bit)."""
     t = call.tensors
-    descales = tuple(d if isinstance(d, interop.DeviceTensor) else None for d in (call.descale_k, call.descale_v))
+    descales = tuple(d if isinstance(d, interop.DeviceTensor) else None
+                     for d in (call.descale_k, call.descale_v, call.descale_q))
     return (*(t.get(name) for name in checks.KV_ARRAYS), *descales)
 
 

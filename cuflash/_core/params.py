@@ -363,20 +363,21 @@ class ArgumentBuffer:
 KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_partial", "lse_partial",
                "cache_seqlens", "page_table", "cache_batch_idx", "cache_leftpad", "cu_seqlens_q", "rotary_cos",
                "rotary_sin", "q_rot", "descale_k", "descale_v", "sinks", "alibi_slopes", "rotary_seqlens",
-               "cu_seqlens_k_new")
+               "cu_seqlens_k_new", "descale_q")
 KV_STRIDED = ("q", "kc", "vc", "kn", "vn", "o")
 KV_INTS = ("batch", "seqlen_q", "heads", "heads_kv", "head_dim", "page_size", "max_pages", "capacity",
            "cache_seqlens_scalar", "seqlen_new", "rotary_dim", "rotary_interleaved", "rotary_per_row", "rotary_fp32",
-           "num_splits", "row_tiles", "window_left", "window_right")
+           "num_splits", "row_tiles", "window_left", "window_right", "q_e4m3")
 KV_PARAMS = np.dtype(
     [(name, np.uint64) for name in KV_POINTERS]
     + [(f"{t}_{s}_stride", np.int64) for t in KV_STRIDED for s in ("batch", "row", "head")]
     + [("alibi_batch_stride", np.int64)]
     + [(name, np.int32) for name in KV_INTS]
-    + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "descale_k_scalar", "descale_v_scalar")],
+    + [(name, np.float32) for name in ("scale_log2", "softcap_scale", "descale_k_scalar", "descale_v_scalar",
+                                       "descale_q_scalar")],
     align=True,
 )
-KV_PARAMS_SIZE = 424  # sizeof(KvParams)
+KV_PARAMS_SIZE = 440  # sizeof(KvParams)
 COMBINE_POINTERS = ("out_partial", "lse_partial", "out", "lse", "sinks")
 COMBINE_PARAMS = np.dtype(
     [(name, np.uint64) for name in COMBINE_POINTERS]
@@ -389,14 +390,15 @@ COMBINE_PARAMS_SIZE = 176  # sizeof(CombineParams)
 
 
 def pack_kv_params(strides: dict, ints: dict, softmax_scale: float, softcap: float, descale_k: float = 1.0,
-                   descale_v: float = 1.0, alibi_batch_stride: int = 0) -> np.ndarray:
+                   descale_v: float = 1.0, alibi_batch_stride: int = 0, descale_q: float = 1.0) -> np.ndarray:
     """One KvParams with null pointers: ``strides`` maps each of KV_STRIDED to its (batch, row,
     head) element strides, ``ints`` each of KV_INTS to its value; ``descale_k``/``descale_v`` the
-    scalar descales of an e4m3 cache (used where the descale pointers are null)."""
+    scalar descales of an e4m3 cache, ``descale_q`` an e4m3 q's (used where the descale pointers
+    are null)."""
     scale_log2, softcap_scale = _softmax_constants(softmax_scale, softcap)
     return np.array([(*(0,) * len(KV_POINTERS), *(s for t in KV_STRIDED for s in strides[t]), alibi_batch_stride,
-                      *(ints[name] for name in KV_INTS), scale_log2, softcap_scale, descale_k, descale_v)],
-                    dtype=KV_PARAMS)
+                      *(ints[name] for name in KV_INTS), scale_log2, softcap_scale, descale_k, descale_v,
+                      descale_q)], dtype=KV_PARAMS)
 
 
 def pack_combine_params(op: tuple, lp: tuple, o: tuple, lse: tuple, splits: int, batch: int, seqlen: int,

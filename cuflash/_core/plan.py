@@ -466,21 +466,24 @@ class KvCachePlan:
     lse_shape: tuple[int, ...]
     scratch_offsets: tuple[int | None, int | None, int | None]  # q_rot, out_partial, lse_partial
     scratch_bytes: int
+    out_dtype: str | None = None  # an e4m3 q's (checks.KV_FP8_Q_OUT); None: q's
 
     def launch(self, framework: str, operands: tuple, given: tuple, given_t: tuple, return_lse: bool,
                cu_seqlens=NO_LENGTHS, bias: checks.Bias = checks.NO_BIAS) -> tuple[Any, Any]:
         """(out, lse or None) of one call on ``operands``: q's DeviceTensor (the outputs are
         allocated like it) and the pointers (0 where not given) of q, k_cache, v_cache, k, v,
         cache_seqlens, page_table, cache_batch_idx, cache_leftpad, cu_seqlens_q, rotary_cos,
-        rotary_sin, out, rotary_seqlens, cu_seqlens_k_new, descale_k, descale_v (0 where scalar). ``given``: (the caller's out, or
+        rotary_sin, out, rotary_seqlens, cu_seqlens_k_new, descale_k, descale_v, descale_q (0 where
+        scalar). ``given``: (the caller's out, or
         None: one is allocated). Pointers alone, because a repeated
         decoding call reads nothing else of its arrays (kvcache_gpu._signature). ``bias``: the
         call's sinks and ALiBi slopes (the plan was built for slopes of their stride, or none)."""
         (q, (q_ptr, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, out_given, rotary_starts, cu_new, dk,
-             dv)) = operands
+             dv, dq)) = operands
         with interop.on_device(q.device):
             stream = interop.stream_handle(framework, q.device)
-            out, out_ptr = (given[0], out_given) if out_given else interop.allocate(framework, q, self.out_shape)
+            out, out_ptr = ((given[0], out_given) if out_given
+                            else interop.allocate(framework, q, self.out_shape, self.out_dtype))
             lse, lse_ptr = (interop.allocate(framework, q, self.lse_shape, "float32") if return_lse else (None, 0))
             owner, base = interop.scratch(framework, q, self.scratch_bytes) if self.scratch_bytes else (None, 0)
             q_rot, o_part, l_part = (base + offset if offset is not None else 0 for offset in self.scratch_offsets)
@@ -488,7 +491,7 @@ class KvCachePlan:
             sinks, alibi = bias.pointers
             argument = self.argument.fill(q_ptr, kc, vc, k, v, out_ptr, 0 if split else lse_ptr, o_part, l_part,
                                           seqlens, table, idx, pad, cu, cos, sin, q_rot, dk, dv, sinks, alibi,
-                                          rotary_starts, cu_new)
+                                          rotary_starts, cu_new, dq)
             if self.append is not None:
                 kernels.launch(self.append, stream, argument)
             if self.decode is not None:
@@ -508,14 +511,17 @@ class KvCachePlan:
 def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     """The plan of a checked GPU attention_with_kvcache call (checks.KvCall); ``tensors``: the
     DeviceTensors (or None) of KvCachePlan.launch's pointers."""
-    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, _out, _rotary_starts, _cu_new, dk, dv = tensors
+    q, kc, vc, k, v, seqlens, table, idx, pad, cu, cos, sin, _out, _rotary_starts, _cu_new, dk, dv, _dq = tensors
     target = family_capability = dispatch.device_target(q.device)
     arch = dispatch.compile_arch("sm80", family_capability[1])
-    append_choice, decode_choice = dispatch.kvcache_kernels(q.dtype, call.head_dim, kc.dtype)
+    # An e4m3 q is widened by kv_append into the scratch and attended as bf16 (checks.KV_FP8_Q_OUT).
+    q_fp8 = q.dtype == checks.FP8_DTYPE
+    attended = checks.KV_FP8_Q_OUT if q_fp8 else q.dtype
+    append_choice, decode_choice = dispatch.kvcache_kernels(attended, call.head_dim, kc.dtype)
     group = call.heads // call.heads_kv
     rows = q.shape[0] if call.varlen else call.batch * call.max_seqlen_q
     row_tiles = max(1, -(-(group * call.max_seqlen_q) // dispatch.KV_ROWS))
-    prefill = dispatch.kvcache_prefill(call, q, kc)
+    prefill = not q_fp8 and dispatch.kvcache_prefill(call, q, kc)
     splits = 1 if prefill else dispatch.kvcache_splits(call.num_splits, call.batch, call.heads_kv, row_tiles,
                                                        call.capacity, dispatch.sm_count(q.device),
                                                        dispatch.kv_ctas_per_sm(dispatch.kv_bucket(call.head_dim)))
@@ -537,32 +543,37 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
                 cache_seqlens_scalar=call.cache_seqlens if type(call.cache_seqlens) is int else call.capacity,
                 seqlen_new=call.seqlen_new, rotary_dim=call.rotary_dim, rotary_interleaved=int(call.rotary_interleaved),
                 rotary_per_row=int(call.rotary_per_row), rotary_fp32=int(cos is not None and cos.dtype == "float32"),
-                num_splits=splits, row_tiles=row_tiles, window_left=window[0], window_right=window[1])
-    scalar_descales = (d if isinstance(d, float) else 1.0 for d in (call.descale_k, call.descale_v))
-    argument = ArgumentBuffer(pack_kv_params(strides, ints, call.scale, call.softcap, *scalar_descales,
-                                             alibi_batch_stride=call.alibi or 0), KV_POINTERS)
+                num_splits=splits, row_tiles=row_tiles, window_left=window[0], window_right=window[1],
+                q_e4m3=int(q_fp8))
+    k_scale, v_scale, q_scale = (d if isinstance(d, float) else 1.0
+                                 for d in (call.descale_k, call.descale_v, call.descale_q))
+    argument = ArgumentBuffer(pack_kv_params(strides, ints, call.scale, call.softcap, k_scale, v_scale,
+                                             alibi_batch_stride=call.alibi or 0, descale_q=q_scale), KV_POINTERS)
 
-    # Scratch: rotated q (rows, heads, head_dim) in q's type, then fp32 partial out and lse.
-    sizes = [rows * call.heads * call.head_dim * q.itemsize if call.rotary_dim else 0]
+    # Scratch: rotated (or widened) q (rows, heads, head_dim) in the attended type, then fp32
+    # partial out and lse.
+    q_copy = call.rotary_dim or q_fp8
+    sizes = [rows * call.heads * call.head_dim * (2 if q_fp8 else q.itemsize) if q_copy else 0]
     combine = combine_argument = None
     if splits > 1:
         batch, seqlen = (1, rows) if call.varlen else (call.batch, call.max_seqlen_q)
-        combine, combine_argument, out_bytes, lse_bytes = _split_combine(q.dtype, arch, q.device, splits, batch,
+        combine, combine_argument, out_bytes, lse_bytes = _split_combine(attended, arch, q.device, splits, batch,
                                                                          seqlen, call.heads, call.head_dim, call.varlen)
         sizes += [out_bytes, lse_bytes]
     offsets, end = [], 0
     for size in sizes + [0] * (3 - len(sizes)):
         offsets.append(end if size else None)
         end += -(-size // _SCRATCH_ALIGN) * _SCRATCH_ALIGN
-    append_rows = max(call.seqlen_new, call.max_seqlen_q if call.rotary_dim else 0)
+    append_rows = max(call.seqlen_new, call.max_seqlen_q if q_copy else 0)
     append = (kernels.prepare(append_choice, arch, q.device, (append_rows, call.batch, 1))
-              if append_rows and (k is not None or call.rotary_dim) else None)
+              if append_rows and (k is not None or q_copy) else None)
     decode = (kernels.prepare(decode_choice, arch, q.device, (splits * row_tiles, call.heads_kv, call.batch))
               if rows and not prefill else None)
     forward_choice, forward = _kvcache_forward(call, tensors, ints, arch) if prefill else (decode_choice, None)
     lse_shape = (call.heads, rows) if call.varlen else (call.batch, call.heads, call.max_seqlen_q)
     return KvCachePlan(target, forward_choice.name_expression, append, decode, forward if rows else None, combine,
-                       argument, combine_argument, out_shape, lse_shape, tuple(offsets), end)
+                       argument, combine_argument, out_shape, lse_shape, tuple(offsets), end,
+                       checks.KV_FP8_Q_OUT if q_fp8 else None)
 
 
 def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:

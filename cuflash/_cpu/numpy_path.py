@@ -127,7 +127,7 @@ def attention_with_kvcache(call: checks.KvCall, sinks=None, alibi_slopes=None):
         rotary_sin=t.get("rotary_sin"), rotary_interleaved=call.rotary_interleaved, causal=call.causal,
         softmax_scale=call.scale, window=call.window, softcap=call.softcap, descale_k=call.descale_k,
         descale_v=call.descale_v, sinks=sinks, alibi_slopes=alibi_slopes, rotary_seqlens=h.get("rotary_seqlens"),
-        cu_seqlens_k_new=h.get("cu_seqlens_k_new"))
+        cu_seqlens_k_new=h.get("cu_seqlens_k_new"), descale_q=call.descale_q)
     if "k" in t:
         cu = h.get("cu_seqlens_q")
         for b in range(call.batch):
@@ -143,7 +143,7 @@ def attention_with_kvcache(call: checks.KvCall, sinks=None, alibi_slopes=None):
         t["out"][...] = out
         out = t["out"]
     else:
-        out = out.astype(q.dtype)
+        out = out.astype(ml_dtypes.bfloat16 if call.descale_q is not None else q.dtype)  # an e4m3 q's: bf16
     if not call.varlen:
         lse = lse.reshape(call.batch, call.heads, q.shape[1])
     return (out, lse.astype(np.float32)) if call.return_lse else out

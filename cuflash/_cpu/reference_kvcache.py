@@ -118,6 +118,7 @@ def kvcache_reference(
     alibi_slopes=None,
     rotary_seqlens=None,
     cu_seqlens_k_new=None,
+    descale_q=None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Attention of ``q`` over the KV cache after appending ``k``/``v`` (see the module docstring).
 
@@ -133,6 +134,8 @@ def kvcache_reference(
     cache_batch_idx, cache_leftpad : (batch,) ints, optional
     cu_seqlens_q : (batch + 1,) ints, optional
     rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2), optional (only with k and v)
+    descale_q : None, a number, or (batch, heads_kv): an e4m3 q's values are ``stored * descale``
+        (each query head taking its KV head's)
     cu_seqlens_k_new : (batch + 1,) ints, optional: k, v packed (total_new, heads_kv, head_dim),
         sequence b appending rows cu_seqlens_k_new[b] .. cu_seqlens_k_new[b + 1] - 1
     rotary_seqlens : (batch,) ints, optional: where each sequence's rotary positions start
@@ -198,6 +201,8 @@ def kvcache_reference(
             cached = int(np.asarray(cache_seqlens)[b])
         start = 0 if cache_leftpad is None else int(np.asarray(cache_leftpad)[b])
         q_b = np.asarray(seq(q, b), np.float64)
+        if descale_q is not None:
+            q_b = q_b * np.repeat(_descale(descale_q, b, heads_kv), heads // heads_kv)[:, None]
         n_new = 0 if k is None else new_of(k, b).shape[0]
         dk, dv = _descale(descale_k, b, heads_kv), _descale(descale_v, b, heads_kv)
         rotary_start = cached if rotary_seqlens is None else int(np.asarray(rotary_seqlens)[b])

@@ -570,7 +570,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     has queries. ``pack_gqa`` is accepted and changes nothing (the decode kernel always packs the
     query heads of a KV head). ``sinks`` (SGLang's name; (heads,)) as for
     :func:`cuflash.attention_with_kvcache`. Raises NotImplementedError,
-    naming it, for q_descale, attention_chunk and sm_margin.
+    naming it, for attention_chunk and sm_margin. A float8_e4m3fn q over a float8_e4m3fn cache
+    takes ``q_descale`` (FP8 attention, bf16 out; no append or rotary).
     ``scheduler_metadata`` (cuflash.torch.vllm.get_scheduler_metadata's) is accepted and not read:
     cuflash's plan depends on the call's static arguments only.
 
@@ -582,8 +583,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     """
     check_tensors(_KVCACHE, (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_batch_idx, cache_leftpad,
                              page_table, cu_seqlens_q, sinks, rotary_seqlens, cu_seqlens_k_new), 3)
-    unsupported = {"q_descale": q_descale is not None,
-                   "attention_chunk": attention_chunk != 0, "sm_margin": sm_margin != 0}
+    unsupported = {"attention_chunk": attention_chunk != 0, "sm_margin": sm_margin != 0}
     for name, used in unsupported.items():
         if used:
             raise NotImplementedError(f"flash_attn_with_kvcache: cuflash does not support {name} yet")
@@ -612,9 +612,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                    page_table=page_table, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                    cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                    rotary_interleaved=rotary_interleaved, rotary_seqlens=rotary_seqlens,
-                   cu_seqlens_k_new=cu_seqlens_k_new, causal=causal,
-                   softmax_scale=softmax_scale, window=window_size, softcap=softcap, num_splits=num_splits, descale_k=k_descale,
-                   descale_v=v_descale, return_lse=return_softmax_lse, sinks=sinks)
+                   cu_seqlens_k_new=cu_seqlens_k_new, causal=causal, softmax_scale=softmax_scale, window=window_size,
+                   softcap=softcap, num_splits=num_splits, descale_k=k_descale, descale_v=v_descale,
+                   descale_q=q_descale, return_lse=return_softmax_lse, sinks=sinks)
 
 
 def _mla_with_kvcache(q, k_cache, v_cache, qv, cache_seqlens, page_table, softmax_scale, causal, num_splits,

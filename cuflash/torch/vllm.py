@@ -119,13 +119,14 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     ``alibi_slopes`` ((heads,) or (num_seqs, heads), float32), ``s_aux`` (gpt-oss's attention
     sinks, (heads,)) as cuflash's. An FP8 cache (float8_e4m3fn pools) takes ``k_descale`` and
     ``v_descale`` (num_seqs, heads_kv) float32 (vLLM's expanded per-layer scales are made
-    contiguous here). ``num_splits``: key splits of the decode kernel (0 chooses; the packed form
+    contiguous here), and a float8_e4m3fn q its ``q_descale`` (FP8 attention, bf16 out); packed
+    FP8 keys take FP8 queries, as cuflash.attention_varlen. ``num_splits``: key splits of the decode kernel (0 chooses; the packed form
     has none). ``scheduler_metadata``: get_scheduler_metadata's tensor, not read (see there).
     ``deterministic`` changes nothing: the forward is deterministic.
 
     Raises ValueError as vLLM does for cu_seqlens_k and seqused_k both or neither given and for a
     block_table without seqused_k; NotImplementedError for q_v, dropout_p > 0, return_attn_probs,
-    q_descale (FP8 queries), context parallelism (cp_world_size > 1) and fa_version 4.
+    context parallelism (cp_world_size > 1) and fa_version 4.
     """
     check_tensors(_VARLEN_TENSORS, (q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, out, s_aux,
                                      alibi_slopes, k_descale, v_descale), 3)
@@ -139,7 +140,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         raise NotImplementedError(f"fa_version: cuflash serves FlashAttention versions {SERVED_VERSIONS}, not "
                                   f"{fa_version!r}")
     refused = {"q_v": q_v is not None, "dropout_p": dropout_p != 0.0, "return_attn_probs": bool(return_attn_probs),
-               "q_descale": q_descale is not None, "cp_world_size": cp_world_size != 1,
+               "cp_world_size": cp_world_size != 1,
                "cp_tot_seqused_k": cp_tot_seqused_k is not None}
     for name, used in refused.items():
         if used:
@@ -153,18 +154,18 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         raise ValueError(f"window_size: expected (left, right), got {window_size!r}")
     else:
         window = (int(window_size[0]), int(window_size[1]))
-    k_descale, v_descale = (d.contiguous() if isinstance(d, torch.Tensor) else d for d in (k_descale, v_descale))
+    q_descale, k_descale, v_descale = (d.contiguous() if isinstance(d, torch.Tensor) else d
+                                       for d in (q_descale, k_descale, v_descale))
     options = dict(causal=causal, softmax_scale=softmax_scale, window=window, softcap=softcap,
                    return_lse=return_softmax_lse, out=out, sinks=s_aux, alibi_slopes=alibi_slopes)
     if seqused_k is not None:
         result = direct(cuflash.attention_with_kvcache, q, k, v, cache_seqlens=seqused_k, page_table=block_table,
-                         cu_seqlens_q=cu_seqlens_q, max_seqlen_q=int(max_seqlen_q), num_splits=num_splits,
-                         descale_k=k_descale, descale_v=v_descale, **options)
+                        cu_seqlens_q=cu_seqlens_q, max_seqlen_q=int(max_seqlen_q), num_splits=num_splits,
+                        descale_k=k_descale, descale_v=v_descale, descale_q=q_descale, **options)
     else:
-        if q.dtype != torch.float8_e4m3fn and (k_descale is not None or v_descale is not None):
-            raise NotImplementedError("k_descale, v_descale: cuflash takes FP8 packed keys with FP8 queries only")
         result = direct(cuflash.attention_varlen, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
-                         int(max_seqlen_k), validate=False, **options)
+                        int(max_seqlen_k), validate=False, descale_q=q_descale, descale_k=k_descale,
+                        descale_v=v_descale, **options)
     if out is None:
         return result
     # CPU tensors come back as new tensors over out's memory: answer with out itself, as vLLM's does.
