@@ -208,12 +208,17 @@ def attention_varlen_backward(
     dropout_p: float = 0.0,
     seed: int | None = None,
     offset: int = 0,
+    seqused_q: Any = None,
+    seqused_k: Any = None,
 ) -> tuple[Any, ...]:
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, arguments as there and as for
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
     reference path is deterministic whatever ``deterministic`` says. Where one side's sequences
     are all empty, the gradients are zero (or empty). With ``sinks``, also dsinks, float32
     (heads,), summed over the sequences. dropout_p, seed and offset those of the forward.
+    ``seqused_q`` / ``seqused_k`` those of the forward (FlashAttention-3's used prefixes): the
+    gradients of the used rows and keys, 0 past them; not with sinks, dropout or per-sequence
+    ALiBi slopes.
     """
     given = dq, dk, dv
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
@@ -228,7 +233,18 @@ def attention_varlen_backward(
     scale = checks.resolve_scale(softmax_scale, qt.shape[2])
     window, softcap = checks.resolve_window(window), checks.resolve_softcap(softcap)
     checks.check_backward_inputs(tensors, (qt.shape[1], qt.shape[0]), on_device)
-    bias = checks.NO_BIAS
+    if seqused_q is not None or seqused_k is not None:
+        lengths = checks.check_seqused(lengths, seqused_q, seqused_k, on_device, qt.device if on_device else None,
+                                       validate)
+        refused = {"sinks": sinks is not None, "dropout_p": dropout_p != 0.0,
+                   "alibi_slopes of shape (num_sequences, heads)": alibi_slopes is not None
+                   and len(getattr(alibi_slopes, "shape", ())) == 2}
+        for name, given in refused.items():
+            if given:
+                raise NotImplementedError(f"{name}: not taken with seqused_q / seqused_k in the backward")
+        # The used prefixes as sequences of their own (checks.used_prefix_sequences), after the
+        # checks of the call's own lengths.
+        lengths = checks.used_prefix_sequences(lengths, framework)
     if sinks is not None or alibi_slopes is not None:
         checked = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[1], lengths.batch,
                                            "num_sequences")

@@ -266,3 +266,47 @@ def test_seqused_torch():
     ref, _ = attention_varlen_reference(q.float().numpy(), k.float().numpy(), v.float().numpy(), cu_q.numpy(),
                                         cu_k.numpy(), used_q.numpy(), used_k.numpy(), causal=True)
     np.testing.assert_allclose(out.float().cpu().numpy(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (20, 5))])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_seqused_backward(causal, window, deterministic, rng):
+    """attention_varlen_backward with seqused_q / seqused_k (FlashAttention-3 trains with them):
+    into NaN-filled gradients, the used rows and keys of each sequence against the float64
+    backward of its used prefixes alone, 0 past them (a used length past the sequence counting as
+    all of it, as in the forward)."""
+    import math
+
+    import cupy as cp
+
+    import cuflash
+    from tests import gpu_reference as ref
+
+    lengths_q, lengths_k = [130, 0, 1, 300, 64, 9], [200, 17, 0, 300, 1, 40]
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, 8, 2, 128, "bfloat16", rng)
+    used_q = np.array([65, 0, 1, 0, 64, 100], np.int32)
+    used_k = np.array([200, 3, 0, 129, 0, 33], np.int32)
+    options = dict(causal=causal, window=window)
+    # validate=False: a used length past its sequence is refused by the checks of the values.
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, seqused_q=cp.asarray(used_q),
+                                        seqused_k=cp.asarray(used_k), validate=False, **options)
+    dout = ref.random_bshd((1, *out.shape), "bfloat16", rng)[0]
+    grads = [cp.full(x.shape, cp.nan, dtype=x.dtype) for x in (q, k, v)]
+    ref.poison_pool()
+    cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, dq=grads[0], dk=grads[1], dv=grads[2],
+                                      seqused_q=cp.asarray(used_q), seqused_k=cp.asarray(used_k),
+                                      deterministic=deterministic, validate=False, **options)
+    q64, k64, v64, do64 = (ref.as_float64(x) for x in (q, k, v, dout))
+    exact = [cp.zeros(x.shape) for x in (q, k, v)]
+    lowp = [cp.zeros(x.shape) for x in (q, k, v)]
+    host_q, host_k = cu_q.get(), cu_k.get()
+    for b in range(len(lengths_q)):
+        nq, nk = min(used_q[b], lengths_q[b]), min(used_k[b], lengths_k[b])
+        rows, keys = slice(host_q[b], host_q[b] + nq), slice(host_k[b], host_k[b] + nk)
+        if nq and nk:
+            for target, precision in ((exact, {}), (lowp, {"lowp": "bfloat16"})):
+                g = ref.attention_backward(q64[None, rows], k64[None, keys], v64[None, keys], do64[None, rows],
+                                           scale=1 / math.sqrt(128), **options, **precision)
+                target[0][rows], target[1][keys], target[2][keys] = g[0][0], g[1][0], g[2][0]
+    for name, got, e, lp in zip(("dq", "dk", "dv"), grads, exact, lowp):
+        ref.check_rule(name, got, e, lp, "bfloat16")

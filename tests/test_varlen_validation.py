@@ -183,15 +183,50 @@ def test_seqused_bad_inputs(change, error, words):
         cuflash.attention_varlen(q, k, v, cu_q, cu_k, **change)
 
 
-def test_seqused_torch_cpu_forward_only():
+@pytest.mark.parametrize("causal, window", [(False, (-1, -1)), (True, (-1, -1)), (False, (2, 1))])
+def test_seqused_backward_on_the_host_path(causal, window):
+    """The backward with seqused_q / seqused_k: each sequence's used rows and keys get the
+    gradients of attention over its used prefixes alone (masks aligned against them), 0 past
+    them."""
+    q, k, v, cu_q, cu_k = _packed(dtype=np.float64)  # lengths q (5, 0, 9), k (7, 3, 2)
+    used_q, used_k = np.array([3, 0, 9], np.int32), np.array([6, 1, 2], np.int32)
+    dout = np.random.default_rng(3).standard_normal(q.shape)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, causal=causal, window=window, return_lse=True,
+                                        seqused_q=used_q, seqused_k=used_k, validate=False)
+    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal=causal, window=window,
+                                                   seqused_q=used_q, seqused_k=used_k, validate=False)
+    expected = [np.zeros_like(x) for x in (q, k, v)]
+    for rows, keys in ((slice(0, 3), slice(0, 6)), (slice(5, 5), slice(7, 8)), (slice(5, 14), slice(10, 12))):
+        if rows.stop > rows.start and keys.stop > keys.start:
+            grads = reference.attention_backward_reference(dout[None, rows], q[None, rows], k[None, keys],
+                                                           v[None, keys], causal=causal, window=window)
+            for e, g, part in zip(expected, grads, (rows, keys, keys)):
+                e[part] = g[0]
+    for got, want in zip((dq, dk, dv), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-10)
+    with pytest.raises(NotImplementedError, match="sinks: not taken with seqused_q"):
+        cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, seqused_q=used_q,
+                                          sinks=np.zeros(4, np.float32))
+
+
+def test_seqused_torch_cpu_forward_and_backward():
     torch = pytest.importorskip("torch")
     from cuflash.torch import flash_attn_varlen_func
 
     q, k, v, cu_q, cu_k = (torch.from_numpy(x) for x in _packed(dtype=np.float64))
     used_q, used_k = torch.tensor([2, 0, 9], dtype=torch.int32), torch.tensor([7, 3, 1], dtype=torch.int32)
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 7, causal=True, seqused_q=used_q, seqused_k=used_k)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_varlen_func(*leaves, cu_q, cu_k, 9, 7, causal=True, seqused_q=used_q, seqused_k=used_k)
     ref_out, _ = reference.attention_varlen_reference(*(x.numpy() for x in (q, k, v, cu_q, cu_k)), used_q.numpy(),
                                                       used_k.numpy(), causal=True)
-    np.testing.assert_allclose(out.numpy(), ref_out, rtol=1e-12, atol=1e-12)
-    with pytest.raises(NotImplementedError, match="seqused"):
-        flash_attn_varlen_func(q.requires_grad_(), k, v, cu_q, cu_k, 9, 7, seqused_q=used_q)
+    np.testing.assert_allclose(out.detach().numpy(), ref_out, rtol=1e-12, atol=1e-12)
+    dout = torch.randn_like(out, dtype=torch.float64)
+    grads = torch.autograd.grad(out, leaves, dout)
+    # Against autograd through the reference of the used prefixes, sequence by sequence.
+    for rows, keys in ((slice(0, 2), slice(0, 7)), (slice(5, 5), slice(7, 10)), (slice(5, 14), slice(10, 11))):
+        if rows.stop > rows.start and keys.stop > keys.start:
+            want = reference.attention_backward_reference(dout[None, rows].numpy(), q[None, rows].numpy(),
+                                                          k[None, keys].numpy(), v[None, keys].numpy(), causal=True)
+            for got, w, part in zip(grads, want, (rows, keys, keys)):
+                np.testing.assert_allclose(got[part].numpy(), w[0], rtol=1e-10, atol=1e-10)
+    assert (grads[0][2:5] == 0).all() and (grads[1][11:] == 0).all()

@@ -694,6 +694,53 @@ def check_seqused(lengths: Lengths, seqused_q: Any, seqused_k: Any, on_device: b
     return lengths._replace(used_q=used_q, used_k=used_k, device_used_q=device_q, device_used_k=device_k)
 
 
+def used_prefix_sequences(lengths: Lengths, framework: str) -> Lengths:
+    """The backward of a packed batch with seqused_q / seqused_k as that of a packed batch without
+    them, of three sequences per sequence: its used queries against its used keys (the masks
+    aligned against the used lengths, as the forward's), its other queries against no key, and its
+    other keys against no query. The last two give zero gradients, so the gradients are those of
+    the used prefixes, 0 elsewhere. A used length past its sequence's counts as all of it, as in
+    the forward. The new cumulative lengths are computed from the host copies where there are any,
+    and from the GPU arrays by their framework on its current stream (no synchronisation)."""
+    sides = {"q": (lengths.host_q, lengths.device_q, lengths.used_q, lengths.device_used_q),
+             "k": (lengths.host_k, lengths.device_k, lengths.used_k, lengths.device_used_k)}
+    found = {}
+    for side, (host, device, used_host, used_device) in sides.items():
+        new_host = new_device = None
+        if host is not None and (used_host is not None or used_device is None):
+            new_host = _three_per_sequence(np, host, used_host, side == "q")
+        if device is not None:
+            xp = _array_module(framework)
+            used = used_device.native if used_device is not None else None
+            new_device = interop.describe(_three_per_sequence(xp, device.native, used, side == "q"), framework,
+                                          f"cu_seqlens_{side}")
+        found[side] = (new_host, new_device)
+    (host_q, device_q), (host_k, device_k) = found["q"], found["k"]
+    return Lengths(host_q, host_k, device_q, device_k, 3 * lengths.batch, lengths.max_seqlen_q, lengths.max_seqlen_k)
+
+
+def _three_per_sequence(xp, cu, used, queries: bool):
+    """used_prefix_sequences' cumulative lengths of one side, in array module ``xp``: queries
+    [begin, middle) (with the used keys), [middle, end) (with no key), then none; keys [begin,
+    middle) (with the used queries), none, then [middle, end) (with no query)."""
+    begin, end = cu[:-1], cu[1:]
+    sizes = end - begin
+    middle = begin + (xp.maximum(xp.minimum(used, sizes), sizes * 0) if used is not None else sizes)
+    parts = (begin, middle, end) if queries else (begin, middle, middle)
+    return xp.concatenate([xp.stack(parts, 1).reshape(-1), cu[-1:]])
+
+
+def _array_module(framework: str):
+    """The module whose functions act on ``framework``'s arrays (torch or CuPy)."""
+    if framework == "torch":
+        import torch
+
+        return torch
+    import cupy
+
+    return cupy
+
+
 def check_varlen_grid(lengths: Lengths) -> None:
     """The sequences index grid.y or grid.z, and causal grids put the query blocks in grid.z."""
     if lengths.batch > dispatch.MAX_GRID_YZ:

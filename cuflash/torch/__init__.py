@@ -108,12 +108,12 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
     return _output_like(q, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
-# The used prefix of each packed sequence (seqused_q, seqused_k): forward only, no autograd.
+# The used prefix of each packed sequence (seqused_q, seqused_k), FlashAttention-3's.
 def _attention_varlen_used_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                    cu_seqlens_k: torch.Tensor, seqused_q: Optional[torch.Tensor],
                                    seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
                                    causal: bool, softmax_scale: float, window_left: int, window_right: int,
-                                   softcap: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                   softcap: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return cuflash.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                     softmax_scale=softmax_scale, window=(window_left, window_right), softcap=softcap,
                                     return_lse=True, seqused_q=seqused_q, seqused_k=seqused_k)
@@ -124,8 +124,30 @@ _varlen_used_forward = _op("cuflash::attention_varlen_used_forward", _attention_
 
 @_varlen_used_forward.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-      window_left, window_right, softcap):
+      window_left, window_right, softcap, deterministic):
     return _output_like(q, v), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _attention_varlen_used_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                    out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                    cu_seqlens_k: torch.Tensor, seqused_q: Optional[torch.Tensor],
+                                    seqused_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int,
+                                    causal: bool, softmax_scale: float, window_left: int, window_right: int,
+                                    softcap: float, deterministic: bool
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+                                             window=(window_left, window_right), softcap=softcap,
+                                             deterministic=deterministic, seqused_q=seqused_q, seqused_k=seqused_k)
+
+
+_varlen_used_backward = _op("cuflash::attention_varlen_used_backward", _attention_varlen_used_backward)
+
+
+@_varlen_used_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, causal,
+      softmax_scale, window_left, window_right, softcap, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _attention_varlen_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -268,6 +290,7 @@ def _register_autograd(forward, backward, tensor_inputs: int, sinks_input: int |
 
 _register_autograd(_forward, _backward, tensor_inputs=3)
 _register_autograd(_varlen_forward, _varlen_backward, tensor_inputs=5)
+_register_autograd(_varlen_used_forward, _varlen_used_backward, tensor_inputs=7)
 _register_autograd(_biased_forward, _biased_backward, tensor_inputs=5, sinks_input=3)
 _register_autograd(_varlen_biased_forward, _varlen_biased_backward, tensor_inputs=7, sinks_input=5)
 
@@ -437,7 +460,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     Omitted ``max_seqlen_*`` are read from the lengths (a device-to-host copy, and a graph break
     under torch.compile). Gradients through :func:`cuflash.attention_varlen_backward`.
     ``seqused_q`` / ``seqused_k`` (int32 (batch,)): the used prefix of each sequence, as for
-    :func:`cuflash.attention_varlen`; forward only (NotImplementedError where a gradient is wanted).
+    :func:`cuflash.attention_varlen`, differentiable (gradients 0 past the prefixes).
     ``sinks`` and ``alibi_slopes`` ((heads,) or (num_sequences, heads)) and ``dropout_p`` as for
     :func:`attention`, not with seqused_q / seqused_k.
     """
@@ -452,13 +475,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         if biased:
             raise NotImplementedError("attention_varlen: sinks and alibi_slopes are not taken with seqused_q / "
                                       "seqused_k yet")
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            raise NotImplementedError("attention_varlen: no backward with seqused_q / seqused_k yet; run it under "
-                                      "torch.no_grad() or on tensors that do not require grad")
-        causal, scale, left, right, softcap, _ = _flags_and_options(q, causal, softmax_scale, window, softcap,
-                                                                     deterministic)
         out, _ = _varlen_used_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-                                      max_seqlen_k, causal, scale, left, right, softcap)
+                                      max_seqlen_k, *_flags_and_options(q, causal, softmax_scale, window, softcap,
+                                                                        deterministic))
         return out
     options = _flags_and_options(q, causal, softmax_scale, window, softcap, deterministic)
     if dropout_p:
