@@ -239,12 +239,13 @@ def attention_varlen_backward(
         refused = {"sinks": sinks is not None, "dropout_p": dropout_p != 0.0,
                    "alibi_slopes of shape (num_sequences, heads)": alibi_slopes is not None
                    and len(getattr(alibi_slopes, "shape", ())) == 2}
-        for name, given in refused.items():
-            if given:
+        for name, taken in refused.items():
+            if taken:
                 raise NotImplementedError(f"{name}: not taken with seqused_q / seqused_k in the backward")
         # The used prefixes as sequences of their own (checks.used_prefix_sequences), after the
         # checks of the call's own lengths.
         lengths = checks.used_prefix_sequences(lengths, framework)
+    bias = checks.NO_BIAS
     if sinks is not None or alibi_slopes is not None:
         checked = checks.check_sinks_alibi(sinks, alibi_slopes, framework, qt, qt.shape[1], lengths.batch,
                                            "num_sequences")

@@ -1,7 +1,7 @@
 """``python -m cuflash``: the environment report and self-check, ``bench`` and ``compile-check``.
 
 The help texts below are what a user reads in a terminal: plain sentences, no source paths. The
-bench modes live in cuflash/bench/ (attention.py, decode.py, mla.py, ring.py, bias.py), the compile
+bench modes live in cuflash/bench/ (attention.py, decode.py, mla.py, ring.py, bias.py, serving.py), the compile
 check in cuflash/cli/compile_check.py.
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 import cuflash
 from cuflash.bench import attention as bench_module
 from cuflash.bench import bias as bench_bias, decode as bench_decode, mla as bench_mla, ring as bench_ring
+from cuflash.bench import serving as bench_serving
 from cuflash.cli import compile_check
 from cuflash._core import dispatch, kernels, nvrtc
 from cuflash._cpu import reference
@@ -193,6 +194,7 @@ examples:
   python -m cuflash bench --mode mla --quick      MLA decoding, in GB/s and TFLOP/s
   python -m cuflash bench --mode ring             context parallelism over every GPU (2 or more)
   python -m cuflash bench --mode bias --quick     attention sinks and ALiBi on gpt-oss's shapes
+  python -m cuflash bench --mode serving --quick  vLLM's mixed batch and a shared prefix (cascade)
   python -m cuflash bench --memory                peak memory and modelled memory traffic
   python -m cuflash compile-check --arch sm_90a   compile every kernel for Hopper, no GPU needed
   python -m cuflash compile-check --front-end     only whether NVRTC takes the sources
@@ -204,7 +206,8 @@ Time cuflash on this GPU next to its peers, in the same run: torch SDPA's backen
 (FlashAttention-2, cuDNN, memory-efficient) and standard attention, cuDNN's FP8 attention for
 --dtype e4m3 (each peer where it is installed); decoding next to SDPA and the copy rate, MLA next
 to the copy and matmul rates, the ring next to one GPU, attention sinks and ALiBi next to cuflash
-without them, SDPA and torch's eager gpt-oss formula. Prints the table and writes it, with every
+without them, SDPA and torch's eager gpt-oss formula, vLLM's mixed batch next to split calls and
+SDPA per sequence, a shared prefix merged next to reading it per sequence. Prints the table and writes it, with every
 number, to --out as <gpu>-<mode>.md and .json (and a .png plot where matplotlib is installed),
 each headed by the command that regenerates it."""
 
@@ -218,6 +221,7 @@ examples:
   python -m cuflash bench --mode mla --quick
   python -m cuflash bench --mode ring --ranks 2 --seqlens 131072
   python -m cuflash bench --mode bias --quick
+  python -m cuflash bench --mode serving --quick
   python -m cuflash bench --memory"""
 
 CHECK_DESCRIPTION = """\
@@ -265,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="e.g. '64,128,256', or q/k and v pairs like '192/128' (default: 64 128 256)")
     bench.add_argument("--seqlens", type=_positive_ints, help="e.g. '1024 4096' (default: 512 .. 16384)")
     bench.add_argument("--causal", choices=["both", "no", "yes"], default="both")
-    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode", "mla", "ring", "bias"], default="fwd",
+    bench.add_argument("--mode", choices=[*bench_module.MODES, "decode", "mla", "ring", "bias", "serving"],
+                       default="fwd",
                        help="what one timed call does: forward, backward (forward run untimed) or both; or decode: "
                             "a decoding step against a KV cache, in GB/s (its own sweep, --batches, --contexts); or "
                             "mla: an MLA decoding step (cuflash.mla_decode) over a paged latent cache, in GB/s and "
@@ -273,7 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "--ranks GPUs next to one GPU, --seqlens the whole sequence's tokens; or bias: cuflash "
                             "with attention sinks and with ALiBi next to cuflash without them and the peers, on "
                             "gpt-oss's shapes (64/8 heads, head_dim 64, 4k to 32k tokens), forward, backward and "
-                            "decode (its own sweep, needs torch)")
+                            "decode (its own sweep, needs torch); or serving: vLLM's mixed batch in one call next to "
+                            "split calls and SDPA per sequence, and decodes over a shared prefix merged (cascade) "
+                            "next to reading it per sequence (its own sweep, needs torch)")
     bench.add_argument("--family", choices=["auto", *dispatch.FAMILIES], default="auto",
                        help="cuflash kernel family (sm90 runs sm80's kernels for tensors no tensor map describes; "
                             "the compilation notes name each kernel)")
@@ -303,12 +310,12 @@ def mode_conflict(args: argparse.Namespace) -> str | None:
     given = [option for option, value in (("--memory", args.memory), ("--head-dims", args.head_dims),
                                           ("--seqlens", args.seqlens), ("--batches", args.batches),
                                           ("--contexts", args.contexts), ("--eager", args.eager)) if value]
-    if args.mode == "bias":  # gpt-oss's shapes in bf16, every implementation: only --quick and --eager shape it
+    if args.mode in ("bias", "serving"):  # fixed shapes in bf16, every implementation: --quick and --eager only
         misplaced = [o for o in given if o != "--eager"] + [
             o for o, value in (("--dtype", args.dtype != "bfloat16"), ("--causal", args.causal != "both"),
                                ("--impls", args.impls != list(bench_module.IMPLEMENTATIONS)),
                                ("--ranks", args.ranks)) if value]
-        return f"{', '.join(misplaced)} do not apply to --mode bias" if misplaced else None
+        return f"{', '.join(misplaced)} do not apply to --mode {args.mode}" if misplaced else None
     wrong = [o for o in given if (o in ("--batches", "--contexts", "--eager")) != decode]
     if wrong:
         return f"{', '.join(wrong)} {'do not apply to' if decode else 'only apply to'} --mode decode and mla"
@@ -333,14 +340,15 @@ def bench_decode_sweep(args: argparse.Namespace, command: str, out: Path) -> int
     return 0
 
 
-def bench_bias_sweep(args: argparse.Namespace, command: str, out: Path) -> int:
+def bench_torch_sweep(module, args: argparse.Namespace, command: str, out: Path) -> int:
+    """The bias and serving modes: their own sweeps of torch inputs (SDPA among the peers)."""
     if not bench_decode.torch_gpu():
-        print("python -m cuflash bench --mode bias: needs torch with CUDA (the inputs, SDPA and the eager formula "
-              "are torch's)", file=sys.stderr)
+        print(f"python -m cuflash bench --mode {args.mode}: needs torch with CUDA (the inputs and peers are "
+              f"torch's)", file=sys.stderr)
         return 2
-    report = bench_bias.run_sweep(bench_bias.sweep(args.quick), args.repeats, command, eager=args.eager)
-    print(bench_bias.markdown_document(report))
-    for line in bench_bias.write_outputs(report, out):
+    report = module.run_sweep(module.sweep(args.quick), args.repeats, command, eager=args.eager)
+    print(module.markdown_document(report))
+    for line in module.write_outputs(report, out):
         print(line)
     return 0
 
@@ -378,8 +386,8 @@ def bench(args: argparse.Namespace, argv: list[str]) -> int:
         return bench_decode_sweep(args, command, out)
     if args.mode == "ring":
         return bench_ring_sweep(args, command, out)
-    if args.mode == "bias":
-        return bench_bias_sweep(args, command, out)
+    if args.mode in ("bias", "serving"):
+        return bench_torch_sweep(bench_bias if args.mode == "bias" else bench_serving, args, command, out)
     if args.mode == "mla":
         report = bench_mla.run_sweep(bench_mla.sweep(args.quick, args.batches, args.contexts), args.dtype,
                                      repeats=args.repeats, command=command, eager=args.eager)
