@@ -160,7 +160,8 @@ def test_kvcache():
     variants = {"tensors": arrays, "batch": [3], "max_seqlen_q": [2], "heads": [16], "heads_kv": [1], "head_dim": [128],
                 "page_size": [32], "capacity": [256], "seqlen_new": [0], "varlen": [True], "cache_seqlens": [None, 5],
                 "rotary_dim": [64], "rotary_interleaved": [True], "rotary_per_row": [False], "num_splits": [1, 3],
-                "descale_k": [1.0, descale], "descale_v": [0.5, descale], **options(base)}
+                "descale_k": [1.0, descale], "descale_v": [0.5, descale], "descale_q": [0.5, descale],
+                **options(base)}
     assert_keyed(base, variants, launch_only=("framework", "host", "return_lse"))
     assert base._replace(framework="torch", return_lse=True).plan_key() == base.plan_key()
     scalars = base._replace(cache_seqlens=5, descale_k=0.5, descale_v=descale)
