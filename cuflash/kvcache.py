@@ -14,7 +14,7 @@ from typing import Any
 from cuflash._core import checks, interop, kvcache_gpu
 from cuflash._cpu import numpy_path
 
-__all__ = ["attention_with_kvcache", "combine"]
+__all__ = ["attention_with_kvcache", "combine", "merge_states"]
 
 
 def attention_with_kvcache(
@@ -200,3 +200,45 @@ def combine(out_partial: Any, lse_partial: Any, *, out_dtype: Any = None, return
         return numpy_path.combine(call)
     return kvcache_gpu.combine(call)
 
+
+def merge_states(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any, *, out: Any = None, out_lse: Any = None,
+                 return_lse: bool = False) -> Any:
+    """Merge two partial attention results over disjoint key sets through their LSEs (cascade
+    attention: a shared prefix attended once for many queries, then merged with each query's own
+    suffix; vLLM's ``merge_attn_states``, FlashInfer's ``merge_state``):
+    ``lse = log(exp(lse_a) + exp(lse_b))``, ``out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * out_b``.
+
+    Parameters
+    ----------
+    out_a, out_b : arrays (..., heads, head_dim), one shape and dtype (float32, bfloat16, float16;
+        NumPy float64 too), last dimension contiguous, the dimensions before heads collapsible to
+        one (any strides otherwise); on the GPU head_dim a multiple of 8 and the rows 16-byte
+        aligned.
+    lse_a, lse_b : float32 arrays of out_a's shape without head_dim (natural log), any strides
+        whose leading dimensions collapse: the LSEs cuflash returns fit as views, attention's
+        (batch, heads, seqlen) as ``lse.transpose(0, 2, 1)`` (torch: ``.transpose(1, 2)``) for out
+        (batch, seqlen, heads, head_dim), the packed (heads, total) as ``lse.T``. A part whose LSE
+        is -inf (it saw no key) is ignored, its output not read; +inf counts as -inf (vLLM's rule).
+    out, out_lse : arrays, optional
+        Written with the result instead of new arrays: out like out_a, out_lse like lse_a (any
+        strides as they take). out may be out_a or out_b itself (each element is read before it is
+        written).
+    return_lse : bool
+        Also return the merged lse (out_lse when given).
+
+    Returns
+    -------
+    out, or (out, lse), in the caller's framework. A row whose two LSEs are -inf gives out 0 and
+    lse -inf.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Every bad argument, naming it, before anything is launched.
+    """
+    call = checks.check_merge({"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b, "out": out,
+                               "out_lse": out_lse}, return_lse or out_lse is not None)
+    result = numpy_path.merge_states(call) if call.framework == "numpy" else kvcache_gpu.merge_states(call)
+    if return_lse:
+        return result
+    return result[0] if out_lse is not None else result

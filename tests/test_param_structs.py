@@ -23,6 +23,7 @@ STRUCTS = {
     "ConvertParams": (params.CONVERT_PARAMS, params.CONVERT_PARAMS_SIZE),
     "KvParams": (params.KV_PARAMS, params.KV_PARAMS_SIZE),
     "CombineParams": (params.COMBINE_PARAMS, params.COMBINE_PARAMS_SIZE),
+    "MergeParams": (params.MERGE_PARAMS, params.MERGE_PARAMS_SIZE),
     "MlaParams": (params.MLA_PARAMS, params.MLA_PARAMS_SIZE),
     "MlaParamsTma": (params.MLA_PARAMS_TMA, params.MLA_PARAMS_TMA_SIZE),
     "QuantizeArgs": (params.QUANTIZE_ARGS, params.QUANTIZE_ARGS_SIZE),

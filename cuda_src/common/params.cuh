@@ -250,6 +250,28 @@ struct CombineParams {
 };
 static_assert(sizeof(CombineParams) == 176, "params.py COMBINE_PARAMS mirrors CombineParams");
 
+// merge_states's (generic/merge_states.cu): two partial results over disjoint key sets merged
+// through their LSEs. Each tensor is (outer, inner, heads[, head_dim]) at its own strides in
+// elements (row r is (r / inner_rows, r % inner_rows)), so that (batch, seqlen, heads) views of
+// (batch, heads, seqlen) LSEs serve as they are. Mirrored by MERGE_PARAMS in
+// cuflash/_core/params.py.
+struct MergeParams {
+  const void* out_a;
+  const float* lse_a;
+  const void* out_b;
+  const float* lse_b;
+  void* out;
+  float* lse;  // null: not wanted
+  i64 oa_outer_stride, oa_inner_stride, oa_head_stride;
+  i64 ob_outer_stride, ob_inner_stride, ob_head_stride;
+  i64 o_outer_stride, o_inner_stride, o_head_stride;
+  i64 la_outer_stride, la_inner_stride, la_head_stride;
+  i64 lb_outer_stride, lb_inner_stride, lb_head_stride;
+  i64 l_outer_stride, l_inner_stride, l_head_stride;
+  int rows, inner_rows, heads, head_dim;
+};
+static_assert(sizeof(MergeParams) == 208, "params.py MERGE_PARAMS mirrors MergeParams");
+
 // MLA decoding (common/mla_decode.cuh). Mirrored by MLA_PARAMS in cuflash/_core/params.py.
 struct MlaParams {
   // Pointers first (params.py MLA_POINTERS fills them per call).

@@ -1379,6 +1379,97 @@ def check_combine(out_partial: Any, lse_partial: Any, out_dtype: Any, return_lse
     return CombineCall(kind, o, l, name, resolve_flag("return_lse", return_lse))
 
 
+class MergeCall(NamedTuple):
+    """A checked merge_states call: DeviceTensors (GPU) or NumPy arrays, by argument name (out_a,
+    lse_a, out_b, lse_b, and out, out_lse where given); every one seen as (outer, inner, heads[,
+    head_dim]) (merge_rows), rows = outer x inner."""
+
+    framework: str
+    tensors: dict
+    rows: int
+    inner_rows: int
+    heads: int
+    head_dim: int
+    return_lse: bool
+
+    def plan_key(self) -> tuple:
+        """Everything plan.build_merge reads but pointers."""
+        t = self.tensors
+        return ("merge_states", *(_layout(t.get(name)) for name in MERGE_ARRAYS), self.rows, self.inner_rows,
+                self.heads, self.head_dim)
+
+
+# MergeCall.tensors' names, in the order MergePlan.launch takes their pointers.
+MERGE_ARRAYS = ("out_a", "lse_a", "out_b", "lse_b", "out", "out_lse")
+
+
+def merge_rows(name: str, t) -> tuple[int, int, int]:
+    """(outer, inner, head) strides in elements of ``t`` seen as (outer, inner, heads[,
+    head_dim]): inner is its last dimension before heads, outer the ones before it, which must
+    collapse into one (each stride the next one's times its extent; dimensions of extent 1 take
+    any), so that (batch, seqlen, heads) views of (batch, heads, seqlen) LSEs serve as they are."""
+    lead = 2 if name in ("lse_a", "lse_b", "out_lse") else 3
+    shape, strides = tuple(t.shape), element_strides(t)
+    heads_at = len(shape) - lead + 1
+    if heads_at == 0:
+        return 0, 0, strides[0]
+    kept = [(n, s) for n, s in zip(shape[:heads_at - 1], strides) if n != 1]
+    for (_, s_outer), (n_inner, s_inner) in zip(kept, kept[1:]):
+        if s_outer != s_inner * n_inner:
+            raise ValueError(f"{name}: the dimensions before its last two ({shape[:heads_at - 1]}) must collapse "
+                             f"into one (strides {strides})")
+    return (kept[-1][1] if kept else 0), strides[heads_at - 1], strides[heads_at]
+
+
+def check_merge(arrays: dict, return_lse: Any) -> MergeCall:
+    """merge_states's arrays by name (out and out_lse None where not given): out_a and out_b
+    (..., heads, head_dim) of one shape and dtype (float32, bfloat16, float16; NumPy float64 too),
+    last dimension contiguous; lse_a, lse_b float32 of that shape without head_dim, any strides;
+    out like out_a, out_lse like the LSEs; one side, one device; rows as merge_rows sees them. On
+    the GPU head_dim is a multiple of 8 and the outputs' rows 16-byte aligned (16-byte loads)."""
+    given = {name: x for name, x in arrays.items() if x is not None}
+    kind = framework(given, "out_a")
+    on_device = kind != "numpy"
+    t = {name: interop.describe(x, interop.framework_of(x, name), name) if on_device else x
+         for name, x in given.items()}
+    a = t["out_a"]
+    if a.ndim < 2:
+        raise ValueError(f"out_a: expected (..., heads, head_dim), got shape {tuple(a.shape)}")
+    allowed = ("float32", "bfloat16", "float16") + (() if on_device else ("float64",))
+    if dtype_name(a) not in allowed:
+        raise TypeError(f"out_a: expected one of {', '.join(allowed)}, got {dtype_name(a)}")
+    lse_shape = tuple(a.shape[:-1])
+    _check_like("out_b", t["out_b"], tuple(a.shape), a, on_device)
+    if "out" in t:
+        check_out("out", t["out"], tuple(a.shape), a, on_device)
+    if 0 not in a.shape and element_strides(a)[-1] != 1:
+        raise ValueError("out_a: the last (head_dim) dimension must be contiguous")
+    for name in ("lse_a", "lse_b", "out_lse"):
+        if name not in t:
+            continue
+        x = t[name]
+        if dtype_name(x) != "float32":
+            raise TypeError(f"{name}: expected float32, got {dtype_name(x)}")
+        if tuple(x.shape) != lse_shape:
+            raise ValueError(f"{name}: expected shape {lse_shape} (out_a's without head_dim), got {tuple(x.shape)}")
+        if on_device and x.device != a.device:
+            raise ValueError(f"{name}: on device {x.device}, but out_a is on device {a.device}")
+    if "out_lse" in t:
+        check_writable("out_lse", t["out_lse"])
+    heads, head_dim = a.shape[-2], a.shape[-1]
+    if on_device:
+        if head_dim % 8 or head_dim > 1024:
+            raise ValueError(f"out_a: head_dim must be a multiple of 8 and at most 1024 on the GPU, got {head_dim}")
+        for name in ("out_a", "out_b", "out"):
+            if name in t and not t[name].aligned_16:
+                raise ValueError(f"{name}: data pointer and strides must be 16-byte aligned (16-byte loads)")
+    for name, x in t.items():
+        merge_rows(name, x)
+    rows = math.prod(a.shape[:-2])
+    inner_rows = a.shape[-3] if a.ndim > 2 else 1
+    return MergeCall(kind, t, rows, inner_rows, heads, head_dim, resolve_flag("return_lse", return_lse))
+
+
 # MLA decoding (mla.py).
 
 class MlaCall(NamedTuple):

@@ -827,6 +827,7 @@ def kvcache_all_kernels() -> list[KernelChoice]:
     found = [k for dtype in ELEMENT_TYPES for cache in (dtype, *FP8_TYPES) for bucket in KV_BUCKETS
              for k in kvcache_kernels(dtype, bucket, cache)]
     found += [combine_kernel(out_dtype) for out_dtype in COMBINE_TYPES]
+    found += [merge_kernel(dtype) for dtype in MERGE_ROWS]
     # The forward over the cache; sm80's softcap kernels take every mask (_mask_flags).
     found += [kvcache_prefill_kernel(dtype, bucket, Mask(mask, -1, -1, float(softcap))) for bucket in HEAD_DIM_BUCKETS
               for dtype in ELEMENT_TYPES for mask in MASKS for softcap in (False, True)]
@@ -861,6 +862,22 @@ def kvcache_splits(requested: int, batch: int, heads_kv: int, row_tiles: int, ca
     candidates = range(1, max(1, min(capacity // min_split_keys, KV_MAX_SPLITS)) + 1)
     full = [s for s in candidates if efficiency(s) >= KV_WAVE_EFFICIENCY]
     return full[0] if full else max(candidates, key=efficiency)
+
+
+# merge_states (generic/merge_states.cu): a warp per (row, head), MERGE_WARPS per CTA.
+MERGE_SOURCE = "generic/merge_states.cu"
+MERGE_WARPS = 4
+MERGE_ROWS = {"float32": "cuflash::Row8F32", "float16": "cuflash::Row8<cuflash::f16>",
+              "bfloat16": "cuflash::Row8<cuflash::bf16>"}
+
+
+def merge_kernel(dtype: str) -> KernelChoice:
+    return KernelChoice("sm80", MERGE_SOURCE, f"cuflash::merge_states<{MERGE_ROWS[dtype]}>", MERGE_WARPS * 32, 0)
+
+
+def merge_grid(items: int) -> tuple[int, int, int]:
+    """merge_states's grid over ``items`` (row, head) pairs."""
+    return (max(1, -(-items // MERGE_WARPS)), 1, 1)
 
 
 def kv_combine_grid(rows: int) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from cuflash._core import checks, interop, plan
 
-__all__ = ["attention_with_kvcache", "attention_with_kvcache_checked", "combine"]
+__all__ = ["attention_with_kvcache", "attention_with_kvcache_checked", "combine", "merge_states"]
 
 # The pointers of KvCachePlan.launch by argument name: the arrays, then the descales'.
 _POINTERS = (*checks.KV_ARRAYS, "descale_k", "descale_v", "descale_q")
@@ -114,6 +114,19 @@ def combine(call: checks.CombineCall) -> Any:
     out, lse = plan.run(None, call.out_partial.device, _combine_operands, (call,), plan.build_combine, call.framework,
                         (), (None,), (None,), call.return_lse)
     return (out, lse) if call.return_lse else out
+
+
+def merge_states(call: checks.MergeCall) -> Any:
+    t = call.tensors
+    given = tuple(t[name].native if name in t else None for name in ("out", "out_lse"))
+    out, lse = plan.run(None, t["out_a"].device, _merge_operands, (call,), plan.build_merge, call.framework, (),
+                        given, (t.get("out"), t.get("out_lse")), call.return_lse)
+    return (out, lse) if call.return_lse else out
+
+
+def _merge_operands(call: checks.MergeCall):
+    t = call.tensors
+    return call, tuple(t[name] for name in ("out_a", "lse_a", "out_b", "lse_b")), True
 
 
 def _combine_operands(call: checks.CombineCall):

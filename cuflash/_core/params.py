@@ -409,6 +409,25 @@ def pack_combine_params(op: tuple, lp: tuple, o: tuple, lse: tuple, splits: int,
                     dtype=COMBINE_PARAMS)
 
 
+# cuda_src/common/params.cuh: MergeParams (merge_states).
+MERGE_POINTERS = ("out_a", "lse_a", "out_b", "lse_b", "out", "lse")
+MERGE_STRIDED = ("oa", "ob", "o", "la", "lb", "l")
+MERGE_PARAMS = np.dtype(
+    [(name, np.uint64) for name in MERGE_POINTERS]
+    + [(f"{t}_{s}_stride", np.int64) for t in MERGE_STRIDED for s in ("outer", "inner", "head")]
+    + [(name, np.int32) for name in ("rows", "inner_rows", "heads", "head_dim")],
+    align=True,
+)
+MERGE_PARAMS_SIZE = 208  # sizeof(MergeParams)
+
+
+def pack_merge_params(strides: dict, rows: int, inner_rows: int, heads: int, head_dim: int) -> np.ndarray:
+    """One MergeParams with null pointers: ``strides`` maps each of MERGE_STRIDED to its (outer,
+    inner, head) element strides."""
+    return np.array([(*(0,) * len(MERGE_POINTERS), *(s for t in MERGE_STRIDED for s in strides[t]), rows,
+                      inner_rows, heads, head_dim)], dtype=MERGE_PARAMS)
+
+
 # cuda_src/common/params.cuh: MlaParams (MLA decoding).
 MLA_POINTERS = ("q", "kv_cache", "out", "lse", "out_partial", "lse_partial", "cache_seqlens", "page_table", "descale_kv",
                 "q_rope", "kv_rope")

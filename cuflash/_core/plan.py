@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 from cuflash._core import checks, dispatch, interop, kernels
 from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTERS, DROPOUT_WORDS, FWD_CACHE_POINTERS,
-                                  FWD_DESCALES, FWD_POINTERS, KV_POINTERS, MLA_POINTERS, QUANTIZE_POINTERS, ArgumentBuffer,
-                                  pack_bwd_params, pack_combine_params, pack_convert_params, pack_fwd_params,
-                                  pack_fwd_params_fp8, pack_fwd_params_paged, pack_kv_params, pack_mla_params,
-                                  pack_quantize_params, mla_tma_argument, sm90_backward_argument, sm90_forward_argument,
+                                  FWD_DESCALES, FWD_POINTERS, KV_POINTERS, MERGE_POINTERS, MLA_POINTERS,
+                                  QUANTIZE_POINTERS, ArgumentBuffer, pack_bwd_params, pack_combine_params,
+                                  pack_convert_params, pack_fwd_params, pack_fwd_params_fp8, pack_fwd_params_paged,
+                                  pack_kv_params, pack_merge_params, pack_mla_params, pack_quantize_params, mla_tma_argument, sm90_backward_argument, sm90_forward_argument,
                                   tma_ready)
 
 __all__ = ["PLANS", "SIGNATURE_SCALARS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan",
@@ -668,6 +668,51 @@ def build_combine(call) -> CombinePlan:
     kernel = (kernels.prepare(dispatch.combine_kernel(out_dtype), arch, o.device, dispatch.kv_combine_grid(rows))
               if rows and d else None)
     return CombinePlan(target, kernel, argument, out_shape, out_dtype, lse_shape)
+
+
+@dataclass(frozen=True, eq=False)
+class MergePlan:
+    target: tuple[str, tuple[int, int]]
+    kernel: kernels.Launch | None  # None: nothing to merge
+    argument: ArgumentBuffer  # MergeParams, pointers in MERGE_POINTERS order
+    out_shape: tuple[int, ...]
+    lse_shape: tuple[int, ...]
+
+    def launch(self, framework: str, tensors: tuple, given: tuple, given_t: tuple, return_lse: bool,
+               cu_seqlens=NO_LENGTHS) -> tuple[Any, Any]:
+        """(out, lse or None): ``tensors`` out_a, lse_a, out_b, lse_b; ``given`` (out, out_lse),
+        each None where a new contiguous array is allocated (out_lse only with ``return_lse``)."""
+        a = tensors[0]
+        with interop.on_device(a.device):
+            stream = interop.stream_handle(framework, a.device)
+            out, out_ptr = ((given[0], given_t[0].ptr) if given_t[0] is not None
+                            else interop.allocate(framework, a, self.out_shape))
+            lse, lse_ptr = ((given[1], given_t[1].ptr) if given_t[1] is not None
+                            else interop.allocate(framework, a, self.lse_shape, "float32") if return_lse else (None, 0))
+            if self.kernel is not None:
+                kernels.launch(self.kernel, stream, self.argument.fill(*(t.ptr for t in tensors), out_ptr, lse_ptr))
+        return out, lse
+
+
+def build_merge(call) -> MergePlan:
+    """cuflash.merge_states's plan for a checked GPU call (checks.MergeCall): each tensor at its
+    row and head strides (checks.merge_rows); outputs allocated contiguous where not given."""
+    t = call.tensors
+    a = t["out_a"]
+    target = dispatch.device_target(a.device)
+    arch = dispatch.compile_arch("sm80", target[1])
+    dense_out = (call.inner_rows * call.heads * call.head_dim, call.heads * call.head_dim, call.head_dim)
+    dense_lse = (call.inner_rows * call.heads, call.heads, 1)
+    strides = {"oa": checks.merge_rows("out_a", a), "ob": checks.merge_rows("out_b", t["out_b"]),
+               "o": checks.merge_rows("out", t["out"]) if "out" in t else dense_out,
+               "la": checks.merge_rows("lse_a", t["lse_a"]), "lb": checks.merge_rows("lse_b", t["lse_b"]),
+               "l": checks.merge_rows("out_lse", t["out_lse"]) if "out_lse" in t else dense_lse}
+    argument = ArgumentBuffer(pack_merge_params(strides, call.rows, max(1, call.inner_rows), call.heads,
+                                                call.head_dim), MERGE_POINTERS)
+    items = call.rows * call.heads
+    kernel = (kernels.prepare(dispatch.merge_kernel(a.dtype), arch, a.device, dispatch.merge_grid(items))
+              if items and call.head_dim else None)
+    return MergePlan(target, kernel, argument, tuple(a.shape), tuple(a.shape[:-1]))
 
 
 @dataclass(frozen=True, eq=False)

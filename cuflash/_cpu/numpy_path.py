@@ -158,5 +158,25 @@ def combine(call: checks.CombineCall):
     return (out, lse.astype(np.float32)) if call.return_lse else out
 
 
+def merge_states(call: checks.MergeCall):
+    """A checked NumPy merge_states (checks.MergeCall) by the float64 combine reference of the two
+    parts, an LSE of +inf counting as -inf (its part dropped), as the kernel does; written into
+    out and out_lse where given."""
+    from cuflash._cpu import reference_kvcache
+
+    t = call.tensors
+    lses = np.stack([t["lse_a"], t["lse_b"]]).astype(np.float64)
+    lses[np.isposinf(lses)] = -np.inf
+    out, lse = reference_kvcache.combine_reference(np.stack([t["out_a"], t["out_b"]]), lses)
+    results = []
+    for name, value, dtype in (("out", out, t["out_a"].dtype), ("out_lse", lse, np.float32)):
+        if name in t:
+            t[name][...] = value
+            results.append(t[name])
+        else:
+            results.append(value.astype(dtype))
+    return tuple(results) if call.return_lse else results[0]
+
+
 _COMBINE_DTYPES = {"float32": np.dtype(np.float32), "float64": np.dtype(np.float64),
                    "bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}

@@ -1,4 +1,5 @@
-"""vLLM's FlashAttention interface (``vllm.vllm_flash_attn``) on cuflash's kernels.
+"""vLLM's FlashAttention interface (``vllm.vllm_flash_attn``) and its cascade merge
+(``merge_attn_states``) on cuflash's kernels.
 
 A vLLM attention backend imports these names in place of vllm_flash_attn's: one call per layer
 for a mixed batch of prefill chunks and decodes over the paged KV cache (``block_table`` with
@@ -26,7 +27,7 @@ from cuflash._core.device import gpu_unavailable
 from cuflash.torch._bridge import check_tensors, direct
 
 __all__ = ["DEFAULT_FA_VERSION", "fa_version_unsupported_reason", "flash_attn_varlen_func", "get_scheduler_metadata",
-           "is_fa_version_supported"]
+           "is_fa_version_supported", "merge_attn_states"]
 
 # vLLM picks a version by asking is_fa_version_supported; cuflash serves both interfaces' calls
 # with the same kernels.
@@ -170,3 +171,18 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         return result
     # CPU tensors come back as new tensors over out's memory: answer with out itself, as vLLM's does.
     return (out, result[1]) if return_softmax_lse else out
+
+
+def merge_attn_states(output: torch.Tensor, prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
+                      suffix_output: torch.Tensor, suffix_lse: torch.Tensor,
+                      output_lse: Optional[torch.Tensor] = None) -> None:
+    """vLLM's ``merge_attn_states`` (cascade attention): the prefix's and the suffix's partial
+    results merged through their LSEs into ``output`` (and ``output_lse`` where given), in place.
+    Outputs (num_tokens, num_heads, head_size), LSEs float32 (num_heads, num_tokens) as
+    flash_attn_varlen_func returns them; an LSE of +inf drops its part, as vLLM's kernel does.
+    :func:`cuflash.merge_states` on (tokens, heads) views of the LSEs, one kernel."""
+    check_tensors(("output", "prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output_lse"),
+                  (output, prefix_output, prefix_lse, suffix_output, suffix_lse, output_lse), 5)
+    direct(cuflash.merge_states, prefix_output, prefix_lse.t(), suffix_output, suffix_lse.t(), out=output,
+           out_lse=output_lse.t() if output_lse is not None else None)
+
