@@ -91,8 +91,8 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
     switch: the smallest and largest head dims, both dtypes, each mask, softcap, each dQ order,
     sm80's two-CTA backward tile, FP8 inputs into either output type (sm80's d96 the closest to
     its spill allowance; sm90's d64 with three consumers at 152 registers), and the KV cache
-    kernels (the forward over a cache at d64 with softcap, at its allowance under NVRTC 13.0), and
-    MLA decoding's transposed kernel for few query rows."""
+    kernels (the forward over a cache at d64 with softcap, at its allowance under NVRTC 13.0),
+    merge_states, and MLA decoding's transposed kernel for few query rows."""
     if family == "sm80":
         return [
             dispatch.forward_kernel("sm80", 64, "none", "float16"),
@@ -105,6 +105,7 @@ def representative_kernels(family: str) -> list[dispatch.KernelChoice]:
             *dispatch.kvcache_kernels("bfloat16", 256),
             *dispatch.kvcache_kernels("float16", 64, "float8_e4m3fn"),
             dispatch.combine_kernel("float16"),
+            dispatch.merge_kernel("bfloat16"),
             dispatch.kvcache_prefill_kernel("bfloat16", 64, dispatch.Mask("window", -1, -1, 30.0)),
             dispatch.mla_kernel("sm80", "bfloat16", "float8_e4m3fn"),
         ]
