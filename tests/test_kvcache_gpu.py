@@ -198,7 +198,9 @@ def test_chunked_prefill_page_sizes_and_gqa(page_size, group):
     args = case(r, batch=4, varlen=True, counts=[CHUNK + 45, 0, 1, 2 * CHUNK + 3], heads=2 * group, heads_kv=2,
                 head_dim=128, capacity=600, page_size=page_size, new=1)
     ran = checked_plan(args, causal=True)
-    assert "flash_fwd_sm80" in ran.attention and ran.forward is not None and ran.decode is None
+    # A mixed batch: the forward takes the long chunks, kv_decode (unsplit) the one-row sequence.
+    assert "flash_fwd_sm80" in ran.attention and ran.forward is not None and ran.decode is not None
+    assert ran.combine is None
 
 
 @pytest.mark.usefixtures("family")  # sm80's forward on either family's device

@@ -96,7 +96,11 @@ def test_chunked_prefill_runs_the_forward_over_the_paged_cache(recorder):
                      varlen=True, dtype=np.float16, rotary="interleaved")
     built, tensors = planned(args, causal=True)
     out, lse = built.launch("cupy", tensors, (None,), (None,), True)
-    (append, _), (forward, f_arg) = recorder  # no decode, no combine
+    # The forward takes the sequences of 128 rows or more, kv_decode (unsplit: no combine) the others.
+    (append, _), (decode, d_arg), (forward, f_arg) = recorder
+    assert decode[0].startswith("cuflash::kv_decode<") and decode[1][0] == 32  # row tiles of 127 rows x 4 heads
+    d = np.frombuffer(d_arg, KV_PARAMS)[0]
+    assert d["max_decode_rows"] == 127 and d["num_splits"] == 1 and d["lse"] == 4096
     assert append[0] == "cuflash::kv_append<cuflash::f16, cuflash::f16>"
     expected = dispatch.kvcache_prefill_kernel("float16", 128, dispatch.Mask("causal", -1, 0, 0.0))
     assert forward == (expected.name_expression, (8, 3, 3), expected.smem_bytes)  # causal: (heads, batch, blocks)
@@ -108,7 +112,7 @@ def test_chunked_prefill_runs_the_forward_over_the_paged_cache(recorder):
     assert p["k"] == 2048 and p["v"] == 3072 and p["o"] == 4096 and p["lse"] == 4096
     assert p["cu_seqlens_q"] == 1024 * 10 and p["seq_end_q"] == 1024 * 10 + 4 and p["cu_seqlens_k"] == 0
     assert p["page_table"] == 1024 * 7 and p["cache_seqlens"] == 1024 * 6
-    assert p["page_table_stride"] == 64 and p["page_size"] == 16 and p["new_keys"] == 0
+    assert p["page_table_stride"] == 64 and p["page_size"] == 16 and p["new_keys"] == 0 and p["min_rows"] == 128
     assert p["cu_seqlens_k_new"] == 1024 * 10  # the packed q's appends: as many as its rows
     assert p["k_batch_stride"] == 16 * 2 * 128 and p["k_row_stride"] == 2 * 128 and p["kv_group"] == 4
     assert p["window_left"] == -1 and p["window_right"] == 0
@@ -215,9 +219,9 @@ def test_kv_and_mla_kernels_listed_last_for_the_compile_check():
     names = [c.name_expression for c in dispatch.all_kernels("sm80")]
     kv = [c.name_expression for c in dispatch.kvcache_all_kernels()]
     mla = [c.name_expression for c in dispatch.mla_all_kernels("sm80")]
-    # appends, decodes (16-bit and e4m3 caches), combines, forwards over the cache (three masks and
-    # softcap's); then MLA decoding (two q dtypes, each with its own and an e4m3 cache)
-    assert names[-len(kv) - len(mla):] == kv + mla and len(kv) == 4 + 4 * 3 + 3 + 5 * 2 * 4 and len(mla) == 4
+    # appends, decodes (16-bit and e4m3 caches), combines, merges, forwards over the cache (three
+    # masks and softcap's); then MLA decoding (two q dtypes, each with its own and an e4m3 cache)
+    assert names[-len(kv) - len(mla):] == kv + mla and len(kv) == 4 + 4 * 3 + 3 + 3 + 5 * 2 * 4 and len(mla) == 4
     # sm90's MLA kernels come before its (192, 128) backward (both dtypes x the 9 (mask, softcap,
     # dQ order) of the equal dims' list), its TMA-loaded MLA kernels (one per dtype) after it, then
     # their transposed forms for 16 and 32 query rows, then the d64 ALiBi forwards of two consumers

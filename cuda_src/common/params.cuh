@@ -90,8 +90,9 @@ struct FwdParamsPaged : FwdParams {
   int page_size;
   int cache_seqlen;
   int new_keys;  // keys appended per sequence where cu_seqlens_k_new is null
+  int min_rows;  // sequences with fewer query rows are kv_decode's (a mixed batch); 0: none
 };
-static_assert(sizeof(FwdParamsPaged) == 320, "cuflash/_core/params.py packs 320 bytes");
+static_assert(sizeof(FwdParamsPaged) == 328, "cuflash/_core/params.py packs 328 bytes");
 
 // The kernel argument of a forward whose inputs are Input, reading K and V from a KV cache if PAGED.
 template <class Input, bool PAGED = false>
@@ -226,12 +227,13 @@ struct KvParams {
   int num_splits, row_tiles;
   int window_left, window_right;  // -1 unbounded; causal is right = 0
   int q_e4m3;                     // q holds e4m3 bytes, widened into q_rot by kv_append
+  int max_decode_rows;            // sequences with more query rows are the forward's (a mixed batch); 0: none
   float scale_log2;               // softmax_scale * log2(e), or softcap * log2(e) with a softcap
   float softcap_scale;            // softmax_scale / softcap; 0: no softcap
   float descale_k_scalar, descale_v_scalar;  // e4m3 cache without descale arrays (1 otherwise)
   float descale_q_scalar;                    // e4m3 q without a descale array (1 otherwise)
 };
-static_assert(sizeof(KvParams) == 440, "params.py KV_PARAMS mirrors KvParams");
+static_assert(sizeof(KvParams) == 448, "params.py KV_PARAMS mirrors KvParams");
 
 // kv_combine's: fp32 partial outputs and their LSEs merged. Mirrored by COMBINE_PARAMS in
 // cuflash/_core/params.py.

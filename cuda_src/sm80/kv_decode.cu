@@ -294,7 +294,8 @@ __global__ void __launch_bounds__(WARPS * 32, CTAS_PER_SM) kv_decode(const __gri
   const int seqlen_q = kv_seqlen_q(p, b);
   const int rows = seqlen_q * group;
   const int row0 = tile * ROWS;
-  if (row0 >= rows) return;
+  // In a mixed batch the long sequences are the forward kernel's (cuflash/_core/plan.py).
+  if (row0 >= rows || (p.max_decode_rows && seqlen_q > p.max_decode_rows)) return;
   const int start = kv_leftpad(p, b);
   const int seqlen_k = kv_cached(p, b) - start + kv_seqlen_new(p, b);
   const i64 first_row = kv_first_row(p, b);

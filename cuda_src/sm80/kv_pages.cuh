@@ -17,6 +17,8 @@ __device__ __forceinline__ Sequence cached_sequence_of(const FwdParamsPaged& p, 
     seq.q_begin = p.cu_seqlens_q[batch];
     seq.seqlen_q = p.seq_end_q[batch] - seq.q_begin;
   }
+  // In a mixed batch the short sequences are kv_decode's: none of their rows here.
+  if (seq.seqlen_q < p.min_rows) seq.seqlen_q = 0;
   const int cached = p.cache_seqlens != nullptr ? p.cache_seqlens[batch] : p.cache_seqlen;
   // Packed appends (cu_seqlens_k_new; a packed q's, which append as many as their queries, pass
   // cu_seqlens_q there), or new_keys each.

@@ -123,21 +123,22 @@ FWD_CACHE_POINTERS = ("page_table", "cache_seqlens", "cu_seqlens_k_new")
 FWD_PARAMS_PAGED = np.dtype(
     _FWD_FIELDS
     + [(name, np.uint64) for name in FWD_CACHE_POINTERS]
-    + [(name, np.int32) for name in ("page_table_stride", "page_size", "cache_seqlen", "new_keys")],
+    + [(name, np.int32) for name in ("page_table_stride", "page_size", "cache_seqlen", "new_keys", "min_rows")],
     align=True,
 )
-FWD_PARAMS_PAGED_SIZE = 320  # sizeof(FwdParamsPaged) in params.cuh
+FWD_PARAMS_PAGED_SIZE = 328  # sizeof(FwdParamsPaged) in params.cuh
 
 
 def pack_fwd_params_paged(q, k_cache, v_cache, out, lse, softmax_scale: float, window: tuple[int, int],
-                          softcap: float, packed: bool, cache: tuple[int, int, int, int],
+                          softcap: float, packed: bool, cache: tuple[int, int, int, int, int],
                           alibi_batch_stride: int = 0) -> np.ndarray:
     """One FwdParamsPaged struct with null pointers, for a forward of q against a KV cache: q and
     out (batch, seqlen_q, heads, head_dim) records, a packed q's as (1, total_q, ...) views with
     batch stride 0; the caches (entries, rows, heads_kv, head_dim), whose dimension 0 is a page
     (or a contiguous cache's sequence); lse (batch, heads, seqlen_q), or (heads, total_q) if
-    ``packed``. ``cache``: the page table's row stride, page_size, the scalar cached length and
-    the new keys per sequence (where cu_seqlens_k_new is null), params.cuh's order."""
+    ``packed``. ``cache``: the page table's row stride, page_size, the scalar cached length, the
+    new keys per sequence (where cu_seqlens_k_new is null) and the fewest query rows a sequence
+    must have to be this kernel's (0: all), params.cuh's order."""
     base = pack_fwd_params(q, k_cache, v_cache, out, lse, softmax_scale, window, softcap,
                            alibi_batch_stride=alibi_batch_stride)
     if packed:
@@ -367,7 +368,7 @@ KV_POINTERS = ("q", "k_cache", "v_cache", "k_new", "v_new", "out", "lse", "out_p
 KV_STRIDED = ("q", "kc", "vc", "kn", "vn", "o")
 KV_INTS = ("batch", "seqlen_q", "heads", "heads_kv", "head_dim", "page_size", "max_pages", "capacity",
            "cache_seqlens_scalar", "seqlen_new", "rotary_dim", "rotary_interleaved", "rotary_per_row", "rotary_fp32",
-           "num_splits", "row_tiles", "window_left", "window_right", "q_e4m3")
+           "num_splits", "row_tiles", "window_left", "window_right", "q_e4m3", "max_decode_rows")
 KV_PARAMS = np.dtype(
     [(name, np.uint64) for name in KV_POINTERS]
     + [(f"{t}_{s}_stride", np.int64) for t in KV_STRIDED for s in ("batch", "row", "head")]
@@ -377,7 +378,7 @@ KV_PARAMS = np.dtype(
                                        "descale_q_scalar")],
     align=True,
 )
-KV_PARAMS_SIZE = 440  # sizeof(KvParams)
+KV_PARAMS_SIZE = 448  # sizeof(KvParams)
 COMBINE_POINTERS = ("out_partial", "lse_partial", "out", "lse", "sinks")
 COMBINE_PARAMS = np.dtype(
     [(name, np.uint64) for name in COMBINE_POINTERS]

@@ -520,8 +520,13 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     append_choice, decode_choice = dispatch.kvcache_kernels(attended, call.head_dim, kc.dtype)
     group = call.heads // call.heads_kv
     rows = q.shape[0] if call.varlen else call.batch * call.max_seqlen_q
-    row_tiles = max(1, -(-(group * call.max_seqlen_q) // dispatch.KV_ROWS))
     prefill = not q_fp8 and dispatch.kvcache_prefill(call, q, kc)
+    # A packed batch with long query chunks may hold decodes too (vLLM's mixed batch): the forward
+    # kernel takes the sequences of KV_PREFILL_ROWS rows or more, kv_decode (unsplit) the others,
+    # each kernel leaving the other's on the device, where the lengths are.
+    mixed = prefill and call.varlen
+    decode_rows = dispatch.KV_PREFILL_ROWS - 1 if mixed else call.max_seqlen_q
+    row_tiles = max(1, -(-(group * decode_rows) // dispatch.KV_ROWS))
     splits = 1 if prefill else dispatch.kvcache_splits(call.num_splits, call.batch, call.heads_kv, row_tiles,
                                                        call.capacity, dispatch.sm_count(q.device),
                                                        dispatch.kv_ctas_per_sm(dispatch.kv_bucket(call.head_dim)))
@@ -544,7 +549,7 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
                 seqlen_new=call.seqlen_new, rotary_dim=call.rotary_dim, rotary_interleaved=int(call.rotary_interleaved),
                 rotary_per_row=int(call.rotary_per_row), rotary_fp32=int(cos is not None and cos.dtype == "float32"),
                 num_splits=splits, row_tiles=row_tiles, window_left=window[0], window_right=window[1],
-                q_e4m3=int(q_fp8))
+                q_e4m3=int(q_fp8), max_decode_rows=decode_rows if mixed else 0)
     k_scale, v_scale, q_scale = (d if isinstance(d, float) else 1.0
                                  for d in (call.descale_k, call.descale_v, call.descale_q))
     argument = ArgumentBuffer(pack_kv_params(strides, ints, call.scale, call.softcap, k_scale, v_scale,
@@ -568,18 +573,20 @@ def build_kvcache(call, tensors: tuple) -> KvCachePlan:
     append = (kernels.prepare(append_choice, arch, q.device, (append_rows, call.batch, 1))
               if append_rows and (k is not None or q_copy) else None)
     decode = (kernels.prepare(decode_choice, arch, q.device, (splits * row_tiles, call.heads_kv, call.batch))
-              if rows and not prefill else None)
-    forward_choice, forward = _kvcache_forward(call, tensors, ints, arch) if prefill else (decode_choice, None)
+              if rows and (mixed or not prefill) else None)
+    forward_choice, forward = (_kvcache_forward(call, tensors, ints, arch, decode_rows + 1 if mixed else 0) if prefill
+                               else (decode_choice, None))
     lse_shape = (call.heads, rows) if call.varlen else (call.batch, call.heads, call.max_seqlen_q)
     return KvCachePlan(target, forward_choice.name_expression, append, decode, forward if rows else None, combine,
                        argument, combine_argument, out_shape, lse_shape, tuple(offsets), end,
                        checks.KV_FP8_Q_OUT if q_fp8 else None)
 
 
-def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
+def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str, min_rows: int) -> tuple:
     """(the forward kernel's KernelChoice, its launch and FwdParamsPaged argument) of a call that
     dispatch.kvcache_prefill sends to the forward kernel over the updated cache: q (or its rotated
-    copy in the scratch, contiguous) against every cached and appended key of each sequence."""
+    copy in the scratch, contiguous) against every cached and appended key of each sequence of
+    ``min_rows`` query rows or more (0: every sequence)."""
     q, kc, vc, k, table, idx = tensors[0], tensors[1], tensors[2], tensors[3], tensors[6], tensors[7]
     mask = dispatch.make_mask(call.causal, call.window, call.softcap, call.max_seqlen_q, call.capacity,
                               call.alibi is not None)
@@ -597,7 +604,7 @@ def _kvcache_forward(call, tensors: tuple, ints: dict, arch: str) -> tuple:
     # A contiguous cache with cache_batch_idx is a paged one of one page of `capacity` rows per
     # sequence, the indices its page table.
     pages = (table.strides[0], call.page_size) if table is not None else (1 if idx is not None else 0, call.capacity)
-    cache = (*pages, ints["cache_seqlens_scalar"], new_keys)
+    cache = (*pages, ints["cache_seqlens_scalar"], new_keys, min_rows)
     packed = pack_fwd_params_paged(q4, kc, vc, out4, lse, call.scale, mask.window, call.softcap, call.varlen, cache,
                                    call.alibi or 0)
     argument = ArgumentBuffer(packed, FWD_POINTERS, more_pointers=FWD_CACHE_POINTERS)

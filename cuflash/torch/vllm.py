@@ -10,9 +10,10 @@ CPU path. Not differentiable: vLLM's calls are inference.
 
 The paged form is :func:`cuflash.attention_with_kvcache` without an append (vLLM has written the
 step's keys and values into the cache already): sequence ``b`` attends to its first
-``seqused_k[b]`` cached positions, causal masks and windows aligned bottom-right per sequence;
-query chunks of at least ``dispatch.KV_PREFILL_ROWS`` rows run the forward kernel over the cache
-in one launch, shorter batches the split-KV decode kernel and its combine. The packed form is
+``seqused_k[b]`` cached positions, causal masks and windows aligned bottom-right per sequence.
+A batch whose max_seqlen_q reaches ``dispatch.KV_PREFILL_ROWS`` runs two kernels, the forward over
+the cache for its long chunks and kv_decode for its other sequences, each leaving the other's on
+the device (no synchronisation); shorter batches run the split-KV decode kernel and its combine. The packed form is
 :func:`cuflash.attention_varlen`.
 """
 
