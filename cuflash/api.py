@@ -57,6 +57,9 @@ def attention(
     dropout_p: float = 0.0,
     seed: int | None = None,
     offset: int = 0,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    mod_args: dict | None = None,
 ) -> Any:
     """Exact attention ``softmax(q kᵀ · softmax_scale) v``, computed tile by tile.
 
@@ -127,6 +130,14 @@ def attention(
         then 0), read by the kernels at run time: no wait for the device, and a captured CUDA
         graph draws each replay's values.
 
+    score_mod, mask_mod, mod_args
+        A user's attention variant as expressions (docs/guide.md, "Your own variant"):
+        ``score_mod`` a float expression of ``score`` (the scaled score, after softcap and ALiBi),
+        ``b``, ``h``, ``q_idx``, ``kv_idx`` and the arrays of ``mod_args`` (name -> array,
+        indexed as ``slopes[h]``); ``mask_mod`` a bool expression of the same but score, True
+        where the key is seen (with causal and window). NumPy arrays only for now (the CPU
+        path); GPU arrays raise NotImplementedError.
+
     Returns
     -------
     out or (out, lse)
@@ -174,8 +185,11 @@ def attention(
         scale, fp8 = checks.check_forward(q, k, v, out, softmax_scale, False, descales, out_dtype)
         sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, q, q.shape[2], q.shape[0])
         dropout = checks.check_dropout(dropout_p, seed, offset, framework)
+        mods = checks.check_mods(score_mod, mask_mod, mod_args, framework)
         return numpy_path.attention(q, k, v, causal, scale, window, softcap, return_lse, out, fp8, sinks,
-                                    alibi_slopes, dropout)
+                                    alibi_slopes, dropout, mods)
+    if score_mod is not None or mask_mod is not None or mod_args is not None:
+        checks.check_mods(score_mod, mask_mod, mod_args, framework)
 
     # One call each, not a generator over the three: no generator object per call.
     qt, kt = interop.describe(q, framework, "q"), interop.describe(k, framework, "k")
@@ -267,6 +281,9 @@ def attention_backward(
     dropout_p: float = 0.0,
     seed: int | None = None,
     offset: int = 0,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    mod_args: dict | None = None,
 ) -> tuple[Any, ...]:
     """Gradients of ``out = attention(q, k, v, causal=causal, softmax_scale=softmax_scale)``.
 
@@ -282,9 +299,11 @@ def attention_backward(
         The forward's inputs and output, as for :func:`attention`.
     lse : array, float32 (batch, heads, seqlen_q), contiguous
         The forward's log-sum-exp (``attention(..., return_lse=True)``).
-    causal, softmax_scale, window, softcap, sinks, alibi_slopes, dropout_p, seed, offset
+    causal, softmax_scale, window, softcap, sinks, alibi_slopes, dropout_p, seed, offset,
+    score_mod, mask_mod, mod_args
         As in the forward call (whose lse, with sinks, includes the sink; with dropout, the same
-        seed and offset regenerate its mask).
+        seed and offset regenerate its mask). The gradient goes through score_mod by its
+        derivative with respect to score, formed from the expression; mod_args get none.
     deterministic : bool
         False (default): dq, and under GQA/MQA dk and dv, are summed with fp32 atomic adds (on
         sm90, bulk reductions of whole dq blocks) whose order varies between runs, so results can
@@ -328,7 +347,11 @@ def attention_backward(
         scale, window, softcap = checks.check_backward(arrays, softmax_scale, window, softcap, on_device=False)
         sinks, alibi_slopes = checks.check_sinks_alibi(sinks, alibi_slopes, framework, q, q.shape[2], q.shape[0])
         dropout = checks.check_dropout(dropout_p, seed, offset, framework)
-        return numpy_path.attention_backward(arrays, causal, scale, window, softcap, sinks, alibi_slopes, dropout)
+        mods = checks.check_mods(score_mod, mask_mod, mod_args, framework)
+        return numpy_path.attention_backward(arrays, causal, scale, window, softcap, sinks, alibi_slopes, dropout,
+                                             mods)
+    if score_mod is not None or mask_mod is not None or mod_args is not None:
+        checks.check_mods(score_mod, mask_mod, mod_args, framework)
     tensors = {name: interop.describe(x, framework, name) for name, x in arrays.items()}
     bias, bias_layouts = _bias(sinks, alibi_slopes, framework)
     if bias_layouts is None:  # as in attention

@@ -397,6 +397,43 @@ def check_sinks_alibi(sinks: Any, alibi_slopes: Any, framework_name: str, q, hea
     return tuple(checked)
 
 
+# score_mod and mask_mod (_core/expressions.py): a user's attention variant.
+
+class Mods(NamedTuple):
+    """Checked score_mod and mask_mod (expressions.Mod or None) and the mod_args arrays by name."""
+
+    score: Any
+    mask: Any
+    args: dict
+
+
+def check_mods(score_mod: Any, mask_mod: Any, mod_args: Any, framework_name: str) -> Mods | None:
+    """The expressions checked (expressions.parse_mod: each error names the argument and what is
+    wrong) over mod_args (a dict of arrays on q's side), then refused on the GPU, whose kernels do
+    not take them yet. None when neither is given (and mod_args then must not be)."""
+    from cuflash._core import expressions
+
+    if score_mod is None and mask_mod is None:
+        if mod_args:
+            raise ValueError("mod_args: given without score_mod or mask_mod, which read them")
+        return None
+    if mod_args is None:
+        mod_args = {}
+    if not isinstance(mod_args, dict):
+        raise TypeError(f"mod_args: expected a dict of name -> array, got {type(mod_args).__name__}")
+    on_device = framework_name != "numpy"
+    for name, array in mod_args.items():
+        kind = interop.framework_of(array, f"mod_args[{name!r}]")
+        if (kind == "numpy") == on_device:
+            raise TypeError(f"mod_args[{name!r}]: must be on the same side as q ({'GPU' if on_device else 'NumPy'})")
+    mods = Mods(*(expressions.parse_mod(kind, text, mod_args) if text is not None else None
+                  for kind, text in (("score_mod", score_mod), ("mask_mod", mask_mod))), dict(mod_args))
+    if on_device:
+        raise NotImplementedError("score_mod, mask_mod: the GPU kernels do not take them yet; NumPy arrays (the CPU "
+                                  "path) do")
+    return mods
+
+
 # Dropout: checked alike on both paths.
 _U64_END = 1 << 64
 

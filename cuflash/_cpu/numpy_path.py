@@ -56,13 +56,34 @@ def _dropout_options(dropout: checks.Dropout | None) -> dict:
 
 
 def attention(q, k, v, causal: bool, scale: float, window, softcap: float, return_lse: bool, out,
-              fp8: checks.Fp8 | None = None, sinks=None, alibi_slopes=None, dropout: checks.Dropout | None = None):
-    """The blockwise online-softmax algorithm in float64; dropout's mask drawn tile by tile."""
+              fp8: checks.Fp8 | None = None, sinks=None, alibi_slopes=None, dropout: checks.Dropout | None = None,
+              mods: checks.Mods | None = None):
+    """The blockwise online-softmax algorithm in float64; dropout's mask drawn tile by tile. With
+    a score_mod or mask_mod, the naive reference, which evaluates them on whole score matrices."""
     q, k, v, dtype = _forward_inputs(q, k, v, fp8)
-    result, lse = reference.attention_blockwise(q, k, v, causal=causal, softmax_scale=scale, window=window,
-                                                softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-                                                **_dropout_options(dropout))
+    options = dict(causal=causal, softmax_scale=scale, window=window, softcap=softcap, sinks=sinks,
+                   alibi_slopes=alibi_slopes, **_dropout_options(dropout))
+    if mods is not None:
+        result, lse = reference.attention_reference(q, k, v, **options, **_mod_callables(mods, derivative=False))
+    else:
+        result, lse = reference.attention_blockwise(q, k, v, **options)
     return _output(result, lse, dtype, out, return_lse)
+
+
+def _mod_callables(mods: checks.Mods, derivative: bool = True) -> dict:
+    """The reference's score_mod (and its derivative) and mask_mod callables of checked expressions,
+    each evaluated with NumPy over one (batch entry, head)'s scores and positions."""
+    def env(b, h, q_idx, kv_idx, score=None):
+        return {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx, **mods.args}
+
+    found = {}
+    if mods.score is not None:
+        found["score_mod"] = lambda s, b, h, qi, ki: mods.score.evaluate(env(b, h, qi, ki, s))
+        if derivative:
+            found["score_mod_derivative"] = lambda s, b, h, qi, ki: mods.score.derivative(env(b, h, qi, ki, s))
+    if mods.mask is not None:
+        found["mask_mod"] = lambda b, h, qi, ki: mods.mask.evaluate(env(b, h, qi, ki))
+    return found
 
 
 def _with_dsinks(grads: tuple, arrays: dict, sinks) -> tuple:
@@ -75,7 +96,8 @@ def _with_dsinks(grads: tuple, arrays: dict, sinks) -> tuple:
 
 
 def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap: float, sinks=None,
-                       alibi_slopes=None, dropout: checks.Dropout | None = None) -> tuple:
+                       alibi_slopes=None, dropout: checks.Dropout | None = None,
+                       mods: checks.Mods | None = None) -> tuple:
     """The gradients of arrays q, k, v, dout, out, lse (by name), into dq, dk, dv where given: P
     recomputed from the given lse and rowsum(dP * P) from the given out, as the kernels do, so
     that a block of a longer attention (a ring's) gets its share of the whole one's gradients.
@@ -84,7 +106,8 @@ def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap
     result = reference.attention_backward_from_lse(arrays["dout"], q, arrays["k"], arrays["v"], arrays["out"],
                                                    arrays["lse"], causal=causal, softmax_scale=scale, window=window,
                                                    softcap=softcap, alibi_slopes=alibi_slopes,
-                                                   **_dropout_options(dropout))
+                                                   **_dropout_options(dropout),
+                                                   **(_mod_callables(mods) if mods is not None else {}))
     return _with_dsinks(_gradients(result, arrays, q.dtype), arrays, sinks)
 
 

@@ -32,6 +32,7 @@ cumulative lengths, each sequence attending only to itself.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -191,6 +192,8 @@ def attention_reference(
     dropout_mask: npt.ArrayLike | None = None,
     seed: int | None = None,
     offset: int = 0,
+    score_mod: Callable | None = None,
+    mask_mod: Callable | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Naive attention ``softmax(q k^T * scale) v``, one (batch, head) at a time.
 
@@ -227,6 +230,12 @@ def attention_reference(
         heads, seqlen_q, seqlen_k), True where kept) or the ``seed`` and ``offset`` of the
         kernels' stream (:mod:`cuflash._cpu.philox`); kept entries are divided by
         ``1 - dropout_p`` (before rounding P to ``p_dtype``). The lse does not change.
+    score_mod, mask_mod : callables, optional
+        A user's modification of the scores, applied after the softcap and the ALiBi bias:
+        ``score_mod(s, b, h, q_idx, kv_idx)`` gives the new scores of (batch entry b, head h)
+        from ``s`` (seqlen_q, seqlen_k), ``q_idx`` (seqlen_q, 1) and ``kv_idx`` (1, seqlen_k)
+        being the positions; ``mask_mod(b, h, q_idx, kv_idx)`` is True where the key is seen
+        (with the built-in masks).
 
     Returns
     -------
@@ -256,6 +265,7 @@ def attention_reference(
 
     out = np.empty((b, hq, sq, dv), dtype)
     lse = np.empty((b, hq, sq), acc)
+    q_idx, kv_idx = np.arange(sq)[:, None], np.arange(sk)[None, :]
     for bi in range(b):
         for h in range(hq):
             s = qh[bi, h] @ kh[bi, h // group].T
@@ -265,8 +275,11 @@ def attention_reference(
                 s = rounded(_softcapped(s, acc.type(softcap)))
             if bias is not None:
                 s = rounded(s + bias[bi, h])
-            if masked.any():
-                np.copyto(s, -np.inf, where=masked)
+            if score_mod is not None:
+                s = rounded(np.broadcast_to(score_mod(s, bi, h, q_idx, kv_idx), s.shape).astype(acc))
+            hidden = masked if mask_mod is None else masked | ~np.broadcast_to(mask_mod(bi, h, q_idx, kv_idx), s.shape)
+            if hidden.any():
+                np.copyto(s, -np.inf, where=hidden)
             m = np.maximum(s.max(axis=-1, initial=-np.inf), sink_logits[h])
             m_safe = np.where(np.isneginf(m), 0, m)  # fully masked row: avoid -inf - -inf
             s -= m_safe[:, None]
@@ -405,6 +418,9 @@ def attention_backward_reference(
     dropout_mask: npt.ArrayLike | None = None,
     seed: int | None = None,
     offset: int = 0,
+    score_mod: Callable | None = None,
+    score_mod_derivative: Callable | None = None,
+    mask_mod: Callable | None = None,
 ) -> tuple[np.ndarray, ...]:
     """Float64 gradients of ``out = attention(q, k, v)`` against the upstream gradient ``dout``.
 
@@ -418,7 +434,9 @@ def attention_backward_reference(
     ``-P_sink · rowsum(dP ∘ P)`` summed over every row of its head (:func:`sinks_gradient`).
     Dropout (arguments as for :func:`attention_reference`) with ``Z = P ∘ M / (1 - p)`` the
     dropped P: ``dv = Zᵀ dout``, and dP becomes ``dP ∘ M / (1 - p)`` in dS (so that
-    ``rowsum(dP ∘ P)`` is ``rowsum(dout ∘ out)`` still).
+    ``rowsum(dP ∘ P)`` is ``rowsum(dout ∘ out)`` still). A ``score_mod`` (as for
+    :func:`attention_reference`) multiplies dS by ``score_mod_derivative`` (the same arguments:
+    d score_mod / d s) before the softcap's; a ``mask_mod`` masks as it does there.
 
     Returns
     -------
@@ -442,7 +460,8 @@ def attention_backward_reference(
 
     batch, seqlen_q, heads = np.shape(q)[:3]
     keep = dropout_keep(dropout_p, dropout_mask, seed, offset, batch, heads, seqlen_q, np.shape(k)[1])
-    grads = _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes, keep)
+    grads = _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes, keep,
+                      (score_mod, score_mod_derivative, mask_mod))
     return grads if sinks is None else (*grads, dsinks)
 
 
@@ -463,6 +482,9 @@ def attention_backward_from_lse(
     dropout_mask: npt.ArrayLike | None = None,
     seed: int | None = None,
     offset: int = 0,
+    score_mod: Callable | None = None,
+    score_mod_derivative: Callable | None = None,
+    mask_mod: Callable | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The gradients as the kernels compute them, in float64: ``P = exp(S - lse)`` and
     ``rowsum(dP ∘ P) = rowsum(dout ∘ out)`` from the given ``out`` (batch, seqlen_q, heads,
@@ -472,7 +494,8 @@ def attention_backward_from_lse(
     an attention over more keys (a ring's other blocks), the contribution of these keys to the
     whole attention's gradients. Rows with ``lse = -inf`` contribute nothing. An lse that
     includes a sink gives the gradients with that sink; its own gradient is
-    :func:`sinks_gradient`. Dropout as in :func:`attention_backward_reference`.
+    :func:`sinks_gradient`. Dropout, score_mod and mask_mod as in
+    :func:`attention_backward_reference`.
     """
     out_h = np.asarray(out, dtype=np.float64).transpose(0, 2, 1, 3)
     dout_h = np.asarray(dout, dtype=np.float64).transpose(0, 2, 1, 3)
@@ -485,13 +508,16 @@ def attention_backward_from_lse(
 
     keep = dropout_keep(dropout_p, dropout_mask, seed, offset, lse.shape[0], lse.shape[1], lse.shape[2],
                         np.shape(k)[1])
-    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes, keep)
+    return _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes, keep,
+                     (score_mod, score_mod_derivative, mask_mod))
 
 
-def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes=None, keep=None):
+def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, alibi_slopes=None, keep=None,
+              mods=(None, None, None)):
     """The backward's loop over (batch, head), ``softmax(bi, h, s, dp)`` giving P and
     ``rowsum(dP ∘ P)`` from the masked scores ``s`` (bias included) and ``dP``. ``keep``: dropout's
-    ``M / (1 - p)`` (dropout_keep), which weighs P in dv and dP in dS."""
+    ``M / (1 - p)`` (dropout_keep), which weighs P in dv and dP in dS. ``mods``: (score_mod, its
+    derivative, mask_mod), as attention_backward_reference takes them."""
     q, k, v, scale = _check_inputs(q, k, v, softmax_scale)
     dout = np.asarray(dout, dtype=np.float64)
     if dout.shape != q.shape[:3] + (v.shape[3],):
@@ -503,19 +529,30 @@ def _backward(dout, q, k, v, causal, softmax_scale, window, softcap, softmax, al
     allowed = allowed_keys(sq, sk, causal=causal, window=window)
     bias = np.zeros((b, hq, 1, 1)) if alibi_slopes is None else alibi_bias(alibi_slopes, b, hq, sq, sk)
     dq, dk, dv = np.zeros_like(qh), np.zeros_like(kh), np.zeros_like(vh)
+    score_mod, score_mod_derivative, mask_mod = mods
+    q_idx, kv_idx = np.arange(sq)[:, None], np.arange(sk)[None, :]
     for bi in range(b):
         for h in range(hq):
             kv = h // group
             capped = _softcapped(qh[bi, h] @ kh[bi, kv].T * scale, softcap)
-            s = np.where(allowed, capped + bias[bi, h], -np.inf)
+            biased = capped + bias[bi, h]
+            seen = allowed if mask_mod is None else allowed & np.broadcast_to(mask_mod(bi, h, q_idx, kv_idx),
+                                                                              allowed.shape)
+            if score_mod is not None:
+                modified = np.broadcast_to(score_mod(biased, bi, h, q_idx, kv_idx), biased.shape)
+                s = np.where(seen, modified, -np.inf)
+            else:
+                s = np.where(seen, biased, -np.inf)
             dp = doh[bi, h] @ vh[bi, kv].T
             if keep is not None:
                 dp *= keep[bi, h]
             p, delta = softmax(bi, h, s, dp)
             dv[bi, kv] += (p if keep is None else p * keep[bi, h]).T @ doh[bi, h]
             ds = p * (dp - delta)
+            if score_mod is not None:
+                ds *= np.where(seen, np.broadcast_to(score_mod_derivative(biased, bi, h, q_idx, kv_idx), ds.shape), 0)
             if softcap:
-                ds *= 1 - np.where(allowed, capped / softcap, 0) ** 2
+                ds *= 1 - np.where(seen, capped / softcap, 0) ** 2
             dq[bi, h] = ds @ kh[bi, kv] * scale
             dk[bi, kv] += ds.T @ qh[bi, h] * scale
     return tuple(x.transpose(0, 2, 1, 3) for x in (dq, dk, dv))
