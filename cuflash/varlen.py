@@ -47,6 +47,9 @@ def attention_varlen(
     dropout_p: float = 0.0,
     seed: int | None = None,
     offset: int = 0,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    mod_args: dict | None = None,
 ) -> Any:
     """Attention over a packed batch of sequences of different lengths.
 
@@ -92,6 +95,9 @@ def attention_varlen(
         As for :func:`cuflash.attention`, sequence i's mask being the one a fixed-length batch
         draws for its entry i (positions within the sequence); a fresh mask's offset is
         ``offset + num_sequences * heads``.
+    score_mod, mask_mod, mod_args
+        As for :func:`cuflash.attention`, ``b`` the sequence's index and ``q_idx``, ``kv_idx``
+        positions within it (NumPy arrays only for now).
 
     Returns
     -------
@@ -135,10 +141,12 @@ def attention_varlen(
             sinks, alibi_slopes = checked
     dropout = (checks.check_dropout(dropout_p, seed, offset, framework, tensors["q"])
                if dropout_p != 0.0 or seed is not None or offset != 0 else None)
+    mods = (checks.check_mods(score_mod, mask_mod, mod_args, framework)
+            if score_mod is not None or mask_mod is not None or mod_args is not None else None)
     if not on_device:
         return numpy_path.attention_varlen(tensors["q"], tensors["k"], tensors["v"], lengths.host_q, lengths.host_k, causal,
                                      scale, window, softcap, return_lse, out, fp8, lengths.used_q, lengths.used_k,
-                                     sinks, alibi_slopes, dropout)
+                                     sinks, alibi_slopes, dropout, mods)
     if dropout is not None and fp8:
         raise NotImplementedError("dropout_p: not taken with FP8 inputs (the FP8 forward is for inference)")
     checks.check_varlen_grid(lengths)
@@ -210,6 +218,9 @@ def attention_varlen_backward(
     offset: int = 0,
     seqused_q: Any = None,
     seqused_k: Any = None,
+    score_mod: str | None = None,
+    mask_mod: str | None = None,
+    mod_args: dict | None = None,
 ) -> tuple[Any, ...]:
     """Gradients (dq, dk, dv) of :func:`attention_varlen`, arguments as there and as for
     :func:`cuflash.attention_backward`; lse is the forward's float32 (heads, total_q). The CPU
@@ -218,7 +229,7 @@ def attention_varlen_backward(
     (heads,), summed over the sequences. dropout_p, seed and offset those of the forward.
     ``seqused_q`` / ``seqused_k`` those of the forward (FlashAttention-3's used prefixes): the
     gradients of the used rows and keys, 0 past them; not with sinks, dropout or per-sequence
-    ALiBi slopes.
+    ALiBi slopes. score_mod, mask_mod and mod_args those of the forward.
     """
     given = dq, dk, dv
     arrays = {"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}
@@ -255,9 +266,13 @@ def attention_varlen_backward(
             sinks, alibi_slopes = checked
     dropout = (checks.check_dropout(dropout_p, seed, offset, framework, qt)
                if dropout_p != 0.0 or seed is not None or offset != 0 else None)
+    mods = (checks.check_mods(score_mod, mask_mod, mod_args, framework)
+            if score_mod is not None or mask_mod is not None or mod_args is not None else None)
+    if mods is not None and (seqused_q is not None or seqused_k is not None):
+        raise NotImplementedError("score_mod, mask_mod: not taken with seqused_q / seqused_k in the backward")
     if not on_device:
         return numpy_path.attention_varlen_backward(arrays, lengths.host_q, lengths.host_k, causal, scale, window,
-                                                    softcap, sinks, alibi_slopes, dropout)
+                                                    softcap, sinks, alibi_slopes, dropout, mods)
     checks.check_varlen_grid(lengths)
     qt, kt, vt, dout_t, out_t = (t if t.aligned_16 else interop.realign(t, framework)
                                  for t in (tensors[name] for name in ("q", "k", "v", "dout", "out")))

@@ -196,3 +196,29 @@ def test_reference_takes_the_callables():
                                            mask_mod=lambda b, h, i, j: j <= i + 2)
     want = _direct(q, k, v, score=lambda s, b, h, i, j: s * 0.5, seen=lambda b, h, i, j: j <= i + 2)
     np.testing.assert_allclose(out, want, atol=1e-12)
+
+
+def test_varlen_sees_the_sequence_index_and_its_own_positions():
+    """A packed batch: b is the sequence's index and q_idx, kv_idx positions within it, so each
+    sequence equals a fixed-length call of its own; the backward likewise."""
+    rng = np.random.default_rng(8)
+    lengths_q, lengths_k = [3, 0, 6], [5, 2, 6]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k))
+    q = rng.standard_normal((cu_q[-1], 4, 16))
+    k, v = (rng.standard_normal((cu_k[-1], 2, 16)) for _ in range(2))
+    bias = np.array([0.1, -0.2, 0.3], np.float32)  # one per sequence
+    mods = dict(score_mod="score * 0.5 + bias[b] * float(q_idx - kv_idx)", mask_mod="kv_idx <= q_idx + 1",
+                mod_args={"bias": bias})
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **mods)
+    dout = rng.standard_normal(out.shape)
+    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **mods)
+    for i in (0, 2):
+        rows, keys = slice(cu_q[i], cu_q[i + 1]), slice(cu_k[i], cu_k[i + 1])
+        one = dict(mods, mod_args={"bias": bias[i:i + 1]})  # the sequence as batch entry 0
+        want, want_lse = cuflash.attention(q[None, rows], k[None, keys], v[None, keys], return_lse=True, **one)
+        np.testing.assert_allclose(out[rows], want[0], atol=1e-12)
+        grads = cuflash.attention_backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys], want,
+                                           want_lse, **one)
+        # The packed backward recomputes P itself, the fixed-length one from the float32 lse given.
+        for got, expected, part in zip((dq, dk, dv), grads, (rows, keys, keys)):
+            np.testing.assert_allclose(got[part], expected[0], rtol=1e-6, atol=1e-8)

@@ -113,23 +113,26 @@ def attention_backward(arrays: dict, causal: bool, scale: float, window, softcap
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window, softcap: float,
                      return_lse: bool, out, fp8: checks.Fp8 | None = None, seqused_q=None, seqused_k=None,
-                     sinks=None, alibi_slopes=None, dropout: checks.Dropout | None = None):
+                     sinks=None, alibi_slopes=None, dropout: checks.Dropout | None = None,
+                     mods: checks.Mods | None = None):
     q, k, v, dtype = _forward_inputs(q, k, v, fp8, (cu_seqlens_q, cu_seqlens_k))
     result, lse = reference.attention_varlen_reference(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                                                        causal=causal, softmax_scale=scale, window=window,
                                                        softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
-                                                       **_dropout_options(dropout))
+                                                       **_dropout_options(dropout),
+                                                       **(_mod_callables(mods, False) if mods is not None else {}))
     return _output(result, lse, dtype, out, return_lse)
 
 
 def attention_varlen_backward(arrays: dict, cu_seqlens_q, cu_seqlens_k, causal: bool, scale: float, window,
                               softcap: float, sinks=None, alibi_slopes=None,
-                              dropout: checks.Dropout | None = None) -> tuple:
+                              dropout: checks.Dropout | None = None, mods: checks.Mods | None = None) -> tuple:
     q = arrays["q"]
     result = reference.attention_varlen_backward_reference(arrays["dout"], q, arrays["k"], arrays["v"], cu_seqlens_q,
                                                            cu_seqlens_k, causal=causal, softmax_scale=scale,
                                                            window=window, softcap=softcap, sinks=sinks,
-                                                           alibi_slopes=alibi_slopes, **_dropout_options(dropout))
+                                                           alibi_slopes=alibi_slopes, **_dropout_options(dropout),
+                                                           **(_mod_callables(mods) if mods is not None else {}))
     grads = _gradients(result[:3], arrays, q.dtype)
     return grads if sinks is None else (*grads, result[3].astype(np.float32))
 

@@ -592,11 +592,19 @@ def dequantize(x: np.ndarray, descale, cu_seqlens: npt.ArrayLike | None = None) 
 
 
 def _options_of_sequence(options: dict, i: int) -> dict:
-    """``options`` for sequence ``i`` of a packed batch: (batch, heads) ALiBi slopes cut to its row."""
+    """``options`` for sequence ``i`` of a packed batch: (batch, heads) ALiBi slopes cut to its row;
+    score_mod, its derivative and mask_mod called with ``b = i`` (the sequence's index), the
+    batch-of-one's 0 replaced."""
+    found = dict(options)
     slopes = options.get("alibi_slopes")
-    if slopes is None or np.ndim(slopes) == 1:
-        return options
-    return {**options, "alibi_slopes": np.asarray(slopes)[i:i + 1]}
+    if slopes is not None and np.ndim(slopes) == 2:
+        found["alibi_slopes"] = np.asarray(slopes)[i:i + 1]
+    for name in ("score_mod", "score_mod_derivative"):
+        if options.get(name) is not None:
+            found[name] = lambda s, b, h, q_idx, kv_idx, f=options[name]: f(s, i, h, q_idx, kv_idx)
+    if options.get("mask_mod") is not None:
+        found["mask_mod"] = lambda b, h, q_idx, kv_idx, f=options["mask_mod"]: f(i, h, q_idx, kv_idx)
+    return found
 
 
 def _dropout_of_sequence(options: dict, i: int, heads: int, seqlen_q: int, seqlen_k: int) -> dict:
@@ -635,7 +643,8 @@ def attention_varlen_reference(
     (either may be empty) and sees only its own keys, with causal and window alignment per
     sequence. ``options``: causal, softmax_scale, window, softcap, dtype, sinks and alibi_slopes
     (``(heads,)`` or ``(batch, heads)``, a row per sequence), dropout_p with seed and offset (each
-    sequence's mask that of batch entry ``i``). ``seqused_q`` /
+    sequence's mask that of batch entry ``i``), score_mod and mask_mod (``b`` the sequence's index,
+    positions within the sequence). ``seqused_q`` /
     ``seqused_k`` (batch,): only the first ``seqused_q[i]`` queries and ``seqused_k[i]`` keys of
     sequence ``i`` are used (masks align against those lengths); the rows past seqused_q are 0 with
     lse ``-inf``.
