@@ -48,8 +48,8 @@ PREFIX_TOKENS, SUFFIX_TOKENS, PREFIX_BATCH = 32768, 512, 64
 MIXED_IMPLS = ("cuflash vllm", "cuflash split", "sdpa per sequence")
 PREFIX_IMPLS = ("per sequence", "cascade")
 IMPLS = {"mixed": MIXED_IMPLS, "prefix": PREFIX_IMPLS}
-# The targets: the mixed batch in one call at least the speed of the split calls (time
-# ratio <= 1); the cascade at least 10x reading the prefix per sequence.
+# The targets of the derived numbers: the mixed batch's one call over the split calls (at most),
+# reading the prefix per sequence over the cascade (at least).
 TARGETS = {"mixed": 1.0, "prefix": 10.0}
 
 
