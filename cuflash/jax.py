@@ -1,18 +1,20 @@
-"""JAX integration: :func:`attention` as a differentiable JAX function, callable inside ``jax.jit``.
+"""JAX integration: :func:`attention` and :func:`attention_varlen` as differentiable JAX functions,
+callable inside ``jax.jit``.
 
-Shapes, dtypes and options are static at trace time and checked there, by the same checks as
-:func:`cuflash.attention` (an error names the argument before anything runs). The forward and the
+Shapes, dtypes and options are static at trace time and checked there by the same checks as
+cuflash's entry points (an error names the argument before anything runs). The forward and the
 backward (``jax.custom_vjp``) run as ``jax.pure_callback`` calls of cuflash's entry points on the
 arrays' host copies, which is JAX's way to call host code from a jitted function: on the CPU
 backend that is cuflash's CPU path. GPU arrays under ``jax.jit`` need cuflash's kernels launched on
 XLA's stream through its FFI, which is not built yet: tracing on a GPU backend raises
 NotImplementedError (eager GPU arrays go to :func:`cuflash.attention` through DLPack).
-``jax.vmap`` over a leading batch axis runs the callback once per element.
+``jax.vmap`` over a leading axis runs the callback once per element.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -21,31 +23,82 @@ import numpy as np
 import cuflash
 from cuflash._core import checks
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_varlen"]
+
+
+class _Spec(NamedTuple):
+    """A call's static part: the options resolved, and a packed batch's longest lengths."""
+
+    varlen: bool
+    causal: bool
+    scale: float
+    window: tuple[int, int]
+    softcap: float
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-              window: tuple[int, int] = (-1, -1), softcap: float = 0.0):
+              window: tuple[int, int] = (-1, -1), softcap: float = 0.0, sinks=None):
     """:func:`cuflash.attention` on JAX arrays (batch, seqlen, heads, head_dim), float16,
-    bfloat16, float32 or float64, inside ``jax.jit`` or not; differentiable in q, k and v
-    (``jax.grad``, through :func:`cuflash.attention_backward`). Returns out (batch, seqlen_q,
-    heads, head_dim_v) in q's dtype."""
+    bfloat16, float32 or float64, inside ``jax.jit`` or not; differentiable in q, k, v and
+    ``sinks`` ((heads,) float, gpt-oss's attention sinks) through
+    :func:`cuflash.attention_backward`. Returns out (batch, seqlen_q, heads, head_dim_v) in q's
+    dtype."""
+    _check_arrays(q=q, k=k, v=v, sinks=sinks)
+    scale = _check_forward(q, k, v, softmax_scale, sinks)
+    spec = _Spec(False, checks.resolve_flag("causal", causal), scale, checks.resolve_window(window),
+                 checks.resolve_softcap(softcap))
+    return _attention(spec, q, k, v, sinks, None, None)
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, softmax_scale: float | None = None, window: tuple[int, int] = (-1, -1),
+                     softcap: float = 0.0, sinks=None):
+    """:func:`cuflash.attention_varlen` on JAX arrays: q (total_q, heads, head_dim), k and v
+    (total_k, heads_kv, head_dim), int32 ``cu_seqlens_*`` (batch + 1,); ``max_seqlen_q`` and
+    ``max_seqlen_k`` are Python ints (static under ``jax.jit``, where the lengths are traced).
+    Differentiable in q, k, v and sinks, as :func:`attention`."""
+    _check_arrays(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks)
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        if len(x.shape) != 3:
+            raise ValueError(f"{name}: expected 3 dims (total, heads, head_dim), got shape {tuple(x.shape)}")
+    scale = _check_forward(q[None], k[None], v[None], softmax_scale, sinks)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if np.dtype(cu.dtype) != np.int32 or len(cu.shape) != 1 or cu.shape[0] < 2:
+            raise (TypeError if np.dtype(cu.dtype) != np.int32 else ValueError)(
+                f"{name}: expected int32 of shape (batch + 1,), got {np.dtype(cu.dtype).name} {tuple(cu.shape)}")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(f"cu_seqlens_k: shape {tuple(cu_seqlens_k.shape)} must equal cu_seqlens_q's")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise TypeError(f"{name}: expected a non-negative Python int (static under jax.jit), got {value!r}")
+    spec = _Spec(True, checks.resolve_flag("causal", causal), scale, checks.resolve_window(window),
+                 checks.resolve_softcap(softcap), int(max_seqlen_q), int(max_seqlen_k))
+    return _attention(spec, q, k, v, sinks, cu_seqlens_q, cu_seqlens_k)
+
+
+def _check_arrays(**arrays) -> None:
+    """Each given argument is an array (a JAX array, or a tracer of one), named if not; and JAX's
+    backend is the CPU's (see the module docstring)."""
+    for name, x in arrays.items():
+        if x is not None and not (hasattr(x, "shape") and hasattr(x, "dtype")):
             raise TypeError(f"{name}: expected a JAX array, got {type(x).__name__}")
-    options = _options(q, k, v, causal, softmax_scale, window, softcap)
-    return _attention(q, k, v, options)
-
-
-def _options(q, k, v, causal, softmax_scale, window, softcap) -> tuple:
-    """The options resolved and the arrays' shapes and dtypes checked at trace time, on NumPy
-    stand-ins of their shapes (np.empty: nothing is filled) by cuflash's own checks."""
     if jax.default_backend() != "cpu":
-        raise NotImplementedError("cuflash.jax.attention: on a GPU backend it needs cuflash's kernels on XLA's stream "
-                                  "(XLA's FFI), not built yet; call cuflash.attention on the arrays eagerly instead")
+        raise NotImplementedError("cuflash.jax: on a GPU backend it needs cuflash's kernels on XLA's stream (XLA's "
+                                  "FFI), not built yet; call cuflash.attention on the arrays eagerly instead")
+
+
+def _check_forward(q, k, v, softmax_scale, sinks) -> float:
+    """The softmax scale, after cuflash's checks of q, k, v (and sinks) on NumPy stand-ins of
+    their shapes and dtypes (np.empty: nothing is filled)."""
     stand_ins = [np.empty(x.shape, _numpy_dtype(name, x.dtype)) for name, x in (("q", q), ("k", k), ("v", v))]
     scale, _ = checks.check_forward(*stand_ins, None, softmax_scale, False)
-    return (checks.resolve_flag("causal", causal), scale, checks.resolve_window(window), checks.resolve_softcap(softcap))
+    if sinks is not None:
+        if tuple(sinks.shape) != (q.shape[2],):
+            raise ValueError(f"sinks: expected shape (heads,) = ({q.shape[2]},), got {tuple(sinks.shape)}")
+        _numpy_dtype("sinks", sinks.dtype)
+    return scale
 
 
 def _numpy_dtype(name: str, dtype) -> np.dtype:
@@ -55,38 +108,56 @@ def _numpy_dtype(name: str, dtype) -> np.dtype:
     return dtype
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, options):
-    return _forward(q, k, v, options)[0]
+def _options(spec: _Spec) -> dict:
+    return dict(causal=spec.causal, softmax_scale=spec.scale, window=spec.window, softcap=spec.softcap)
 
 
-def _forward(q, k, v, options):
-    causal, scale, window, softcap = options
+def _host(*arrays):
+    return [None if x is None else np.asarray(x) for x in arrays]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(spec, q, k, v, sinks, cu_q, cu_k):
+    return _forward(spec, q, k, v, sinks, cu_q, cu_k)[0]
+
+
+def _forward(spec, q, k, v, sinks, cu_q, cu_k):
     out_shape = jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype)
-    lse_shape = jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+    lse_dims = (q.shape[1], q.shape[0]) if spec.varlen else (q.shape[0], q.shape[2], q.shape[1])
+    lse_shape = jax.ShapeDtypeStruct(lse_dims, jnp.float32)
 
-    def run(q, k, v):
-        return cuflash.attention(np.asarray(q), np.asarray(k), np.asarray(v), causal=causal, softmax_scale=scale,
-                                 window=window, softcap=softcap, return_lse=True)
+    def run(q, k, v, sinks, cu_q, cu_k):
+        q, k, v, sinks, cu_q, cu_k = _host(q, k, v, sinks, cu_q, cu_k)
+        if spec.varlen:
+            return cuflash.attention_varlen(q, k, v, cu_q, cu_k, spec.max_seqlen_q, spec.max_seqlen_k, sinks=sinks,
+                                            return_lse=True, **_options(spec))
+        return cuflash.attention(q, k, v, sinks=sinks, return_lse=True, **_options(spec))
 
-    return jax.pure_callback(run, (out_shape, lse_shape), q, k, v, vmap_method="sequential")
-
-
-def _attention_fwd(q, k, v, options):
-    out, lse = _forward(q, k, v, options)
-    return out, (q, k, v, out, lse)
+    return jax.pure_callback(run, (out_shape, lse_shape), q, k, v, sinks, cu_q, cu_k, vmap_method="sequential")
 
 
-def _attention_bwd(options, residuals, dout):
-    q, k, v, out, lse = residuals
-    causal, scale, window, softcap = options
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+def _attention_fwd(spec, q, k, v, sinks, cu_q, cu_k):
+    out, lse = _forward(spec, q, k, v, sinks, cu_q, cu_k)
+    return out, (q, k, v, sinks, cu_q, cu_k, out, lse)
 
-    def run(dout, q, k, v, out, lse):
-        return cuflash.attention_backward(*(np.asarray(x) for x in (dout, q, k, v, out, lse)), causal=causal,
-                                          softmax_scale=scale, window=window, softcap=softcap)
 
-    return jax.pure_callback(run, shapes, dout.astype(q.dtype), q, k, v, out, lse, vmap_method="sequential")
+def _attention_bwd(spec, residuals, dout):
+    q, k, v, sinks, cu_q, cu_k, out, lse = residuals
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)]
+    if sinks is not None:
+        shapes.append(jax.ShapeDtypeStruct(sinks.shape, jnp.float32))
+
+    def run(dout, q, k, v, out, lse, sinks, cu_q, cu_k):
+        dout, q, k, v, out, lse, sinks, cu_q, cu_k = _host(dout, q, k, v, out, lse, sinks, cu_q, cu_k)
+        if spec.varlen:
+            return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, spec.max_seqlen_q,
+                                                     spec.max_seqlen_k, sinks=sinks, **_options(spec))
+        return cuflash.attention_backward(dout, q, k, v, out, lse, sinks=sinks, **_options(spec))
+
+    grads = jax.pure_callback(run, tuple(shapes), dout.astype(q.dtype), q, k, v, out, lse, sinks, cu_q, cu_k,
+                              vmap_method="sequential")
+    dsinks = grads[3].astype(sinks.dtype) if sinks is not None else None
+    return (*grads[:3], dsinks, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -102,3 +102,50 @@ def test_bad_input_refused_at_trace_time(change, error, words):
     arrays |= {name: change[name] for name in change if name in arrays}
     with pytest.raises(error, match=words):
         jax.jit(lambda q, k, v: cj.attention(q, k, v, **options))(**arrays)
+
+
+def _with_sinks(q, k, v, sinks):
+    """gpt-oss's formula in JAX: the sink a last score column, dropped after the softmax."""
+    kr, vr = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kr) / jnp.sqrt(q.shape[-1])
+    column = jnp.broadcast_to(sinks[None, :, None, None], (*s.shape[:3], 1))
+    p = jax.nn.softmax(jnp.concatenate([s, column], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vr)
+
+
+def test_sinks_forward_and_gradients():
+    q, k, v = _qkv(6)
+    sinks = jnp.array([0.5, -1.0, 2.0, 0.0])
+    got = jax.jit(lambda q, k, v, s: cj.attention(q, k, v, sinks=s))(q, k, v, sinks)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(_with_sinks(q, k, v, sinks)), atol=2e-6)
+    weights = jax.random.normal(jax.random.PRNGKey(7), q.shape)
+    grads = jax.grad(lambda *a: (cj.attention(*a[:3], sinks=a[3]) * weights).sum(), argnums=(0, 1, 2, 3))(q, k, v,
+                                                                                                       sinks)
+    want = jax.grad(lambda *a: (_with_sinks(*a) * weights).sum(), argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=3e-5)
+
+
+def test_varlen_under_jit_equals_each_sequence_alone():
+    keys = jax.random.split(jax.random.PRNGKey(8), 3)
+    lengths_q, lengths_k = [3, 0, 6], [5, 2, 6]
+    cu_q, cu_k = (jnp.array(np.concatenate([[0], np.cumsum(n)]), jnp.int32) for n in (lengths_q, lengths_k))
+    q = jax.random.normal(keys[0], (9, 4, 16))
+    k, v = (jax.random.normal(key, (13, 2, 16)) for key in keys[1:])
+    run = jax.jit(lambda q, k, v, cu_q, cu_k: cj.attention_varlen(q, k, v, cu_q, cu_k, 6, 6, causal=True))
+    out = run(q, k, v, cu_q, cu_k)
+    weights = jax.random.normal(jax.random.PRNGKey(10), out.shape)
+    grads = jax.grad(lambda q, k, v: (cj.attention_varlen(q, k, v, cu_q, cu_k, 6, 6, causal=True) * weights).sum(),
+                     argnums=(0, 1, 2))(q, k, v)
+    for i in (0, 2):
+        rows, keys_ = slice(int(cu_q[i]), int(cu_q[i + 1])), slice(int(cu_k[i]), int(cu_k[i + 1]))
+        alone = cj.attention(q[None, rows], k[None, keys_], v[None, keys_], causal=True)[0]
+        np.testing.assert_allclose(np.asarray(out[rows]), np.asarray(alone), atol=1e-6)
+        want = jax.grad(lambda a, b, c: (cj.attention(a[None], b[None], c[None], causal=True)[0] * weights[rows]).sum(),
+                        argnums=(0, 1, 2))(q[rows], k[keys_], v[keys_])
+        for g, w, part in zip(grads, want, (rows, keys_, keys_)):
+            np.testing.assert_allclose(np.asarray(g[part]), np.asarray(w), atol=1e-5)
+    with pytest.raises(TypeError, match="max_seqlen_q: expected a non-negative Python int"):
+        cj.attention_varlen(q, k, v, cu_q, cu_k, None, 6)
+    with pytest.raises(TypeError, match="cu_seqlens_k: expected int32"):
+        cj.attention_varlen(q, k, v, cu_q, cu_k.astype(jnp.float32), 6, 6)
