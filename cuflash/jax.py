@@ -1,5 +1,5 @@
 """JAX integration: :func:`attention` and :func:`attention_varlen` as differentiable JAX functions,
-callable inside ``jax.jit``.
+and :func:`attention_with_kvcache` and :func:`mla_decode` (inference), callable inside ``jax.jit``.
 
 Shapes, dtypes and options are static at trace time and checked there by the same checks as
 cuflash's entry points (an error names the argument before anything runs). The forward and the
@@ -23,7 +23,7 @@ import numpy as np
 import cuflash
 from cuflash._core import checks
 
-__all__ = ["attention", "attention_varlen"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "mla_decode"]
 
 
 class _Spec(NamedTuple):
@@ -161,3 +161,60 @@ def _attention_bwd(spec, residuals, dout):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, **options):
+    """:func:`cuflash.attention_with_kvcache` on JAX arrays, inside ``jax.jit`` or not; returns
+    ``(out, k_cache, v_cache)``, the caches with the new tokens appended (JAX arrays are
+    immutable: the callback appends into copies). ``options`` as there, arrays among them (page
+    table, lengths, ...) JAX arrays too; ``max_seqlen_q`` must be given with ``cu_seqlens_q``
+    (a Python int: static under ``jax.jit``). ``return_lse`` adds the lse last. Not
+    differentiable."""
+    arrays = {name: value for name, value in options.items() if hasattr(value, "shape")}
+    _check_arrays(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, **arrays)
+    if "cu_seqlens_q" in arrays and not isinstance(options.get("max_seqlen_q"), (int, np.integer)):
+        raise TypeError("max_seqlen_q: a Python int with cu_seqlens_q (static under jax.jit)")
+    scalars = {name: value for name, value in options.items() if name not in arrays}
+    names = tuple(arrays)
+    out_dims = (*q.shape[:-1], q.shape[-1])
+    rows = q.shape[0] * (q.shape[1] if len(q.shape) == 4 else 1)
+    heads = q.shape[-2]
+    shapes = [jax.ShapeDtypeStruct(out_dims, q.dtype), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+              jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    if scalars.get("return_lse"):
+        lse_dims = (heads, rows) if len(q.shape) == 3 else (q.shape[0], heads, q.shape[1])
+        shapes.append(jax.ShapeDtypeStruct(lse_dims, jnp.float32))
+
+    def run(q, k_cache, v_cache, k, v, *values):
+        k_cache, v_cache = np.array(k_cache), np.array(v_cache)  # copies: the append writes them
+        host = dict(zip(names, _host(*values)))
+        result = cuflash.attention_with_kvcache(*_host(q), k_cache, v_cache, *_host(k, v), **host, **scalars)
+        out, *lse = result if isinstance(result, tuple) else (result,)
+        return (out, k_cache, v_cache, *lse)
+
+    return jax.pure_callback(run, tuple(shapes), q, k_cache, v_cache, k, v, *arrays.values(),
+                             vmap_method="sequential")
+
+
+def mla_decode(q, kv_cache, page_table, cache_seqlens, **options):
+    """:func:`cuflash.mla_decode` on JAX arrays, inside ``jax.jit`` or not (``head_dim_v`` and
+    the other options static); returns out, or (out, lse) with ``return_lse``. Not
+    differentiable."""
+    arrays = {name: value for name, value in options.items() if hasattr(value, "shape")}
+    _check_arrays(q=q, kv_cache=kv_cache, page_table=page_table, cache_seqlens=cache_seqlens, **arrays)
+    scalars = {name: value for name, value in options.items() if name not in arrays}
+    names = tuple(arrays)
+    head_dim_v = scalars.get("head_dim_v", 512)
+    shapes = [jax.ShapeDtypeStruct((*q.shape[:-1], head_dim_v), q.dtype)]
+    if scalars.get("return_lse"):
+        shapes.append(jax.ShapeDtypeStruct((q.shape[0], q.shape[2], q.shape[1]), jnp.float32))
+
+    def run(q, kv_cache, page_table, cache_seqlens, *values):
+        result = cuflash.mla_decode(*_host(q, kv_cache, page_table, cache_seqlens),
+                                    **dict(zip(names, _host(*values))), **scalars)
+        return result if isinstance(result, tuple) else (result,)
+
+    found = jax.pure_callback(run, tuple(shapes), q, kv_cache, page_table, cache_seqlens, *arrays.values(),
+                              vmap_method="sequential")
+    return found if scalars.get("return_lse") else found[0]
+

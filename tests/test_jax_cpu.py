@@ -149,3 +149,36 @@ def test_varlen_under_jit_equals_each_sequence_alone():
         cj.attention_varlen(q, k, v, cu_q, cu_k, None, 6)
     with pytest.raises(TypeError, match="cu_seqlens_k: expected int32"):
         cj.attention_varlen(q, k, v, cu_q, cu_k.astype(jnp.float32), 6, 6)
+
+
+def test_kvcache_append_and_decode_under_jit():
+    """A decoding step under jax.jit: the caches come back with the token appended, out equal to
+    cuflash's NumPy call (the float64 reference) on the same arrays."""
+    import cuflash
+
+    rng = np.random.default_rng(11)
+    k_cache, v_cache = (rng.standard_normal((3, 32, 2, 16)).astype(np.float32) for _ in range(2))
+    q, k, v = (rng.standard_normal((3, 1, n, 16)).astype(np.float32) for n in (4, 2, 2))
+    lengths = np.array([0, 7, 31], np.int32)
+    step = jax.jit(lambda *a: cj.attention_with_kvcache(*a[:5], cache_seqlens=a[5], causal=True, return_lse=True))
+    out, new_k, new_v, lse = step(q, k_cache, v_cache, k, v, lengths)
+    want_k, want_v = k_cache.copy(), v_cache.copy()
+    want, want_lse = cuflash.attention_with_kvcache(q, want_k, want_v, k, v, cache_seqlens=lengths, causal=True,
+                                                    return_lse=True)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    np.testing.assert_array_equal(np.asarray(lse), want_lse)
+    np.testing.assert_array_equal(np.asarray(new_k), want_k)
+    np.testing.assert_array_equal(np.asarray(new_v), want_v)
+    assert not np.array_equal(want_k, k_cache)  # the append happened, into copies of the inputs
+
+
+def test_mla_decode_under_jit():
+    import cuflash
+
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((2, 1, 4, 64)).astype(np.float32)
+    cache = rng.standard_normal((4, 16, 1, 64)).astype(np.float32)
+    table, lengths = np.array([[0, 1], [2, 3]], np.int32), np.array([20, 9], np.int32)
+    got = jax.jit(lambda *a: cj.mla_decode(*a, head_dim_v=48))(q, cache, table, lengths)
+    want = cuflash.mla_decode(q, cache, table, lengths, head_dim_v=48)
+    np.testing.assert_array_equal(np.asarray(got), want)
