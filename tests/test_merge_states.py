@@ -76,6 +76,7 @@ def test_vllm_merge_attn_states_on_cpu_tensors():
     ({"out_a": np.zeros((2, 5, 4, 16), np.int32)}, TypeError, "out_a: expected one of"),
     ({"out": np.zeros((2, 5, 4, 16), np.float32)}, TypeError, "out: expected dtype"),
     ({"out_lse": np.zeros((2, 5), np.float32)}, ValueError, "out_lse: expected shape"),
+    ({"lse_b": None}, TypeError, "lse_b: required"),
     # Views taken as they are: a (batch, seqlen) pair at any strides, heads at any stride.
     ({"lse_a": np.zeros((5, 2, 4), np.float32).transpose(1, 0, 2)}, None, None),
     ({"lse_a": np.zeros((2, 10, 4), np.float32)[:, ::2]}, None, None),

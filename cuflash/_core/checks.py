@@ -1464,6 +1464,9 @@ def check_merge(arrays: dict, return_lse: Any) -> MergeCall:
     last dimension contiguous; lse_a, lse_b float32 of that shape without head_dim, any strides;
     out like out_a, out_lse like the LSEs; one side, one device; rows as merge_rows sees them. On
     the GPU head_dim is a multiple of 8 and the outputs' rows 16-byte aligned (16-byte loads)."""
+    for name in ("out_a", "lse_a", "out_b", "lse_b"):
+        if arrays[name] is None:
+            raise TypeError(f"{name}: required, got None")
     given = {name: x for name, x in arrays.items() if x is not None}
     kind = framework(given, "out_a")
     on_device = kind != "numpy"
