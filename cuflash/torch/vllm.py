@@ -122,8 +122,9 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
     sinks, (heads,)) as cuflash's. An FP8 cache (float8_e4m3fn pools) takes ``k_descale`` and
     ``v_descale`` (num_seqs, heads_kv) float32 (vLLM's expanded per-layer scales are made
     contiguous here), and a float8_e4m3fn q its ``q_descale`` (FP8 attention, bf16 out); packed
-    FP8 keys take FP8 queries, as cuflash.attention_varlen. ``num_splits``: key splits of the decode kernel (0 chooses; the packed form
-    has none). ``scheduler_metadata``: get_scheduler_metadata's tensor, not read (see there).
+    FP8 keys take FP8 queries, as cuflash.attention_varlen. ``num_splits``: key splits of the
+    decode kernel (0 chooses; the packed form has none). ``scheduler_metadata``:
+    get_scheduler_metadata's tensor, not read (see there).
     ``deterministic`` changes nothing: the forward is deterministic.
 
     Raises ValueError as vLLM does for cu_seqlens_k and seqused_k both or neither given and for a
@@ -142,8 +143,7 @@ def flash_attn_varlen_func(q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu
         raise NotImplementedError(f"fa_version: cuflash serves FlashAttention versions {SERVED_VERSIONS}, not "
                                   f"{fa_version!r}")
     refused = {"q_v": q_v is not None, "dropout_p": dropout_p != 0.0, "return_attn_probs": bool(return_attn_probs),
-               "cp_world_size": cp_world_size != 1,
-               "cp_tot_seqused_k": cp_tot_seqused_k is not None}
+               "cp_world_size": cp_world_size != 1, "cp_tot_seqused_k": cp_tot_seqused_k is not None}
     for name, used in refused.items():
         if used:
             raise NotImplementedError(f"flash_attn_varlen_func: cuflash does not support {name} here")
