@@ -28,8 +28,8 @@ from cuflash._core.params import (BWD_POINTERS, COMBINE_POINTERS, CONVERT_POINTE
                                   FWD_DESCALES, FWD_POINTERS, KV_POINTERS, MERGE_POINTERS, MLA_POINTERS,
                                   QUANTIZE_POINTERS, ArgumentBuffer, pack_bwd_params, pack_combine_params,
                                   pack_convert_params, pack_fwd_params, pack_fwd_params_fp8, pack_fwd_params_paged,
-                                  pack_kv_params, pack_merge_params, pack_mla_params, pack_quantize_params, mla_tma_argument, sm90_backward_argument, sm90_forward_argument,
-                                  tma_ready)
+                                  pack_kv_params, pack_merge_params, pack_mla_params, pack_quantize_params,
+                                  mla_tma_argument, sm90_backward_argument, sm90_forward_argument, tma_ready)
 
 __all__ = ["PLANS", "SIGNATURE_SCALARS", "BackwardPlan", "CombinePlan", "ForwardPlan", "KvCachePlan", "MlaPlan",
            "PlanCache", "QuantizePlan", "aligned_pointers", "build_backward", "build_combine", "build_forward",
